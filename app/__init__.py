@@ -1,0 +1,1 @@
+"""The Gradio UI and the command line."""

@@ -1,0 +1,148 @@
+"""The command line: ui (default), chat, bench, test."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ("ui", "chat", "bench", "train-head", "test")
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", help="base model: Hugging Face repo id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--head", help="EAGLE draft head: Hugging Face repo id or local folder (default: the bundled head of the default model, if any)")
+    group.add_argument("--quantization", default="none", choices=("none", "8bit", "4bit"), help="bitsandbytes weight quantization of the base model (default: none)")
+    group.add_argument("--dtype", default="auto", choices=("auto", "float64", "float32", "bfloat16", "float16"), help="compute dtype (default auto: bf16/fp16 on GPUs, float32 on CPUs)")
+    group.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
+    group.add_argument("--seed", type=int, help="random seed for sampling (default: fresh each run)")
+
+
+def add_tree_options(parser: argparse.ArgumentParser) -> None:
+    from core.config import TreeParams
+
+    defaults = TreeParams()
+    group = parser.add_argument_group("draft tree (EAGLE-2)")
+    group.add_argument("--total-tokens", type=int, default=defaults.total_tokens, help=f"tree nodes verified per step (default {defaults.total_tokens})")
+    group.add_argument("--depth", type=int, default=defaults.depth, help=f"draft depth (default {defaults.depth})")
+    group.add_argument("--tree-top-k", type=int, default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="launch.py", description="Kestrel: a local LLM chat with EAGLE-2 speculative decoding.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ui = commands.add_parser("ui", help="start the chat in the browser (the default command)")
+    add_model_options(ui)
+    ui.add_argument("--port", type=int, default=7860, help="port on 127.0.0.1 (default 7860; the next free one if taken)")
+    ui.add_argument("--no-browser", action="store_true", help="do not open the browser")
+    ui.add_argument("--listen", action="store_true", help="serve on all network interfaces (requires --auth)")
+    ui.add_argument("--auth", help="USER:PASS required by --listen")
+    ui.add_argument("--install-shortcut", action="store_true", help="create a desktop/menu shortcut and exit")
+
+    chat = commands.add_parser("chat", help="answer one prompt in the terminal")
+    chat.add_argument("prompt", help="the user message")
+    add_model_options(chat)
+    add_sampling_options(chat, max_new_tokens=256)
+    add_tree_options(chat)
+    chat.add_argument("--mode", default=None, choices=("vanilla", "eagle", "eagle2"), help="decoding mode (default: eagle2 when a head is loaded, else vanilla)")
+    chat.add_argument("--system", help="system prompt")
+
+    bench = commands.add_parser("bench", help="benchmark decoding modes on a prompt file")
+    bench.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and optionally 'id'")
+    bench.add_argument("--limit", type=int, help="use only the first N prompts")
+    bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated from vanilla, eagle, eagle2, generate, prompt-lookup (default vanilla,eagle2)")
+    bench.add_argument("--json", dest="json_out", help="write the full results to this JSON file")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts (default 1)")
+    add_model_options(bench)
+    add_sampling_options(bench, max_new_tokens=128)
+    add_tree_options(bench)
+
+    test = commands.add_parser("test", help="run the test suite (extra arguments go to pytest)")
+    test.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
+        argv = ["ui", *argv]
+    if argv[0] == "test":  # pytest owns every later argument
+        import pytest
+
+        return pytest.main([str(ROOT / "tests"), *argv[1:]])
+    args = build_parser().parse_args(argv)
+    from models.errors import KestrelError
+
+    try:
+        if args.command == "ui":
+            from app.ui import serve
+
+            return serve(args)
+        if args.command == "chat":
+            return run_chat(args)
+        if args.command == "bench":
+            from core.bench import run_from_args
+
+            return run_from_args(args)
+    except KestrelError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def load_engine(args):
+    """The base model and its head from the command-line options."""
+    import torch
+
+    from app.session import load_pair
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_pair(args.model, args.head, args.quantization, args.dtype, args.device)
+
+
+def sampling_from(args):
+    from core.config import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
+
+
+def tree_from(args):
+    from core.config import TreeParams
+
+    return TreeParams(args.total_tokens, args.depth, args.tree_top_k)
+
+
+def run_chat(args) -> int:
+    engine = load_engine(args)
+    mode = args.mode or ("eagle2" if engine.head is not None else "vanilla")
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    step = None
+    for step in engine.chat(messages, mode=mode, sampling=sampling_from(args), tree=tree_from(args)):
+        print(step.text, end="", flush=True)
+    stats = step.stats
+    print(
+        f"\n\n[{mode}] {stats.tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
+        f"tau {stats.mean_accepted_length:.2f}, first token after {stats.time_to_first_token:.2f} s, "
+        f"finished: {step.finish_reason}"
+    )
+    return 0

@@ -1,0 +1,36 @@
+"""Loading a base model with its draft head into an Engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core.engine import Engine
+from models import bundled
+from models.base import load_base
+from models.head import load_head
+
+BUNDLED_HEAD = Path(__file__).resolve().parent.parent / "assets" / "heads" / bundled.DEFAULT_NAME
+
+
+def default_head(model: str | None) -> Path | None:
+    """The bundled head when the base model is the bundled default."""
+    if model in (None, bundled.DEFAULT_NAME) and (BUNDLED_HEAD / "config.json").is_file():
+        return BUNDLED_HEAD
+    return None
+
+
+def load_pair(
+    model: str | None = None,
+    head: str | None = None,
+    quantization: str = "none",
+    dtype: str = "auto",
+    device: str = "auto",
+) -> Engine:
+    base = load_base(model, quantization, dtype, device)
+    head_source = head or default_head(model)
+    draft_head = None
+    if head_source is not None:
+        config = base.model.config
+        vocab = base.model.get_output_embeddings().weight.shape[0]
+        draft_head = load_head(head_source, config.hidden_size, vocab, base.device, base.dtype)
+    return Engine(base, draft_head)

@@ -1,0 +1,45 @@
+"""Decoding settings: frozen dataclasses built once at the edge and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("vanilla", "eagle", "eagle2")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy (argmax)
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    max_new_tokens: int = 256  # hard limit on generated tokens
+    seed: int | None = None  # seeds the sampling generator; None draws a fresh seed
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    total_tokens: int = 16  # nodes verified per step, the root included (EAGLE-2 reranking budget)
+    depth: int = 5  # draft expansions per step: the longest path the tree can hold
+    top_k: int = 4  # children per expanded node, and nodes expanded per depth
+
+    def __post_init__(self):
+        if self.total_tokens < 2:
+            raise ValueError(f"total_tokens must be >= 2, got {self.total_tokens}")
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")

@@ -1,0 +1,156 @@
+"""Drafting with an EAGLE head: the EAGLE-2 context-aware dynamic tree, the
+static EAGLE-1 tree, and the head's own KV cache of committed positions.
+
+Alignment (EAGLE): the head's input at position t is [embed(token_{t+1}),
+feature_t]; its output predicts feature_{t+1}, and lm_head of that gives the
+distribution of token_{t+2}. With n committed pairs, a node at depth d (the
+root has depth 0) enters the head at position n + d - 1."""
+
+from __future__ import annotations
+
+import torch
+
+from core.config import TreeParams
+from core.tree import DraftTree, make_tree, rerank, subtree
+from models.head import DraftHead, HeadCache
+
+# EAGLE-1's static tree, sized for a CPU: each path lists child ranks from the
+# root, e.g. (0, 1) is the head's second choice after its first choice.
+STATIC_PATHS = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0),
+    (0, 0, 0, 0, 0),
+)  # fmt: skip
+
+
+class Drafter:
+    def __init__(self, head: DraftHead, base_model, params: TreeParams, static_paths=None):
+        self.head = head
+        self.embed = head.embed_tokens if head.embed_tokens is not None else base_model.get_input_embeddings()
+        self.lm_head = base_model.get_output_embeddings()
+        self.params = params
+        self.static_paths = sorted(static_paths, key=lambda path: (len(path), path)) if static_paths else None
+        self.cache = HeadCache()
+        self.last_hidden: torch.Tensor | None = None  # (H,) predicted feature at the root's position
+        self.dtype = head.fc.weight.dtype
+
+    @property
+    def committed(self) -> int:
+        return self.cache.length
+
+    def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Encode committed pairs (feature_t, token_{t+1}) from the base model's
+        true features; features (T, H), next_tokens (T,)."""
+        start, count = self.cache.length, len(next_tokens)
+        device = features.device
+        positions = torch.arange(start, start + count, device=device)
+        causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+        mask = torch.cat([torch.ones(count, start, dtype=torch.bool, device=device), causal], dim=1)
+        hidden = self.head(
+            self.embed(next_tokens)[None], features.to(self.dtype)[None], positions[None], mask[None, None], self.cache
+        )
+        self.last_hidden = hidden[0, -1]
+
+    def draft(self, root: int) -> DraftTree:
+        """A tree of drafted continuations of `root`; the head cache is left as it was."""
+        committed = self.cache.length
+        try:
+            if self.static_paths is not None:
+                tokens, parents = self._draft_static()
+            else:
+                tokens, parents = self._draft_dynamic()
+        finally:
+            self.cache.crop(committed)
+        return make_tree(root, tokens, parents)
+
+    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (m, H) -> (m, V) log-probabilities of the next tokens, in float32."""
+        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
+
+    def _draft_dynamic(self) -> tuple[list[int], list[int]]:
+        """EAGLE-2: expand the top_k frontier nodes by cumulative log-probability
+        at every depth, then keep the best total_tokens - 1 of all candidates."""
+        k = self.params.top_k
+        expander = _Expander(self)
+        top = self._log_probs(self.last_hidden[None])[0].topk(k)
+        tokens, parents = top.indices.tolist(), [-1] * k
+        scores = [top.values]
+        frontier = list(range(k))
+        frontier_scores = top.values  # (k,)
+        for _ in range(1, self.params.depth):
+            log_probs = expander.expand(frontier, tokens, parents)  # (m, V)
+            top = log_probs.topk(k, dim=-1)
+            child_scores = (frontier_scores[:, None] + top.values).flatten()  # (m * k,)
+            first = len(tokens)
+            tokens += top.indices.flatten().tolist()
+            parents += [parent for parent in frontier for _ in range(k)]
+            scores.append(child_scores)
+            best = torch.sort(-child_scores, stable=True).indices[:k]
+            frontier = (best + first).tolist()
+            frontier_scores = child_scores[best]
+        chosen = rerank(torch.cat(scores), parents, self.params.total_tokens - 1)
+        return subtree(tokens, parents, chosen)
+
+    def _draft_static(self) -> tuple[list[int], list[int]]:
+        """EAGLE-1: the fixed tree of STATIC_PATHS, filled with the head's ranked choices."""
+        expander = _Expander(self)
+        index_of: dict[tuple[int, ...], int] = {}
+        tokens, parents = [], []
+        widest = 1 + max(path[0] for path in self.static_paths if len(path) == 1)
+        first_choices = self._log_probs(self.last_hidden[None])[0].topk(widest).indices.tolist()
+        deepest = max(len(path) for path in self.static_paths)
+        for depth in range(1, deepest + 1):
+            level = [path for path in self.static_paths if len(path) == depth]
+            if depth == 1:
+                choices = {(): first_choices}
+            else:
+                expanded = sorted({path[:-1] for path in level})
+                rows = expander.expand([index_of[path] for path in expanded], tokens, parents)
+                widths = 1 + max(path[-1] for path in level)
+                ranked = rows.topk(widths, dim=-1).indices.tolist()
+                choices = dict(zip(expanded, ranked))
+            for path in level:
+                index_of[path] = len(tokens)
+                tokens.append(choices[path[:-1]][path[-1]])
+                parents.append(index_of.get(path[:-1], -1))
+        return tokens, parents
+
+
+class _Expander:
+    """Feeds drafted nodes through the head, one depth at a time. Each node
+    attends to the committed positions, its drafted ancestors and itself."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.committed = drafter.cache.length
+        self.hidden: dict[int, torch.Tensor] = {}  # candidate -> head output (H,)
+        self.slots: dict[int, list[int]] = {}  # candidate -> drafted cache slots it sees
+
+    def expand(self, nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """nodes: candidates of one depth -> (m, V) log-probs of their children."""
+        drafter, device = self.drafter, self.drafter.last_hidden.device
+        first_slot = drafter.cache.length - self.committed
+        width = first_slot + len(nodes)
+        mask = torch.zeros(len(nodes), self.committed + width, dtype=torch.bool)
+        mask[:, : self.committed] = True
+        features = []
+        for row, node in enumerate(nodes):
+            parent = parents[node]
+            self.slots[node] = (self.slots[parent] if parent >= 0 else []) + [first_slot + row]
+            mask[row, [self.committed + slot for slot in self.slots[node]]] = True
+            features.append(self.hidden[parent] if parent >= 0 else drafter.last_hidden)
+        depth = len(self.slots[nodes[0]])
+        positions = torch.full((1, len(nodes)), self.committed + depth - 1, device=device)
+        node_tokens = torch.tensor([tokens[node] for node in nodes], device=device)
+        hidden = drafter.head(
+            drafter.embed(node_tokens)[None],
+            torch.stack(features)[None],
+            positions,
+            mask.to(device)[None, None],
+            drafter.cache,
+        )[0]  # (m, H)
+        for row, node in enumerate(nodes):
+            self.hidden[node] = hidden[row]
+        return drafter._log_probs(hidden)

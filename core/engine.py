@@ -1,0 +1,182 @@
+"""The engine: one generator of step events for vanilla, EAGLE and EAGLE-2.
+
+Every mode runs the same loop: prefill -> draft -> verify -> accept -> commit
+-> yield. Vanilla decoding is the case where the draft tree is the root alone,
+so its single verified node yields exactly the next token."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from core import kv_cache
+from core.config import MODES, SamplingParams, TreeParams
+from core.detokenize import Detokenizer
+from core.drafter import STATIC_PATHS, Drafter
+from core.prompt import encode_chat, stop_token_ids
+from core.sampling import next_token
+from core.stats import Recorder, Snapshot
+from core.tree import make_tree
+from core.verify import accept_greedy, accept_sampling, base_forward, logits_of, verify_tree
+from models.base import LoadedModel
+from models.errors import KestrelError
+from models.head import DraftHead
+
+
+class ContextOverflowError(KestrelError):
+    """The prompt does not fit in the model's context window."""
+
+
+@dataclass(frozen=True)
+class Step:
+    token_ids: tuple[int, ...]  # tokens committed by this step, in order (a final stop token included)
+    text: str  # new text they decode to (never a split character)
+    accepted: int  # how many of token_ids were drafted and accepted; the rest came from the base model
+    tree_size: int  # nodes verified in this step's base-model forward (1 for vanilla and prefill)
+    draft_seconds: float  # head forwards of this step
+    verify_seconds: float  # base-model forward, acceptance and cache commit of this step
+    stats: Snapshot  # running statistics of the whole request
+    finish_reason: str | None = None  # None while decoding; else stop, length, context or cancelled
+
+
+class Engine:
+    def __init__(self, base: LoadedModel, head: DraftHead | None = None):
+        self.base = base
+        self.head = head
+        self.model = base.model
+        self.stop_ids = stop_token_ids(base.model, base.tokenizer)
+        self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return MODES if self.head is not None else ("vanilla",)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        return encode_chat(self.base.tokenizer, messages)
+
+    def chat(self, messages: list[dict], **options) -> Iterator[Step]:
+        return self.stream(self.encode(messages), **options)
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        mode: str = "eagle2",
+        sampling: SamplingParams = SamplingParams(),
+        tree: TreeParams = TreeParams(),
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Step]:
+        """Decode after `prompt_ids`, yielding one Step per base-model forward."""
+        run = _Run(self, list(prompt_ids), self._drafter(mode, tree), sampling)
+        yield run.prefill()
+        while run.finish_reason is None:
+            if cancel is not None and cancel.is_set():
+                yield run.cancelled()
+                return
+            yield run.step()
+
+    def _drafter(self, mode: str, tree: TreeParams) -> Drafter | None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode == "vanilla":
+            return None
+        if self.head is None:
+            raise ValueError(f"mode {mode} needs a draft head, and none is loaded")
+        return Drafter(self.head, self.model, tree, STATIC_PATHS if mode == "eagle" else None)
+
+
+class _Run:
+    """The state of one request: base cache, committed length, root token."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingParams):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= engine.context_limit:
+            raise ContextOverflowError(
+                f"the prompt is {len(prompt_ids)} tokens; the model's context window is {engine.context_limit}"
+            )
+        self.engine, self.model, self.drafter, self.sampling = engine, engine.model, drafter, sampling
+        self.prompt_ids = prompt_ids
+        self.cache = kv_cache.new_cache(self.model)
+        self.device = self.model.get_input_embeddings().weight.device
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.recorder = Recorder()
+        self.detokenizer = Detokenizer(engine.base.tokenizer)
+        self.committed = 0  # tokens in the base cache
+        self.root = -1  # the last sampled token, not yet in the cache
+        self.finish_reason: str | None = None
+
+    @torch.inference_mode()
+    def prefill(self) -> Step:
+        start = time.perf_counter()
+        tokens = torch.tensor(self.prompt_ids, device=self.device)
+        features = base_forward(self.model, tokens, torch.arange(len(tokens), device=self.device), None, self.cache)
+        self.root = next_token(logits_of(self.model, features[-1:])[0], self.sampling, self.generator)
+        self.committed = len(tokens)
+        verified = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.commit(features, torch.cat([tokens[1:], tokens.new_tensor([self.root])]))
+        drafted = time.perf_counter()
+        return self._emit([self.root], accepted=0, tree_size=1, tree_depth=0, times=(drafted - verified, verified - start))
+
+    @torch.inference_mode()
+    def step(self) -> Step:
+        start = time.perf_counter()
+        tree = self._draft()
+        drafted = time.perf_counter()
+        features, logits = verify_tree(self.model, tree, self.committed, self.cache)
+        if self.sampling.greedy:
+            path, bonus = accept_greedy(tree, logits)
+        else:
+            path, bonus = accept_sampling(tree, logits, self.sampling, self.generator)
+        kv_cache.commit(self.cache, self.committed, path)
+        new_tokens = tree.tokens[path[1:]].tolist() + [bonus]
+        self.committed += len(path)
+        self.root = bonus
+        verified = time.perf_counter()
+        step = self._emit(
+            new_tokens, len(path) - 1, tree.size, int(tree.depths.max()), (drafted - start, verified - drafted)
+        )
+        if self.drafter is not None and self.finish_reason is None:
+            ids = torch.tensor(new_tokens, device=self.device)
+            self.drafter.commit(features[path], ids)
+        return step
+
+    def _draft(self):
+        """The draft tree, or the root alone for vanilla decoding and when a
+        deeper tree would not fit in the context window."""
+        room = self.engine.context_limit - self.committed - 1
+        if self.drafter is None or room <= self.drafter.params.depth:
+            return make_tree(self.root, [], [])
+        return self.drafter.draft(self.root)
+
+    def cancelled(self) -> Step:
+        self.finish_reason = "cancelled"
+        return Step((), self.detokenizer.flush(), 0, 0, 0.0, 0.0, self.recorder.snapshot(), "cancelled")
+
+    def _emit(self, tokens: list[int], accepted: int, tree_size: int, tree_depth: int, times) -> Step:
+        """Cut `tokens` at a stop token or the token budget and make the Step."""
+        budget = self.sampling.max_new_tokens - self.recorder.tokens
+        for index, token in enumerate(tokens):
+            if token in self.engine.stop_ids:
+                tokens, self.finish_reason = tokens[: index + 1], "stop"
+                break
+        if len(tokens) >= budget:
+            tokens = tokens[:budget]
+            self.finish_reason = self.finish_reason or "length"
+        if self.finish_reason is None and self.committed + 1 >= self.engine.context_limit:
+            self.finish_reason = "context"
+        accepted = min(accepted, len(tokens))
+        draft_seconds, verify_seconds = times
+        self.recorder.record(len(tokens), accepted, tree_depth, draft_seconds, verify_seconds)
+        text = self.detokenizer.push(tokens)
+        if self.finish_reason is not None:
+            text += self.detokenizer.flush()
+        return Step(
+            tuple(tokens), text, accepted, tree_size, draft_seconds, verify_seconds,
+            self.recorder.snapshot(), self.finish_reason,
+        )  # fmt: skip

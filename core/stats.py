@@ -1,0 +1,61 @@
+"""Live decoding statistics. tau (mean accepted length) is tokens committed per
+base-model forward, the bonus token included; vanilla decoding has tau = 1."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    tokens: int  # tokens generated so far
+    forwards: int  # base-model forwards so far, the prefill included
+    seconds: float  # since the request started
+    time_to_first_token: float | None  # seconds until the first token
+    tokens_per_s: float  # tokens / seconds
+    mean_accepted_length: float  # tau = tokens / forwards
+    draft_seconds: float  # total time spent drafting (head forwards)
+    verify_seconds: float  # total time in base-model forwards and acceptance
+    acceptance_by_depth: tuple[float, ...]  # [d-1]: share of steps whose tree reached depth d that accepted a token there
+
+
+@dataclass
+class Recorder:
+    started: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    forwards: int = 0
+    first_token_at: float | None = None
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    depth_offered: list[int] = field(default_factory=list)  # [d-1]: steps whose tree had depth >= d
+    depth_accepted: list[int] = field(default_factory=list)  # [d-1]: steps that accepted >= d drafted tokens
+
+    def record(self, tokens: int, accepted: int, tree_depth: int, draft_seconds: float, verify_seconds: float) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None and tokens:
+            self.first_token_at = now
+        self.tokens += tokens
+        self.forwards += 1
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
+        while len(self.depth_offered) < tree_depth:
+            self.depth_offered.append(0)
+            self.depth_accepted.append(0)
+        for depth in range(tree_depth):
+            self.depth_offered[depth] += 1
+            self.depth_accepted[depth] += depth < accepted
+
+    def snapshot(self) -> Snapshot:
+        seconds = time.perf_counter() - self.started
+        return Snapshot(
+            tokens=self.tokens,
+            forwards=self.forwards,
+            seconds=seconds,
+            time_to_first_token=None if self.first_token_at is None else self.first_token_at - self.started,
+            tokens_per_s=self.tokens / seconds if seconds > 0 else 0.0,
+            mean_accepted_length=self.tokens / self.forwards if self.forwards else 0.0,
+            draft_seconds=self.draft_seconds,
+            verify_seconds=self.verify_seconds,
+            acceptance_by_depth=tuple(a / o for a, o in zip(self.depth_accepted, self.depth_offered)),
+        )

@@ -1,0 +1,75 @@
+"""Draft trees: nodes in parent-first order, node 0 the root (the token the base
+model sampled last), each other node a drafted token with one parent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # (N,) int64, tokens[0] is the root
+    parents: tuple[int, ...]  # parents[i] < i for i > 0; parents[0] == -1
+    depths: torch.Tensor  # (N,) int64, root depth 0: the position offset of each node
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    def children(self) -> list[list[int]]:
+        """children()[i]: the nodes whose parent is i, in rank order (best first)."""
+        result = [[] for _ in self.parents]
+        for node, parent in enumerate(self.parents[1:], start=1):
+            result[parent].append(node)
+        return result
+
+
+def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    """(N, N) bool: row i is True at i and at every ancestor of i."""
+    size = len(parents)
+    mask = torch.eye(size, dtype=torch.bool)
+    for node in range(1, size):
+        mask[node] |= mask[parents[node]]
+    return mask
+
+
+def node_depths(parents: tuple[int, ...]) -> torch.Tensor:
+    depths = [0] * len(parents)
+    for node in range(1, len(parents)):
+        depths[node] = depths[parents[node]] + 1
+    return torch.tensor(depths, dtype=torch.long)
+
+
+def make_tree(root: int, tokens: list[int], parents: list[int]) -> DraftTree:
+    """A tree from the root token plus drafted nodes whose parents index the
+    drafted list (-1 = the root); drafted nodes must come parent-first."""
+    tree_parents = (-1,) + tuple(parent + 1 for parent in parents)
+    assert all(tree_parents[i] < i for i in range(1, len(tree_parents))), "parents must precede children"
+    return DraftTree(
+        tokens=torch.tensor([root] + list(tokens), dtype=torch.long),
+        parents=tree_parents,
+        depths=node_depths(tree_parents),
+    )
+
+
+def rerank(scores: torch.Tensor, parents: list[int], keep: int) -> list[int]:
+    """EAGLE-2 reranking: the `keep` candidates of highest cumulative score, in
+    creation order. `parents[i]` is candidate i's parent (-1 = root) and was
+    created before i. A child's score never exceeds its parent's, and ties break
+    towards the earlier candidate, so every kept node's parent is kept too."""
+    count = scores.shape[0]
+    keep = min(keep, count)
+    # a stable sort on -score puts the earlier candidate first among equals
+    order = torch.sort(-scores.double(), stable=True).indices[:keep]
+    chosen = sorted(order.tolist())
+    kept = set(chosen)
+    assert all(parents[i] == -1 or parents[i] in kept for i in chosen), "reranking broke the tree"
+    return chosen
+
+
+def subtree(tokens: list[int], parents: list[int], chosen: list[int]) -> tuple[list[int], list[int]]:
+    """Restrict candidates to `chosen` (sorted, closed under parents), re-indexing parents."""
+    index = {old: new for new, old in enumerate(chosen)}
+    return [tokens[i] for i in chosen], [index[parents[i]] if parents[i] >= 0 else -1 for i in chosen]

@@ -1,0 +1,100 @@
+"""Verification: one base-model pass over every tree node, then acceptance.
+
+Names (EAGLE/SpecInfer): p is the base model's distribution at a node after
+temperature / top-k / top-p; the draft proposes each child as a point mass."""
+
+from __future__ import annotations
+
+import torch
+
+from core.config import SamplingParams
+from core.sampling import probabilities, sample
+from core.tree import DraftTree, ancestor_mask
+
+
+def base_forward(model, tokens, positions, mask, cache):
+    """-> features (T, H): the last hidden state after the final norm.
+    tokens, positions: (T,) int64; mask: (T, past + T) bool or None for causal."""
+    attention_mask = None if mask is None else mask[None, None]
+    out = model.get_decoder()(
+        input_ids=tokens[None],
+        position_ids=positions[None],
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.last_hidden_state[0]
+
+
+def logits_of(model, features: torch.Tensor) -> torch.Tensor:
+    """features (T, H) -> logits (T, V) through the base model's lm_head."""
+    return model.get_output_embeddings()(features)
+
+
+def verify_tree(model, tree: DraftTree, prefix: int, cache):
+    """One forward over the tree. Each node sees the prefix, its ancestors and
+    itself, at position prefix + depth. -> features (N, H), logits (N, V)."""
+    device = cache_device(model)
+    tokens = tree.tokens.to(device)
+    positions = (tree.depths + prefix).to(device)
+    mask = None
+    if tree.size > 1:
+        seen = torch.ones(tree.size, prefix, dtype=torch.bool)
+        mask = torch.cat([seen, ancestor_mask(tree.parents)], dim=1).to(device)  # (N, prefix + N)
+    features = base_forward(model, tokens, positions, mask, cache)
+    return features, logits_of(model, features)
+
+
+def cache_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Longest path whose every token is the base model's argmax at its parent.
+    -> (accepted nodes, root first; the bonus token: argmax after the last)."""
+    predicted = logits.argmax(dim=-1).tolist()  # (N,)
+    tokens = tree.tokens.tolist()
+    children = tree.children()
+    path = [0]
+    while True:
+        node = path[-1]
+        match = next((child for child in children[node] if tokens[child] == predicted[node]), None)
+        if match is None:
+            return path, predicted[node]
+        path.append(match)
+
+
+def accept_sampling(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Multi-candidate recursive rejection sampling (SpecInfer, Miao et al. 2024).
+
+    At a node with residual distribution p, try its children x_1, x_2, ... in
+    rank order. Child x is a point-mass proposal q = delta_x, so the speculative
+    acceptance probability min(1, p(x)/q(x)) is p(x); on rejection the residual
+    norm(max(0, p - q)) is p with x zeroed and renormalised. Then
+      P(emit x)  = p(x)                                     (accepted at once)
+      P(emit y)  = (1 - p(x)) * p(y) / (1 - p(x)) = p(y)    (y != x, via the residual)
+    so after any number of siblings the emitted token is distributed exactly as
+    p. Once a child is accepted the next token's distribution is the base
+    model's at that child, which the tree pass computed with the right context;
+    by induction on depth the whole output has the base model's distribution.
+    When every child is rejected (or a leaf is reached) the next token is
+    sampled from the residual and becomes the bonus token."""
+    tokens = tree.tokens.tolist()
+    children = tree.children()
+    path = [0]
+    while True:
+        node = path[-1]
+        p = probabilities(logits[node], params).clone()
+        accepted = None
+        for child in children[node]:
+            token = tokens[child]
+            if float(torch.rand((), generator=generator, device=p.device)) < float(p[token]):
+                accepted = child
+                break
+            p[token] = 0.0  # rejected with probability 1 - p(x) > 0, so mass remains
+            p /= p.sum()
+        if accepted is None:
+            return path, sample(p, generator)
+        path.append(accepted)

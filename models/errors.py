@@ -1,0 +1,41 @@
+"""Errors raised while loading models and draft heads.
+
+Each names what is at fault (a path, a repo id, a key) and, where one exists,
+the fix. The UI and the CLI show `str(error)` as is.
+"""
+
+
+class KestrelError(Exception):
+    """Base of every error Kestrel reports to the user."""
+
+
+class ModelNotFoundError(KestrelError):
+    """A repo id, folder or file that does not exist."""
+
+
+class MissingWeightsError(KestrelError):
+    """A folder that exists but holds no weights."""
+
+
+class UnsupportedArchitectureError(KestrelError):
+    """A model type that transformers or the engine cannot run."""
+
+
+class CorruptedFileError(KestrelError):
+    """A weights or config file that cannot be parsed."""
+
+
+class QuantizationUnavailableError(KestrelError):
+    """bitsandbytes quantization asked for where it cannot run."""
+
+
+class OutOfMemoryError(KestrelError):
+    """Not enough memory to load or run a model."""
+
+
+class HeadFormatError(KestrelError):
+    """A draft-head checkpoint that does not match the expected format."""
+
+
+class NetworkError(KestrelError):
+    """The Hugging Face hub could not be reached or refused access."""

@@ -1,0 +1,308 @@
+"""The EAGLE-1/EAGLE-2 draft head and its checkpoint format.
+
+input at position t: [embed(token_{t+1}), feature_t]  (2H, embedding first)
+  -> fc (2H -> H) -> one Llama decoder layer without input layernorm
+  -> predicted feature_{t+1}; the base model's lm_head turns it into logits
+     for token_{t+2}.
+Module names mirror the checkpoint keys, so loading is a one-to-one copy."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.errors import HeadFormatError, ModelNotFoundError, NetworkError
+
+CONFIG_FILE = "config.json"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int  # H: the base model's hidden size
+    intermediate_size: int  # MLP width of the decoder layer
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # must equal the base model's vocabulary
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama-style, e.g. Llama-3.1's {"rope_type": "llama3", ...}
+    max_position_embeddings: int = 2048  # informative only: rotary positions are not limited by it
+    bias: bool = True  # fc has a bias
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2-style heads)
+    hidden_act: str = "silu"
+    extra: dict = field(default_factory=dict)  # other config.json fields, kept on save
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> HeadConfig:
+        known = {name for name in cls.__dataclass_fields__ if name != "extra"}
+        required = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+        missing = [name for name in required if name not in settings]
+        if missing:
+            raise KeyError(", ".join(missing))
+        values = {name: settings[name] for name in known if name in settings and settings[name] is not None}
+        values.setdefault("num_key_value_heads", settings["num_attention_heads"])
+        if "rope_theta" not in values and isinstance(settings.get("rope_parameters"), dict):
+            values["rope_theta"] = settings["rope_parameters"].get("rope_theta", 10000.0)
+        extra = {key: value for key, value in settings.items() if key not in known}
+        return cls(**values, extra=extra)
+
+    def to_dict(self) -> dict:
+        settings = asdict(self)
+        extra = settings.pop("extra")
+        settings["architectures"] = ["LlamaForCausalLM"]
+        settings["model_type"] = "llama"
+        return {**extra, **settings}
+
+    def rotary_config(self):
+        from transformers import LlamaConfig
+
+        rope_scaling = dict(self.rope_scaling) if self.rope_scaling else None
+        if rope_scaling and "rope_type" not in rope_scaling and "type" in rope_scaling:
+            rope_scaling["rope_type"] = rope_scaling.pop("type")
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            rope_theta=self.rope_theta,
+            rope_scaling=rope_scaling,
+            # the head sees positions beyond the published 2048: never clip rope there
+            max_position_embeddings=max(self.max_position_embeddings, 1 << 17),
+        )
+
+
+class HeadCache:
+    """Keys and values of the head's single layer: committed positions first,
+    then (during drafting) drafted ones, which `crop` discards."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None  # (1, kv_heads, L, head_dim)
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is not None:
+            keys = torch.cat([self.keys, keys], dim=2)
+            values = torch.cat([self.values, values], dim=2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys = self.keys[:, :, :length]
+            self.values = self.values[:, :, :length]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        hd = config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(config.hidden_size, self.heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * hd, config.hidden_size, bias=False)
+
+    def forward(self, x, rotary, mask, cache: HeadCache) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *rotary)
+        k, v = cache.append(k, v)  # (B, nkv, past + T, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer whose input layernorm is absent (EAGLE's layer 0)."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rotary, mask, cache: HeadCache) -> torch.Tensor:
+        x = x + self.self_attn(x, rotary, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftHead(nn.Module):
+    def __init__(self, config: HeadConfig, own_embedding: bool = False):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
+        self.layers = nn.ModuleList([DecoderLayer(config)])
+        # None: the base model's (frozen) embedding is passed in by the caller
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if own_embedding else None
+        self.rotary = LlamaRotaryEmbedding(config.rotary_config())
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,  # (B, T, H): embed(token_{t+1})
+        features: torch.Tensor,  # (B, T, H): feature_t
+        positions: torch.Tensor,  # (B, T) int64: t
+        mask: torch.Tensor,  # (B, 1, T, past + T) bool, True = may attend
+        cache: HeadCache,
+    ) -> torch.Tensor:
+        """-> (B, T, H) predicted features_{t+1}; appends T entries to `cache`."""
+        x = self.fc(torch.cat([embeddings, features], dim=-1).to(self.fc.weight.dtype))
+        rotary = self.rotary(x, positions)
+        return self.layers[0](x, rotary, mask, cache)
+
+
+def expected_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Every key of an official EAGLE-1/2 checkpoint and its shape."""
+    h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes = {
+        "fc.weight": (h, 2 * h),
+        "layers.0.self_attn.q_proj.weight": (q, h),
+        "layers.0.self_attn.k_proj.weight": (kv, h),
+        "layers.0.self_attn.v_proj.weight": (kv, h),
+        "layers.0.self_attn.o_proj.weight": (h, q),
+        "layers.0.mlp.gate_proj.weight": (i, h),
+        "layers.0.mlp.up_proj.weight": (i, h),
+        "layers.0.mlp.down_proj.weight": (h, i),
+        "layers.0.post_attention_layernorm.weight": (h,),
+    }
+    if config.bias:
+        shapes["fc.bias"] = (h,)
+    if config.qkv_bias:
+        shapes.update({f"layers.0.self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))})
+    return shapes
+
+
+def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) -> None:
+    """Strict: every expected key with its shape, nothing unexpected."""
+    shapes = expected_shapes(config)
+    optional = {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    for key, shape in shapes.items():
+        if key not in state:
+            raise HeadFormatError(f"{file}: missing key {key} (expected shape {list(shape)})")
+    for key, tensor in state.items():
+        shape = shapes.get(key, optional.get(key))
+        if shape is None:
+            raise HeadFormatError(f"{file}: unexpected key {key} (shape {list(tensor.shape)}); not an EAGLE-1/2 head?")
+        if tuple(tensor.shape) != shape:
+            raise HeadFormatError(
+                f"{file}: key {key} has shape {list(tensor.shape)}, expected {list(shape)} from {CONFIG_FILE}"
+            )
+
+
+def save_head(head: DraftHead, folder: str | Path, extra_config: dict | None = None) -> Path:
+    """Write config.json + model.safetensors, the format other EAGLE tools read."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {key: tensor.detach().contiguous().cpu() for key, tensor in head.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    settings = {**head.config.to_dict(), **(extra_config or {})}
+    (folder / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    return folder
+
+
+def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], Path]:
+    config_file = folder / CONFIG_FILE
+    if not config_file.is_file():
+        raise HeadFormatError(f"{folder}: no {CONFIG_FILE}; not a draft-head folder")
+    try:
+        config = HeadConfig.from_dict(json.loads(config_file.read_text()))
+    except json.JSONDecodeError as error:
+        raise HeadFormatError(f"{config_file}: not valid JSON ({error})") from error
+    except KeyError as error:
+        raise HeadFormatError(f"{config_file}: missing field {error.args[0]}") from error
+    for name in WEIGHT_FILES:
+        file = folder / name
+        if file.is_file():
+            return config, _read_weights(file), file
+    raise HeadFormatError(f"{folder}: no weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise HeadFormatError(f"{file}: cannot read the weights ({type(error).__name__}: {error})") from error
+
+
+def resolve_head_folder(source: str) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id, downloaded to the HF cache."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise ModelNotFoundError(f"{source}: no such draft-head folder, and not a Hugging Face repo id")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub import errors as hub
+
+    try:
+        hf_hub_download(source, CONFIG_FILE)
+        for name in WEIGHT_FILES:
+            try:
+                return Path(hf_hub_download(source, name)).parent
+            except hub.EntryNotFoundError:
+                continue
+    except hub.RepositoryNotFoundError as error:
+        raise ModelNotFoundError(f"{source}: no such repo on the Hugging Face hub") from error
+    except (hub.LocalEntryNotFoundError, OSError) as error:
+        raise NetworkError(f"{source}: not in the local cache and the Hugging Face hub cannot be reached") from error
+    raise HeadFormatError(f"{source}: the repo has no {' or '.join(WEIGHT_FILES)}")
+
+
+def load_head(source: str | Path, hidden_size: int, vocab_size: int, device=None, dtype=None) -> DraftHead:
+    """Load a head strictly and check it against the base model's sizes."""
+    folder = resolve_head_folder(str(source))
+    config, state, file = read_checkpoint(folder)
+    if config.hidden_size != hidden_size:
+        raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
+    if config.vocab_size != vocab_size:
+        raise HeadFormatError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
+    check_state(state, config, file)
+    head = DraftHead(config, own_embedding="embed_tokens.weight" in state)
+    head.load_state_dict(state, strict=True)
+    head.requires_grad_(False)
+    return head.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,73 @@
+"""Tiny random-weight models, tokenizers and draft heads for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WORDS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"] + [
+    f"w{i}" for i in range(56)
+]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>", pad_token="</s>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(architecture: str = "llama", vocab_size: int = len(WORDS), **overrides):
+    from transformers import LlamaConfig, Qwen2Config
+
+    settings = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=4, pad_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    settings.update(overrides)
+    return (Qwen2Config if architecture == "qwen2" else LlamaConfig)(**settings)
+
+
+def save_tiny_model(folder: Path, architecture: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random tiny causal LM with its tokenizer, saved as a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(architecture, **overrides))
+    # sharper logits than the default init, so greedy choices are not near-ties
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def random_head(model, seed: int = 0, qkv_bias: bool = False):
+    """A random draft head sized for `model`, in its dtype."""
+    from models.head import DraftHead, HeadConfig
+
+    config = model.config
+    torch.manual_seed(seed)
+    head_config = HeadConfig(
+        hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=config.vocab_size, qkv_bias=qkv_bias,
+    )  # fmt: skip
+    head = DraftHead(head_config)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.normal_(0, 0.2)
+    dtype = model.get_input_embeddings().weight.dtype
+    return head.to(dtype).eval().requires_grad_(False)
