@@ -33,7 +33,7 @@ def tiny_config(architecture: str = "llama", vocab_size: int = len(WORDS), **ove
     from transformers import LlamaConfig, Qwen2Config
 
     settings = dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=4, pad_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
@@ -41,15 +41,18 @@ def tiny_config(architecture: str = "llama", vocab_size: int = len(WORDS), **ove
     return (Qwen2Config if architecture == "qwen2" else LlamaConfig)(**settings)
 
 
-def save_tiny_model(folder: Path, architecture: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A random tiny causal LM with its tokenizer, saved as a Hugging Face folder."""
+def save_tiny_model(
+    folder: Path, architecture: str = "llama", seed: int = 0, sharpness: float = 20.0, **overrides
+) -> Path:
+    """A random tiny causal LM with its tokenizer, saved as a Hugging Face folder.
+    `sharpness` scales the output layer: large values keep greedy choices away
+    from near-ties, small ones give spread-out sampling distributions."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(architecture, **overrides))
-    # sharper logits than the default init, so greedy choices are not near-ties
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(20.0)
+        model.get_output_embeddings().weight.mul_(sharpness)
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder

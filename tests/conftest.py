@@ -1,0 +1,31 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests.factory import save_tiny_model
+
+# Two cores on CI machines: one torch pool of an explicit size, never oversubscribed.
+torch.set_num_threads(int(os.environ.get("KESTREL_TEST_THREADS", "2")))
+warnings.filterwarnings("ignore", message="MatMul8bitLt")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tiny_dir):
+    from models.base import load_base
+
+    return load_base(str(tiny_dir), dtype="float64")
+
+
+@pytest.fixture(scope="session")
+def default_base():
+    """The bundled SmolLM2-135M-Instruct (converted once into the user cache)."""
+    from models.base import load_base
+
+    return load_base(None, dtype="float32")

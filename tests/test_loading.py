@@ -1,0 +1,101 @@
+import json
+import time
+
+import pytest
+import torch
+
+from models import bundled
+from models.base import load_base
+from models.errors import (
+    CorruptedFileError,
+    MissingWeightsError,
+    ModelNotFoundError,
+    QuantizationUnavailableError,
+    UnsupportedArchitectureError,
+)
+
+
+@pytest.mark.parametrize("quantization", ["none", "8bit", "4bit"])
+def test_tiny_model_loads_and_runs(tiny_dir, quantization):
+    loaded = load_base(str(tiny_dir), quantization=quantization, dtype="float32")
+    assert loaded.quantization == quantization
+    layer = loaded.model.model.layers[0].mlp.up_proj
+    expected = {"none": "Linear", "8bit": "Linear8bitLt", "4bit": "Linear4bit"}[quantization]
+    assert type(layer).__name__ == expected
+    out = loaded.model(torch.tensor([[1, 9, 10, 11]])).logits
+    assert out.shape == (1, 4, loaded.model.config.vocab_size)
+    assert torch.isfinite(out).all()
+
+
+def test_bundled_default_loads_and_reuses_its_conversion():
+    first = load_base(None)
+    folder = bundled.converted_folder()
+    assert (folder / "model.safetensors").is_file()
+    stamp = (folder / "model.safetensors").stat().st_mtime
+    started = time.perf_counter()
+    second = load_base(None)
+    assert time.perf_counter() - started < 15  # the GGUF parse alone takes ~25 s
+    assert (folder / "model.safetensors").stat().st_mtime == stamp
+    assert second.model.config.hidden_size == first.model.config.hidden_size == 576
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+
+
+def test_unknown_path_is_named(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no_such_model"):
+        load_base(str(tmp_path / "no_such_model"))
+
+
+def test_folder_without_weights(tmp_path, tiny_dir):
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    with pytest.raises(MissingWeightsError, match="no weights"):
+        load_base(str(tmp_path))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(MissingWeightsError, match="config.json"):
+        load_base(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path, tiny_dir):
+    for file in tiny_dir.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    settings = json.loads((tiny_dir / "config.json").read_text())
+    settings["model_type"] = "kestrel-imaginary"
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(UnsupportedArchitectureError, match="kestrel-imaginary"):
+        load_base(str(tmp_path))
+
+
+def test_corrupted_weights(tmp_path, tiny_dir):
+    for file in tiny_dir.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CorruptedFileError, match=str(tmp_path)):
+        load_base(str(tmp_path))
+
+
+def test_corrupted_config(tmp_path, tiny_dir):
+    for file in tiny_dir.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CorruptedFileError, match="config.json"):
+        load_base(str(tmp_path))
+
+
+def test_quantization_in_float64_is_refused(tiny_dir):
+    with pytest.raises(QuantizationUnavailableError, match="float64"):
+        load_base(str(tiny_dir), quantization="4bit", dtype="float64")
+
+
+def test_bad_options(tiny_dir):
+    with pytest.raises(ValueError, match="quantization"):
+        load_base(str(tiny_dir), quantization="3bit")
+    with pytest.raises(ValueError, match="dtype"):
+        load_base(str(tiny_dir), dtype="float8")
+
+
+def test_non_gguf_file_is_refused(tmp_path):
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"0")
+    with pytest.raises(ModelNotFoundError, match="gguf"):
+        load_base(str(file))

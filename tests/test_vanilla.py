@@ -1,0 +1,89 @@
+import threading
+
+import pytest
+import torch
+
+from core.config import SamplingParams
+from core.detokenize import Detokenizer
+from core.engine import ContextOverflowError, Engine
+
+
+def generate_reference(engine: Engine, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = engine.model.generate(
+        torch.tensor([prompt], device=engine.base.device), do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(engine.stop_ids), pad_token_id=0,
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+def test_greedy_equals_generate_on_tiny_model(tiny_base):
+    engine = Engine(tiny_base)
+    for seed in range(8):
+        prompt = torch.randint(8, 64, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        steps = list(engine.stream(prompt, mode="vanilla", sampling=SamplingParams(max_new_tokens=30)))
+        assert tokens_of(steps) == generate_reference(engine, prompt, 30)
+        assert all(step.stats.mean_accepted_length == 1.0 for step in steps)
+
+
+def test_greedy_equals_generate_on_default_model(default_base):
+    engine = Engine(default_base)
+    prompt = engine.encode([{"role": "user", "content": "Write a haiku about autumn leaves."}])
+    steps = list(engine.stream(prompt, mode="vanilla", sampling=SamplingParams(max_new_tokens=40)))
+    assert tokens_of(steps) == generate_reference(engine, prompt, 40)
+    text = "".join(step.text for step in steps)
+    assert text == default_base.tokenizer.decode(tokens_of(steps), skip_special_tokens=True)
+    assert steps[-1].stats.tokens_per_s > 0 and steps[-1].stats.time_to_first_token > 0
+
+
+def test_sampling_with_a_seed_is_reproducible(tiny_base):
+    engine = Engine(tiny_base)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20, seed=11)
+    runs = [tokens_of(engine.stream([8, 9, 10], mode="vanilla", sampling=params)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20, seed=12)
+    assert tokens_of(engine.stream([8, 9, 10], mode="vanilla", sampling=other)) != runs[0]
+
+
+def test_stops_at_max_new_tokens(tiny_base):
+    engine = Engine(tiny_base)
+    steps = list(engine.stream([8, 9, 10], mode="vanilla", sampling=SamplingParams(max_new_tokens=5)))
+    assert len(tokens_of(steps)) <= 5
+    assert steps[-1].finish_reason in ("length", "stop")
+
+
+def test_cancel_between_steps(tiny_base):
+    engine = Engine(tiny_base)
+    cancel = threading.Event()
+    steps = []
+    for step in engine.stream([8, 9, 10], mode="vanilla", sampling=SamplingParams(max_new_tokens=100), cancel=cancel):
+        steps.append(step)
+        if len(steps) == 3:
+            cancel.set()
+    assert steps[-1].finish_reason == "cancelled" and len(steps) == 4
+
+
+def test_prompt_longer_than_context_is_refused(tiny_base):
+    engine = Engine(tiny_base)
+    with pytest.raises(ContextOverflowError, match="context window"):
+        list(engine.stream([8] * 300, mode="vanilla"))
+
+
+def test_context_full_ends_the_reply(tiny_base):
+    engine = Engine(tiny_base)
+    steps = list(engine.stream([8] * 250, mode="vanilla", sampling=SamplingParams(max_new_tokens=50)))
+    assert steps[-1].finish_reason in ("context", "stop")
+    assert 250 + len(tokens_of(steps)) <= 256
+
+
+def test_detokenizer_never_splits_a_character(default_base):
+    tokenizer = default_base.tokenizer
+    text = "Café 東京 🦅 done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detokenizer = Detokenizer(tokenizer)
+    pieces = [detokenizer.push([token]) for token in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) + detokenizer.flush() == text
