@@ -53,7 +53,8 @@ class HeadConfig:
         values.setdefault("num_key_value_heads", settings["num_attention_heads"])
         if "rope_theta" not in values and isinstance(settings.get("rope_parameters"), dict):
             values["rope_theta"] = settings["rope_parameters"].get("rope_theta", 10000.0)
-        extra = {key: value for key, value in settings.items() if key not in known}
+        written = ("architectures", "model_type")  # to_dict writes these itself
+        extra = {key: value for key, value in settings.items() if key not in known and key not in written}
         return cls(**values, extra=extra)
 
     def to_dict(self) -> dict:

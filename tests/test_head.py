@@ -1,0 +1,105 @@
+import json
+
+import pytest
+import torch
+
+from models.errors import HeadFormatError, ModelNotFoundError
+from models.head import HeadConfig, expected_shapes, load_head, read_checkpoint, save_head
+from tests.factory import random_head, tiny_config
+
+
+def saved_head(tmp_path, **options):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    head = random_head(model, **options)
+    return head, save_head(head, tmp_path / "head")
+
+
+def test_round_trip_is_identical(tmp_path):
+    head, folder = saved_head(tmp_path, qkv_bias=True)
+    loaded = load_head(folder, head.config.hidden_size, head.config.vocab_size)
+    original, again = head.state_dict(), loaded.state_dict()
+    assert original.keys() == again.keys()
+    assert all(torch.equal(original[key], again[key]) for key in original)
+    assert loaded.config == head.config
+
+
+def test_official_key_names(tmp_path):
+    head, folder = saved_head(tmp_path)
+    _, state, _ = read_checkpoint(folder)
+    assert set(state) == set(expected_shapes(head.config))
+    assert "fc.bias" in state and "layers.0.input_layernorm.weight" not in state
+    assert json.loads((folder / "config.json").read_text())["bias"] is True
+
+
+def rewrite(folder, change):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    change(state)
+    save_file(state, str(folder / "model.safetensors"))
+
+
+def test_missing_key_is_named(tmp_path):
+    head, folder = saved_head(tmp_path)
+    rewrite(folder, lambda state: state.pop("layers.0.mlp.up_proj.weight"))
+    with pytest.raises(HeadFormatError, match=r"missing key layers\.0\.mlp\.up_proj\.weight.*model\.safetensors|model\.safetensors.*missing key layers\.0\.mlp\.up_proj"):
+        load_head(folder, head.config.hidden_size, head.config.vocab_size)
+
+
+def test_extra_key_is_named(tmp_path):
+    head, folder = saved_head(tmp_path)
+    rewrite(folder, lambda state: state.update({"norm.weight": torch.ones(4)}))
+    with pytest.raises(HeadFormatError, match=r"unexpected key norm\.weight"):
+        load_head(folder, head.config.hidden_size, head.config.vocab_size)
+
+
+def test_misshapen_key_names_both_shapes(tmp_path):
+    head, folder = saved_head(tmp_path)
+    rewrite(folder, lambda state: state.update({"fc.weight": torch.zeros(3, 5)}))
+    with pytest.raises(HeadFormatError, match=r"fc\.weight has shape \[3, 5\], expected \[64, 128\]"):
+        load_head(folder, head.config.hidden_size, head.config.vocab_size)
+
+
+def test_size_mismatch_with_the_base_model(tmp_path):
+    head, folder = saved_head(tmp_path)
+    with pytest.raises(HeadFormatError, match="hidden_size"):
+        load_head(folder, head.config.hidden_size * 2, head.config.vocab_size)
+    with pytest.raises(HeadFormatError, match="vocab_size"):
+        load_head(folder, head.config.hidden_size, head.config.vocab_size + 1)
+
+
+def test_pytorch_bin_and_llama31_rope_config(tmp_path):
+    """The published EAGLE-LLaMA3.1 format: pytorch_model.bin and a llama3 rope dict."""
+    head, _ = saved_head(tmp_path)
+    folder = tmp_path / "bin_head"
+    folder.mkdir()
+    settings = head.config.to_dict()
+    settings["rope_scaling"] = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}  # fmt: skip
+    settings["rope_theta"] = 500000.0
+    (folder / "config.json").write_text(json.dumps(settings))
+    torch.save(head.state_dict(), folder / "pytorch_model.bin")
+    loaded = load_head(folder, head.config.hidden_size, head.config.vocab_size)
+    assert loaded.config.rope_scaling["rope_type"] == "llama3"
+
+
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(ModelNotFoundError):
+        load_head(tmp_path / "nothing_here", 64, 64)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HeadFormatError, match="config.json"):
+        load_head(tmp_path / "empty", 64, 64)
+
+
+def test_config_missing_field(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(HeadFormatError, match="missing field"):
+        load_head(tmp_path, 64, 64)
+
+
+def test_head_config_reads_v5_rope_parameters():
+    config = HeadConfig.from_dict({"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+                                   "vocab_size": 10, "rope_parameters": {"rope_theta": 1234.0}})  # fmt: skip
+    assert config.rope_theta == 1234.0 and config.num_key_value_heads == 2
