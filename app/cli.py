@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmark decoding modes on a prompt file")
     bench.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and optionally 'id'")
     bench.add_argument("--limit", type=int, help="use only the first N prompts")
+    bench.add_argument("--per-source", type=int, help="use the first N prompts of each source (e.g. chat and code)")
     bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated from vanilla, eagle, eagle2, generate, prompt-lookup (default vanilla,eagle2)")
     bench.add_argument("--json", dest="json_out", help="write the full results to this JSON file")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts (default 1)")
@@ -82,7 +83,12 @@ def main(argv: list[str]) -> int:
 
         return pytest.main([str(ROOT / "tests"), *argv[1:]])
     args = build_parser().parse_args(argv)
+    import warnings
+
     from models.errors import KestrelError
+
+    # bitsandbytes' 8-bit CPU path warns on every matmul that it casts to fp16
+    warnings.filterwarnings("ignore", message="MatMul8bitLt")
 
     try:
         if args.command == "ui":
@@ -98,7 +104,7 @@ def main(argv: list[str]) -> int:
     except KestrelError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except ValueError as error:
+    except ValueError as error:  # bad option values and prompt files, named by their messages
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,235 @@
+"""The benchmark: decoding modes and transformers' own generate, timed fairly.
+
+Fair timing: one process, warm-up prompts excluded, modes interleaved prompt by
+prompt, tokens/s = total tokens / total seconds of each mode."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from core.config import MODES, SamplingParams, TreeParams
+from core.engine import Engine
+
+BASELINES = ("generate", "prompt-lookup")  # transformers' generate, plain and with prompt-lookup decoding
+PROMPT_LOOKUP_TOKENS = 10  # drafted tokens per step for the prompt-lookup baseline
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    text: str  # the first user turn
+    source: str  # e.g. fastchat/vicuna_bench; the summary splits tau by it
+
+
+class PromptFileError(ValueError):
+    """A prompt file that cannot be used, naming the file and line."""
+
+
+def load_prompts(path: str | Path, limit: int | None = None, per_source: int | None = None) -> list[BenchPrompt]:
+    """JSONL lines with a `turns` list (the first turn is the prompt) and optional `id`, `source`.
+    per_source keeps the first N prompts of every source (e.g. chat and code halves)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"{path}: no such prompt file")
+    prompts, seen = [], {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise PromptFileError(f"{path}:{number}: not valid JSON ({error.msg})") from error
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
+            raise PromptFileError(f"{path}:{number}: needs a 'turns' list whose first item is the prompt")
+        source = str(row.get("source", "prompts"))
+        seen[source] = seen.get(source, 0) + 1
+        if per_source is not None and seen[source] > per_source:
+            continue
+        prompts.append(BenchPrompt(str(row.get("id", f"line-{number}")), turns[0], source))
+    if not prompts:
+        raise PromptFileError(f"{path}: no prompts")
+    return prompts[:limit] if limit else prompts
+
+
+def run_once(engine: Engine, prompt_ids: list[int], mode: str, sampling: SamplingParams, tree: TreeParams) -> dict:
+    """One prompt through one mode -> tokens, seconds, accepted lengths, output ids."""
+    if mode in BASELINES:
+        return _run_generate(engine, prompt_ids, mode, sampling)
+    started = time.perf_counter()
+    steps = list(engine.stream(prompt_ids, mode=mode, sampling=sampling, tree=tree))
+    seconds = time.perf_counter() - started
+    stats = steps[-1].stats
+    return {
+        "tokens": stats.tokens,
+        "seconds": seconds,
+        "forwards": stats.forwards,
+        "draft_seconds": stats.draft_seconds,
+        "verify_seconds": stats.verify_seconds,
+        "accepted_lengths": [len(step.token_ids) for step in steps],
+        "output_ids": [token for step in steps for token in step.token_ids],
+    }
+
+
+def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: SamplingParams) -> dict:
+    options = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(engine.stop_ids), pad_token_id=0)
+    if sampling.greedy:
+        options["do_sample"] = False
+    else:
+        options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    if mode == "prompt-lookup":
+        options["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    inputs = torch.tensor([prompt_ids], device=engine.base.device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = engine.model.generate(inputs, attention_mask=torch.ones_like(inputs), **options)
+    seconds = time.perf_counter() - started
+    ids = output[0, len(prompt_ids) :].tolist()
+    return {"tokens": len(ids), "seconds": seconds, "forwards": None, "draft_seconds": None,
+            "verify_seconds": None, "accepted_lengths": None, "output_ids": ids}  # fmt: skip
+
+
+def run_bench(
+    engine: Engine,
+    prompts: list[BenchPrompt],
+    modes: tuple[str, ...] = ("vanilla", "eagle2"),
+    sampling: SamplingParams = SamplingParams(),
+    tree: TreeParams = TreeParams(),
+    warmup: int = 1,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> dict:
+    """Every prompt through every mode, interleaved; -> the JSON-ready result."""
+    for mode in modes:
+        if mode not in MODES + BASELINES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + BASELINES)}")
+        if mode in MODES and mode not in engine.modes:
+            raise ValueError(f"mode {mode} needs a draft head; give --head")
+    encoded = [engine.encode([{"role": "user", "content": prompt.text}]) for prompt in prompts]
+    for ids in encoded[:warmup]:
+        for mode in modes:
+            run_once(engine, ids, mode, replace_budget(sampling, 16), tree)
+    rows, total, done = [], len(prompts) * len(modes), 0
+    for prompt, ids in zip(prompts, encoded):
+        for mode in modes:
+            if progress:
+                progress(done, total, f"{prompt.id} / {mode}")
+            result = run_once(engine, ids, mode, sampling, tree)
+            rows.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
+            done += 1
+    if progress:
+        progress(total, total, "done")
+    return {
+        "settings": settings_of(engine, modes, sampling, tree, len(prompts), warmup),
+        "summary": summarize(rows, modes, sampling),
+        "modes": {mode: mode_totals([row for row in rows if row["mode"] == mode]) for mode in modes},
+        "prompts": rows,
+    }
+
+
+def replace_budget(sampling: SamplingParams, tokens: int) -> SamplingParams:
+    return SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, tokens, sampling.seed)
+
+
+def settings_of(engine, modes, sampling, tree, count, warmup) -> dict:
+    return {
+        "model": engine.base.name,
+        "quantization": engine.base.quantization,
+        "dtype": str(engine.base.dtype).removeprefix("torch."),
+        "device": str(engine.base.device),
+        "threads": torch.get_num_threads(),
+        "modes": list(modes),
+        "prompts": count,
+        "warmup": warmup,
+        "sampling": asdict(sampling),
+        "tree": asdict(tree),
+    }
+
+
+def mode_totals(rows: list[dict]) -> dict:
+    tokens = sum(row["tokens"] for row in rows)
+    seconds = sum(row["seconds"] for row in rows)
+    totals = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
+    if rows and rows[0]["forwards"] is not None:
+        forwards = sum(row["forwards"] for row in rows)
+        draft = sum(row["draft_seconds"] for row in rows)
+        verify = sum(row["verify_seconds"] for row in rows)
+        totals.update(
+            mean_accepted_length=tokens / forwards if forwards else 0.0,
+            # where a step's time goes: head drafting, base verify (+ accept, commit), the rest
+            time_split={"draft": draft / seconds, "verify": verify / seconds, "other": 1 - (draft + verify) / seconds},
+        )
+    else:
+        totals["mean_accepted_length"] = None
+    return totals
+
+
+def summarize(rows: list[dict], modes: tuple[str, ...], sampling: SamplingParams) -> dict:
+    totals = {mode: mode_totals([row for row in rows if row["mode"] == mode]) for mode in modes}
+    vanilla, eagle2 = totals.get("vanilla"), totals.get("eagle2")
+    summary = {
+        "speedup": eagle2["tokens_per_s"] / vanilla["tokens_per_s"] if vanilla and eagle2 else None,
+        "mean_accepted_length": eagle2["mean_accepted_length"] if eagle2 else None,
+        "identical_fraction": None,
+        "vanilla_tokens_per_s": vanilla["tokens_per_s"] if vanilla else None,
+        "eagle2_tokens_per_s": eagle2["tokens_per_s"] if eagle2 else None,
+    }
+    if sampling.greedy and vanilla and eagle2:
+        outputs = {(row["id"], row["mode"]): row["output_ids"] for row in rows}
+        ids = sorted({row["id"] for row in rows})
+        same = [outputs[(i, "eagle2")] == outputs[(i, "vanilla")] for i in ids]
+        summary["identical_fraction"] = sum(same) / len(same)
+    by_source = {}
+    for source in sorted({row["source"] for row in rows}):
+        chosen = [row for row in rows if row["source"] == source]
+        by_source[source] = {
+            mode: mode_totals([row for row in chosen if row["mode"] == mode])["mean_accepted_length"] for mode in modes
+        }
+    summary["tau_by_source"] = by_source
+    return summary
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'mode':<14}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'tau':>7}{'speedup':>9}  time split"]
+    base = result["modes"].get("vanilla", {}).get("tokens_per_s")
+    for mode, totals in result["modes"].items():
+        tau = totals["mean_accepted_length"]
+        tau_text = "-" if tau is None else f"{tau:.2f}"
+        speed = f"{totals['tokens_per_s'] / base:.2f}x" if base else "-"
+        split = totals.get("time_split")
+        split_text = " ".join(f"{name} {share:.0%}" for name, share in split.items()) if split else ""
+        lines.append(
+            f"{mode:<14}{totals['tokens']:>8}{totals['seconds']:>10.1f}{totals['tokens_per_s']:>10.2f}"
+            f"{tau_text:>7}{speed:>9}  {split_text}"
+        )
+    summary = result["summary"]
+    if summary["speedup"] is not None:
+        lines.append(f"eagle2 speedup {summary['speedup']:.2f}x, tau {summary['mean_accepted_length']:.2f}, "
+                     f"identical_fraction {summary['identical_fraction']}")  # fmt: skip
+    for source, taus in summary["tau_by_source"].items():
+        lines.append(f"tau on {source}: " + ", ".join(f"{m} {t:.2f}" for m, t in taus.items() if t is not None))
+    return "\n".join(lines)
+
+
+def run_from_args(args) -> int:
+    """`launch.py bench`: load, run with a progress line, print the table, write JSON."""
+    from app.cli import load_engine, sampling_from, tree_from
+
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    prompts = load_prompts(args.prompts, args.limit, args.per_source)
+    engine = load_engine(args)
+
+    def show(done: int, total: int, description: str) -> None:
+        print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
+
+    result = run_bench(engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show)
+    print(format_table(result))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json_out}")
+    return 0

@@ -1,0 +1,77 @@
+import json
+
+import pytest
+
+from core.bench import PromptFileError, format_table, load_prompts, run_bench
+from core.config import SamplingParams, TreeParams
+from core.engine import Engine
+from tests.factory import random_head
+
+
+def write_prompts(path, rows):
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return path
+
+
+def test_load_prompts_reads_turns_ids_and_sources(tmp_path):
+    path = write_prompts(tmp_path / "p.jsonl", [
+        {"id": "a", "source": "chat", "turns": ["hi", "more"]},
+        {"turns": ["second"], "source": "code"},
+        {"id": "c", "source": "chat", "turns": ["third"]},
+    ])  # fmt: skip
+    prompts = load_prompts(path)
+    assert [p.id for p in prompts] == ["a", "line-2", "c"] and prompts[0].text == "hi"
+    assert [p.id for p in load_prompts(path, limit=2)] == ["a", "line-2"]
+    assert [p.id for p in load_prompts(path, per_source=1)] == ["a", "line-2"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("{bad", r"p\.jsonl:1: not valid JSON"), ('{"id": "x"}', r"p\.jsonl:1: needs a 'turns' list"), ("\n", "no prompts")],
+)
+def test_bad_prompt_files_name_the_line(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(PromptFileError, match=message):
+        load_prompts(path)
+
+
+def test_missing_prompt_file(tmp_path):
+    with pytest.raises(PromptFileError, match="no such prompt file"):
+        load_prompts(tmp_path / "none.jsonl")
+
+
+def test_bench_in_float64_is_identical_and_complete(tiny_base, tmp_path):
+    engine = Engine(tiny_base, random_head(tiny_base.model, seed=3))
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": str(i), "turns": [f"w{i} w{i + 1} w{i + 2}"]} for i in range(3)])
+    calls = []
+    result = run_bench(
+        engine, load_prompts(path), ("vanilla", "eagle", "eagle2", "generate"),
+        SamplingParams(max_new_tokens=24), TreeParams(10, 3, 3), warmup=1,
+        progress=lambda done, total, text: calls.append((done, total)),
+    )  # fmt: skip
+    summary = result["summary"]
+    assert summary["identical_fraction"] == 1.0
+    assert summary["mean_accepted_length"] >= 1.0
+    assert summary["speedup"] == pytest.approx(summary["eagle2_tokens_per_s"] / summary["vanilla_tokens_per_s"])
+    assert result["modes"]["vanilla"]["mean_accepted_length"] == 1.0
+    assert len(result["prompts"]) == 12 and calls[-1] == (12, 12)
+    by_mode = {(row["id"], row["mode"]): row["output_ids"] for row in result["prompts"]}
+    assert all(by_mode[(str(i), "generate")] == by_mode[(str(i), "vanilla")] for i in range(3))
+    json.dumps(result)  # JSON-ready
+    assert "eagle2" in format_table(result)
+
+
+def test_sampling_bench_has_no_identical_fraction(tiny_base, tmp_path):
+    engine = Engine(tiny_base, random_head(tiny_base.model))
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"]}])
+    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), SamplingParams(temperature=1.0, max_new_tokens=8), warmup=0)
+    assert result["summary"]["identical_fraction"] is None
+
+
+def test_unknown_mode_is_named(tiny_base, tmp_path):
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1"]}])
+    with pytest.raises(ValueError, match="warp"):
+        run_bench(Engine(tiny_base), load_prompts(path), ("warp",))
+    with pytest.raises(ValueError, match="needs a draft head"):
+        run_bench(Engine(tiny_base), load_prompts(path), ("eagle2",))
