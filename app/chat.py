@@ -1,0 +1,278 @@
+"""Chat tab handlers: plain functions of plain values (tests call them
+directly); app/ui.py wires them to components."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import gradio as gr
+
+from app import render
+from app.reply import Reply, Throttle, stream_reply
+from app.runtime import Runtime
+from app.store import Store, new_chat, to_json, to_markdown
+from core.config import SamplingParams, TreeParams
+from core.engine import ContextOverflowError, Engine
+from models.errors import KestrelError
+
+# The settings controls, in the order their values reach the handlers.
+SETTINGS = ("mode", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k", "colour")
+MODE_LABELS = {"vanilla": "vanilla", "eagle": "EAGLE", "eagle2": "EAGLE-2"}
+TEXT_INTERVAL = 0.1  # seconds between chat text updates
+PANEL_INTERVAL = 0.3  # seconds between side-panel (stats, plots) updates
+
+
+def default_settings() -> dict:
+    sampling, tree = SamplingParams(), TreeParams()
+    return {
+        "mode": "eagle2", "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "max_new_tokens": sampling.max_new_tokens, "seed": -1, "total_tokens": tree.total_tokens,
+        "depth": tree.depth, "tree_top_k": tree.top_k, "colour": True, "system": "",
+    }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Options:
+    mode: str
+    sampling: SamplingParams
+    tree: TreeParams
+    colour: bool
+
+    @classmethod
+    def from_values(cls, values: Sequence) -> Options:
+        """From the settings controls' values (in SETTINGS order); raises
+        ValueError naming the bad setting."""
+        v = dict(zip(SETTINGS, values))
+        seed = None if v["seed"] in (None, "") or int(v["seed"]) < 0 else int(v["seed"])
+        sampling = SamplingParams(
+            float(v["temperature"]), float(v["top_p"]), int(v["top_k"]), int(v["max_new_tokens"]), seed
+        )
+        tree = TreeParams(int(v["total_tokens"]), int(v["depth"]), int(v["tree_top_k"]))
+        return cls(v["mode"], sampling, tree, bool(v["colour"]))
+
+
+def mode_for(engine: Engine, wanted: str) -> tuple[str, str]:
+    """The mode to run and a note when the wanted one is unavailable."""
+    if wanted in engine.modes:
+        return wanted, ""
+    return "vanilla", f"{MODE_LABELS.get(wanted, wanted)} needs a draft head, and none is loaded: decoding vanilla."
+
+
+def engine_messages(chat: dict) -> list[dict]:
+    system = [{"role": "system", "content": chat["system"]}] if chat.get("system") else []
+    return system + [{"role": m["role"], "content": m["content"]} for m in chat["messages"]]
+
+
+def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[dict], int]:
+    """Drop the oldest turns until the prompt leaves `room` tokens of the
+    context window; returns the messages and how many were dropped."""
+    system = [m for m in messages if m["role"] == "system"]
+    turns = [m for m in messages if m["role"] != "system"]
+    dropped = 0
+    while len(turns) > 1 and len(engine.encode(system + turns)) + room > engine.context_limit:
+        turns = turns[1:]
+        dropped += 1
+    while len(turns) > 1 and turns[0]["role"] != "user":  # a prompt starts with a user turn
+        turns, dropped = turns[1:], dropped + 1
+    return system + turns, dropped
+
+
+def reply_summary(reply: Reply, mode: str) -> dict:
+    snapshot = reply.snapshot
+    return {
+        "mode": mode,
+        "tokens": snapshot.tokens,
+        "seconds": round(snapshot.seconds, 3),
+        "tokens_per_s": round(snapshot.tokens_per_s, 2),
+        "tau": round(snapshot.mean_accepted_length, 3),
+        "finish_reason": reply.finish_reason,
+    }
+
+
+def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
+    tokens, forwards = chat["session"]["tokens"], chat["session"]["forwards"]
+    if reply is not None and reply.snapshot is not None:
+        tokens, forwards = tokens + reply.snapshot.tokens, forwards + reply.snapshot.forwards
+    return tokens / forwards if forwards else None
+
+
+def display(chat: dict, colour: bool, pending: dict | None = None) -> list[dict]:
+    """The chatbot's messages: escaped (optionally coloured) model text."""
+    messages = chat["messages"] + ([pending] if pending else [])
+    return [{"role": m["role"], "content": render.message_html(m, colour)} for m in messages]
+
+
+def notice_html(text: str) -> str:
+    return f'<div class="kestrel-notice">{render.escape(text)}</div>' if text else ""
+
+
+def chat_choices(store: Store) -> list[tuple[str, str]]:
+    return [
+        (f"{chat['title']} ({time.strftime('%Y-%m-%d %H:%M', time.localtime(chat['updated']))})", chat["id"])
+        for chat in store.list_chats()
+    ]
+
+
+class ChatHandlers:
+    def __init__(self, runtime: Runtime, store: Store):
+        self.runtime = runtime
+        self.store = store
+
+    def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
+        """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot."""
+        message = (message or "").strip()
+        if not message:
+            yield "", gr.skip(), chat, notice_html("Type a message first."), gr.skip(), gr.skip(), gr.skip()
+            return
+        chat = copy.deepcopy(chat)
+        chat["system"] = system or ""
+        chat["messages"].append({"role": "user", "content": message})
+        yield from self._respond(chat, values, message)
+
+    def regenerate(self, chat: dict, system: str, *values) -> Iterator[tuple]:
+        chat = copy.deepcopy(chat)
+        chat["system"] = system or ""
+        if chat["messages"] and chat["messages"][-1]["role"] == "assistant":
+            chat["messages"].pop()
+        if not chat["messages"]:
+            yield "", gr.skip(), chat, notice_html("Nothing to regenerate."), gr.skip(), gr.skip(), gr.skip()
+            return
+        yield from self._respond(chat, values, None)
+
+    def _respond(self, chat: dict, values: Sequence, message: str | None) -> Iterator[tuple]:
+        """Stream the assistant's reply to the chat's last user message."""
+        colour = bool(dict(zip(SETTINGS, values)).get("colour", True))
+        try:
+            options = Options.from_values(values)
+            engine = self.runtime.require()
+        except (KestrelError, ValueError) as error:
+            yield from self._failed(chat, message, colour, str(error))
+            return
+        self.save_settings(values, chat["system"])
+        mode, note = mode_for(engine, options.mode)
+        messages, dropped = fit_context(engine, engine_messages(chat), room=min(options.sampling.max_new_tokens, 64))
+        if dropped:
+            note = f"{note} Dropped the {dropped} oldest messages to fit the context window.".strip()
+        cancel = self.runtime.cancel_event(chat["id"])
+        cancel.clear()
+        text_throttle, panel_throttle = Throttle(TEXT_INTERVAL), Throttle(PANEL_INTERVAL)
+        reply = None
+        yield "", display(chat, colour, {"role": "assistant", "content": ""}), chat, notice_html(note), gr.skip(), gr.skip(), gr.skip()
+        try:
+            for reply in stream_reply(engine, messages, mode, options.sampling, options.tree, cancel):
+                if reply.finish_reason is not None or not text_throttle.ready():
+                    continue
+                pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
+                panel = self._panel(chat, reply) if panel_throttle.ready() else (gr.skip(),) * 3
+                yield gr.skip(), display(chat, colour, pending), gr.skip(), gr.skip(), *panel
+        except (KestrelError, ValueError) as error:  # ContextOverflowError included
+            if isinstance(error, ContextOverflowError):
+                error = f"{error}. Start a new chat or shorten the message."
+            yield from self._failed(chat, message, colour, str(error))
+            return
+        chat["messages"].append(
+            {"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": reply_summary(reply, mode)}
+        )
+        chat["session"]["tokens"] += reply.snapshot.tokens
+        chat["session"]["forwards"] += reply.snapshot.forwards
+        self.store.save_chat(chat)
+        if reply.finish_reason == "cancelled":
+            note = f"{note} Stopped.".strip()
+        elif reply.finish_reason in ("length", "context"):
+            note = f"{note} The reply reached the {'token limit' if reply.finish_reason == 'length' else 'context window'}.".strip()
+        yield gr.skip(), display(chat, colour), chat, notice_html(note), *self._panel(chat, reply, finished=True)
+
+    def _failed(self, chat: dict, message: str | None, colour: bool, error: str) -> Iterator[tuple]:
+        """Show the error; a just-sent message goes back into the message box."""
+        if message is not None:
+            chat["messages"].pop()
+        yield message or "", display(chat, colour), chat, notice_html(error), gr.skip(), gr.skip(), gr.skip()
+
+    def _panel(self, chat: dict, reply: Reply, finished: bool = False) -> tuple:
+        """Stats, depth plot and rate plot; a finished reply is already in the session totals."""
+        tau = session_tau(chat, None if finished else reply)
+        stats = render.stats_html(reply.snapshot, reply.tree_size, tau)
+        return stats, render.depth_frame(reply.snapshot), render.rate_frame(reply.rate_points)
+
+    def stop(self, chat: dict) -> None:
+        self.runtime.cancel_event(chat["id"]).set()
+
+    def edit_last(self, chat: dict, colour: bool) -> tuple:
+        """Take back the last user message (and the reply to it) for editing.
+        Outputs: message box, chatbot, chat state."""
+        chat = copy.deepcopy(chat)
+        users = [i for i, m in enumerate(chat["messages"]) if m["role"] == "user"]
+        if not users:
+            return gr.skip(), display(chat, colour), chat
+        text = chat["messages"][users[-1]]["content"]
+        del chat["messages"][users[-1] :]
+        if chat["messages"]:
+            self.store.save_chat(chat)
+        else:
+            self.store.delete_chat(chat["id"])
+        return text, display(chat, colour), chat
+
+    def clear(self, chat: dict) -> tuple:
+        """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats."""
+        self.store.delete_chat(chat["id"])
+        cleared = new_chat(chat.get("system", ""))
+        cleared["id"] = chat["id"]
+        return [], cleared, render.stats_html(None, 0, None)
+
+    def new(self, chat: dict, system: str) -> tuple:
+        """Keep the current chat on disk and start another.
+        Outputs: chatbot, chat, stats, chat list."""
+        chat = new_chat(system or "")
+        return [], chat, render.stats_html(None, 0, None), gr.update(choices=chat_choices(self.store), value=None)
+
+    def open(self, chat_id: str | None, chat: dict, colour: bool) -> tuple:
+        """Outputs: chatbot, chat, system prompt, stats."""
+        loaded = self.store.load_chat(chat_id) if chat_id else None
+        if loaded is None:
+            return gr.skip(), chat, gr.skip(), gr.skip()
+        return display(loaded, colour), loaded, loaded.get("system", ""), render.stats_html(None, 0, session_tau(loaded))
+
+    def delete(self, chat: dict) -> tuple:
+        """Delete the current chat. Outputs: chatbot, chat, chat list."""
+        self.store.delete_chat(chat["id"])
+        return [], new_chat(chat.get("system", "")), gr.update(choices=chat_choices(self.store), value=None)
+
+    def export(self, chat: dict) -> list[str] | None:
+        """The chat as Markdown and JSON files, for download."""
+        if not chat["messages"]:
+            return None
+        folder = Path(tempfile.mkdtemp(prefix="kestrel-export-"))
+        markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
+        markdown.write_text(to_markdown(chat), encoding="utf-8")
+        data.write_text(to_json(chat), encoding="utf-8")
+        return [str(markdown), str(data)]
+
+    def recolour(self, chat: dict, colour: bool) -> list[dict]:
+        return display(chat, colour)
+
+    def save_settings(self, values: Sequence, system: str) -> None:
+        settings = dict(zip(SETTINGS, values))
+        settings["system"] = system
+        self.store.save_settings(settings)
+
+    def restore(self) -> tuple:
+        """At page load: saved settings and the latest chat.
+        Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats."""
+        settings = {**default_settings(), **self.store.load_settings()}
+        modes = self.runtime.modes or ("vanilla",)
+        mode = settings["mode"] if settings["mode"] in modes else modes[-1]
+        latest = next(iter(self.store.list_chats()), None)
+        chat = self.store.load_chat(latest["id"]) if latest else None
+        chat = chat or new_chat(settings["system"])
+        mode_update = gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=mode)
+        controls = [mode_update] + [settings[name] for name in SETTINGS[1:]]
+        return (
+            *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
+            gr.update(choices=chat_choices(self.store), value=chat["id"] if latest else None),
+            render.stats_html(None, 0, session_tau(chat)),
+        )  # fmt: skip

@@ -1,0 +1,144 @@
+"""Compare tab: one prompt through vanilla, then EAGLE-2 (and optionally
+EAGLE), one after the other, with a verdict; and the benchmark button."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from app import render
+from app.chat import MODE_LABELS, Options
+from app.reply import Reply, Throttle, stream_reply
+from app.runtime import Runtime
+from models.errors import KestrelError
+
+QUICK_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "quick.jsonl"
+PANE_INTERVAL = 0.15  # seconds between pane updates
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token; None when identical."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def verdict_html(replies: dict[str, Reply], greedy: bool) -> str:
+    """tokens/s, tau and tokens per mode; speedup over vanilla; identity at temperature 0."""
+    base = replies["vanilla"].snapshot.tokens_per_s
+    rows = []
+    for mode, reply in replies.items():
+        s = reply.snapshot
+        speedup = f"{s.tokens_per_s / base:.2f}x" if base else "-"
+        rows.append(
+            f'<tr><td>{MODE_LABELS[mode]}</td><td class="value" id="verdict-{mode}-tps">{s.tokens_per_s:.1f}</td>'
+            f'<td class="value" id="verdict-{mode}-tau">{s.mean_accepted_length:.2f}</td>'
+            f'<td class="value">{s.tokens}</td><td class="value" id="verdict-{mode}-speedup">{speedup}</td></tr>'
+        )
+    header = "<tr><td>mode</td><td>tokens/s</td><td>tau</td><td>tokens</td><td>speedup</td></tr>"
+    lines = []
+    if "eagle2" in replies and base:
+        lines.append(f"EAGLE-2 speedup: <b id='verdict-speedup'>{replies['eagle2'].snapshot.tokens_per_s / base:.2f}x</b>")
+    if greedy:
+        for mode, reply in replies.items():
+            if mode == "vanilla":
+                continue
+            index = first_difference(replies["vanilla"].token_ids, reply.token_ids)
+            same = "identical to vanilla" if index is None else f"differs from vanilla from token {index}"
+            lines.append(f"<span id='verdict-{mode}-identity'>{MODE_LABELS[mode]} output is {same}</span>")
+    else:
+        lines.append("Temperature > 0: the outputs are samples, so they are not compared token by token.")
+    return f'<div class="kestrel-stats" id="verdict"><table>{header}{"".join(rows)}</table><p>{"<br>".join(lines)}</p></div>'
+
+
+class CompareHandlers:
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    def compare(self, prompt: str, with_eagle: bool, chat: dict, *values) -> Iterator[tuple]:
+        """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict."""
+        prompt = (prompt or "").strip()
+        try:
+            if not prompt:
+                raise ValueError("type a prompt to compare")
+            options = Options.from_values(values)
+            engine = self.runtime.require()
+        except (KestrelError, ValueError) as error:
+            yield gr.skip(), gr.skip(), gr.skip(), render.escape(str(error))
+            return
+        if "eagle2" not in engine.modes:
+            yield gr.skip(), gr.skip(), gr.skip(), "Comparing needs a draft head; load a model with one in the Models tab."
+            return
+        modes = ("vanilla", "eagle", "eagle2") if with_eagle else ("vanilla", "eagle2")
+        panes = {mode: "" for mode in ("vanilla", "eagle", "eagle2")}
+        replies: dict[str, Reply] = {}
+        cancel = self.runtime.cancel_event(chat["id"])
+        cancel.clear()
+        messages = [{"role": "user", "content": prompt}]
+        yield *panes.values(), "Running vanilla..."
+        for mode in modes:
+            throttle = Throttle(PANE_INTERVAL)
+            try:
+                for reply in stream_reply(engine, messages, mode, options.sampling, options.tree, cancel):
+                    if throttle.ready(reply.finish_reason is not None):
+                        panes[mode] = render.pane_html(reply.segments)
+                        yield *panes.values(), f"Running {MODE_LABELS[mode]}..."
+            except (KestrelError, ValueError) as error:
+                yield *panes.values(), render.escape(str(error))
+                return
+            replies[mode] = reply
+            if reply.finish_reason == "cancelled":
+                yield *panes.values(), "Stopped."
+                return
+        yield *panes.values(), verdict_html(replies, options.sampling.greedy)
+
+    def benchmark(self, upload, limit: int, *values, progress=gr.Progress()) -> tuple:
+        """Outputs: summary table, tokens/s bar chart, full result (JSON), notice."""
+        try:
+            from core.bench import load_prompts, run_bench
+
+            options = Options.from_values(values)
+            engine = self.runtime.require()
+            if "eagle2" not in engine.modes:
+                raise ValueError("the benchmark compares vanilla with EAGLE-2 and needs a draft head")
+            path = upload if upload else QUICK_PROMPTS
+            prompts = load_prompts(path, limit=int(limit) if limit else None)
+            result = run_bench(
+                engine, prompts, ("vanilla", "eagle2"), options.sampling, options.tree, warmup=1,
+                progress=lambda done, total, description: progress((done, total), desc=description),
+            )  # fmt: skip
+        except (KestrelError, ValueError, ImportError) as error:
+            return gr.skip(), gr.skip(), gr.skip(), render.escape(str(error))
+        return summary_frame(result), speed_frame(result), result, ""
+
+
+def summary_frame(result: dict) -> pd.DataFrame:
+    base = result["modes"].get("vanilla", {}).get("tokens_per_s")
+    rows = []
+    for mode, totals in result["modes"].items():
+        tau = totals.get("mean_accepted_length")
+        rows.append({
+            "mode": MODE_LABELS.get(mode, mode),
+            "tokens": totals["tokens"],
+            "seconds": round(totals["seconds"], 2),
+            "tokens/s": round(totals["tokens_per_s"], 1),
+            "tau": None if tau is None else round(tau, 2),
+            "speedup": round(totals["tokens_per_s"] / base, 2) if base else None,
+        })  # fmt: skip
+    identical = result["summary"].get("identical_fraction")
+    if identical is not None:
+        rows.append({"mode": "identical outputs", "tokens": None, "seconds": None, "tokens/s": None,
+                     "tau": None, "speedup": round(identical, 2)})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def speed_frame(result: dict) -> pd.DataFrame:
+    modes = result["modes"]
+    return pd.DataFrame({
+        "mode": [MODE_LABELS.get(mode, mode) for mode in modes],
+        "tokens/s": [totals["tokens_per_s"] for totals in modes.values()],
+    })  # fmt: skip

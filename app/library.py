@@ -1,0 +1,98 @@
+"""Models tab: the catalog with memory estimates, trained heads, load and unload."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from app import render
+from app.chat import MODE_LABELS
+from app.runtime import Runtime
+from app.session import load_pair
+from models import catalog
+from models.errors import KestrelError
+
+BITS = {"4bit": 4, "8bit": 8, "none": 16}
+
+
+def detected_memory() -> tuple[float | None, str]:
+    """(GB, what it is): the first GPU's memory, else the system RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / 2**30, f"GPU {props.name}"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, "system RAM (no GPU detected)"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown memory (no GPU detected)"
+
+
+def catalog_frame(available_gb: float | None) -> pd.DataFrame:
+    rows = []
+    for entry in catalog.CATALOG:
+        row = {"model": entry.name, "draft head": entry.head or "bundled", "parameters (B)": entry.parameters}
+        for label, bits in (("4-bit", 4), ("8-bit", 8), ("16-bit", 16)):
+            needed = catalog.estimated_gb(entry, bits)
+            row[f"{label} GB"] = f"{needed:.1f} ({catalog.fit(needed, available_gb)})"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def trained_heads(heads_dir: Path, base_config) -> list[str]:
+    """Head folders (config.json + model.safetensors) under `heads_dir` made
+    for this base: a matching `base_model` entry, or matching sizes."""
+    found = []
+    for config_file in sorted(heads_dir.glob("*/config.json")):
+        folder = config_file.parent
+        if not (folder / "model.safetensors").is_file():
+            continue
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, ValueError):
+            continue
+        same_size = config.get("hidden_size") == base_config.hidden_size and config.get("vocab_size") == base_config.vocab_size
+        if same_size:
+            found.append(str(folder))
+    return found
+
+
+class LibraryHandlers:
+    def __init__(self, runtime: Runtime, heads_dir: Path):
+        self.runtime = runtime
+        self.heads_dir = heads_dir
+
+    def status(self) -> str:
+        return render.escape(self.runtime.describe())
+
+    def heads(self) -> dict:
+        engine = self.runtime.engine
+        choices = trained_heads(self.heads_dir, engine.model.config) if engine is not None else []
+        return gr.update(choices=choices, value=None)
+
+    def pick(self, name: str) -> tuple:
+        """A catalog row fills the model and head boxes. Outputs: model, head."""
+        entry = catalog.find(name)
+        if entry is None:
+            return gr.skip(), gr.skip()
+        return entry.base or "", entry.head or ""
+
+    def load(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
+        """Outputs: status, notice, mode selector."""
+        model, head = (model or "").strip() or None, (trained or (head or "").strip()) or None
+        try:
+            engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, "auto"))
+        except (KestrelError, ValueError) as error:
+            return self.status(), f"Loading failed: {render.escape(str(error))}. The previous model is still loaded.", gr.skip()
+        modes = engine.modes
+        mode_update = gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=modes[-1])
+        return self.status(), "Loaded.", mode_update
+
+    def unload(self) -> tuple:
+        """Outputs: status, notice."""
+        self.runtime.unload()
+        return self.status(), "Unloaded; memory freed."

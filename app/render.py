@@ -1,0 +1,114 @@
+"""Model text and statistics as HTML and plot data.
+
+Model text is always HTML-escaped before it goes into any HTML: a reply that
+contains `<script>` shows as text."""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+
+from core.stats import Snapshot
+
+DRAFT, BASE = "draft", "base"  # token origins: drafted-and-accepted, or sampled by the base model
+DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
+CSS = """
+.kestrel-stats table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
+.kestrel-stats td { padding: 2px 6px; border-bottom: 1px solid var(--border-color-primary); }
+.kestrel-stats td.value { text-align: right; font-weight: 600; }
+.kestrel-pane { white-space: pre-wrap; min-height: 12em; max-height: 30em; overflow-y: auto;
+  padding: 8px; border: 1px solid var(--border-color-primary); border-radius: 6px; }
+.kestrel-legend span { padding: 0 4px; }
+"""
+
+
+def escape(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def add_segment(segments: list[list[str]], text: str, origin: str) -> None:
+    """Append `text` to [text, origin] segments, merging runs of one origin."""
+    if not text:
+        return
+    if segments and segments[-1][1] == origin:
+        segments[-1][0] += text
+    else:
+        segments.append([text, origin])
+
+
+def split_step(text: str, accepted_text: str) -> list[tuple[str, str]]:
+    """A step's text split by origin: its first `accepted` tokens decode to
+    `accepted_text` (drafted), the rest came from the base model. When the
+    detokenizer held back a split character the prefix may not match: the
+    whole step then counts as drafted."""
+    if not accepted_text:
+        return [(text, BASE)]
+    if text.startswith(accepted_text):
+        return [(accepted_text, DRAFT), (text[len(accepted_text) :], BASE)]
+    return [(text, DRAFT)]
+
+
+def coloured(segments: list[list[str]]) -> str:
+    """Escaped text with drafted-and-accepted runs highlighted."""
+    parts = []
+    for text, origin in segments:
+        escaped = escape(text)
+        parts.append(f'<span class="kd" style="{DRAFT_STYLE}">{escaped}</span>' if origin == DRAFT else escaped)
+    return "".join(parts)
+
+
+def message_html(message: dict, colour: bool) -> str:
+    """What the chatbot shows for one stored message (markdown over escaped text)."""
+    if colour and message.get("segments"):
+        return coloured(message["segments"])
+    return escape(message["content"])
+
+
+def pane_html(segments: list[list[str]], elem_class: str = "kestrel-pane") -> str:
+    return f'<div class="{elem_class}">{coloured(segments)}</div>'
+
+
+LEGEND = (
+    f'<div class="kestrel-legend"><span style="{DRAFT_STYLE}">drafted by the head, accepted</span>'
+    "<span>sampled by the base model</span></div>"
+)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def stats_html(snapshot: Snapshot | None, tree_size: int, session_tau: float | None, note: str = "") -> str:
+    """The side panel: each value has an id so that tests and eyes can find it."""
+    if snapshot is None:
+        rows = [("tokens/s", "-", "tps"), ("tau (this reply)", "-", "tau"), ("tau (session)", "-", "tau-session")]
+    else:
+        busy = snapshot.draft_seconds + snapshot.verify_seconds
+        share = f"{100 * snapshot.draft_seconds / busy:.0f}% / {100 * snapshot.verify_seconds / busy:.0f}%" if busy else "-"
+        rows = [
+            ("tokens/s", f"{snapshot.tokens_per_s:.1f}", "tps"),
+            ("tau (this reply)", f"{snapshot.mean_accepted_length:.2f}", "tau"),
+            ("tau (session)", "-" if session_tau is None else f"{session_tau:.2f}", "tau-session"),
+            ("tokens", str(snapshot.tokens), "tokens"),
+            ("base-model forwards", str(snapshot.forwards), "forwards"),
+            ("time to first token", _seconds(snapshot.time_to_first_token), "ttft"),
+            ("draft / verify time", share, "share"),
+            ("tree size (last step)", str(tree_size), "tree"),
+        ]
+    cells = "".join(
+        f'<tr><td>{label}</td><td class="value" id="stat-{key}">{escape(value)}</td></tr>' for label, value, key in rows
+    )
+    footer = f"<p>{escape(note)}</p>" if note else ""
+    return f'<div class="kestrel-stats"><table>{cells}</table>{footer}</div>'
+
+
+def depth_frame(snapshot: Snapshot | None) -> pd.DataFrame:
+    """Acceptance rate per draft depth, for the bar chart."""
+    rates = snapshot.acceptance_by_depth if snapshot is not None else ()
+    return pd.DataFrame({"depth": [str(d + 1) for d in range(len(rates))], "acceptance": list(rates)})
+
+
+def rate_frame(points: list[tuple[float, float]]) -> pd.DataFrame:
+    """(seconds since the request started, tokens/s over the last interval)."""
+    return pd.DataFrame({"seconds": [p[0] for p in points], "tokens/s": [p[1] for p in points]})

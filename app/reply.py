@@ -1,0 +1,90 @@
+"""One streamed reply: the engine's Step events folded into text coloured by
+origin, statistics and a tokens/s curve. Shared by the Chat and Compare tabs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from app.render import BASE, DRAFT, add_segment, split_step
+from core.config import SamplingParams, TreeParams
+from core.engine import Engine, Step
+from core.stats import Snapshot
+
+RATE_INTERVAL = 0.25  # seconds between points of the tokens/s curve
+
+
+@dataclass
+class Reply:
+    segments: list[list[str]] = field(default_factory=list)  # [text, origin] runs
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    snapshot: Snapshot | None = None
+    tree_size: int = 0  # nodes verified in the latest step
+    rate_points: list[tuple[float, float]] = field(default_factory=list)  # (seconds, tokens/s over the interval)
+    finish_reason: str | None = None
+    last_sample: tuple[float, int] = (0.0, 0)  # (seconds, tokens) at the latest curve point
+
+    def add(self, step: Step, tokenizer) -> None:
+        accepted_text = self._accepted_text(step, tokenizer) if step.accepted else ""
+        for text, origin in split_step(step.text, accepted_text):
+            add_segment(self.segments, text, origin)
+        self.text += step.text
+        self.token_ids.extend(step.token_ids)
+        self.snapshot = step.stats
+        self.tree_size = step.tree_size or self.tree_size
+        self.finish_reason = step.finish_reason
+        self._sample_rate(step.stats)
+
+    def _accepted_text(self, step: Step, tokenizer) -> str:
+        """The text that the step's drafted-and-accepted tokens add."""
+        prefix = tokenizer.decode(self.token_ids + list(step.token_ids[: step.accepted]), skip_special_tokens=True)
+        if prefix.endswith("\ufffd") or not prefix.startswith(self.text):
+            return ""
+        return prefix[len(self.text) :]
+
+    def _sample_rate(self, snapshot: Snapshot) -> None:
+        last_seconds, last_tokens = self.last_sample
+        if snapshot.seconds - last_seconds >= RATE_INTERVAL or self.finish_reason is not None:
+            elapsed = snapshot.seconds - last_seconds
+            if elapsed > 0:
+                self.rate_points.append((round(snapshot.seconds, 3), (snapshot.tokens - last_tokens) / elapsed))
+            self.last_sample = (snapshot.seconds, snapshot.tokens)
+
+    @property
+    def drafted_share(self) -> float:
+        drafted = sum(len(text) for text, origin in self.segments if origin == DRAFT)
+        total = sum(len(text) for text, origin in self.segments if origin in (DRAFT, BASE))
+        return drafted / total if total else 0.0
+
+
+def stream_reply(
+    engine: Engine,
+    messages: list[dict],
+    mode: str,
+    sampling: SamplingParams,
+    tree: TreeParams,
+    cancel: threading.Event | None,
+) -> Iterator[Reply]:
+    """The reply after each step (the same object, updated in place)."""
+    reply = Reply()
+    for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree, cancel=cancel):
+        reply.add(step, engine.base.tokenizer)
+        yield reply
+
+
+class Throttle:
+    """True at most every `interval` seconds, and always for the final update."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.last = float("-inf")
+
+    def ready(self, final: bool = False) -> bool:
+        now = time.monotonic()
+        if final or now - self.last >= self.interval:
+            self.last = now
+            return True
+        return False

@@ -1,0 +1,57 @@
+"""`launch.py --install-shortcut`: a menu/desktop entry that starts Kestrel."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ICON = ROOT / "assets" / "kestrel.svg"
+
+
+def desktop_entry(root: Path, python: str) -> str:
+    return "\n".join([
+        "[Desktop Entry]",
+        "Type=Application",
+        "Name=Kestrel",
+        "Comment=Local LLM chat with EAGLE-2 speculative decoding",
+        f'Exec="{python}" "{root / "launch.py"}"',
+        f"Path={root}",
+        f"Icon={root / 'assets' / 'kestrel.svg'}",
+        "Terminal=true",
+        "Categories=Utility;Development;",
+        "",
+    ])  # fmt: skip
+
+
+def windows_batch(root: Path) -> str:
+    return f'@echo off\r\ncd /d "{root}"\r\npy -3 launch.py %* || python launch.py %*\r\npause\r\n'
+
+
+def mac_command(root: Path) -> str:
+    return f'#!/bin/bash\ncd "{root}"\nexec python3 launch.py "$@"\n'
+
+
+def _write_executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None = None) -> list[Path]:
+    """Write the shortcut(s) for this platform; returns the files written."""
+    home = home or Path.home()
+    desktop = home / "Desktop"
+    if platform.startswith("win"):
+        return [_write_executable(desktop / "Kestrel.bat", windows_batch(root))]
+    if platform == "darwin":
+        return [_write_executable(desktop / "Kestrel.command", mac_command(root))]
+    entry = desktop_entry(root, "python3")
+    data_home = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share")
+    written = [_write_executable(data_home / "applications" / "kestrel.desktop", entry)]
+    if desktop.is_dir():
+        written.append(_write_executable(desktop / "kestrel.desktop", entry))
+    return written

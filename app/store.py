@@ -1,0 +1,120 @@
+"""Settings and chat history on disk, in the user data folder.
+
+Every file is written atomically (temp file + fsync + os.replace), so a crash
+or a full disk mid-write leaves the previous version intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import platformdirs
+
+SETTINGS_FILE = "settings.json"
+CHATS_FOLDER = "chats"
+
+
+def data_dir() -> Path:
+    """Kestrel's user data folder; KESTREL_DATA_DIR overrides it (tests)."""
+    override = os.environ.get("KESTREL_DATA_DIR")
+    return Path(override) if override else Path(platformdirs.user_data_dir("kestrel"))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def new_chat(system: str = "") -> dict:
+    """A chat as stored: messages hold role and content; assistant messages
+    also hold `segments` ([text, origin] pairs) and `stats` of their reply."""
+    now = time.time()
+    return {
+        "id": time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6],
+        "title": "",
+        "created": now,
+        "updated": now,
+        "system": system,
+        "messages": [],
+        "session": {"tokens": 0, "forwards": 0},
+    }
+
+
+def chat_title(chat: dict) -> str:
+    first = next((m["content"] for m in chat["messages"] if m["role"] == "user"), "")
+    title = " ".join(first.split())
+    return (title[:48] + "...") if len(title) > 48 else (title or "New chat")
+
+
+class Store:
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def load_settings(self) -> dict:
+        return self._read(self.folder / SETTINGS_FILE) or {}
+
+    def save_settings(self, settings: dict) -> None:
+        write_atomic(self.folder / SETTINGS_FILE, json.dumps(settings, indent=2))
+
+    def chat_path(self, chat_id: str) -> Path:
+        if not chat_id or "/" in chat_id or "\\" in chat_id or chat_id.startswith("."):
+            raise ValueError(f"invalid chat id {chat_id!r}")
+        return self.folder / CHATS_FOLDER / f"{chat_id}.json"
+
+    def save_chat(self, chat: dict) -> None:
+        if not chat["messages"]:
+            return
+        chat["updated"] = time.time()
+        chat["title"] = chat_title(chat)
+        write_atomic(self.chat_path(chat["id"]), json.dumps(chat, indent=1, ensure_ascii=False))
+
+    def load_chat(self, chat_id: str) -> dict | None:
+        return self._read(self.chat_path(chat_id))
+
+    def delete_chat(self, chat_id: str) -> None:
+        self.chat_path(chat_id).unlink(missing_ok=True)
+
+    def list_chats(self) -> list[dict]:
+        """(id, title, updated) of every readable chat, newest first."""
+        chats = []
+        for path in (self.folder / CHATS_FOLDER).glob("*.json"):
+            chat = self._read(path)
+            if chat and "messages" in chat:
+                chats.append({"id": chat["id"], "title": chat.get("title") or "New chat", "updated": chat["updated"]})
+        return sorted(chats, key=lambda chat: chat["updated"], reverse=True)
+
+    @staticmethod
+    def _read(path: Path) -> dict | None:
+        """The JSON object in `path`; None when missing or unreadable (a
+        damaged file is skipped rather than breaking the app)."""
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
+
+def to_markdown(chat: dict) -> str:
+    lines = [f"# {chat_title(chat)}", ""]
+    if chat.get("system"):
+        lines += ["**System:**", "", chat["system"], ""]
+    for message in chat["messages"]:
+        lines += [f"**{message['role'].capitalize()}:**", "", message["content"], ""]
+    return "\n".join(lines)
+
+
+def to_json(chat: dict) -> str:
+    return json.dumps(chat, indent=2, ensure_ascii=False)

@@ -1,0 +1,229 @@
+"""The browser UI: layout and event wiring. Handlers live in app/chat.py,
+app/compare.py and app/library.py; everything that runs the model shares one
+concurrency group, so requests queue instead of running at once."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import gradio as gr
+
+from app import render
+from app.chat import MODE_LABELS, ChatHandlers, chat_choices, default_settings
+from app.compare import CompareHandlers
+from app.library import BITS, LibraryHandlers, catalog_frame, detected_memory
+from app.runtime import Runtime
+from app.store import Store, data_dir
+from core.config import TreeParams
+from core.engine import Engine
+from models import catalog
+
+LOCALHOST = "127.0.0.1"
+ICON = Path(__file__).resolve().parent.parent / "assets" / "kestrel.svg"
+MODEL = {"concurrency_limit": 1, "concurrency_id": "model"}  # every event that runs the model
+
+
+def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir: Path) -> gr.Blocks:
+    runtime = Runtime(engine_or_loader)
+    store = Store(Path(store_dir))
+    chat = ChatHandlers(runtime, store)
+    compare = CompareHandlers(runtime)
+    library = LibraryHandlers(runtime, Path(store_dir) / "heads")
+    defaults, tree = default_settings(), TreeParams()
+
+    with gr.Blocks(title="Kestrel", analytics_enabled=False) as demo:
+        chat_state = gr.State(None)
+        with gr.Tabs():
+            with gr.Tab("Chat", id="chat"):
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        system = gr.Textbox(label="System prompt", lines=1, elem_id="system")
+                        chatbot = gr.Chatbot(elem_id="chatbot", height=460, sanitize_html=True, show_label=False)
+                        notice = gr.HTML(elem_id="notice")
+                        with gr.Row():
+                            message = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=5, elem_id="message")
+                            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                            stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+                        with gr.Row():
+                            regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+                            edit = gr.Button("Edit last message", size="sm", elem_id="edit")
+                            clear = gr.Button("Clear", size="sm", elem_id="clear")
+                            new = gr.Button("New chat", size="sm", elem_id="new-chat")
+                        with gr.Accordion("Saved chats", open=False):
+                            chats = gr.Dropdown(label="Open a saved chat", choices=[], elem_id="chats")
+                            with gr.Row():
+                                export = gr.Button("Export (Markdown + JSON)", size="sm")
+                                delete = gr.Button("Delete this chat", size="sm", variant="stop")
+                            exported = gr.File(label="Exported files", file_count="multiple", interactive=False)
+                    with gr.Column(scale=2):
+                        stats = gr.HTML(render.stats_html(None, 0, None), elem_id="stats")
+                        depth_plot = gr.BarPlot(
+                            render.depth_frame(None), x="depth", y="acceptance", y_lim=[0, 1],
+                            title="Acceptance per draft depth", height=170,
+                        )  # fmt: skip
+                        rate_plot = gr.LinePlot(
+                            render.rate_frame([]), x="seconds", y="tokens/s", title="Tokens/s over the reply", height=170
+                        )
+                        with gr.Accordion("Decoding settings", open=True):
+                            mode = gr.Radio([(MODE_LABELS["vanilla"], "vanilla")], value="vanilla", label="Mode",
+                                            info="EAGLE modes appear when a draft head is loaded", elem_id="mode")  # fmt: skip
+                            colour = gr.Checkbox(defaults["colour"], label="Colour tokens by origin", elem_id="colour")
+                            gr.HTML(render.LEGEND)
+                            temperature = gr.Slider(0, 2, defaults["temperature"], step=0.05, label="Temperature (0 = greedy)")
+                            top_p = gr.Slider(0.05, 1, defaults["top_p"], step=0.05, label="Top-p")
+                            top_k = gr.Number(defaults["top_k"], precision=0, minimum=0, label="Top-k (0 = off)")
+                            max_new_tokens = gr.Slider(1, 2048, defaults["max_new_tokens"], step=1, label="Max new tokens")
+                            seed = gr.Number(defaults["seed"], precision=0, label="Seed (-1 = random)")
+                            total_tokens = gr.Slider(2, 128, tree.total_tokens, step=1, label="Tree: tokens verified per step")
+                            depth = gr.Slider(1, 12, tree.depth, step=1, label="Tree: depth")
+                            tree_top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Tree: top-k per node")
+            controls = [mode, temperature, top_p, top_k, max_new_tokens, seed, total_tokens, depth, tree_top_k, colour]
+
+            with gr.Tab("Compare", id="compare"):
+                gr.Markdown("One prompt through vanilla decoding, then EAGLE-2, one after the other, "
+                            "with the decoding settings of the Chat tab.")  # fmt: skip
+                with gr.Row():
+                    prompt = gr.Textbox(placeholder="Prompt to compare", show_label=False, scale=5, elem_id="compare-prompt")
+                    run_compare = gr.Button("Compare", variant="primary", scale=1, elem_id="compare-run")
+                    stop_compare = gr.Button("Stop", variant="stop", scale=1)
+                with_eagle = gr.Checkbox(False, label="Also run EAGLE (static tree)")
+                with gr.Row():
+                    with gr.Column():
+                        gr.Markdown("**Vanilla**")
+                        pane_vanilla = gr.HTML(elem_id="pane-vanilla")
+                    with gr.Column(visible=False) as eagle_column:
+                        gr.Markdown("**EAGLE**")
+                        pane_eagle = gr.HTML(elem_id="pane-eagle")
+                    with gr.Column():
+                        gr.Markdown("**EAGLE-2**")
+                        pane_eagle2 = gr.HTML(elem_id="pane-eagle2")
+                verdict = gr.HTML(elem_id="verdict-box")
+                with gr.Accordion("Benchmark", open=False):
+                    gr.Markdown("Runs a few built-in prompts (or your JSONL file: one `{\"turns\": [prompt]}` per line) "
+                                "through vanilla and EAGLE-2 with the Chat tab's settings.")  # fmt: skip
+                    with gr.Row():
+                        upload = gr.File(label="Prompts (.jsonl, optional)", file_types=[".jsonl"], type="filepath")
+                        limit = gr.Slider(1, 80, 4, step=1, label="Prompts to run")
+                    run_bench = gr.Button("Run benchmark", elem_id="bench-run")
+                    bench_notice = gr.HTML()
+                    bench_table = gr.Dataframe(label="Summary", interactive=False)
+                    bench_chart = gr.BarPlot(x="mode", y="tokens/s", title="Tokens/s", height=200)
+                    bench_json = gr.JSON(label="Full result", open=False)
+
+            with gr.Tab("Models", id="models"):
+                memory_gb, memory_kind = detected_memory()
+                status = gr.HTML(elem_id="model-status")
+                gr.Markdown(
+                    f"Detected memory: **{memory_gb:.1f} GB** of {memory_kind}. Estimates include the draft head "
+                    "and about 1 GB of runtime overhead; 4/8-bit need bitsandbytes (CUDA for speed)."
+                    if memory_gb else f"Detected memory: {memory_kind}."
+                )  # fmt: skip
+                gr.Dataframe(catalog_frame(memory_gb), interactive=False, label="Catalog")
+                entry = gr.Dropdown([e.name for e in catalog.CATALOG], label="Catalog entry", value=None)
+                with gr.Row():
+                    model_box = gr.Textbox(label="Base model (repo id or local folder; empty = bundled default)")
+                    head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
+                trained = gr.Dropdown([], label="Heads you trained for this base (overrides the head box)")
+                with gr.Row():
+                    quantization = gr.Radio(list(BITS), value="none", label="Quantization")
+                    dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16"], value="auto", label="Compute dtype")
+                with gr.Row():
+                    load = gr.Button("Load", variant="primary")
+                    unload = gr.Button("Unload (free memory)")
+                load_notice = gr.HTML()
+
+        chat_outputs = [message, chatbot, chat_state, notice, stats, depth_plot, rate_plot]
+        refresh = {"fn": lambda: gr.update(choices=chat_choices(store)), "outputs": chats}
+        for trigger, api_name in ((send.click, "send"), (message.submit, False)):
+            trigger(chat.send, [message, chat_state, system, *controls], chat_outputs, api_name=api_name, **MODEL).then(**refresh)
+        regenerate.click(chat.regenerate, [chat_state, system, *controls], chat_outputs, **MODEL).then(**refresh)
+        stop.click(chat.stop, chat_state, None, concurrency_limit=None)
+        edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state]).then(**refresh)
+        clear.click(chat.clear, chat_state, [chatbot, chat_state, stats]).then(**refresh)
+        new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, chats])
+        chats.input(chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats])
+        delete.click(chat.delete, chat_state, [chatbot, chat_state, chats])
+        export.click(chat.export, chat_state, exported)
+        colour.change(chat.recolour, [chat_state, colour], chatbot)
+
+        run_compare.click(
+            compare.compare, [prompt, with_eagle, chat_state, *controls],
+            [pane_vanilla, pane_eagle, pane_eagle2, verdict], api_name="compare", **MODEL,
+        )  # fmt: skip
+        stop_compare.click(chat.stop, chat_state, None, concurrency_limit=None)
+        with_eagle.change(lambda on: gr.update(visible=on), with_eagle, eagle_column)
+        run_bench.click(
+            compare.benchmark, [upload, limit, *controls], [bench_table, bench_chart, bench_json, bench_notice], **MODEL
+        )
+
+        entry.input(library.pick, entry, [model_box, head_box])
+        load.click(library.load, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode], **MODEL).then(
+            library.heads, None, trained
+        )  # fmt: skip
+        unload.click(library.unload, None, [status, load_notice], **MODEL)
+
+        demo.load(chat.restore, None, [*controls, system, chatbot, chat_state, chats, stats], **MODEL)
+        demo.load(library.status, None, status).then(library.heads, None, trained)
+    return demo
+
+
+def server_address(listen: bool, auth: str | None) -> tuple[str, tuple[str, str] | None]:
+    """(host, credentials): 127.0.0.1 unless --listen, which requires --auth."""
+    credentials = None
+    if auth is not None:
+        user, colon, password = auth.partition(":")
+        if not (user and colon and password):
+            raise ValueError("--auth must be USER:PASS, both non-empty")
+        credentials = (user, password)
+    if listen and credentials is None:
+        raise ValueError(
+            "--listen makes Kestrel reachable from other machines, so it needs a password: "
+            "add --auth USER:PASS (or drop --listen to stay on this computer)"
+        )
+    return ("0.0.0.0" if listen else LOCALHOST), credentials
+
+
+def free_port(host: str, start: int, tries: int = 100) -> int:
+    """`start`, or the next port that can be bound on `host`."""
+    for port in range(start, start + tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {start}-{start + tries - 1} on {host}; pass --port")
+
+
+def launch(demo: gr.Blocks, host: str, port: int, auth=None, open_browser: bool = False, block: bool = True):
+    demo.queue()
+    return demo.launch(
+        server_name=host, server_port=free_port(host, port), auth=auth, inbrowser=open_browser, share=False,
+        prevent_thread_lock=not block, css=render.CSS, favicon_path=str(ICON), show_error=True, quiet=not block,
+    )  # fmt: skip
+
+
+def serve(args) -> int:
+    """`launch.py ui`: load the model, then serve the app until interrupted."""
+    if args.install_shortcut:
+        from app.shortcut import install
+
+        for path in install():
+            print(f"Shortcut written: {path}")
+        return 0
+    host, auth = server_address(args.listen, args.auth)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from app.session import load_pair
+
+    print("Loading the model (the first run prepares the bundled one)...", flush=True)
+    engine = load_pair(args.model, args.head, args.quantization, args.dtype, args.device)
+    print(f"Loaded {Runtime(engine).describe()}", flush=True)
+    store_dir = data_dir()
+    print(f"Chats and settings: {store_dir}", flush=True)
+    launch(build_app(engine, store_dir), host, args.port, auth, open_browser=not args.no_browser)
+    return 0

@@ -1,0 +1,48 @@
+"""Known base models with their published EAGLE draft heads, and how much
+memory each needs at 4, 8 and 16 bits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models import bundled
+
+RUNTIME_OVERHEAD_GB = 1.0  # CUDA context, activations and a 2k-token KV cache, roughly
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str  # shown in the UI
+    base: str | None  # Hugging Face repo id of the base model; None = the bundled default
+    head: str | None  # repo id of its EAGLE head; None = the bundled head (when present)
+    parameters: float  # base-model parameters, billions
+    head_parameters: float  # draft-head parameters, billions (one decoder layer + fc)
+
+
+CATALOG = (
+    CatalogEntry(bundled.DEFAULT_NAME + " (bundled)", None, None, 0.135, 0.005),
+    CatalogEntry("Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", 8.03, 0.25),
+    CatalogEntry("Vicuna-7B v1.3", "lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", 6.74, 0.24),
+    CatalogEntry("Vicuna-13B v1.3", "lmsys/vicuna-13b-v1.3", "yuhuili/EAGLE-Vicuna-13B-v1.3", 13.0, 0.37),
+    CatalogEntry("Qwen2-7B-Instruct", "Qwen/Qwen2-7B-Instruct", "yuhuili/EAGLE-Qwen2-7B-Instruct", 7.62, 0.26),
+    CatalogEntry("Llama-2-7B-chat", "meta-llama/Llama-2-7b-chat-hf", "yuhuili/EAGLE-llama2-chat-7B", 6.74, 0.24),
+    CatalogEntry("Llama-2-13B-chat", "meta-llama/Llama-2-13b-chat-hf", "yuhuili/EAGLE-llama2-chat-13B", 13.0, 0.37),
+)
+
+
+def estimated_gb(entry: CatalogEntry, bits: int) -> float:
+    """Base weights at `bits`, the head at 16 bits, plus runtime overhead."""
+    return entry.parameters * bits / 8 + entry.head_parameters * 2 + RUNTIME_OVERHEAD_GB
+
+
+def fit(needed_gb: float, available_gb: float | None) -> str:
+    """fits (with 15% to spare), tight, or does not fit."""
+    if available_gb is None:
+        return "unknown"
+    if needed_gb <= 0.85 * available_gb:
+        return "fits"
+    return "tight" if needed_gb <= available_gb else "does not fit"
+
+
+def find(name: str) -> CatalogEntry | None:
+    return next((entry for entry in CATALOG if entry.name == name), None)
