@@ -45,6 +45,7 @@ def node_depths(parents: tuple[int, ...]) -> torch.Tensor:
 def make_tree(root: int, tokens: list[int], parents: list[int]) -> DraftTree:
     """A tree from the root token plus drafted nodes whose parents index the
     drafted list (-1 = the root); drafted nodes must come parent-first."""
+    assert len(tokens) == len(parents), "one parent per drafted token"
     tree_parents = (-1,) + tuple(parent + 1 for parent in parents)
     assert all(tree_parents[i] < i for i in range(1, len(tree_parents))), "parents must precede children"
     return DraftTree(
