@@ -129,13 +129,13 @@ class ChatHandlers:
         if not message:
             yield "", gr.skip(), chat, notice_html("Type a message first."), gr.skip(), gr.skip(), gr.skip()
             return
-        chat = copy.deepcopy(chat)
+        chat = copy.deepcopy(chat) if chat else new_chat()
         chat["system"] = system or ""
         chat["messages"].append({"role": "user", "content": message})
         yield from self._respond(chat, values, message)
 
-    def regenerate(self, chat: dict, system: str, *values) -> Iterator[tuple]:
-        chat = copy.deepcopy(chat)
+    def regenerate(self, chat: dict | None, system: str, *values) -> Iterator[tuple]:
+        chat = copy.deepcopy(chat) if chat else new_chat()
         chat["system"] = system or ""
         if chat["messages"] and chat["messages"][-1]["role"] == "assistant":
             chat["messages"].pop()
@@ -199,13 +199,13 @@ class ChatHandlers:
         stats = render.stats_html(reply.snapshot, reply.tree_size, tau)
         return stats, render.depth_frame(reply.snapshot), render.rate_frame(reply.rate_points)
 
-    def stop(self, chat: dict) -> None:
-        self.runtime.cancel_event(chat["id"]).set()
+    def stop(self, chat: dict | None) -> None:
+        self.runtime.cancel_event(chat["id"] if chat else None).set()
 
-    def edit_last(self, chat: dict, colour: bool) -> tuple:
+    def edit_last(self, chat: dict | None, colour: bool) -> tuple:
         """Take back the last user message (and the reply to it) for editing.
         Outputs: message box, chatbot, chat state."""
-        chat = copy.deepcopy(chat)
+        chat = copy.deepcopy(chat) if chat else new_chat()
         users = [i for i, m in enumerate(chat["messages"]) if m["role"] == "user"]
         if not users:
             return gr.skip(), display(chat, colour), chat
@@ -219,6 +219,7 @@ class ChatHandlers:
 
     def clear(self, chat: dict) -> tuple:
         """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats."""
+        chat = chat or new_chat()
         self.store.delete_chat(chat["id"])
         cleared = new_chat(chat.get("system", ""))
         cleared["id"] = chat["id"]
@@ -239,12 +240,13 @@ class ChatHandlers:
 
     def delete(self, chat: dict) -> tuple:
         """Delete the current chat. Outputs: chatbot, chat, chat list."""
+        chat = chat or new_chat()
         self.store.delete_chat(chat["id"])
         return [], new_chat(chat.get("system", "")), gr.update(choices=chat_choices(self.store), value=None)
 
     def export(self, chat: dict) -> list[str] | None:
         """The chat as Markdown and JSON files, for download."""
-        if not chat["messages"]:
+        if not chat or not chat["messages"]:
             return None
         folder = Path(tempfile.mkdtemp(prefix="kestrel-export-"))
         markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
@@ -252,8 +254,8 @@ class ChatHandlers:
         data.write_text(to_json(chat), encoding="utf-8")
         return [str(markdown), str(data)]
 
-    def recolour(self, chat: dict, colour: bool) -> list[dict]:
-        return display(chat, colour)
+    def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
+        return display(chat or new_chat(), colour)
 
     def save_settings(self, values: Sequence, system: str) -> None:
         settings = dict(zip(SETTINGS, values))

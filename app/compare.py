@@ -76,7 +76,7 @@ class CompareHandlers:
         modes = ("vanilla", "eagle", "eagle2") if with_eagle else ("vanilla", "eagle2")
         panes = {mode: "" for mode in ("vanilla", "eagle", "eagle2")}
         replies: dict[str, Reply] = {}
-        cancel = self.runtime.cancel_event(chat["id"])
+        cancel = self.runtime.cancel_event(chat["id"] if chat else None)
         cancel.clear()
         messages = [{"role": "user", "content": prompt}]
         yield *panes.values(), "Running vanilla..."

@@ -16,7 +16,7 @@ from app.compare import CompareHandlers
 from app.library import BITS, LibraryHandlers, catalog_frame, detected_memory
 from app.runtime import Runtime
 from app.store import Store, data_dir
-from core.config import TreeParams
+from core.config import MODES, TreeParams
 from core.engine import Engine
 from models import catalog
 
@@ -67,7 +67,8 @@ def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir:
                             render.rate_frame([]), x="seconds", y="tokens/s", title="Tokens/s over the reply", height=170
                         )
                         with gr.Accordion("Decoding settings", open=True):
-                            mode = gr.Radio([(MODE_LABELS["vanilla"], "vanilla")], value="vanilla", label="Mode",
+                            # every mode here; the page load narrows the choices to the loaded model's
+                            mode = gr.Radio([(MODE_LABELS[m], m) for m in MODES], value="vanilla", label="Mode",
                                             info="EAGLE modes appear when a draft head is loaded", elem_id="mode")  # fmt: skip
                             colour = gr.Checkbox(defaults["colour"], label="Colour tokens by origin", elem_id="colour")
                             gr.HTML(render.LEGEND)

@@ -1,0 +1,283 @@
+"""UI handlers with the tiny model: streaming, stop, persistence, escaping,
+the models tab and the launched server."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+import pandas as pd
+import pytest
+
+from app import chat as chat_module
+from app import render
+from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context
+from app.compare import CompareHandlers, first_difference
+from app.library import LibraryHandlers, catalog_frame, trained_heads
+from app.reply import Reply
+from app.runtime import Runtime
+from app.store import Store, new_chat
+from core.engine import Engine, Step
+from core.stats import Snapshot
+from models import catalog
+from models.base import load_base
+from tests.factory import random_head
+
+
+def values(**changes) -> list:
+    """Settings controls' values in SETTINGS order."""
+    settings = {**default_settings(), "max_new_tokens": 24, **changes}
+    return [settings[name] for name in SETTINGS]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_base):
+    return Engine(tiny_base, random_head(tiny_base.model))
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store(tmp_path / "data")
+
+
+@pytest.fixture
+def handlers(engine, store, monkeypatch):
+    monkeypatch.setattr(chat_module, "TEXT_INTERVAL", 0.0)
+    monkeypatch.setattr(chat_module, "PANEL_INTERVAL", 0.0)
+    return ChatHandlers(Runtime(engine), store)
+
+
+def is_skip(value) -> bool:
+    return isinstance(value, dict) and value.get("__type__") == "update" and len(value) == 1
+
+
+def test_send_streams_text_and_stats(handlers, store):
+    updates = list(handlers.send("w1 w2 w3", new_chat(), "w5", *values(max_new_tokens=30)))
+    streamed = [u for u in updates[1:-1] if not is_skip(u[1])]
+    assert len(streamed) >= 2, "the reply should arrive in several updates"
+    lengths = [len(u[1][-1]["content"]) for u in streamed]
+    assert lengths == sorted(lengths) and lengths[-1] > lengths[0]
+    assert any(isinstance(u[4], str) and 'id="stat-tps"' in u[4] for u in streamed)
+    assert any(isinstance(u[5], pd.DataFrame) and len(u[5]) > 0 for u in streamed), "acceptance per depth"
+    _, chatbot, chat, notice, stats, depth, rate = updates[-1]
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant"]
+    assert chat["messages"][1]["stats"]["tokens"] == 30 and chat["system"] == "w5"
+    assert chatbot[-1]["content"] == render.escape(chat["messages"][1]["content"]) or "kd" in chatbot[-1]["content"]
+    assert 'id="stat-tau-session"' in stats and isinstance(rate, pd.DataFrame)
+    assert store.load_chat(chat["id"])["messages"] == chat["messages"]
+
+
+def test_stop_ends_reply_within_a_step(handlers, engine):
+    chat = new_chat()
+    stream = handlers.send("w1", chat, "", *values(max_new_tokens=200, mode="vanilla"))
+    first = next(stream)
+    next(stream)  # the first streamed text
+    handlers.stop(first[2])
+    stopped_at = time.perf_counter()
+    final = list(stream)[-1]
+    assert time.perf_counter() - stopped_at < 1.0
+    reply = final[2]["messages"][-1]
+    assert reply["stats"]["finish_reason"] == "cancelled"
+    assert reply["stats"]["tokens"] < 200
+    assert "Stopped" in final[3]
+
+
+def test_regenerate_edit_and_clear(handlers):
+    chat = list(handlers.send("w1 w2", new_chat(), "", *values(temperature=0.9, seed=-1)))[-1][2]
+    regenerated = list(handlers.regenerate(chat, "", *values()))[-1][2]
+    assert len(regenerated["messages"]) == 2
+    text, chatbot, edited = handlers.edit_last(regenerated, True)
+    assert text == "w1 w2" and edited["messages"] == [] and chatbot == []
+    chatbot, cleared, _ = handlers.clear(chat)
+    assert cleared["messages"] == [] and cleared["id"] == chat["id"]
+
+
+def test_history_and_settings_survive_a_restart(engine, store, handlers):
+    chat = list(handlers.send("w7 w8", new_chat(), "w9", *values(temperature=0.7, seed=5)))[-1][2]
+    restarted = ChatHandlers(Runtime(engine), Store(store.folder))
+    restored = restarted.restore()
+    controls = dict(zip(SETTINGS, restored[: len(SETTINGS)]))
+    system, chatbot, loaded = restored[len(SETTINGS) : len(SETTINGS) + 3]
+    assert controls["temperature"] == 0.7 and controls["seed"] == 5
+    assert system == "w9" and loaded["messages"] == chat["messages"]
+    assert chatbot[0]["content"] == "w7 w8"
+
+
+def test_interrupted_write_keeps_the_previous_history(store, monkeypatch):
+    chat = new_chat()
+    chat["messages"] = [{"role": "user", "content": "first"}]
+    store.save_chat(chat)
+    chat["messages"].append({"role": "assistant", "content": "second"})
+
+    def crash(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError):
+        store.save_chat(chat)
+    assert store.load_chat(chat["id"])["messages"] == [{"role": "user", "content": "first"}]
+    assert [p.name for p in store.chat_path(chat["id"]).parent.iterdir()] == [f"{chat['id']}.json"]
+
+
+def test_damaged_chat_file_is_skipped(store):
+    store.chat_path("broken").parent.mkdir(parents=True)
+    store.chat_path("broken").write_text("{not json")
+    assert store.list_chats() == [] and store.load_chat("broken") is None
+
+
+def test_model_text_is_html_escaped():
+    evil = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    message = {"role": "assistant", "content": evil, "segments": [[evil[:10], render.DRAFT], [evil[10:], render.BASE]]}
+    for colour in (True, False):
+        shown = chat_module.display({"messages": [message]}, colour)[0]["content"]
+        assert "<script>" not in shown and "<img" not in shown and "&lt;script&gt;" in shown
+    assert "<script>" not in render.pane_html(message["segments"])
+    assert "<script>" not in chat_module.notice_html(evil)
+
+
+def snapshot(tokens: int) -> Snapshot:
+    return Snapshot(tokens, 1, 0.1, 0.01, 10.0, 1.0, 0.0, 0.0, ())
+
+
+def test_tokens_are_coloured_by_origin(tiny_base):
+    reply = Reply()
+    reply.add(Step((9,), "w1", 0, 1, 0.0, 0.0, snapshot(1)), tiny_base.tokenizer)
+    reply.add(Step((10, 11, 12), " w2 w3 w4", 2, 8, 0.0, 0.0, snapshot(4)), tiny_base.tokenizer)
+    assert reply.segments == [["w1", render.BASE], [" w2 w3", render.DRAFT], [" w4", render.BASE]]
+    assert render.coloured(reply.segments).count('class="kd"') == 1
+
+
+def test_vanilla_fallback_without_head(tiny_base, store):
+    handlers = ChatHandlers(Runtime(Engine(tiny_base)), store)
+    final = list(handlers.send("w1", new_chat(), "", *values(mode="eagle2", max_new_tokens=4)))[-1]
+    assert "needs a draft head" in final[3]
+    assert final[2]["messages"][-1]["stats"]["mode"] == "vanilla"
+
+
+def test_oldest_turns_dropped_to_fit_context(engine):
+    long = " ".join(["w1"] * 100)
+    messages = [{"role": "system", "content": "w2"}] + [
+        {"role": role, "content": long} for role in ("user", "assistant", "user", "assistant", "user")
+    ]
+    fitted, dropped = fit_context(engine, messages, room=32)
+    assert dropped >= 2 and fitted[0]["role"] == "system" and fitted[1]["role"] == "user"
+    assert len(engine.encode(fitted)) + 32 <= engine.context_limit
+
+
+def test_compare_streams_both_panes_then_verdict(engine):
+    updates = list(CompareHandlers(Runtime(engine)).compare("w3 w4", True, new_chat(), *values(max_new_tokens=20)))
+    assert any(u[0] and not u[2] for u in updates), "vanilla streams before EAGLE-2 starts"
+    vanilla, eagle, eagle2, verdict = updates[-1]
+    assert vanilla and eagle and eagle2
+    assert "identical to vanilla" in verdict and "verdict-eagle2-tps" in verdict
+    assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1], [1]) is None
+
+
+def test_benchmark_button(engine):
+    pytest.importorskip("core.bench")
+    table, chart, result, notice = CompareHandlers(Runtime(engine)).benchmark(
+        None, 1, *values(max_new_tokens=8), progress=lambda *args, **kwargs: None
+    )
+    assert notice == "" and list(table["mode"][:2]) == ["vanilla", "EAGLE-2"]
+    assert set(result["modes"]) == {"vanilla", "eagle2"} and len(chart) == 2
+
+
+def test_export_markdown_and_json(handlers):
+    chat = list(handlers.send("w1", new_chat(), "w2", *values(max_new_tokens=4)))[-1][2]
+    markdown, data = handlers.export(chat)
+    assert "**User:**" in open(markdown).read()
+    assert json.loads(open(data).read())["messages"] == chat["messages"]
+
+
+def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store, tmp_path):
+    runtime = Runtime(engine)
+    library = LibraryHandlers(runtime, store.folder / "heads")
+    status, notice, _ = library.load(str(tmp_path / "missing"), "", None, "none", "float32")
+    assert "Loading failed" in notice and runtime.engine is engine
+    status, notice, mode = library.load(str(tiny_dir), "", None, "none", "float32")
+    assert notice == "Loaded." and runtime.engine is not engine and mode["choices"] == [("vanilla", "vanilla")]
+    library.unload()
+    assert runtime.engine is None
+    final = list(ChatHandlers(runtime, store).send("w1", new_chat(), "", *values()))[-1]
+    assert "no model is loaded" in final[3] and final[0] == "w1"
+
+
+def test_catalog_and_trained_heads(engine, tmp_path):
+    from models.head import save_head
+
+    frame = catalog_frame(24.0)
+    assert len(frame) == len(catalog.CATALOG) and "Vicuna-13B v1.3" in list(frame["model"])
+    assert catalog.fit(catalog.estimated_gb(catalog.find("Vicuna-13B v1.3"), 16), 24.0) == "does not fit"
+    assert catalog.fit(catalog.estimated_gb(catalog.find("Vicuna-7B v1.3"), 4), 24.0) == "fits"
+    save_head(random_head(engine.model), tmp_path / "heads" / "mine")
+    assert trained_heads(tmp_path / "heads", engine.model.config) == [str(tmp_path / "heads" / "mine")]
+
+
+def test_server_address_is_local_unless_listen_with_auth():
+    from app.ui import server_address
+
+    assert server_address(False, None) == ("127.0.0.1", None)
+    assert server_address(True, "ann:secret") == ("0.0.0.0", ("ann", "secret"))
+    with pytest.raises(ValueError, match="--auth"):
+        server_address(True, None)
+    with pytest.raises(ValueError, match="USER:PASS"):
+        server_address(False, "nopassword")
+
+
+def test_cli_refuses_listen_without_auth(capsys):
+    from app.cli import main
+
+    assert main(["ui", "--listen", "--no-browser"]) == 2
+    assert "--auth USER:PASS" in capsys.readouterr().err
+
+
+def test_install_shortcut_linux(tmp_path, monkeypatch):
+    from app.shortcut import install
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    (tmp_path / "Desktop").mkdir()
+    written = install(platform="linux")
+    assert written == [tmp_path / ".local/share/applications/kestrel.desktop", tmp_path / "Desktop/kestrel.desktop"]
+    text = written[0].read_text()
+    assert text.startswith("[Desktop Entry]") and "launch.py" in text and "Terminal=true" in text
+    assert written[0].stat().st_mode & stat.S_IXUSR
+    assert install(platform="win32", home=tmp_path)[0].name == "Kestrel.bat"
+    assert install(platform="darwin", home=tmp_path)[0].name == "Kestrel.command"
+
+
+def test_free_port_skips_a_taken_port():
+    import socket
+
+    from app.ui import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert free_port("127.0.0.1", port) > port
+
+
+def test_launched_app_streams_through_gradio_client(engine, tmp_path):
+    from gradio_client import Client
+
+    from app.ui import LOCALHOST, build_app, free_port, launch
+
+    demo = build_app(engine, tmp_path / "data")
+    _, url, share_url = launch(demo, LOCALHOST, free_port(LOCALHOST, 7960), block=False)
+    try:
+        assert url.startswith("http://127.0.0.1:") and share_url is None
+        assert demo.server_name == "127.0.0.1"
+        client = Client(url, verbose=False)
+        settings = dict(zip(SETTINGS, values(max_new_tokens=40)))
+        settings["mode"] = "eagle2"
+        job = client.submit("w1 w2", "", *settings.values(), api_name="/send")
+        updates = list(job)
+        final = job.result()
+        chatbot = final[1]
+        assert chatbot[-1]["role"] == "assistant" and chatbot[-1]["content"]
+        assert len(updates) >= 2
+    finally:
+        demo.close()
