@@ -25,11 +25,34 @@ STATIC_PATHS = (
 )  # fmt: skip
 
 
+class DraftVocabulary:
+    """The drafter's lm_head: the base model's output rows for the tokens the
+    head drafts from, kept in a fast dtype. It only ranks proposals, which the
+    base model then verifies in its own precision, so its rounding never changes
+    the output."""
+
+    def __init__(self, lm_head: torch.nn.Module, token_ids: torch.Tensor | None):
+        weight = lm_head.weight.detach()
+        if token_ids is not None:
+            weight = weight[token_ids.to(weight.device)]
+        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
+            weight = weight.to(torch.bfloat16)  # CPUs with bf16 units run these products several times faster
+        self.weight = weight.contiguous()  # (V', H)
+        self.token_ids = None if token_ids is None else token_ids.to(weight.device)
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (m, H) -> (m, V') log-probabilities over the draft vocabulary, float32."""
+        return torch.log_softmax((hidden.to(self.weight.dtype) @ self.weight.T).float(), dim=-1)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.token_ids is None else self.token_ids[draft_ids]
+
+
 class Drafter:
-    def __init__(self, head: DraftHead, base_model, params: TreeParams, static_paths=None):
+    def __init__(self, head: DraftHead, base_model, params: TreeParams, static_paths=None, vocabulary=None):
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else base_model.get_input_embeddings()
-        self.lm_head = base_model.get_output_embeddings()
+        self.vocabulary = vocabulary or DraftVocabulary(base_model.get_output_embeddings(), head.draft_token_ids)
         self.params = params
         self.static_paths = sorted(static_paths, key=lambda path: (len(path), path)) if static_paths else None
         self.cache = HeadCache()
@@ -65,26 +88,26 @@ class Drafter:
             self.cache.crop(committed)
         return make_tree(root, tokens, parents)
 
-    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (m, H) -> (m, V) log-probabilities of the next tokens, in float32."""
-        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
+    def _top(self, hidden: torch.Tensor, k: int):
+        """hidden (m, H) -> the k best next tokens of each row: (log-probs (m, k), target ids (m, k))."""
+        top = self.vocabulary.log_probs(hidden).topk(k, dim=-1)
+        return top.values, self.vocabulary.target_ids(top.indices)
 
     def _draft_dynamic(self) -> tuple[list[int], list[int]]:
         """EAGLE-2: expand the top_k frontier nodes by cumulative log-probability
         at every depth, then keep the best total_tokens - 1 of all candidates."""
         k = self.params.top_k
         expander = _Expander(self)
-        top = self._log_probs(self.last_hidden[None])[0].topk(k)
-        tokens, parents = top.indices.tolist(), [-1] * k
-        scores = [top.values]
+        values, ids = self._top(self.last_hidden[None], k)
+        tokens, parents = ids[0].tolist(), [-1] * k
+        scores = [values[0]]
         frontier = list(range(k))
-        frontier_scores = top.values  # (k,)
+        frontier_scores = values[0]  # (k,)
         for _ in range(1, self.params.depth):
-            log_probs = expander.expand(frontier, tokens, parents)  # (m, V)
-            top = log_probs.topk(k, dim=-1)
-            child_scores = (frontier_scores[:, None] + top.values).flatten()  # (m * k,)
+            values, ids = self._top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
+            child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,)
             first = len(tokens)
-            tokens += top.indices.flatten().tolist()
+            tokens += ids.flatten().tolist()
             parents += [parent for parent in frontier for _ in range(k)]
             scores.append(child_scores)
             best = torch.sort(-child_scores, stable=True).indices[:k]
@@ -99,7 +122,7 @@ class Drafter:
         index_of: dict[tuple[int, ...], int] = {}
         tokens, parents = [], []
         widest = 1 + max(path[0] for path in self.static_paths if len(path) == 1)
-        first_choices = self._log_probs(self.last_hidden[None])[0].topk(widest).indices.tolist()
+        first_choices = self._top(self.last_hidden[None], widest)[1][0].tolist()
         deepest = max(len(path) for path in self.static_paths)
         for depth in range(1, deepest + 1):
             level = [path for path in self.static_paths if len(path) == depth]
@@ -107,9 +130,9 @@ class Drafter:
                 choices = {(): first_choices}
             else:
                 expanded = sorted({path[:-1] for path in level})
-                rows = expander.expand([index_of[path] for path in expanded], tokens, parents)
+                hidden = expander.expand([index_of[path] for path in expanded], tokens, parents)
                 widths = 1 + max(path[-1] for path in level)
-                ranked = rows.topk(widths, dim=-1).indices.tolist()
+                ranked = self._top(hidden, widths)[1].tolist()
                 choices = dict(zip(expanded, ranked))
             for path in level:
                 index_of[path] = len(tokens)
@@ -129,7 +152,7 @@ class _Expander:
         self.slots: dict[int, list[int]] = {}  # candidate -> drafted cache slots it sees
 
     def expand(self, nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """nodes: candidates of one depth -> (m, V) log-probs of their children."""
+        """nodes: candidates of one depth -> (m, H) head outputs, whose lm_head gives their children."""
         drafter, device = self.drafter, self.drafter.last_hidden.device
         first_slot = drafter.cache.length - self.committed
         width = first_slot + len(nodes)
@@ -153,4 +176,4 @@ class _Expander:
         )[0]  # (m, H)
         for row, node in enumerate(nodes):
             self.hidden[node] = hidden[row]
-        return drafter._log_probs(hidden)
+        return hidden

@@ -16,7 +16,7 @@ import torch
 from core import kv_cache
 from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
-from core.drafter import STATIC_PATHS, Drafter
+from core.drafter import STATIC_PATHS, Drafter, DraftVocabulary
 from core.prompt import encode_chat, stop_token_ids
 from core.sampling import next_token
 from core.stats import Recorder, Snapshot
@@ -50,6 +50,7 @@ class Engine:
         self.model = base.model
         self.stop_ids = stop_token_ids(base.model, base.tokenizer)
         self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
+        self.vocabulary = None if head is None else DraftVocabulary(base.model.get_output_embeddings(), head.draft_token_ids)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -85,7 +86,7 @@ class Engine:
             return None
         if self.head is None:
             raise ValueError(f"mode {mode} needs a draft head, and none is loaded")
-        return Drafter(self.head, self.model, tree, STATIC_PATHS if mode == "eagle" else None)
+        return Drafter(self.head, self.model, tree, STATIC_PATHS if mode == "eagle" else None, self.vocabulary)
 
 
 class _Run:

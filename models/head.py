@@ -9,7 +9,7 @@ Module names mirror the checkpoint keys, so loading is a one-to-one copy."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ class HeadConfig:
     bias: bool = True  # fc has a bias
     qkv_bias: bool = False  # q/k/v projections have biases (Qwen2-style heads)
     hidden_act: str = "silu"
+    draft_vocab_size: int | None = None  # drafting over this many target tokens (d2t maps them), None = all
     extra: dict = field(default_factory=dict)  # other config.json fields, kept on save
 
     @property
@@ -175,6 +176,16 @@ class DraftHead(nn.Module):
         # None: the base model's (frozen) embedding is passed in by the caller
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if own_embedding else None
         self.rotary = LlamaRotaryEmbedding(config.rotary_config())
+        if config.draft_vocab_size:
+            # EAGLE-3's mapping: target id = draft id + d2t[draft id]
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """The target ids the head drafts from, or None for the whole vocabulary."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def forward(
         self,
@@ -207,6 +218,8 @@ def expected_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
     }
     if config.bias:
         shapes["fc.bias"] = (h,)
+    if config.draft_vocab_size:
+        shapes["d2t"] = (config.draft_vocab_size,)
     if config.qkv_bias:
         shapes.update({f"layers.0.self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))})
     return shapes
@@ -307,3 +320,15 @@ def load_head(source: str | Path, hidden_size: int, vocab_size: int, device=None
     head.load_state_dict(state, strict=True)
     head.requires_grad_(False)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def with_draft_vocabulary(head: DraftHead, token_ids: torch.Tensor) -> DraftHead:
+    """A copy of `head` that drafts only among `token_ids` (e.g. the most
+    frequent answer tokens): the draft lm_head shrinks to those rows."""
+    token_ids = torch.sort(torch.as_tensor(token_ids, dtype=torch.long)).values
+    config = replace(head.config, draft_vocab_size=len(token_ids))
+    reduced = DraftHead(config, own_embedding=head.embed_tokens is not None)
+    state = {key: value for key, value in head.state_dict().items() if key != "d2t"}
+    state["d2t"] = token_ids - torch.arange(len(token_ids))
+    reduced.load_state_dict(state, strict=True)
+    return reduced.to(head.fc.weight.dtype).eval().requires_grad_(False)

@@ -103,3 +103,32 @@ def test_head_config_reads_v5_rope_parameters():
     config = HeadConfig.from_dict({"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
                                    "vocab_size": 10, "rope_parameters": {"rope_theta": 1234.0}})  # fmt: skip
     assert config.rope_theta == 1234.0 and config.num_key_value_heads == 2
+
+
+def test_reduced_draft_vocabulary_round_trip_and_decoding(tmp_path, tiny_base):
+    """A head drafting over a subset of tokens saves d2t, reloads strictly, and stays lossless."""
+    from core.config import SamplingParams, TreeParams
+    from core.engine import Engine
+    from models.head import with_draft_vocabulary
+
+    head = random_head(tiny_base.model, seed=5)
+    subset = torch.tensor([40, 3, 9, 10, 11, 12, 20, 21, 30, 33, 47, 50, 60, 61])
+    reduced = with_draft_vocabulary(head, subset)
+    assert torch.equal(reduced.draft_token_ids, torch.sort(subset).values)
+    folder = save_head(reduced, tmp_path / "reduced")
+    loaded = load_head(folder, head.config.hidden_size, head.config.vocab_size, dtype=torch.float64)
+    assert torch.equal(loaded.draft_token_ids, reduced.draft_token_ids)
+    engine, plain = Engine(tiny_base, loaded), Engine(tiny_base)
+    params = SamplingParams(max_new_tokens=30)
+    for prompt in ([8, 9, 10], [12, 11, 10, 9]):
+        drafted = [t for s in engine.stream(prompt, mode="eagle2", sampling=params, tree=TreeParams(10, 3, 3)) for t in s.token_ids]
+        reference = [t for s in plain.stream(prompt, mode="vanilla", sampling=params) for t in s.token_ids]
+        assert drafted == reference
+    drafter_tokens = set()
+    from core.drafter import Drafter
+
+    drafter = Drafter(loaded, tiny_base.model, TreeParams(10, 3, 3))
+    with torch.no_grad():
+        drafter.commit(torch.randn(3, 64, dtype=torch.float64), torch.tensor([8, 9, 10]))
+        drafter_tokens.update(drafter.draft(10).tokens[1:].tolist())
+    assert drafter_tokens <= set(subset.tolist())
