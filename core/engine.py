@@ -27,6 +27,11 @@ from models.errors import KestrelError
 from models.head import DraftHead
 
 
+# Architectures whose transformers implementation is tested to honour a custom
+# 4D tree mask with explicit position ids (tests/test_engine.py proves each).
+SPECULATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+
+
 class ContextOverflowError(KestrelError):
     """The prompt does not fit in the model's context window."""
 
@@ -86,6 +91,12 @@ class Engine:
             return None
         if self.head is None:
             raise ValueError(f"mode {mode} needs a draft head, and none is loaded")
+        model_type = self.model.config.model_type
+        if model_type not in SPECULATIVE_MODEL_TYPES:
+            raise ValueError(
+                f"mode {mode} is not available for {model_type} models (supported: "
+                f"{', '.join(sorted(SPECULATIVE_MODEL_TYPES))}); use vanilla"
+            )
         return Drafter(self.head, self.model, tree, STATIC_PATHS if mode == "eagle" else None, self.vocabulary)
 
 

@@ -30,7 +30,7 @@ def tiny_tokenizer():
 
 
 def tiny_config(architecture: str = "llama", vocab_size: int = len(WORDS), **overrides):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     settings = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -38,7 +38,9 @@ def tiny_config(architecture: str = "llama", vocab_size: int = len(WORDS), **ove
         bos_token_id=1, eos_token_id=4, pad_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
     settings.update(overrides)
-    return (Qwen2Config if architecture == "qwen2" else LlamaConfig)(**settings)
+    if architecture == "mistral":
+        settings["sliding_window"] = None
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[architecture](**settings)
 
 
 def save_tiny_model(

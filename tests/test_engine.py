@@ -8,7 +8,7 @@ import torch
 
 from core import kv_cache
 from core.config import SamplingParams, TreeParams
-from core.engine import Engine
+from core.engine import SPECULATIVE_MODEL_TYPES, Engine
 from core.tree import ancestor_mask
 from core.verify import accept_greedy, base_forward, verify_tree
 from models.base import load_base
@@ -21,7 +21,7 @@ def tokens_of(steps) -> list[int]:
     return [token for step in steps for token in step.token_ids]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=sorted(SPECULATIVE_MODEL_TYPES))
 def engine64(request, tmp_path_factory):
     folder = save_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, vocab_size=48)
     base = load_base(str(folder), dtype="float64")
@@ -58,6 +58,17 @@ def test_speculative_greedy_equals_vanilla(engine64, tree):
             accepted += sum(step.accepted for step in steps)
             assert all(step.tree_size <= tree.total_tokens for step in steps if mode == "eagle2")
     assert accepted > 0  # drafts were accepted, so acceptance paths were exercised
+
+
+def test_unsupported_architecture_is_refused_for_speculation(tiny_base):
+    engine = Engine(tiny_base, random_head(tiny_base.model))
+    engine.model.config.model_type = "gpt2"
+    try:
+        with pytest.raises(ValueError, match="gpt2"):
+            list(engine.stream([8, 9], mode="eagle2"))
+        assert len(list(engine.stream([8, 9], mode="vanilla", sampling=SamplingParams(max_new_tokens=3)))) >= 1
+    finally:
+        engine.model.config.model_type = "llama"
 
 
 def test_cache_after_commit_equals_fresh_prefill(engine64):
