@@ -1,4 +1,4 @@
-"""The command line: ui (default), chat, bench, test."""
+"""The command line: ui (default), chat, bench, train-head, test."""
 
 from __future__ import annotations
 
@@ -70,6 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(bench, max_new_tokens=128)
     add_tree_options(bench)
 
+    train = commands.add_parser("train-head", help="train an EAGLE draft head on the model's own answers")
+    train.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and an 'id'")
+    train.add_argument("--out", required=True, help="folder for the trained head (config.json, model.safetensors, report)")
+    train.add_argument("--work", help="folder for the resumable caches: answers, features, checkpoints (default: OUT/work)")
+    add_model_options(train)
+    train.add_argument("--samples-per-prompt", type=int, default=2, help="answers per prompt: the first greedy, the others sampled (default 2)")
+    train.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
+    train.add_argument("--answer-temperature", type=float, default=0.7, help="temperature of the sampled answers (default 0.7)")
+    train.add_argument("--answer-batch", type=int, default=32, help="prompts per generate call (default 32)")
+    train.add_argument("--epochs", type=int, default=2, help="passes over the training features (default 2)")
+    train.add_argument("--learning-rate", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
+    train.add_argument("--batch-tokens", type=int, default=2048, help="padded positions per training step (default 2048)")
+    train.add_argument("--unroll-steps", type=int, default=3, help="draft steps trained per position, 1 = plain EAGLE (default 3)")
+    train.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training compute: bf16 autocast or fp32 (default bf16)")
+    train.add_argument("--time-budget-minutes", type=float, help="stop (resumably) after this long; answers get --answer-share of it")
+    train.add_argument("--answer-share", type=float, default=0.4, help="share of the time budget for generating answers (default 0.4)")
+    train.add_argument("--resume", action="store_true", help="continue from the caches in the work folder")
+    train.add_argument("--seed", type=int, default=0, help="seed of sampling, noise, init and batch order (default 0)")
+
     test = commands.add_parser("test", help="run the test suite (extra arguments go to pytest)")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER)
     return parser
@@ -101,6 +120,8 @@ def main(argv: list[str]) -> int:
             from core.bench import run_from_args
 
             return run_from_args(args)
+        if args.command == "train-head":
+            return run_train_head(args)
     except KestrelError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -151,4 +172,49 @@ def run_chat(args) -> int:
         f"tau {stats.mean_accepted_length:.2f}, first token after {stats.time_to_first_token:.2f} s, "
         f"finished: {step.finish_reason}"
     )
+    return 0
+
+
+def run_train_head(args) -> int:
+    import time
+
+    import torch
+
+    from core.training.answers import AnswerParams
+    from core.training.features import FeatureParams
+    from core.training.pipeline import Budget, RunPaths, train_head
+    from core.training.trainer import TrainParams
+    from models.base import load_base
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out).expanduser()
+    work = Path(args.work).expanduser() if args.work else out / "work"
+    if work.is_dir() and any(work.iterdir()) and not args.resume:
+        raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
+    budget = Budget()
+    if args.time_budget_minutes is not None:
+        start = time.time()
+        seconds = 60 * args.time_budget_minutes
+        budget = Budget(answers_deadline=start + args.answer_share * seconds, train_deadline=start + seconds)
+    base = load_base(args.model, args.quantization, args.dtype, args.device)
+    report = train_head(
+        base,
+        RunPaths(prompts=Path(args.prompts), out=out, work=work),
+        AnswerParams(args.samples_per_prompt, args.max_new_tokens, args.answer_temperature, args.answer_batch, seed=args.seed),
+        FeatureParams(),
+        TrainParams(
+            epochs=args.epochs, learning_rate=args.learning_rate, batch_tokens=args.batch_tokens,
+            unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed,
+        ),  # fmt: skip
+        budget,
+    )
+    training = report["training"]
+    final = report["final_eval"]
+    print(
+        f"head written to {out}: {training['steps']}/{training['total_steps']} steps, held-out top-1 "
+        f"{', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])})"
+    )
+    if training["steps"] < training["total_steps"]:
+        print(f"stopped by the time budget; run again with --resume to continue ({work})")
     return 0

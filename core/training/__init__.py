@@ -1,0 +1,1 @@
+"""Draft-head training: self-distilled answers -> base-model features -> a trained head."""

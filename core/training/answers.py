@@ -1,0 +1,161 @@
+"""Self-distillation data: the base model answers the training prompts itself.
+
+Answers are generated with Hugging Face `generate` (left-padded batches): this
+is offline data generation, not decoding, so the engine is not involved.
+Sample 0 of each prompt is greedy, later samples use `temperature`. Every batch
+is appended to a JSONL cache as soon as it is done; a resumed run skips the
+batches already there. Batches are fixed by the prompt list and the parameters
+alone, and each is seeded by its index, so a resumed run produces the same
+records as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.prompt import encode_chat, stop_token_ids
+
+
+@dataclass(frozen=True)
+class AnswerParams:
+    samples_per_prompt: int = 2  # sample 0 greedy, the others sampled at `temperature`
+    max_new_tokens: int = 256  # longer answers are cut (and marked unfinished)
+    temperature: float = 0.7  # for samples 1..n-1
+    batch_size: int = 32  # prompts per generate call
+    max_prompt_tokens: int = 512  # longer prompts are skipped
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    ids: tuple[int, ...]  # the chat-templated prompt, ending with the assistant header
+
+
+@dataclass(frozen=True)
+class Answer:
+    id: str  # the prompt's id
+    sample: int
+    prompt_ids: list[int]
+    answer_ids: list[int]  # the reply, ending with its stop token when finished
+    finished: bool  # False when cut by max_new_tokens
+
+
+def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512) -> list[Prompt]:
+    """JSONL lines {"id", "turns": [first turn = the user prompt, ...]}."""
+    prompts = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            messages = [{"role": "user", "content": record["turns"][0]}]
+            ids = encode_chat(tokenizer, messages)
+            if len(ids) <= max_prompt_tokens:
+                prompts.append(Prompt(str(record.get("id", number)), tuple(ids)))
+    return prompts
+
+
+def plan_batches(prompts: list[Prompt], params: AnswerParams) -> list[list[tuple[Prompt, int]]]:
+    """All (prompt, sample) pairs, sample-major (every prompt gets its greedy answer
+    before any gets a second one), length-sorted within a sample to limit padding."""
+    by_length = sorted(prompts, key=lambda prompt: (len(prompt.ids), prompt.id))
+    pairs = [(prompt, sample) for sample in range(params.samples_per_prompt) for prompt in by_length]
+    return [pairs[start : start + params.batch_size] for start in range(0, len(pairs), params.batch_size)]
+
+
+def read_answers(path: Path) -> list[Answer]:
+    """The cached answers; a truncated last line (a killed run) is ignored."""
+    if not path.is_file():
+        return []
+    answers = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            answers.append(Answer(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            continue
+    return answers
+
+
+def generate_answers(
+    base, prompts: list[Prompt], cache: Path, params: AnswerParams, deadline: float | None = None, progress: bool = True
+) -> list[Answer]:
+    """Answer every (prompt, sample) pair not yet in `cache`, appending to it;
+    stops between batches once time.time() passes `deadline`."""
+    from tqdm import tqdm
+
+    drop_partial_line(cache)
+    done = {(answer.id, answer.sample) for answer in read_answers(cache)}
+    batches = [
+        (index, batch)
+        for index, batch in enumerate(plan_batches(prompts, params))
+        if not all((prompt.id, sample) in done for prompt, sample in batch)
+    ]
+    stops = sorted(stop_token_ids(base.model, base.tokenizer))
+    pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else stops[0]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=sum(len(batch) for _, batch in batches), unit="answer", desc="answers", disable=not progress)
+    with open(cache, "a", encoding="utf-8") as out:
+        for index, batch in batches:
+            if deadline is not None and time.time() > deadline:
+                break
+            answers = answer_batch(base, batch, params, stops, pad, seed=params.seed * 1_000_003 + index)
+            for answer in answers:
+                if (answer.id, answer.sample) not in done:
+                    out.write(json.dumps(answer.__dict__) + "\n")
+            out.flush()
+            bar.update(len(batch))
+            bar.set_postfix(tokens=sum(len(answer.answer_ids) for answer in answers))
+    bar.close()
+    return read_answers(cache)
+
+
+def drop_partial_line(path: Path) -> None:
+    """A killed run can leave a half-written last line; cut it before appending."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+@torch.inference_mode()
+def answer_batch(base, batch, params: AnswerParams, stops: list[int], pad: int, seed: int) -> list[Answer]:
+    """One generate call; greedy and sampled pairs never share a batch row's
+    settings, so a mixed batch is split in two."""
+    results = []
+    for greedy in (True, False):
+        rows = [(prompt, sample) for prompt, sample in batch if (sample == 0) == greedy]
+        if rows:
+            results += _generate(base, rows, params, stops, pad, seed, greedy)
+    return results
+
+
+def _generate(base, rows, params, stops, pad, seed, greedy) -> list[Answer]:
+    width = max(len(prompt.ids) for prompt, _ in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (prompt, _) in enumerate(rows):  # left padding
+        input_ids[row, width - len(prompt.ids) :] = torch.tensor(prompt.ids)
+        attention[row, width - len(prompt.ids) :] = 1
+    torch.manual_seed(seed)
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": params.temperature, "top_p": 1.0, "top_k": 0}
+    output = base.model.generate(
+        input_ids=input_ids.to(base.device),
+        attention_mask=attention.to(base.device),
+        max_new_tokens=params.max_new_tokens,
+        eos_token_id=stops,
+        pad_token_id=pad,
+        **sampling,
+    )[:, width:].tolist()  # (B, new)
+    answers = []
+    for (prompt, sample), tokens in zip(rows, output):
+        ends = [position for position, token in enumerate(tokens) if token in stops]
+        finished = bool(ends)
+        tokens = tokens[: ends[0] + 1] if finished else tokens
+        answers.append(Answer(prompt.id, sample, list(prompt.ids), tokens, finished))
+    return answers

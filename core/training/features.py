@@ -1,0 +1,182 @@
+"""Base-model features of the self-distilled answers, streamed to disk in shards.
+
+One shard is a safetensors file of whole sequences (prompt + answer), concatenated:
+  features   (N, H) bf16   post-final-norm last hidden state at every position
+  input_ids  (N,)   int32  the tokens
+  loss_mask  (N,)   uint8  1 at position t when the pair (feature_t, token_{t+1})
+                           -> feature_{t+1} is trained: t from the position before
+                           the first answer token to the one before the last
+  lengths    (S,)   int64  sequence lengths (they split the rows)
+Prompt positions are kept (unmasked) because the head attends to them at
+inference: prefill feeds it the prompt's features too.
+
+Shards are planned from the answers alone and each written atomically, so a
+resumed run skips the shards present. A held-out split (by prompt id) goes to
+its own folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.training.answers import Answer
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class FeatureParams:
+    shard_tokens: int = 65536  # rows per shard (about 75 MB of bf16 features at H=576)
+    batch_tokens: int = 8192  # padded tokens per base-model forward
+    eval_fraction: float = 0.05  # prompts held out for evaluation
+
+
+@dataclass
+class Sequence:
+    input_ids: torch.Tensor  # (L,) int32
+    loss_mask: torch.Tensor  # (L,) uint8
+    features: torch.Tensor  # (L, H) bf16
+
+
+def is_held_out(prompt_id: str, fraction: float) -> bool:
+    """A stable split by prompt: every sample of a prompt lands on the same side."""
+    digest = hashlib.sha256(prompt_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def loss_mask_of(prompt_length: int, length: int) -> torch.Tensor:
+    """1 at t in [prompt_length - 1, length - 2]: token_{t+1} is an answer token."""
+    mask = torch.zeros(length, dtype=torch.uint8)
+    mask[prompt_length - 1 : length - 1] = 1
+    return mask
+
+
+def plan_shards(answers: list[Answer], params: FeatureParams) -> list[list[Answer]]:
+    """Length-sorted sequences cut into shards of about `shard_tokens` rows."""
+    ordered = sorted(answers, key=lambda a: (len(a.prompt_ids) + len(a.answer_ids), a.id, a.sample))
+    shards, current, rows = [], [], 0
+    for answer in ordered:
+        current.append(answer)
+        rows += len(answer.prompt_ids) + len(answer.answer_ids)
+        if rows >= params.shard_tokens:
+            shards.append(current)
+            current, rows = [], 0
+    if current:
+        shards.append(current)
+    return shards
+
+
+def extract_features(
+    base, answers: list[Answer], folder: Path, params: FeatureParams, progress: bool = True
+) -> dict[str, list[Path]]:
+    """Write train/ and eval/ shards under `folder`; returns the shard files per split."""
+    from tqdm import tqdm
+
+    answers = [answer for answer in answers if len(answer.answer_ids) >= 2]
+    _check_manifest(folder, answers, params)
+    splits = {"train": [], "eval": []}
+    for answer in answers:
+        splits["eval" if is_held_out(answer.id, params.eval_fraction) else "train"].append(answer)
+    plans = {split: plan_shards(chosen, params) for split, chosen in splits.items()}
+    files = {split: [_shard_path(folder, split, index) for index in range(len(plan))] for split, plan in plans.items()}
+    pending = [(split, index) for split, plan in plans.items() for index in range(len(plan)) if not files[split][index].is_file()]
+    total = sum(len(a.prompt_ids) + len(a.answer_ids) for split, index in pending for a in plans[split][index])
+    bar = tqdm(total=total, unit="token", unit_scale=True, desc="features", disable=not progress)
+    for split, index in pending:
+        sequences = [
+            sequence for batch in _batches(plans[split][index], params.batch_tokens)
+            for sequence in forward_batch(base, batch)
+        ]  # fmt: skip
+        write_shard(files[split][index], sequences)
+        bar.update(sum(len(sequence.input_ids) for sequence in sequences))
+    bar.close()
+    return files
+
+
+def _check_manifest(folder: Path, answers: list[Answer], params: FeatureParams) -> None:
+    """Refuse to mix shards planned from a different answer set."""
+    fingerprint = hashlib.sha256(
+        json.dumps(sorted((a.id, a.sample, len(a.answer_ids)) for a in answers)).encode()
+    ).hexdigest()
+    manifest = {"answers": len(answers), "fingerprint": fingerprint, **params.__dict__}
+    path = folder / MANIFEST
+    if path.is_file():
+        previous = json.loads(path.read_text())
+        if previous != manifest:
+            raise ValueError(
+                f"{folder}: features were extracted from {previous.get('answers')} answers with other settings; "
+                f"now {len(answers)}; delete the folder to extract them again"
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _shard_path(folder: Path, split: str, index: int) -> Path:
+    return folder / split / f"shard-{index:05d}.safetensors"
+
+
+def _batches(answers: list[Answer], batch_tokens: int) -> list[list[Answer]]:
+    """Consecutive (length-sorted) answers, at most `batch_tokens` padded tokens each."""
+    batches, current = [], []
+    for answer in answers:
+        length = len(answer.prompt_ids) + len(answer.answer_ids)
+        if current and (len(current) + 1) * length > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(answer)
+    return batches + ([current] if current else [])
+
+
+@torch.inference_mode()
+def forward_batch(base, answers: list[Answer]) -> list[Sequence]:
+    """One right-padded base-model forward; padding sits after each sequence, so
+    causal attention never lets a real position see it."""
+    lengths = [len(a.prompt_ids) + len(a.answer_ids) for a in answers]
+    ids = torch.zeros((len(answers), max(lengths)), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, answer in enumerate(answers):
+        ids[row, : lengths[row]] = torch.tensor(answer.prompt_ids + answer.answer_ids)
+        attention[row, : lengths[row]] = 1
+    hidden = base.model.get_decoder()(
+        input_ids=ids.to(base.device), attention_mask=attention.to(base.device)
+    ).last_hidden_state  # (B, T, H), after the final norm
+    return [
+        Sequence(
+            input_ids=ids[row, :length].to(torch.int32),
+            loss_mask=loss_mask_of(len(answer.prompt_ids), length),
+            features=hidden[row, :length].to("cpu", torch.bfloat16),
+        )
+        for row, (answer, length) in enumerate(zip(answers, lengths))
+    ]
+
+
+def write_shard(path: Path, sequences: list[Sequence]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "features": torch.cat([s.features for s in sequences]).contiguous(),
+        "input_ids": torch.cat([s.input_ids for s in sequences]),
+        "loss_mask": torch.cat([s.loss_mask for s in sequences]),
+        "lengths": torch.tensor([len(s.input_ids) for s in sequences], dtype=torch.int64),
+    }
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial))
+    partial.rename(path)  # atomic: a killed run never leaves a half shard
+
+
+def read_shard(path: Path) -> list[Sequence]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    lengths = tensors["lengths"].tolist()
+    return [
+        Sequence(input_ids, loss_mask, features)
+        for input_ids, loss_mask, features in zip(
+            tensors["input_ids"].split(lengths), tensors["loss_mask"].split(lengths), tensors["features"].split(lengths)
+        )
+    ]

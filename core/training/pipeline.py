@@ -1,0 +1,112 @@
+"""The whole train-head run: answers -> features -> training -> head folder and
+report. Every phase resumes from its cache in the work folder; the wall time
+of each phase accumulates over runs in work/phases.json."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.training.answers import AnswerParams, generate_answers, read_answers, read_prompts
+from core.training.features import FeatureParams, extract_features, is_held_out
+from core.training.report import write_report
+from core.training.trainer import TrainParams, Trainer
+from models.head import save_head
+
+ANSWERS_FILE = "answers.jsonl"
+PHASES_FILE = "phases.json"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    prompts: Path  # JSONL prompt file
+    out: Path  # the head folder written at the end
+    work: Path  # caches: answers, feature shards, checkpoints
+
+
+@dataclass(frozen=True)
+class Budget:
+    answers_deadline: float | None = None  # time.time() after which no new answer batch starts
+    train_deadline: float | None = None  # ... no new training step
+
+
+class PhaseClock:
+    """Seconds per phase, accumulated across resumed runs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.seconds = json.loads(path.read_text()) if path.is_file() else {}
+
+    @contextmanager
+    def phase(self, name: str):
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - started
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.seconds, indent=2) + "\n")
+
+
+def train_head(
+    base,
+    paths: RunPaths,
+    answer_params: AnswerParams,
+    feature_params: FeatureParams,
+    train_params: TrainParams,
+    budget: Budget = Budget(),
+    progress: bool = True,
+) -> dict:
+    """Run (or resume) every phase; returns the report written next to the head."""
+    clock = PhaseClock(paths.work / PHASES_FILE)
+    prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)
+    with clock.phase("answers"):
+        answers = generate_answers(
+            base, prompts, paths.work / ANSWERS_FILE, answer_params, budget.answers_deadline, progress
+        )
+    if not answers:
+        raise ValueError(f"{paths.work / ANSWERS_FILE}: no answers yet; give the answer phase more time")
+    with clock.phase("features"):
+        shards = extract_features(base, answers, paths.work / "features", feature_params, progress)
+    with clock.phase("training"):
+        trainer = Trainer(base, shards["train"], shards["eval"], paths.work / "train", train_params)
+        trainer.run(budget.train_deadline, progress)
+        final = trainer.final_eval()
+    save_head(trainer.head.eval(), paths.out)
+    report = {
+        "base_model": base.name,
+        "data": data_summary(paths, prompts, answers, shards, answer_params, feature_params),
+        "training": trainer.summary(),
+        "final_eval": final,
+        "phases": {name: round(seconds, 1) for name, seconds in clock.seconds.items()},
+    }
+    write_report(paths.out, report)
+    return report
+
+
+def data_summary(paths, prompts, answers, shards, answer_params: AnswerParams, feature_params: FeatureParams) -> dict:
+    from core.training.trainer import shard_lengths
+
+    files = shards["train"] + shards["eval"]
+    rows = sum(sum(shard_lengths(path)) for path in files)
+    return {
+        "prompts_file": str(paths.prompts),
+        "prompts": len(prompts),
+        "eval_prompts": sum(is_held_out(prompt.id, feature_params.eval_fraction) for prompt in prompts),
+        "answers": len(answers),
+        "samples_per_prompt": answer_params.samples_per_prompt,
+        "temperature": answer_params.temperature,
+        "max_new_tokens": answer_params.max_new_tokens,
+        "finished_fraction": sum(answer.finished for answer in answers) / len(answers),
+        "answer_tokens": sum(len(answer.answer_ids) for answer in answers),
+        "feature_rows": rows,
+        "shards": len(files),
+        "feature_megabytes": sum(path.stat().st_size for path in files) / 2**20,
+    }
+
+
+def answers_in(work: Path) -> int:
+    return len(read_answers(work / ANSWERS_FILE))

@@ -1,0 +1,88 @@
+"""training_report.json and TRAINING.md: what the head was trained on, how
+long each phase took, and how well it drafts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPORT_FILE = "training_report.json"
+NOTES_FILE = "TRAINING.md"
+
+
+def write_report(folder: Path, report: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    (folder / NOTES_FILE).write_text(render_markdown(report))
+
+
+def read_report(folder: Path) -> dict:
+    return json.loads((folder / REPORT_FILE).read_text())
+
+
+def _percent(values: list[float]) -> str:
+    return " / ".join(f"{100 * value:.1f}%" for value in values)
+
+
+def _numbers(values: list[float]) -> str:
+    return " / ".join(f"{value:.3f}" for value in values)
+
+
+def render_markdown(report: dict) -> str:
+    data, training, phases = report["data"], report["training"], report["phases"]
+    lines = [
+        f"# Draft head for {report['base_model']}",
+        "",
+        "Self-distilled EAGLE-1/2 head (one decoder layer), trained by `python3 launch.py train-head`",
+        "(core/training/). Steps below are the unrolled draft steps 1/2/3 (EAGLE-3's training-time test).",
+        "",
+        "## Data",
+        f"- prompts: {data['prompts']} from `{data['prompts_file']}` ({data['eval_prompts']} held out for evaluation)",
+        f"- answers: {data['answers']} ({data['samples_per_prompt']} planned per prompt, sample 0 greedy, the others at "
+        f"temperature {data['temperature']}; {100 * data['finished_fraction']:.0f}% ended before {data['max_new_tokens']} tokens)",
+        f"- answer tokens: {data['answer_tokens']:,}; feature rows (prompts + answers): {data['feature_rows']:,} "
+        f"in {data['shards']} shards, {data['feature_megabytes']:.0f} MB of bf16",
+        "",
+        "## Training",
+        f"- steps: {training['steps']} of {training['total_steps']} planned ({training['steps_per_epoch']} per epoch, "
+        f"about {training['params']['batch_tokens']} padded positions each)",
+    ]
+    params = training["params"]
+    lines.append(
+        f"- AdamW lr {params['learning_rate']} (warm-up {params['warmup_steps']}, cosine to x{params['min_lr_ratio']}), "
+        f"betas 0.9/0.95, gradient value clip {params['grad_clip']}, input noise +-{params['noise']} x rms, "
+        f"{params['unroll_steps']} unrolled steps (weights decay x{params['step_decay']}), "
+        f"{'bf16 autocast' if params['bf16'] else 'fp32'}, seed {params['seed']}"
+    )
+    lines += ["", "| epoch | step | split | SmoothL1 | CE | top-1 (teacher-forced) | chain step accuracy |", "|---|---|---|---|---|---|---|"]
+    for record in training["history"]:
+        for split in ("train", "eval"):
+            metrics = record[split]
+            lines.append(
+                f"| {record['epoch']} | {record['step']} | {split} | {_numbers(metrics['smooth_l1'])} | "
+                f"{_numbers(metrics['cross_entropy'])} | {_percent(metrics['accuracy'])} | {_percent(metrics['chain_accuracy'])} |"
+            )
+    final = report.get("final_eval")
+    if final:
+        lines += [
+            "",
+            f"Final held-out ({final['positions']:,} positions): top-1 agreement with the base model's greedy token "
+            f"{_percent(final['accuracy'])} for steps 1/2/3; in a greedy chain, step k is right "
+            f"{_percent(final['chain_accuracy'])} of the time when steps < k were.",
+        ]
+    lines += ["", "## Wall time (1 CPU thread)"]
+    lines += [f"- {name}: {seconds / 60:.1f} min" for name, seconds in phases.items()]
+    acceptance = report.get("acceptance")
+    if acceptance:
+        lines += [
+            "",
+            "## Acceptance",
+            f"{acceptance['prompts']} prompts of `{acceptance['prompts_file']}`, {acceptance['max_new_tokens']} new tokens, "
+            f"greedy, eagle2 (tree {acceptance['tree']}): mean accepted length tau = {acceptance['tau']:.2f} "
+            f"(per prompt: {', '.join(f'{t:.2f}' for t in acceptance['per_prompt'])}); "
+            f"all outputs equal vanilla greedy: {acceptance['lossless']}.",
+        ]
+    notes = report.get("notes")
+    if notes:
+        lines += ["", "## Notes", *[f"- {note}" for note in notes]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,385 @@
+"""Draft-head training on stored base-model features (EAGLE-1/2 recipe plus
+EAGLE-3's training-time test).
+
+Step 0 is the EAGLE-1 objective: at position t the head reads
+(feature_t, token_{t+1}) and predicts feature_{t+1}. Unrolled step k > 0 feeds
+the head its own step k-1 predictions, shifted by one position, in place of the
+true features, exactly as a greedy draft chain of depth k+1 does at inference:
+its query at t sees the true-feature keys up to t-k and the keys its own chain
+wrote at t-k+1..t (one per earlier step). Without it the head only ever sees
+true features and its second draft step is rarely right.
+
+loss_k = SmoothL1(pred_k, feature_{t+1}) + ce_weight * CE(softmax(lm_head(feature_{t+1})),
+         log_softmax(lm_head(pred_k))), over answer positions; total = sum_k decay^k loss_k."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from core.training.features import Sequence, read_shard
+from models.head import DraftHead, HeadCache, HeadConfig
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    epochs: int = 2
+    learning_rate: float = 1e-3  # peak, after warm-up; cosine decay to min_lr_ratio of it
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    batch_tokens: int = 2048  # padded positions per optimizer step
+    unroll_steps: int = 3  # 1 = plain EAGLE; k adds k-1 training-time-test steps
+    step_decay: float = 0.8  # weight of unrolled step k is step_decay**k
+    ce_weight: float = 0.1  # EAGLE's weight of the token cross-entropy
+    noise: float = 0.05  # half-width of the uniform noise on input features, times their rms
+    grad_clip: float = 0.5  # gradient value clipping (EAGLE)
+    bf16: bool = True  # bf16 autocast (fp32 master weights); fp32 otherwise
+    checkpoint_every: int = 50  # optimizer steps between checkpoints
+    seed: int = 0
+
+
+@dataclass
+class Frozen:
+    """The base model's pieces the head is trained against (never updated)."""
+
+    embed: torch.Tensor  # (V, H) input embedding, fp32
+    lm_head: torch.Tensor  # (V, H) output layer, in the compute dtype
+
+
+@dataclass
+class Batch:
+    features: torch.Tensor  # (B, T, H) fp32 feature_t
+    next_embeddings: torch.Tensor  # (B, T, H) embed(token_{t+1})
+    targets: torch.Tensor  # (B, T, H) feature_{t+1}
+    next_next_ids: torch.Tensor  # (B, T) token_{t+2} (-1 where none)
+    loss_mask: torch.Tensor  # (B, T) bool
+    positions: torch.Tensor  # (B, T)
+
+
+@dataclass
+class Totals:
+    """Sums over positions; `summary()` turns them into means."""
+
+    positions: list[float] = field(default_factory=list)  # per step
+    smooth_l1: list[float] = field(default_factory=list)
+    cross_entropy: list[float] = field(default_factory=list)
+    correct: list[float] = field(default_factory=list)  # draft argmax == base argmax, teacher-forced
+    chain_total: list[float] = field(default_factory=list)  # earlier steps of the chain all right
+    chain_correct: list[float] = field(default_factory=list)  # ... and this one too
+
+    def add(self, step: int, name: str, value: float) -> None:
+        values = getattr(self, name)
+        while len(values) <= step:
+            values.append(0.0)
+        values[step] += value
+
+    def summary(self) -> dict:
+        steps = len(self.positions)
+        per = lambda name, den: [getattr(self, name)[k] / max(den[k], 1) for k in range(steps)]  # noqa: E731
+        return {
+            "positions": self.positions[0] if steps else 0,
+            "smooth_l1": per("smooth_l1", self.positions),
+            "cross_entropy": per("cross_entropy", self.positions),
+            "accuracy": per("correct", self.positions),
+            "chain_accuracy": per("chain_correct", self.chain_total),
+            "chain_positions": list(self.chain_total),
+        }
+
+
+def head_config_for(model_config) -> HeadConfig:
+    """One decoder layer shaped like the base model's."""
+    rope = getattr(model_config, "rope_parameters", None) or {}
+    theta = getattr(model_config, "rope_theta", None) or rope.get("rope_theta", 10000.0)
+    return HeadConfig(
+        hidden_size=model_config.hidden_size,
+        intermediate_size=model_config.intermediate_size,
+        num_attention_heads=model_config.num_attention_heads,
+        num_key_value_heads=getattr(model_config, "num_key_value_heads", model_config.num_attention_heads),
+        vocab_size=model_config.vocab_size,
+        rms_norm_eps=model_config.rms_norm_eps,
+        rope_theta=float(theta),
+    )
+
+
+def new_head(config: HeadConfig, seed: int) -> DraftHead:
+    """fc starts as the identity on the feature half (and small on the embedding
+    half), so the untrained head already passes feature_t through the residual."""
+    torch.manual_seed(seed)
+    head = DraftHead(config)
+    h = config.hidden_size
+    with torch.no_grad():
+        head.fc.weight[:, :h].mul_(0.1)
+        head.fc.weight[:, h:].copy_(torch.eye(h))
+        head.fc.bias.zero_()
+    return head
+
+
+def frozen_of(base, bf16: bool) -> Frozen:
+    embed = base.model.get_input_embeddings().weight.detach().float()
+    lm_head = base.model.get_output_embeddings().weight.detach()
+    return Frozen(embed, lm_head.to(torch.bfloat16 if bf16 else torch.float32))
+
+
+def make_batch(sequences: list[Sequence], frozen: Frozen) -> Batch:
+    """Right-padded; position t pairs feature_t with token_{t+1}."""
+    length = max(len(s.input_ids) for s in sequences)
+    size = frozen.embed.shape[1]
+    features = torch.zeros(len(sequences), length + 1, size)
+    ids = torch.zeros(len(sequences), length + 2, dtype=torch.long)
+    next_next = torch.full((len(sequences), length + 2), -1, dtype=torch.long)
+    mask = torch.zeros(len(sequences), length, dtype=torch.bool)
+    for row, s in enumerate(sequences):
+        n = len(s.input_ids)
+        features[row, :n] = s.features.float()
+        ids[row, :n] = s.input_ids.long()
+        next_next[row, :n] = s.input_ids.long()
+        mask[row, :n] = s.loss_mask.bool()
+    return Batch(
+        features=features[:, :-1],
+        next_embeddings=F.embedding(ids[:, 1:-1], frozen.embed),
+        targets=features[:, 1:],
+        next_next_ids=next_next[:, 2:],
+        loss_mask=mask,
+        positions=torch.arange(length).expand(len(sequences), length),
+    )
+
+
+def unrolled_mask(length: int, step: int) -> torch.Tensor:
+    """(1, 1, T, (step+1) T) bool: the query of unrolled step `step` at t sees the
+    true-input keys at <= t - step and the key of each later step j at t - step + j."""
+    t = torch.arange(length)
+    blocks = [t[None, :] <= (t[:, None] - step)]
+    blocks += [t[None, :] == (t[:, None] - step + j) for j in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)[None, None]
+
+
+def forward_losses(
+    head: DraftHead, batch: Batch, frozen: Frozen, params: TrainParams, noise: torch.Generator | None, totals: Totals
+) -> torch.Tensor:
+    """The weighted loss of all unrolled steps; adds metrics to `totals`."""
+    length = batch.features.shape[1]
+    inputs = batch.features
+    if noise is not None:
+        rms = batch.features.pow(2).mean().sqrt()
+        amplitude = params.noise * rms
+        inputs = inputs + (torch.rand(inputs.shape, generator=noise) * 2 - 1) * amplitude
+    valid0 = batch.loss_mask
+    target_rows = batch.targets[valid0]  # (M, H)
+    with torch.no_grad():
+        target_logits = F.linear(target_rows.to(frozen.lm_head.dtype), frozen.lm_head).float()  # (M, V)
+        target_probs = target_logits.softmax(-1)
+        base_argmax = target_logits.argmax(-1)
+        del target_logits
+    base_argmax_full = torch.full(valid0.shape, -1, dtype=torch.long)
+    base_argmax_full[valid0] = base_argmax
+    feedable = base_argmax_full == batch.next_next_ids  # (B, T) the base's choice is the data's next token
+    chain = torch.ones_like(valid0)
+    cache, total, prediction = HeadCache(), 0.0, None
+    for step in range(params.unroll_steps):
+        if step > 0:  # feed the previous step's prediction of feature_t at position t
+            inputs = torch.cat([batch.features[:, :1], prediction[:, :-1]], dim=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=params.bf16):
+            prediction = head(batch.next_embeddings, inputs, batch.positions, unrolled_mask(length, step), cache)
+        valid = valid0 & (batch.positions >= step)  # (B, T)
+        rows = valid[valid0]  # which of the M target rows this step trains
+        predicted = prediction[valid].float()  # (m, H)
+        smooth_l1 = F.smooth_l1_loss(predicted, target_rows[rows], reduction="none").mean(-1)
+        logits = F.linear(predicted.to(frozen.lm_head.dtype), frozen.lm_head).float()  # (m, V)
+        cross_entropy = -(target_probs[rows] * logits.log_softmax(-1)).sum(-1)
+        total = total + params.step_decay**step * (smooth_l1.mean() + params.ce_weight * cross_entropy.mean())
+        with torch.no_grad():
+            correct_rows = logits.argmax(-1) == base_argmax[rows]
+            correct = torch.zeros_like(valid)
+            correct[valid] = correct_rows
+            previous_fed = torch.ones_like(valid) if step == 0 else F.pad((chain & feedable)[:, :-1], (1, 0))
+            considered = valid & previous_fed
+            chain = considered & correct
+            m = float(valid.sum())
+            totals.add(step, "positions", m)
+            totals.add(step, "smooth_l1", float(smooth_l1.sum()))
+            totals.add(step, "cross_entropy", float(cross_entropy.sum()))
+            totals.add(step, "correct", float(correct_rows.sum()))
+            totals.add(step, "chain_total", float(considered.sum()))
+            totals.add(step, "chain_correct", float(chain.sum()))
+    return total
+
+
+def shard_lengths(path: Path) -> list[int]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as shard:
+        return shard.get_tensor("lengths").tolist()
+
+
+def plan_epoch(shards: list[Path], lengths: list[list[int]], batch_tokens: int, seed: int, epoch: int):
+    """[(shard index, [sequence indices])] in training order: shards shuffled,
+    length-bucketed batches shuffled within each shard."""
+    generator = torch.Generator().manual_seed(seed * 7919 + epoch)
+    plan = []
+    for shard in torch.randperm(len(shards), generator=generator).tolist():
+        order = sorted(range(len(lengths[shard])), key=lambda i: lengths[shard][i])
+        batches, current = [], []
+        for index in order:
+            if current and (len(current) + 1) * lengths[shard][index] > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(index)
+        batches += [current] if current else []
+        plan += [(shard, batches[i]) for i in torch.randperm(len(batches), generator=generator).tolist()]
+    return plan
+
+
+def learning_rate(step: int, total: int, params: TrainParams) -> float:
+    if step < params.warmup_steps:
+        return params.learning_rate * (step + 1) / params.warmup_steps
+    progress = min(1.0, (step - params.warmup_steps) / max(1, total - params.warmup_steps))
+    floor = params.min_lr_ratio
+    return params.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, shards: list[Path], frozen: Frozen, params: TrainParams) -> dict:
+    head.eval()
+    totals = Totals()
+    for path in shards:
+        sequences = read_shard(path)
+        for _, indices in plan_epoch([path], [[len(s.input_ids) for s in sequences]], params.batch_tokens, 0, 0):
+            forward_losses(head, make_batch([sequences[i] for i in indices], frozen), frozen, params, None, totals)
+    head.train()
+    return totals.summary()
+
+
+class Trainer:
+    """Resumable training: a checkpoint every `checkpoint_every` steps, at the
+    time budget and at Ctrl-C; a resumed run replays the same batch order and
+    the same noise, so it ends where an uninterrupted run would."""
+
+    def __init__(self, base, train_shards: list[Path], eval_shards: list[Path], folder: Path, params: TrainParams):
+        self.params, self.folder = params, folder
+        self.train_shards, self.eval_shards = train_shards, eval_shards
+        self.frozen = frozen_of(base, params.bf16)
+        self.head = new_head(head_config_for(base.model.config), params.seed).train()
+        self.optimizer = torch.optim.AdamW(
+            self.head.parameters(), lr=params.learning_rate, betas=(0.9, 0.95), weight_decay=params.weight_decay
+        )
+        self.lengths = [shard_lengths(path) for path in train_shards]
+        self.steps_per_epoch = len(plan_epoch(train_shards, self.lengths, params.batch_tokens, params.seed, 0))
+        self.total_steps = params.epochs * self.steps_per_epoch
+        self.step, self.seconds, self.history = 0, 0.0, []
+        self.train_totals = Totals()
+        folder.mkdir(parents=True, exist_ok=True)
+        if (folder / CHECKPOINT).is_file():
+            self._load()
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.total_steps
+
+    def run(self, deadline: float | None = None, progress: bool = True, stop_at: int | None = None) -> bool:
+        """Train until done, past `deadline` (time.time()) or at step `stop_at`; True when done."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", desc="train", disable=not progress)
+        started = time.time()
+        try:
+            if self.step and self.step % self.steps_per_epoch == 0 and self._epoch_unevaluated():
+                self._end_epoch(self.step // self.steps_per_epoch - 1)  # killed between the last step and its eval
+            while not self.finished:
+                epoch, offset = divmod(self.step, self.steps_per_epoch)
+                plan = plan_epoch(self.train_shards, self.lengths, self.params.batch_tokens, self.params.seed, epoch)
+                loaded, sequences = None, []
+                for shard, indices in plan[offset:]:
+                    if (deadline is not None and time.time() > deadline) or self.step == stop_at:
+                        return False
+                    if shard != loaded:
+                        sequences, loaded = read_shard(self.train_shards[shard]), shard
+                    self._train_step([sequences[i] for i in indices])
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{self.last_loss:.3f}", acc=f"{self.train_totals.summary()['accuracy'][0]:.2f}")
+                    if self.step % self.params.checkpoint_every == 0:
+                        self._save(started)
+                        started = time.time()
+                self._end_epoch(epoch)
+            return True
+        finally:  # every exit, Ctrl-C included, leaves a checkpoint
+            self._save(started)
+            bar.close()
+
+    def _train_step(self, sequences: list[Sequence]) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.step, self.total_steps, self.params)
+        noise = torch.Generator().manual_seed(self.params.seed * 1_000_003 + self.step)
+        batch = make_batch(sequences, self.frozen)
+        loss = forward_losses(self.head, batch, self.frozen, self.params, noise, self.train_totals)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(self.head.parameters(), self.params.grad_clip)
+        self.optimizer.step()
+        self.last_loss = float(loss.detach())
+        self.step += 1
+
+    def _epoch_unevaluated(self) -> bool:
+        return not self.history or self.history[-1]["step"] != self.step
+
+    def _end_epoch(self, epoch: int) -> None:
+        record = {"epoch": epoch + 1, "step": self.step, "train": self.train_totals.summary()}
+        record["eval"] = evaluate(self.head, self.eval_shards, self.frozen, self.params)
+        self.history.append(record)
+        self.train_totals = Totals()
+
+    def final_eval(self) -> dict:
+        """The held-out metrics of the head as it is now (the last epoch's when finished)."""
+        if self.history and self.history[-1]["step"] == self.step:
+            return self.history[-1]["eval"]
+        return evaluate(self.head, self.eval_shards, self.frozen, self.params)
+
+    def _save(self, started: float) -> None:
+        self.seconds += time.time() - started
+        state = {
+            "head": self.head.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "seconds": self.seconds,
+            "history": self.history,
+            "train_totals": asdict(self.train_totals),
+            "params": asdict(self.params),
+            "steps_per_epoch": self.steps_per_epoch,
+        }
+        partial = self.folder / (CHECKPOINT + ".partial")
+        torch.save(state, partial)
+        partial.rename(self.folder / CHECKPOINT)
+
+    def _load(self) -> None:
+        state = torch.load(self.folder / CHECKPOINT, map_location="cpu", weights_only=False)
+        if state["steps_per_epoch"] != self.steps_per_epoch or state["params"] != asdict(self.params):
+            raise ValueError(
+                f"{self.folder / CHECKPOINT}: the checkpoint was made with other data or settings; "
+                "delete it to train from scratch"
+            )
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.seconds, self.history = state["step"], state["seconds"], state["history"]
+        self.train_totals = Totals(**state["train_totals"])
+
+    def summary(self) -> dict:
+        return {
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "seconds": round(self.seconds, 1),
+            "history": self.history,
+            "params": asdict(self.params),
+        }
+
+
+def save_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,153 @@
+import json
+
+import pytest
+import torch
+
+from core.config import SamplingParams, TreeParams
+from core.engine import Engine
+from core.prompt import stop_token_ids
+from core.training.answers import AnswerParams, generate_answers, read_answers, read_prompts
+from core.training.features import FeatureParams, Sequence, extract_features, read_shard, write_shard
+from core.training.pipeline import RunPaths, train_head
+from core.training.report import REPORT_FILE, NOTES_FILE
+from core.training.trainer import TrainParams, Trainer, evaluate, frozen_of, new_head, head_config_for, unrolled_mask
+from models.head import load_head
+
+ANSWERS = AnswerParams(samples_per_prompt=2, max_new_tokens=24, batch_size=4, max_prompt_tokens=64)
+FEATURES = FeatureParams(shard_tokens=300, batch_tokens=256, eval_fraction=0.25)
+TRAIN = TrainParams(epochs=3, learning_rate=3e-3, warmup_steps=3, batch_tokens=256, bf16=False, checkpoint_every=4)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    generator = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(16):
+        words = torch.randint(8, 64, (3 + i % 5,), generator=generator).tolist()
+        lines.append(json.dumps({"id": f"p{i}", "turns": [" ".join(f"w{w - 8}" for w in words)]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def features(tiny_base, prompts_file, tmp_path_factory):
+    work = tmp_path_factory.mktemp("work")
+    prompts = read_prompts(prompts_file, tiny_base.tokenizer)
+    answers = generate_answers(tiny_base, prompts, work / "answers.jsonl", ANSWERS, progress=False)
+    return answers, extract_features(tiny_base, answers, work / "features", FEATURES, progress=False)
+
+
+def test_answers_cover_every_prompt_and_sample(tiny_base, features):
+    answers, _ = features
+    assert {(a.id, a.sample) for a in answers} == {(f"p{i}", s) for i in range(16) for s in range(2)}
+    stops = stop_token_ids(tiny_base.model, tiny_base.tokenizer)
+    for answer in answers:
+        assert answer.prompt_ids[-2:] == tiny_base.tokenizer.convert_tokens_to_ids(["<|im_start|>", "assistant"])
+        assert answer.finished == (answer.answer_ids[-1] in stops)
+        assert not stops & set(answer.answer_ids[:-1])
+
+
+def test_answer_cache_resumes_without_regenerating(tiny_base, prompts_file, tmp_path):
+    prompts = read_prompts(prompts_file, tiny_base.tokenizer)
+    cache = tmp_path / "answers.jsonl"
+    first = generate_answers(tiny_base, prompts, cache, ANSWERS, deadline=0.0, progress=False)
+    assert first == []
+    full = generate_answers(tiny_base, prompts, cache, ANSWERS, progress=False)
+    lines = cache.read_text().splitlines()
+    cache.write_text("\n".join(lines[:10]) + "\n" + lines[10][:7])  # a killed run: a cut last line
+    resumed = generate_answers(tiny_base, prompts, cache, ANSWERS, progress=False)
+    key = lambda a: (a.id, a.sample)  # noqa: E731
+    assert sorted(resumed, key=key) == sorted(full, key=key)  # the same batches, the same seeds
+
+
+def test_loss_mask_covers_exactly_the_answer(features):
+    answers, shards = features
+    by_tokens = {tuple(a.prompt_ids + a.answer_ids): a for a in answers}
+    sequences = [s for split in shards.values() for path in split for s in read_shard(path)]
+    assert len(sequences) == len([a for a in answers if len(a.answer_ids) >= 2])
+    for sequence in sequences:
+        answer = by_tokens[tuple(sequence.input_ids.tolist())]
+        p, n = len(answer.prompt_ids), len(answer.answer_ids)
+        expected = [0] * (p - 1) + [1] * n + [0]
+        assert sequence.loss_mask.tolist() == expected  # token_{t+1} is an answer token
+    assert shards["eval"] and shards["train"]
+
+
+def test_features_are_the_post_norm_hidden_state(tiny_base, features):
+    _, shards = features
+    sequence = read_shard(shards["train"][0])[0]
+    with torch.no_grad():
+        hidden = tiny_base.model(sequence.input_ids.long()[None], output_hidden_states=True).hidden_states[-1][0]
+    assert torch.allclose(sequence.features.double(), hidden, atol=2e-2 * hidden.abs().max().item())
+
+
+def test_shards_round_trip(tmp_path):
+    sequences = [
+        Sequence(torch.arange(n, dtype=torch.int32), (torch.arange(n) % 2).to(torch.uint8), torch.randn(n, 8).bfloat16())
+        for n in (3, 5, 1)
+    ]
+    write_shard(tmp_path / "shard.safetensors", sequences)
+    for before, after in zip(sequences, read_shard(tmp_path / "shard.safetensors"), strict=True):
+        assert torch.equal(before.input_ids, after.input_ids)
+        assert torch.equal(before.loss_mask, after.loss_mask)
+        assert torch.equal(before.features, after.features)
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_unrolled_mask_matches_a_draft_chain():
+    mask = unrolled_mask(4, 2)[0, 0].int()  # query t sees true keys <= t-2, step-1 key t-1, step-2 key t
+    assert mask.tolist() == [
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+        [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+        [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1],
+    ]
+
+
+def test_training_lowers_the_loss(tiny_base, features, tmp_path):
+    _, shards = features
+    trainer = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path, TRAIN)
+    frozen = frozen_of(tiny_base, bf16=False)
+    before = evaluate(new_head(head_config_for(tiny_base.model.config), 0), shards["eval"], frozen, TRAIN)
+    assert trainer.run(progress=False)
+    after = trainer.final_eval()
+    assert after["smooth_l1"][0] < before["smooth_l1"][0]
+    assert after["cross_entropy"][0] < before["cross_entropy"][0]
+    assert len(trainer.history) == TRAIN.epochs
+
+
+def test_resume_continues_where_it_stopped(tiny_base, features, tmp_path):
+    _, shards = features
+    straight = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "a", TRAIN)
+    straight.run(progress=False)
+    stopped = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "b", TRAIN)
+    assert not stopped.run(progress=False, stop_at=straight.steps_per_epoch + 2)  # mid-epoch, off the checkpoint grid
+    resumed = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "b", TRAIN)
+    assert resumed.step == straight.steps_per_epoch + 2
+    assert resumed.run(progress=False)
+    for key, value in straight.head.state_dict().items():
+        assert torch.equal(value, resumed.head.state_dict()[key]), key
+    assert [r["eval"] for r in resumed.history] == [r["eval"] for r in straight.history]
+
+
+def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_file, tmp_path):
+    out = tmp_path / "head"
+    report = train_head(tiny_base, RunPaths(prompts_file, out, tmp_path / "work"), ANSWERS, FEATURES, TRAIN, progress=False)
+    assert (out / REPORT_FILE).is_file() and (out / NOTES_FILE).is_file()
+    assert report["training"]["steps"] == report["training"]["total_steps"]
+    config = tiny_base.model.config
+    head = load_head(str(out), config.hidden_size, config.vocab_size, tiny_base.device, tiny_base.dtype)
+    engine = Engine(tiny_base, head)
+    sampling = SamplingParams(max_new_tokens=20)
+    for seed in range(3):
+        prompt = torch.randint(8, 64, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        eagle = [t for s in engine.stream(prompt, "eagle2", sampling, TreeParams(8, 3, 2)) for t in s.token_ids]
+        vanilla = [t for s in engine.stream(prompt, "vanilla", sampling) for t in s.token_ids]
+        assert eagle == vanilla
+
+
+def test_read_answers_skips_a_cut_line(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps({"id": "a", "sample": 0, "prompt_ids": [1], "answer_ids": [2], "finished": True}) + '\n{"id": "b", "sam')
+    assert [a.id for a in read_answers(path)] == ["a"]
