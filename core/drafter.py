@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from core.config import TreeParams
-from core.tree import DraftTree, make_tree, rerank, subtree
+from core.tree import DraftTree, graft, lookup_continuation, make_tree, rerank, subtree
 from models.head import DraftHead, HeadCache
 
 # EAGLE-1's static tree, sized for a CPU: each path lists child ranks from the
@@ -57,6 +57,7 @@ class Drafter:
         self.static_paths = sorted(static_paths, key=lambda path: (len(path), path)) if static_paths else None
         self.cache = HeadCache()
         self.last_hidden: torch.Tensor | None = None  # (H,) predicted feature at the root's position
+        self.context: list[int] = []  # committed tokens after the first, ending with the root: for prompt lookup
         self.dtype = head.fc.weight.dtype
 
     @property
@@ -75,6 +76,7 @@ class Drafter:
             self.embed(next_tokens)[None], features.to(self.dtype)[None], positions[None], mask[None, None], self.cache
         )
         self.last_hidden = hidden[0, -1]
+        self.context.extend(next_tokens.tolist())
 
     def draft(self, root: int) -> DraftTree:
         """A tree of drafted continuations of `root`; the head cache is left as it was."""
@@ -86,6 +88,8 @@ class Drafter:
                 tokens, parents = self._draft_dynamic()
         finally:
             self.cache.crop(committed)
+        if self.params.lookup_tokens:
+            tokens, parents = graft(tokens, parents, lookup_continuation(self.context, self.params.lookup_tokens))
         return make_tree(root, tokens, parents)
 
     def _top(self, hidden: torch.Tensor, k: int):

@@ -74,3 +74,29 @@ def subtree(tokens: list[int], parents: list[int], chosen: list[int]) -> tuple[l
     """Restrict candidates to `chosen` (sorted, closed under parents), re-indexing parents."""
     index = {old: new for new, old in enumerate(chosen)}
     return [tokens[i] for i in chosen], [index[parents[i]] if parents[i] >= 0 else -1 for i in chosen]
+
+
+def graft(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
+    """Add `chain` as a path from the root, sharing the nodes it already
+    matches; new nodes go at the end, so parents still precede children."""
+    tokens, parents = list(tokens), list(parents)
+    node = -1
+    for token in chain:
+        match = next((i for i in range(len(tokens)) if parents[i] == node and tokens[i] == token), None)
+        if match is None:
+            tokens.append(token)
+            parents.append(node)
+            match = len(tokens) - 1
+        node = match
+    return tokens, parents
+
+
+def lookup_continuation(context: list[int], count: int, longest: int = 4, shortest: int = 2) -> list[int]:
+    """Prompt lookup: the `count` tokens that followed the latest earlier
+    occurrence of the context's final n-gram (longest n first)."""
+    for size in range(min(longest, len(context) - 1), shortest - 1, -1):
+        pattern = context[-size:]
+        for start in range(len(context) - size - 1, -1, -1):
+            if context[start : start + size] == pattern:
+                return context[start + size : start + size + count]
+    return []
