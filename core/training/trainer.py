@@ -40,6 +40,8 @@ class TrainParams:
     unroll_steps: int = 3  # 1 = plain EAGLE; k adds k-1 training-time-test steps
     step_decay: float = 0.8  # weight of unrolled step k is step_decay**k
     ce_weight: float = 0.1  # EAGLE's weight of the token cross-entropy
+    loss_vocab: int | None = 8192  # training CE over the most frequent answer tokens only (None: all);
+    # lm_head over the full vocabulary is most of a step's cost. Evaluation always uses all tokens.
     noise: float = 0.05  # half-width of the uniform noise on input features, times their rms
     grad_clip: float = 0.5  # gradient value clipping (EAGLE)
     bf16: bool = True  # bf16 autocast (fp32 master weights); fp32 otherwise
@@ -123,10 +125,25 @@ def new_head(config: HeadConfig, seed: int) -> DraftHead:
     return head
 
 
-def frozen_of(base, bf16: bool) -> Frozen:
+def frozen_of(base, bf16: bool, vocabulary: torch.Tensor | None = None) -> Frozen:
+    """`vocabulary`: token ids whose rows of lm_head the loss uses (None: all)."""
     embed = base.model.get_input_embeddings().weight.detach().float()
     lm_head = base.model.get_output_embeddings().weight.detach()
+    if vocabulary is not None:
+        lm_head = lm_head[vocabulary]
     return Frozen(embed, lm_head.to(torch.bfloat16 if bf16 else torch.float32))
+
+
+def frequent_tokens(shards: list[Path], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens of the shards, sorted by id."""
+    from safetensors import safe_open
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for path in shards:
+        with safe_open(str(path), framework="pt") as shard:
+            ids, mask = shard.get_tensor("input_ids").long(), shard.get_tensor("loss_mask").bool()
+        counts += torch.bincount(ids[1:][mask[:-1]], minlength=vocab_size)  # token_{t+1} of trained t
+    return counts.topk(min(size, vocab_size)).indices.sort().values
 
 
 def make_batch(sequences: list[Sequence], frozen: Frozen) -> Batch:
@@ -266,7 +283,10 @@ class Trainer:
     def __init__(self, base, train_shards: list[Path], eval_shards: list[Path], folder: Path, params: TrainParams):
         self.params, self.folder = params, folder
         self.train_shards, self.eval_shards = train_shards, eval_shards
-        self.frozen = frozen_of(base, params.bf16)
+        vocab_size = base.model.get_output_embeddings().weight.shape[0]
+        vocabulary = frequent_tokens(train_shards, params.loss_vocab, vocab_size) if params.loss_vocab else None
+        self.frozen = frozen_of(base, params.bf16, vocabulary)
+        self.eval_frozen = frozen_of(base, params.bf16)
         self.head = new_head(head_config_for(base.model.config), params.seed).train()
         self.optimizer = torch.optim.AdamW(
             self.head.parameters(), lr=params.learning_rate, betas=(0.9, 0.95), weight_decay=params.weight_decay
@@ -332,7 +352,7 @@ class Trainer:
 
     def _end_epoch(self, epoch: int) -> None:
         record = {"epoch": epoch + 1, "step": self.step, "train": self.train_totals.summary()}
-        record["eval"] = evaluate(self.head, self.eval_shards, self.frozen, self.params)
+        record["eval"] = evaluate(self.head, self.eval_shards, self.eval_frozen, self.params)
         self.history.append(record)
         self.train_totals = Totals()
 
@@ -340,7 +360,7 @@ class Trainer:
         """The held-out metrics of the head as it is now (the last epoch's when finished)."""
         if self.history and self.history[-1]["step"] == self.step:
             return self.history[-1]["eval"]
-        return evaluate(self.head, self.eval_shards, self.frozen, self.params)
+        return evaluate(self.head, self.eval_shards, self.eval_frozen, self.params)
 
     def _save(self, started: float) -> None:
         self.seconds += time.time() - started
