@@ -20,6 +20,13 @@ def read_report(folder: Path) -> dict:
     return json.loads((folder / REPORT_FILE).read_text())
 
 
+def update_report(folder: Path, **fields) -> dict:
+    """Add sections (an acceptance check, notes) to a written report."""
+    report = {**read_report(folder), **fields}
+    write_report(folder, report)
+    return report
+
+
 def _percent(values: list[float]) -> str:
     return " / ".join(f"{100 * value:.1f}%" for value in values)
 
@@ -41,7 +48,7 @@ def render_markdown(report: dict) -> str:
         f"- answers: {data['answers']} ({data['samples_per_prompt']} planned per prompt, sample 0 greedy, the others at "
         f"temperature {data['temperature']}; {100 * data['finished_fraction']:.0f}% ended before {data['max_new_tokens']} tokens)",
         f"- answer tokens: {data['answer_tokens']:,}; feature rows (prompts + answers): {data['feature_rows']:,} "
-        f"in {data['shards']} shards, {data['feature_megabytes']:.0f} MB of bf16",
+        f"in {data['shards']} shards, {data['feature_megabytes']:.1f} MB of bf16",
         "",
         "## Training",
         f"- steps: {training['steps']} of {training['total_steps']} planned ({training['steps_per_epoch']} per epoch, "
@@ -66,7 +73,7 @@ def render_markdown(report: dict) -> str:
     if final:
         lines += [
             "",
-            f"Final held-out ({final['positions']:,} positions): top-1 agreement with the base model's greedy token "
+            f"Final held-out ({int(final['positions']):,} positions): top-1 agreement with the base model's greedy token "
             f"{_percent(final['accuracy'])} for steps 1/2/3; in a greedy chain, step k is right "
             f"{_percent(final['chain_accuracy'])} of the time when steps < k were.",
         ]
