@@ -1,0 +1,126 @@
+"""The app in a real headless Chromium: chat streaming with live stats,
+Compare, HTML escaping, and a screenshot of each tab in test-artifacts/."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+STEP_DELAY = 0.02  # seconds added per decode step, so that streaming is visible
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Chromium at /usr/bin/chromium (Debian: apt-get install -y chromium)"
+)
+
+
+@pytest.fixture(scope="module")
+def app_url(tiny_base, tmp_path_factory):
+    from app.ui import LOCALHOST, build_app, free_port, launch
+    from core.engine import Engine
+    from tests.factory import random_head
+
+    class SlowEngine(Engine):
+        def stream(self, *args, **kwargs):
+            for step in super().stream(*args, **kwargs):
+                time.sleep(STEP_DELAY)
+                yield step
+
+    engine = SlowEngine(tiny_base, random_head(tiny_base.model))
+    demo = build_app(engine, tmp_path_factory.mktemp("browser-data"))
+    _, url, _ = launch(demo, LOCALHOST, free_port(LOCALHOST, 7990), block=False)
+    yield url
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(app_url)
+    # the page-load event restores saved settings: wait for it before changing any
+    page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+    yield page
+    page.close()
+
+
+def screenshot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def settings(page, max_new_tokens: int) -> None:
+    box = page.locator("label:has-text('Max new tokens')").locator("..").locator("input[type=number]").first
+    box.fill(str(max_new_tokens))
+    box.press("Enter")
+
+
+def send(page, text: str) -> None:
+    page.locator("#message textarea").fill(text)
+    page.locator("#send").click()
+
+
+def assistant_text(page) -> str:
+    bubbles = page.locator("#chatbot .message-row.bot-row, #chatbot [data-testid='bot']")
+    return bubbles.last.inner_text() if bubbles.count() else ""
+
+
+def test_chat_streams_reply_and_live_stats(page):
+    settings(page, 60)
+    send(page, "w1 w2 w3")
+    lengths, rates, deadline = set(), set(), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lengths.add(len(assistant_text(page)))
+        rates.add(page.locator("#stat-tps").inner_text())
+        if page.locator("#stat-tokens").count() and page.locator("#stat-tokens").inner_text() == "60":
+            break
+        time.sleep(0.05)
+    assert len(lengths - {0}) >= 2, f"the reply should grow while streaming (lengths seen: {sorted(lengths)})"
+    assert len(rates - {"-"}) >= 1 and "-" in rates, f"tokens/s should change from '-' (seen {rates})"
+    assert page.locator("#stat-tau").inner_text() != "-"
+    assert float(page.locator("#stat-tau-session").inner_text()) >= 1.0
+    screenshot(page, "chat")
+
+
+def test_user_and_model_text_is_escaped(page):
+    settings(page, 4)
+    send(page, "<script>window.kestrelInjected = 1</script><b>not bold</b>")
+    page.locator("#chatbot").get_by_text("<script>window.kestrelInjected", exact=False).wait_for(timeout=15_000)
+    assert page.evaluate("window.kestrelInjected") is None
+    assert page.locator("#chatbot b:has-text('not bold')").count() == 0
+
+
+def test_compare_shows_both_panes_and_verdict(page):
+    settings(page, 30)  # the Chat tab's settings apply to Compare
+    page.get_by_role("tab", name="Compare").click()
+    page.locator("#compare-prompt textarea").fill("w4 w5")
+    page.locator("#compare-run").click()
+    page.locator("#verdict").wait_for(timeout=60_000)
+    assert page.locator("#pane-vanilla .kestrel-pane").inner_text().strip()
+    assert page.locator("#pane-eagle2 .kestrel-pane").inner_text().strip()
+    assert "identical to vanilla" in page.locator("#verdict").inner_text()
+    assert page.locator("#verdict-speedup").inner_text().endswith("x")
+    screenshot(page, "compare")
+
+
+def test_models_tab(page):
+    page.get_by_role("tab", name="Models").click()
+    page.get_by_text("Vicuna-13B v1.3").first.wait_for(timeout=10_000)
+    assert "llama" in page.locator("#model-status").inner_text().lower() or page.locator("#model-status").inner_text()
+    screenshot(page, "models")
