@@ -40,7 +40,10 @@ def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir:
                 with gr.Row():
                     with gr.Column(scale=3):
                         system = gr.Textbox(label="System prompt", lines=1, elem_id="system")
-                        chatbot = gr.Chatbot(elem_id="chatbot", height=460, sanitize_html=True, show_label=False)
+                        chatbot = gr.Chatbot(
+                            elem_id="chatbot", height=460, sanitize_html=True, show_label=False,
+                            feedback_options=None, buttons=["copy", "copy_all"],
+                        )  # fmt: skip
                         notice = gr.HTML(elem_id="notice")
                         with gr.Row():
                             message = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=5, elem_id="message")
@@ -165,7 +168,7 @@ def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir:
         )  # fmt: skip
         unload.click(library.unload, None, [status, load_notice], **MODEL)
 
-        demo.load(chat.restore, None, [*controls, system, chatbot, chat_state, chats, stats], **MODEL)
+        demo.load(chat.restore, None, [*controls, system, chatbot, chat_state, chats, stats])
         demo.load(library.status, None, status).then(library.heads, None, trained)
     return demo
 
@@ -199,10 +202,15 @@ def free_port(host: str, start: int, tries: int = 100) -> int:
 
 
 def launch(demo: gr.Blocks, host: str, port: int, auth=None, open_browser: bool = False, block: bool = True):
+    """Serve `demo` on `host` (never through a share link); `block` waits until interrupted."""
+    port = free_port(host, port)
+    if block:
+        shown = LOCALHOST if host == LOCALHOST else f"{host} (all interfaces; password required)"
+        print(f"Kestrel is running at http://{LOCALHOST}:{port} on {shown}. Press Ctrl+C to stop.", flush=True)
     demo.queue()
     return demo.launch(
-        server_name=host, server_port=free_port(host, port), auth=auth, inbrowser=open_browser, share=False,
-        prevent_thread_lock=not block, css=render.CSS, favicon_path=str(ICON), show_error=True, quiet=not block,
+        server_name=host, server_port=port, auth=auth, inbrowser=open_browser, share=False,
+        prevent_thread_lock=not block, css=render.CSS, favicon_path=str(ICON), show_error=True, quiet=True,
     )  # fmt: skip
 
 

@@ -121,6 +121,13 @@ def test_interrupted_write_keeps_the_previous_history(store, monkeypatch):
     assert [p.name for p in store.chat_path(chat["id"]).parent.iterdir()] == [f"{chat['id']}.json"]
 
 
+def test_data_dir_override(tmp_path, monkeypatch):
+    from app.store import data_dir
+
+    monkeypatch.setenv("KESTREL_DATA_DIR", str(tmp_path))
+    assert data_dir() == tmp_path
+
+
 def test_damaged_chat_file_is_skipped(store):
     store.chat_path("broken").parent.mkdir(parents=True)
     store.chat_path("broken").write_text("{not json")
