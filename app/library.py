@@ -13,6 +13,7 @@ from app import render
 from app.chat import MODE_LABELS
 from app.runtime import Runtime
 from app.session import load_pair
+from core.training.report import REPORT_FILE
 from models import catalog
 from models.errors import KestrelError
 
@@ -43,22 +44,30 @@ def catalog_frame(available_gb: float | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def trained_heads(heads_dir: Path, base_config) -> list[str]:
+def trained_heads(heads_dir: Path, base_name: str, base_config) -> list[str]:
     """Head folders (config.json + model.safetensors) under `heads_dir` made
-    for this base: a matching `base_model` entry, or matching sizes."""
+    for this base: its name in the training report, or, without
+    a report, matching hidden and vocabulary sizes."""
     found = []
     for config_file in sorted(heads_dir.glob("*/config.json")):
         folder = config_file.parent
-        if not (folder / "model.safetensors").is_file():
+        config, report = read_json(config_file), read_json(folder / REPORT_FILE)
+        if config is None or not (folder / "model.safetensors").is_file():
             continue
-        try:
-            config = json.loads(config_file.read_text())
-        except (OSError, ValueError):
-            continue
-        same_size = config.get("hidden_size") == base_config.hidden_size and config.get("vocab_size") == base_config.vocab_size
-        if same_size:
+        if report is not None and "base_model" in report:
+            if report["base_model"] == base_name:
+                found.append(str(folder))
+        elif config.get("hidden_size") == base_config.hidden_size and config.get("vocab_size") == base_config.vocab_size:
             found.append(str(folder))
     return found
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class LibraryHandlers:
@@ -71,7 +80,7 @@ class LibraryHandlers:
 
     def heads(self) -> dict:
         engine = self.runtime.engine
-        choices = trained_heads(self.heads_dir, engine.model.config) if engine is not None else []
+        choices = trained_heads(self.heads_dir, engine.base.name, engine.model.config) if engine is not None else []
         return gr.update(choices=choices, value=None)
 
     def pick(self, name: str) -> tuple:

@@ -218,8 +218,12 @@ def test_catalog_and_trained_heads(engine, tmp_path):
     assert len(frame) == len(catalog.CATALOG) and "Vicuna-13B v1.3" in list(frame["model"])
     assert catalog.fit(catalog.estimated_gb(catalog.find("Vicuna-13B v1.3"), 16), 24.0) == "does not fit"
     assert catalog.fit(catalog.estimated_gb(catalog.find("Vicuna-7B v1.3"), 4), 24.0) == "fits"
-    save_head(random_head(engine.model), tmp_path / "heads" / "mine")
-    assert trained_heads(tmp_path / "heads", engine.model.config) == [str(tmp_path / "heads" / "mine")]
+    for name, base in (("mine", engine.base.name), ("other", "another/model"), ("unreported", None)):
+        save_head(random_head(engine.model), tmp_path / "heads" / name)
+        if base:
+            (tmp_path / "heads" / name / "training_report.json").write_text(json.dumps({"base_model": base}))
+    found = trained_heads(tmp_path / "heads", engine.base.name, engine.model.config)
+    assert found == [str(tmp_path / "heads" / "mine"), str(tmp_path / "heads" / "unreported")]
 
 
 def test_server_address_is_local_unless_listen_with_auth():
