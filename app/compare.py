@@ -113,7 +113,9 @@ class CompareHandlers:
             )  # fmt: skip
         except (KestrelError, ValueError, ImportError) as error:
             return gr.skip(), gr.skip(), gr.skip(), render.escape(str(error))
-        return summary_frame(result), speed_frame(result), result, ""
+        identical = result["summary"].get("identical_fraction")
+        note = "" if identical is None else f"EAGLE-2 output identical to vanilla on {100 * identical:.0f}% of the prompts."
+        return summary_frame(result), speed_frame(result), result, note
 
 
 def summary_frame(result: dict) -> pd.DataFrame:
@@ -129,10 +131,6 @@ def summary_frame(result: dict) -> pd.DataFrame:
             "tau": None if tau is None else round(tau, 2),
             "speedup": round(totals["tokens_per_s"] / base, 2) if base else None,
         })  # fmt: skip
-    identical = result["summary"].get("identical_fraction")
-    if identical is not None:
-        rows.append({"mode": "identical outputs", "tokens": None, "seconds": None, "tokens/s": None,
-                     "tau": None, "speedup": round(identical, 2)})  # fmt: skip
     return pd.DataFrame(rows)
 
 

@@ -109,11 +109,11 @@ def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir:
                                 "through vanilla and EAGLE-2 with the Chat tab's settings.")  # fmt: skip
                     with gr.Row():
                         upload = gr.File(label="Prompts (.jsonl, optional)", file_types=[".jsonl"], type="filepath")
-                        limit = gr.Slider(1, 80, 4, step=1, label="Prompts to run")
+                        limit = gr.Slider(1, 80, 4, step=1, label="Prompts to run", elem_id="bench-limit")
                     run_bench = gr.Button("Run benchmark", elem_id="bench-run")
-                    bench_notice = gr.HTML()
-                    bench_table = gr.Dataframe(label="Summary", interactive=False)
-                    bench_chart = gr.BarPlot(x="mode", y="tokens/s", title="Tokens/s", height=200)
+                    bench_notice = gr.HTML(elem_id="bench-notice")
+                    bench_table = gr.Dataframe(label="Summary", interactive=False, elem_id="bench-table")
+                    bench_chart = gr.BarPlot(x="mode", y="tokens/s", y_lim=[0, None], sort=None, title="Tokens/s", height=200)
                     bench_json = gr.JSON(label="Full result", open=False)
 
             with gr.Tab("Models", id="models"):

@@ -126,6 +126,13 @@ def test_compare_shows_both_panes_and_verdict(page):
     assert page.locator("#pane-eagle2 .kestrel-pane").inner_text().strip()
     assert "identical to vanilla" in page.locator("#verdict").inner_text()
     assert page.locator("#verdict-speedup").inner_text().endswith("x")
+    page.get_by_text("Benchmark", exact=True).click()
+    limit = page.locator("#bench-limit input[type=number]")
+    limit.fill("1")
+    limit.press("Enter")
+    page.locator("#bench-run").click()
+    page.locator("#bench-table").get_by_text("EAGLE-2").wait_for(timeout=60_000)
+    assert "identical to vanilla on 100%" in page.locator("#bench-notice").inner_text()
     screenshot(page, "compare")
 
 
