@@ -6,12 +6,19 @@ contains `<script>` shows as text."""
 from __future__ import annotations
 
 import html
+import itertools
+import re
 
 import pandas as pd
 
 from core.stats import Snapshot
 
 DRAFT, BASE = "draft", "base"  # token origins: drafted-and-accepted, or sampled by the base model
+# Markdown code: fenced blocks (to the end while still streaming) and inline spans.
+CODE = re.compile(r"```.*?(?:```|\Z)|`[^`\n]+`", re.DOTALL)
+# Gradio 6.31's chatbot loads Prism's C++ grammar without the C one it extends, and
+# the whole message then renders empty: C++ fences are highlighted as C instead.
+CPP_FENCE = re.compile(r"^```(?:cpp|c\+\+|cxx|cc)(?=\s)", re.IGNORECASE)
 DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 CSS = """
 .kestrel-stats table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
@@ -59,10 +66,27 @@ def coloured(segments: list[list[str]]) -> str:
 
 
 def message_html(message: dict, colour: bool) -> str:
-    """What the chatbot shows for one stored message (markdown over escaped text)."""
-    if colour and message.get("segments"):
-        return coloured(message["segments"])
-    return escape(message["content"])
+    """What the chatbot shows for one stored message: markdown whose prose is
+    HTML-escaped (drafted runs highlighted when `colour`). Code spans and fences
+    stay raw: the markdown renderer already shows their content as text, and
+    escaping there would show the entities themselves."""
+    segments = message.get("segments") or [[message["content"], BASE]]
+    text = "".join(piece for piece, _ in segments)
+    origins = [origin if colour else BASE for piece, origin in segments for _ in piece]
+    parts, position = [], 0
+    for match in CODE.finditer(text):
+        parts += [_prose(text, origins, position, match.start()), CPP_FENCE.sub("```c", match.group())]
+        position = match.end()
+    parts.append(_prose(text, origins, position, len(text)))
+    return "".join(parts)
+
+
+def _prose(text: str, origins: list[str], start: int, end: int) -> str:
+    runs = []
+    for origin, indices in itertools.groupby(range(start, end), key=origins.__getitem__):
+        indices = list(indices)
+        runs.append([text[indices[0] : indices[-1] + 1], origin])
+    return coloured(runs)
 
 
 def pane_html(segments: list[list[str]], elem_class: str = "kestrel-pane") -> str:

@@ -292,3 +292,14 @@ def test_launched_app_streams_through_gradio_client(engine, tmp_path):
         assert len(updates) >= 2
     finally:
         demo.close()
+
+
+def test_code_in_markdown_stays_raw_and_prose_is_escaped():
+    text = "a <b> & b\n```cpp\n#include <vector>\n```\nuse `x < y` <script>"
+    segments = [[text[:4], render.DRAFT], [text[4:], render.BASE]]
+    shown = render.message_html({"role": "assistant", "content": text, "segments": segments}, True)
+    assert shown.startswith('<span class="kd"')
+    assert "```c\n#include <vector>" in shown and "`x < y`" in shown
+    assert "a &lt;b</span>&gt; &amp; b" in shown and "&lt;script&gt;" in shown and "<script>" not in shown
+    plain = render.message_html({"role": "user", "content": "```\n<i>"}, False)
+    assert plain == "```\n<i>"
