@@ -303,3 +303,9 @@ def test_code_in_markdown_stays_raw_and_prose_is_escaped():
     assert "a &lt;b</span>&gt; &amp; b" in shown and "&lt;script&gt;" in shown and "<script>" not in shown
     plain = render.message_html({"role": "user", "content": "```\n<i>"}, False)
     assert plain == "```\n<i>"
+
+
+def test_message_longer_than_the_context_is_refused(handlers):
+    long = " ".join(["w1"] * 300)
+    final = list(handlers.send(long, new_chat(), "", *values()))[-1]
+    assert "context window" in final[3] and final[0] == long and final[2]["messages"] == []
