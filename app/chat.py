@@ -175,17 +175,24 @@ class ChatHandlers:
                 error = f"{error}. Start a new chat or shorten the message."
             yield from self._failed(chat, message, colour, str(error))
             return
+        note = self._finish(chat, reply, mode, note)
+        yield gr.skip(), display(chat, colour), chat, notice_html(note), *self._panel(chat, reply, finished=True)
+
+    def _finish(self, chat: dict, reply: Reply, mode: str, note: str) -> str:
+        """Add the reply to the chat and save it; returns the note to show."""
         chat["messages"].append(
             {"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": reply_summary(reply, mode)}
         )
         chat["session"]["tokens"] += reply.snapshot.tokens
         chat["session"]["forwards"] += reply.snapshot.forwards
-        self.store.save_chat(chat)
-        if reply.finish_reason == "cancelled":
-            note = f"{note} Stopped.".strip()
-        elif reply.finish_reason in ("length", "context"):
-            note = f"{note} The reply reached the {'token limit' if reply.finish_reason == 'length' else 'context window'}.".strip()
-        yield gr.skip(), display(chat, colour), chat, notice_html(note), *self._panel(chat, reply, finished=True)
+        endings = {"cancelled": "Stopped.", "length": "The reply reached the token limit.",
+                   "context": "The reply reached the context window."}  # fmt: skip
+        note = f"{note} {endings.get(reply.finish_reason, '')}".strip()
+        try:
+            self.store.save_chat(chat)
+        except OSError as error:
+            note = f"{note} The chat could not be saved ({error}).".strip()
+        return note
 
     def _failed(self, chat: dict, message: str | None, colour: bool, error: str) -> Iterator[tuple]:
         """Show the error; a just-sent message goes back into the message box."""
