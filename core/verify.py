@@ -31,9 +31,27 @@ def logits_of(model, features: torch.Tensor) -> torch.Tensor:
     return model.get_output_embeddings()(features)
 
 
+class NodeLogits:
+    """Base-model logits of tree nodes, computed only where acceptance looks:
+    all nodes with children in one product, a leaf when it is reached. Most
+    drafted nodes are leaves that are never accepted, so this saves most of
+    the lm_head work of a step."""
+
+    def __init__(self, model, features: torch.Tensor, tree: DraftTree):
+        self.model, self.features = model, features
+        internal = sorted({parent for parent in tree.parents if parent >= 0})
+        self.rows = dict(zip(internal, logits_of(model, features[internal]))) if internal else {}
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        """(V,) logits at `node`."""
+        if node not in self.rows:
+            self.rows[node] = logits_of(self.model, self.features[node : node + 1])[0]
+        return self.rows[node]
+
+
 def verify_tree(model, tree: DraftTree, prefix: int, cache):
     """One forward over the tree. Each node sees the prefix, its ancestors and
-    itself, at position prefix + depth. -> features (N, H), logits (N, V)."""
+    itself, at position prefix + depth. -> features (N, H), NodeLogits."""
     device = cache_device(model)
     tokens = tree.tokens.to(device)
     positions = (tree.depths + prefix).to(device)
@@ -42,30 +60,31 @@ def verify_tree(model, tree: DraftTree, prefix: int, cache):
         seen = torch.ones(tree.size, prefix, dtype=torch.bool)
         mask = torch.cat([seen, ancestor_mask(tree.parents)], dim=1).to(device)  # (N, prefix + N)
     features = base_forward(model, tokens, positions, mask, cache)
-    return features, logits_of(model, features)
+    return features, NodeLogits(model, features, tree)
 
 
 def cache_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
     """Longest path whose every token is the base model's argmax at its parent.
-    -> (accepted nodes, root first; the bonus token: argmax after the last)."""
-    predicted = logits.argmax(dim=-1).tolist()  # (N,)
+    logits[node] is (V,). -> (accepted nodes, root first; the bonus token:
+    the argmax after the last)."""
     tokens = tree.tokens.tolist()
     children = tree.children()
     path = [0]
     while True:
         node = path[-1]
-        match = next((child for child in children[node] if tokens[child] == predicted[node]), None)
+        predicted = int(logits[node].argmax())
+        match = next((child for child in children[node] if tokens[child] == predicted), None)
         if match is None:
-            return path, predicted[node]
+            return path, predicted
         path.append(match)
 
 
 def accept_sampling(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    tree: DraftTree, logits, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[list[int], int]:
     """Multi-candidate recursive rejection sampling (SpecInfer, Miao et al. 2024).
 
