@@ -22,10 +22,10 @@ STAMP = VENV / "kestrel-requirements.sha256"
 
 def fail(cause: str, fix: str) -> None:
     print(f"\nKestrel could not start: {cause}\nFix: {fix}", file=sys.stderr, flush=True)
-    if not sys.stdin or not sys.stdin.isatty():  # started by a double-click: keep the window open
+    if sys.stdin is not None and sys.stdin.isatty():  # a console window, e.g. from a double-click: keep it open
         try:
             input("Press Enter to close.")
-        except EOFError:
+        except (EOFError, OSError):
             pass
     sys.exit(1)
 
