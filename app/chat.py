@@ -264,6 +264,13 @@ class ChatHandlers:
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
         return display(chat or new_chat(), colour)
 
+    def remember(self, system: str, *values) -> None:
+        """Save the settings as soon as they change."""
+        try:
+            self.save_settings(values, system)
+        except OSError:
+            pass  # saved again with the next message; a settings file is not worth an error dialog
+
     def save_settings(self, values: Sequence, system: str) -> None:
         settings = dict(zip(SETTINGS, values))
         settings["system"] = system

@@ -93,6 +93,7 @@ def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir:
                     run_compare = gr.Button("Compare", variant="primary", scale=1, elem_id="compare-run")
                     stop_compare = gr.Button("Stop", variant="stop", scale=1)
                 with_eagle = gr.Checkbox(False, label="Also run EAGLE (static tree)")
+                gr.HTML(render.LEGEND)
                 with gr.Row():
                     with gr.Column():
                         gr.Markdown("**Vanilla**")
@@ -151,6 +152,7 @@ def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir:
         delete.click(chat.delete, chat_state, [chatbot, chat_state, chats])
         export.click(chat.export, chat_state, exported)
         colour.change(chat.recolour, [chat_state, colour], chatbot)
+        gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], None)
 
         run_compare.click(
             compare.compare, [prompt, with_eagle, chat_state, *controls],

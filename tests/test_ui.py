@@ -105,6 +105,11 @@ def test_history_and_settings_survive_a_restart(engine, store, handlers):
     assert chatbot[0]["content"] == "w7 w8"
 
 
+def test_settings_saved_when_changed(handlers, store):
+    handlers.remember("w3", *values(temperature=1.2, depth=3))
+    assert store.load_settings()["temperature"] == 1.2 and store.load_settings()["system"] == "w3"
+
+
 def test_interrupted_write_keeps_the_previous_history(store, monkeypatch):
     chat = new_chat()
     chat["messages"] = [{"role": "user", "content": "first"}]
