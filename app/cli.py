@@ -37,6 +37,7 @@ def add_tree_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--total-tokens", type=int, default=defaults.total_tokens, help=f"tree nodes verified per step (default {defaults.total_tokens})")
     group.add_argument("--depth", type=int, default=defaults.depth, help=f"draft depth (default {defaults.depth})")
     group.add_argument("--tree-top-k", type=int, default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
+    group.add_argument("--min-path-prob", type=float, default=defaults.min_path_prob, help=f"stop deepening the tree when its best path is less likely than this, 0 = never (default {defaults.min_path_prob})")
     group.add_argument("--lookup-tokens", type=int, default=defaults.lookup_tokens, help=f"extra tree branch copied from the context after a repeated n-gram, 0 = off (default {defaults.lookup_tokens})")
 
 
@@ -155,7 +156,7 @@ def sampling_from(args):
 def tree_from(args):
     from core.config import TreeParams
 
-    return TreeParams(args.total_tokens, args.depth, args.tree_top_k, args.lookup_tokens)
+    return TreeParams(args.total_tokens, args.depth, args.tree_top_k, args.min_path_prob, args.lookup_tokens)
 
 
 def run_chat(args) -> int:

@@ -35,6 +35,7 @@ class TreeParams:
     total_tokens: int = 16  # nodes verified per step, the root included (EAGLE-2 reranking budget)
     depth: int = 5  # draft expansions per step: the longest path the tree can hold
     top_k: int = 4  # children per expanded node, and nodes expanded per depth
+    min_path_prob: float = 0.0  # stop deepening once the best frontier path's draft probability is below this; 0 = never
     lookup_tokens: int = 0  # extra branch copied from the context after the last repeated n-gram; 0 = off
 
     def __post_init__(self):
@@ -44,5 +45,7 @@ class TreeParams:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if not 0 <= self.min_path_prob < 1:
+            raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
         if self.lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")

@@ -8,6 +8,8 @@ root has depth 0) enters the head at position n + d - 1."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from core.config import TreeParams
@@ -107,7 +109,10 @@ class Drafter:
         scores = [values[0]]
         frontier = list(range(k))
         frontier_scores = values[0]  # (k,)
+        floor = math.log(self.params.min_path_prob) if self.params.min_path_prob > 0 else -math.inf
         for _ in range(1, self.params.depth):
+            if float(frontier_scores.max()) < floor:  # dynamic depth: deeper nodes would hardly be accepted
+                break
             values, ids = self._top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
             child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,)
             first = len(tokens)

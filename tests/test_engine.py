@@ -16,7 +16,7 @@ from tests.factory import random_head, save_tiny_model
 
 TREES = [
     TreeParams(total_tokens=12, depth=4, top_k=3), TreeParams(2, 1, 1), TreeParams(30, 6, 5), TreeParams(8, 8, 2),
-    TreeParams(10, 3, 3, lookup_tokens=6),
+    TreeParams(10, 3, 3, lookup_tokens=6), TreeParams(16, 6, 3, min_path_prob=0.05),
 ]  # fmt: skip
 
 
