@@ -314,3 +314,19 @@ def test_message_longer_than_the_context_is_refused(handlers):
     long = " ".join(["w1"] * 300)
     final = list(handlers.send(long, new_chat(), "", *values()))[-1]
     assert "context window" in final[3] and final[0] == long and final[2]["messages"] == []
+
+
+def test_launched_app_with_auth_requires_login(engine, tmp_path):
+    import httpx
+
+    from app.ui import LOCALHOST, build_app, free_port, launch
+
+    demo = build_app(engine, tmp_path / "data")
+    _, url, _ = launch(demo, LOCALHOST, free_port(LOCALHOST, 7970), auth=("ann", "secret"), block=False)
+    try:
+        assert httpx.get(f"{url}config").status_code == 401
+        login = httpx.post(f"{url}login", data={"username": "ann", "password": "secret"})
+        assert login.status_code == 200
+        assert httpx.post(f"{url}login", data={"username": "ann", "password": "wrong"}).status_code == 400
+    finally:
+        demo.close()
