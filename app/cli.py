@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and optionally 'id'")
     bench.add_argument("--limit", type=int, help="use only the first N prompts")
     bench.add_argument("--per-source", type=int, help="use the first N prompts of each source (e.g. chat and code)")
-    bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated from vanilla, eagle, eagle2, generate, prompt-lookup (default vanilla,eagle2)")
+    bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated from vanilla, eagle, eagle2, generate, prompt-lookup; eagle2:T/D/K[/L] sets a tree shape (default vanilla,eagle2)")
     bench.add_argument("--json", dest="json_out", help="write the full results to this JSON file")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts (default 1)")
     add_model_options(bench)

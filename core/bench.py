@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,8 +58,28 @@ def load_prompts(path: str | Path, limit: int | None = None, per_source: int | N
     return prompts[:limit] if limit else prompts
 
 
-def run_once(engine: Engine, prompt_ids: list[int], mode: str, sampling: SamplingParams, tree: TreeParams) -> dict:
+def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
+    """A mode label -> (mode, tree). "eagle2:8/4/2" runs eagle2 with total_tokens 8,
+    depth 4 and top_k 2, and "eagle2:8/4/2/6" adds 6 lookup tokens; the other
+    settings come from `tree`. Plain labels use `tree` itself."""
+    mode, _, shape = label.partition(":")
+    if mode not in MODES + BASELINES:
+        raise ValueError(f"unknown mode {label!r}; choose from {', '.join(MODES + BASELINES)}")
+    if not shape:
+        return mode, tree
+    try:
+        numbers = [int(part) for part in shape.split("/")]
+        fields = dict(zip(("total_tokens", "depth", "top_k", "lookup_tokens"), numbers, strict=False))
+        if len(numbers) not in (3, 4) or mode not in ("eagle", "eagle2"):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"bad mode {label!r}: write eagle2:TOTAL/DEPTH/TOP_K[/LOOKUP]") from None
+    return mode, replace(tree, **fields)
+
+
+def run_once(engine: Engine, prompt_ids: list[int], label: str, sampling: SamplingParams, tree: TreeParams) -> dict:
     """One prompt through one mode -> tokens, seconds, accepted lengths, output ids."""
+    mode, tree = parse_mode(label, tree)
     if mode in BASELINES:
         return _run_generate(engine, prompt_ids, mode, sampling)
     started = time.perf_counter()
@@ -105,9 +125,8 @@ def run_bench(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> dict:
     """Every prompt through every mode, interleaved; -> the JSON-ready result."""
-    for mode in modes:
-        if mode not in MODES + BASELINES:
-            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES + BASELINES)}")
+    for label in modes:
+        mode, _ = parse_mode(label, tree)
         if mode in MODES and mode not in engine.modes:
             raise ValueError(f"mode {mode} needs a draft head; give --head")
     encoded = [engine.encode([{"role": "user", "content": prompt.text}]) for prompt in prompts]

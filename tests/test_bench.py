@@ -75,3 +75,15 @@ def test_unknown_mode_is_named(tiny_base, tmp_path):
         run_bench(Engine(tiny_base), load_prompts(path), ("warp",))
     with pytest.raises(ValueError, match="needs a draft head"):
         run_bench(Engine(tiny_base), load_prompts(path), ("eagle2",))
+
+
+def test_mode_labels_set_tree_shapes():
+    from core.bench import parse_mode
+
+    tree = TreeParams(16, 5, 4, min_path_prob=0.1)
+    assert parse_mode("eagle2", tree) == ("eagle2", tree)
+    assert parse_mode("eagle2:8/4/2", tree) == ("eagle2", TreeParams(8, 4, 2, min_path_prob=0.1))
+    assert parse_mode("eagle:8/4/2/6", tree)[1].lookup_tokens == 6
+    for bad in ("eagle2:8/4", "vanilla:8/4/2", "eagle2:a/b/c"):
+        with pytest.raises(ValueError, match="bad mode"):
+            parse_mode(bad, tree)
