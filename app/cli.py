@@ -104,7 +104,14 @@ def main(argv: list[str]) -> int:
 
         return pytest.main([str(ROOT / "tests"), *argv[1:]])
     args = build_parser().parse_args(argv)
+    import logging
     import warnings
+
+    # Kestrel's own progress messages ("kestrel" logger) go to the terminal as plain lines
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("kestrel").addHandler(handler)
+    logging.getLogger("kestrel").setLevel(logging.INFO)
 
     from models.errors import KestrelError
 
@@ -119,9 +126,7 @@ def main(argv: list[str]) -> int:
         if args.command == "chat":
             return run_chat(args)
         if args.command == "bench":
-            from core.bench import run_from_args
-
-            return run_from_args(args)
+            return run_bench_command(args)
         if args.command == "train-head":
             return run_train_head(args)
     except KestrelError as error:
@@ -142,7 +147,9 @@ def load_engine(args):
 
     from app.session import load_pair
 
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     return load_pair(args.model, args.head, args.quantization, args.dtype, args.device)
 
@@ -188,7 +195,9 @@ def run_train_head(args) -> int:
     from core.training.trainer import TrainParams
     from models.base import load_base
 
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     out = Path(args.out).expanduser()
     work = Path(args.work).expanduser() if args.work else out / "work"
@@ -219,4 +228,25 @@ def run_train_head(args) -> int:
     )
     if training["steps"] < training["total_steps"]:
         print(f"stopped by the time budget; run again with --resume to continue ({work})")
+    return 0
+
+
+def run_bench_command(args) -> int:
+    """`launch.py bench`: load, run with a progress line, print the table, write JSON."""
+    import json
+
+    from core.bench import format_table, load_prompts, run_bench
+
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    prompts = load_prompts(args.prompts, args.limit, args.per_source)
+    engine = load_engine(args)
+
+    def show(done: int, total: int, description: str) -> None:
+        print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
+
+    result = run_bench(engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show)
+    print(format_table(result))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json_out}")
     return 0

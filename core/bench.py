@@ -132,7 +132,7 @@ def run_bench(
     encoded = [engine.encode([{"role": "user", "content": prompt.text}]) for prompt in prompts]
     for ids in encoded[:warmup]:
         for mode in modes:
-            run_once(engine, ids, mode, replace_budget(sampling, 16), tree)
+            run_once(engine, ids, mode, replace(sampling, max_new_tokens=16), tree)
     rows, total, done = [], len(prompts) * len(modes), 0
     for prompt, ids in zip(prompts, encoded):
         for mode in modes:
@@ -149,10 +149,6 @@ def run_bench(
         "modes": {mode: mode_totals([row for row in rows if row["mode"] == mode]) for mode in modes},
         "prompts": rows,
     }
-
-
-def replace_budget(sampling: SamplingParams, tokens: int) -> SamplingParams:
-    return SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, tokens, sampling.seed)
 
 
 def settings_of(engine, modes, sampling, tree, count, warmup) -> dict:
@@ -198,11 +194,16 @@ def summarize(rows: list[dict], modes: tuple[str, ...], sampling: SamplingParams
         "vanilla_tokens_per_s": vanilla["tokens_per_s"] if vanilla else None,
         "eagle2_tokens_per_s": eagle2["tokens_per_s"] if eagle2 else None,
     }
-    if sampling.greedy and vanilla and eagle2:
+    if sampling.greedy and vanilla:
         outputs = {(row["id"], row["mode"]): row["output_ids"] for row in rows}
         ids = sorted({row["id"] for row in rows})
-        same = [outputs[(i, "eagle2")] == outputs[(i, "vanilla")] for i in ids]
-        summary["identical_fraction"] = sum(same) / len(same)
+        identical = {
+            mode: sum(outputs[(i, mode)] == outputs[(i, "vanilla")] for i in ids) / len(ids)
+            for mode in modes
+            if mode != "vanilla"
+        }
+        summary["identical_fraction"] = identical.get("eagle2")
+        summary["identical_fraction_by_mode"] = identical
     by_source = {}
     for source in sorted({row["source"] for row in rows}):
         chosen = [row for row in rows if row["source"] == source]
@@ -233,22 +234,3 @@ def format_table(result: dict) -> str:
     for source, taus in summary["tau_by_source"].items():
         lines.append(f"tau on {source}: " + ", ".join(f"{m} {t:.2f}" for m, t in taus.items() if t is not None))
     return "\n".join(lines)
-
-
-def run_from_args(args) -> int:
-    """`launch.py bench`: load, run with a progress line, print the table, write JSON."""
-    from app.cli import load_engine, sampling_from, tree_from
-
-    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
-    prompts = load_prompts(args.prompts, args.limit, args.per_source)
-    engine = load_engine(args)
-
-    def show(done: int, total: int, description: str) -> None:
-        print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
-
-    result = run_bench(engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show)
-    print(format_table(result))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json_out}")
-    return 0

@@ -72,11 +72,11 @@ class Drafter:
         start, count = self.cache.length, len(next_tokens)
         device = features.device
         positions = torch.arange(start, start + count, device=device)
-        causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-        mask = torch.cat([torch.ones(count, start, dtype=torch.bool, device=device), causal], dim=1)
-        hidden = self.head(
-            self.embed(next_tokens)[None], features.to(self.dtype)[None], positions[None], mask[None, None], self.cache
-        )
+        mask = None  # an empty cache: plain causal attention, no (T, T) mask to build
+        if start:
+            causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+            mask = torch.cat([torch.ones(count, start, dtype=torch.bool, device=device), causal], dim=1)[None, None]
+        hidden = self.head(self.embed(next_tokens)[None], features.to(self.dtype)[None], positions[None], mask, self.cache)
         self.last_hidden = hidden[0, -1]
         self.context.extend(next_tokens.tolist())
 

@@ -23,7 +23,7 @@ from core.stats import Recorder, Snapshot
 from core.tree import make_tree
 from core.verify import accept_greedy, accept_sampling, base_forward, logits_of, verify_tree
 from models.base import LoadedModel
-from models.errors import KestrelError
+from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead
 
 
@@ -59,13 +59,33 @@ class Engine:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return MODES if self.head is not None else ("vanilla",)
+        """The modes this model and head can run."""
+        return MODES if self.head is not None and self.speculation_problem() is None else ("vanilla",)
+
+    def speculation_problem(self) -> str | None:
+        """Why speculative modes cannot run on this base model, or None."""
+        config = self.model.config
+        if config.model_type not in SPECULATIVE_MODEL_TYPES:
+            supported = ", ".join(sorted(SPECULATIVE_MODEL_TYPES))
+            return f"speculative decoding is not available for {config.model_type} models (supported: {supported})"
+        if kv_cache.has_sliding_window(config):
+            return f"speculative decoding does not support sliding-window attention ({config.model_type})"
+        if config._attn_implementation != "sdpa":
+            return f"speculative decoding needs sdpa attention, not {config._attn_implementation}"
+        return None
 
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.base.tokenizer, messages)
 
-    def chat(self, messages: list[dict], **options) -> Iterator[Step]:
-        return self.stream(self.encode(messages), **options)
+    def chat(
+        self,
+        messages: list[dict],
+        mode: str = "eagle2",
+        sampling: SamplingParams = SamplingParams(),
+        tree: TreeParams = TreeParams(),
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Step]:
+        return self.stream(self.encode(messages), mode, sampling, tree, cancel)
 
     def stream(
         self,
@@ -77,12 +97,18 @@ class Engine:
     ) -> Iterator[Step]:
         """Decode after `prompt_ids`, yielding one Step per base-model forward."""
         run = _Run(self, list(prompt_ids), self._drafter(mode, tree), sampling)
-        yield run.prefill()
-        while run.finish_reason is None:
-            if cancel is not None and cancel.is_set():
-                yield run.cancelled()
-                return
-            yield run.step()
+        try:
+            yield run.prefill()
+            while run.finish_reason is None:
+                if cancel is not None and cancel.is_set():
+                    yield run.cancelled()
+                    return
+                yield run.step()
+        except torch.OutOfMemoryError as error:
+            hint = "" if self.base.quantization == "4bit" else " Try --quantization 4bit,"
+            raise OutOfMemoryError(
+                f"{self.base.name}: out of memory while decoding.{hint} or a shorter conversation / smaller tree"
+            ) from error
 
     def _drafter(self, mode: str, tree: TreeParams) -> Drafter | None:
         if mode not in MODES:
@@ -91,12 +117,9 @@ class Engine:
             return None
         if self.head is None:
             raise ValueError(f"mode {mode} needs a draft head, and none is loaded")
-        model_type = self.model.config.model_type
-        if model_type not in SPECULATIVE_MODEL_TYPES:
-            raise ValueError(
-                f"mode {mode} is not available for {model_type} models (supported: "
-                f"{', '.join(sorted(SPECULATIVE_MODEL_TYPES))}); use vanilla"
-            )
+        problem = self.speculation_problem()
+        if problem is not None:
+            raise UnsupportedArchitectureError(f"{self.base.name}: {problem}; use vanilla")
         return Drafter(self.head, self.model, tree, STATIC_PATHS if mode == "eagle" else None, self.vocabulary)
 
 
@@ -159,12 +182,14 @@ class _Run:
         return step
 
     def _draft(self):
-        """The draft tree, or the root alone for vanilla decoding and when a
-        deeper tree would not fit in the context window."""
-        room = self.engine.context_limit - self.committed - 1
-        if self.drafter is None or room <= self.drafter.params.depth:
-            return make_tree(self.root, [], [])
-        return self.drafter.draft(self.root)
+        """The draft tree, or the root alone for vanilla decoding and when the
+        tree would not fit in the context window."""
+        root_only = make_tree(self.root, [], [])
+        if self.drafter is None:
+            return root_only
+        tree = self.drafter.draft(self.root)
+        room = self.engine.context_limit - self.committed - 1  # positions left after the root's
+        return tree if int(tree.depths.max()) < room else root_only
 
     def cancelled(self) -> Step:
         self.finish_reason = "cancelled"

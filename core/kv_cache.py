@@ -11,6 +11,12 @@ def new_cache(model) -> DynamicCache:
     return DynamicCache(config=model.config)
 
 
+def has_sliding_window(config) -> bool:
+    """Whether some layer attends through a sliding window, which tree masks
+    and cache commits do not model."""
+    return "sliding_attention" in (getattr(config, "layer_types", None) or ())
+
+
 def commit(cache: DynamicCache, prefix: int, path: list[int]) -> None:
     """Keep the prefix and the tree nodes on `path` (tree indices, root first),
     moved to consecutive positions after the prefix; drop the rest of the tree."""
@@ -20,9 +26,13 @@ def commit(cache: DynamicCache, prefix: int, path: list[int]) -> None:
             layer.values = layer.values[..., : prefix + len(path), :]
         return
     rows = torch.tensor(path, device=cache.layers[0].keys.device) + prefix
+    end = prefix + len(path)
     for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[..., :prefix, :], layer.keys[..., rows, :]], dim=-2)
-        layer.values = torch.cat([layer.values[..., :prefix, :], layer.values[..., rows, :]], dim=-2)
+        # gather (a copy) then write in place: only the accepted rows move
+        layer.keys[..., prefix:end, :] = layer.keys[..., rows, :]
+        layer.values[..., prefix:end, :] = layer.values[..., rows, :]
+        layer.keys = layer.keys[..., :end, :]
+        layer.values = layer.values[..., :end, :]
 
 
 def length(cache: DynamicCache) -> int:

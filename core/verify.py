@@ -57,8 +57,8 @@ def verify_tree(model, tree: DraftTree, prefix: int, cache):
     positions = (tree.depths + prefix).to(device)
     mask = None
     if tree.size > 1:
-        seen = torch.ones(tree.size, prefix, dtype=torch.bool)
-        mask = torch.cat([seen, ancestor_mask(tree.parents)], dim=1).to(device)  # (N, prefix + N)
+        mask = torch.ones(tree.size, prefix + tree.size, dtype=torch.bool, device=device)  # (N, prefix + N)
+        mask[:, prefix:] = ancestor_mask(tree.parents).to(device)
     features = base_forward(model, tokens, positions, mask, cache)
     return features, NodeLogits(model, features, tree)
 

@@ -51,7 +51,15 @@ class LoadedModel:
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from error
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but no CUDA GPU is available to torch; use --device cpu")
+    if chosen.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return chosen
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -62,7 +70,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
         return DTYPES[dtype]
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        with torch.cuda.device(device):
+            native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native_bf16 else torch.float16
     return torch.float32
 
 
@@ -132,7 +142,8 @@ def quantization_config(quantization: str, dtype: torch.dtype):
 def _load(location, gguf_file, name, quantization, dtype, device) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    options = {"dtype": dtype}
+    # sdpa honours the boolean 4D tree masks of speculative decoding
+    options = {"dtype": dtype, "attn_implementation": "sdpa"}
     if gguf_file:
         options["gguf_file"] = gguf_file
     quantize = quantization_config(quantization, dtype)

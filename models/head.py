@@ -52,8 +52,11 @@ class HeadConfig:
             raise KeyError(", ".join(missing))
         values = {name: settings[name] for name in known if name in settings and settings[name] is not None}
         values.setdefault("num_key_value_heads", settings["num_attention_heads"])
-        if "rope_theta" not in values and isinstance(settings.get("rope_parameters"), dict):
-            values["rope_theta"] = settings["rope_parameters"].get("rope_theta", 10000.0)
+        rope = settings.get("rope_parameters")
+        if isinstance(rope, dict):  # the transformers 5 spelling of rope_theta + rope_scaling
+            values.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+            if rope.get("rope_type", "default") != "default":
+                values.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
         written = ("architectures", "model_type")  # to_dict writes these itself
         extra = {key: value for key, value in settings.items() if key not in known and key not in written}
         return cls(**values, extra=extra)
@@ -76,8 +79,11 @@ class HeadConfig:
             num_attention_heads=self.num_attention_heads,
             rope_theta=self.rope_theta,
             rope_scaling=rope_scaling,
-            # the head sees positions beyond the published 2048: never clip rope there
-            max_position_embeddings=max(self.max_position_embeddings, 1 << 17),
+            # published heads say 2048, which is no real limit of theirs; but
+            # dynamic and yarn scaling read this value, so keep it for those
+            max_position_embeddings=self.max_position_embeddings
+            if (rope_scaling or {}).get("rope_type") in ("dynamic", "yarn")
+            else max(self.max_position_embeddings, 1 << 17),
         )
 
 
@@ -136,7 +142,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rotary)
         k, v = cache.append(k, v)  # (B, nkv, past + T, hd)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        # mask None: plain causal attention over an empty cache (a prefill)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.kv_heads != self.heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -180,6 +189,15 @@ class DraftHead(nn.Module):
             # EAGLE-3's mapping: target id = draft id + d2t[draft id]
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
 
+    def place(self, device=None, dtype=None) -> DraftHead:
+        """Move the weights; rotary frequencies stay float32 (in bf16 they would
+        be off by tenths of a radian at positions in the hundreds)."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.to(device=device, dtype=dtype)
+        self.rotary = LlamaRotaryEmbedding(self.config.rotary_config()).to(self.fc.weight.device)
+        return self
+
     @property
     def draft_token_ids(self) -> torch.Tensor | None:
         """The target ids the head drafts from, or None for the whole vocabulary."""
@@ -192,7 +210,7 @@ class DraftHead(nn.Module):
         embeddings: torch.Tensor,  # (B, T, H): embed(token_{t+1})
         features: torch.Tensor,  # (B, T, H): feature_t
         positions: torch.Tensor,  # (B, T) int64: t
-        mask: torch.Tensor,  # (B, 1, T, past + T) bool, True = may attend
+        mask: torch.Tensor | None,  # (B, 1, T, past + T) bool, True = may attend; None = causal, empty cache
         cache: HeadCache,
     ) -> torch.Tensor:
         """-> (B, T, H) predicted features_{t+1}; appends T entries to `cache`."""
@@ -294,12 +312,17 @@ def resolve_head_folder(source: str) -> Path:
     from huggingface_hub import errors as hub
 
     try:
-        hf_hub_download(source, CONFIG_FILE)
+        try:
+            hf_hub_download(source, CONFIG_FILE)
+        except hub.RemoteEntryNotFoundError as error:
+            raise HeadFormatError(f"{source}: the repo has no {CONFIG_FILE}; not a draft head") from error
         for name in WEIGHT_FILES:
             try:
                 return Path(hf_hub_download(source, name)).parent
-            except hub.EntryNotFoundError:
+            except hub.RemoteEntryNotFoundError:
                 continue
+    except hub.GatedRepoError as error:
+        raise NetworkError(f"{source}: this repo is gated; accept its licence on huggingface.co and log in") from error
     except hub.RepositoryNotFoundError as error:
         raise ModelNotFoundError(f"{source}: no such repo on the Hugging Face hub") from error
     except (hub.LocalEntryNotFoundError, OSError) as error:
@@ -311,6 +334,8 @@ def load_head(source: str | Path, hidden_size: int, vocab_size: int, device=None
     """Load a head strictly and check it against the base model's sizes."""
     folder = resolve_head_folder(str(source))
     config, state, file = read_checkpoint(folder)
+    if config.hidden_act != "silu":
+        raise HeadFormatError(f"{folder / CONFIG_FILE}: hidden_act {config.hidden_act!r} is not supported (only silu)")
     if config.hidden_size != hidden_size:
         raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if config.vocab_size != vocab_size:
@@ -319,16 +344,17 @@ def load_head(source: str | Path, hidden_size: int, vocab_size: int, device=None
     head = DraftHead(config, own_embedding="embed_tokens.weight" in state)
     head.load_state_dict(state, strict=True)
     head.requires_grad_(False)
-    return head.to(device=device, dtype=dtype).eval()
+    return head.place(device, dtype).eval()
 
 
 def with_draft_vocabulary(head: DraftHead, token_ids: torch.Tensor) -> DraftHead:
     """A copy of `head` that drafts only among `token_ids` (e.g. the most
     frequent answer tokens): the draft lm_head shrinks to those rows."""
-    token_ids = torch.sort(torch.as_tensor(token_ids, dtype=torch.long)).values
+    weight = head.fc.weight
+    token_ids = torch.sort(torch.as_tensor(token_ids, dtype=torch.long, device=weight.device)).values
     config = replace(head.config, draft_vocab_size=len(token_ids))
-    reduced = DraftHead(config, own_embedding=head.embed_tokens is not None)
+    reduced = DraftHead(config, own_embedding=head.embed_tokens is not None).place(weight.device, weight.dtype)
     state = {key: value for key, value in head.state_dict().items() if key != "d2t"}
-    state["d2t"] = token_ids - torch.arange(len(token_ids))
+    state["d2t"] = token_ids - torch.arange(len(token_ids), device=weight.device)
     reduced.load_state_dict(state, strict=True)
-    return reduced.to(head.fc.weight.dtype).eval().requires_grad_(False)
+    return reduced.eval().requires_grad_(False)

@@ -75,4 +75,4 @@ def random_head(model, seed: int = 0, qkv_bias: bool = False):
         for parameter in head.parameters():
             parameter.normal_(0, 0.2)
     dtype = model.get_input_embeddings().weight.dtype
-    return head.to(dtype).eval().requires_grad_(False)
+    return head.place(dtype=dtype).eval().requires_grad_(False)

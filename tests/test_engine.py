@@ -12,6 +12,7 @@ from core.engine import SPECULATIVE_MODEL_TYPES, Engine
 from core.tree import ancestor_mask
 from core.verify import accept_greedy, base_forward, verify_tree
 from models.base import load_base
+from models.errors import UnsupportedArchitectureError
 from tests.factory import random_head, save_tiny_model
 
 TREES = [
@@ -67,7 +68,8 @@ def test_unsupported_architecture_is_refused_for_speculation(tiny_base):
     engine = Engine(tiny_base, random_head(tiny_base.model))
     engine.model.config.model_type = "gpt2"
     try:
-        with pytest.raises(ValueError, match="gpt2"):
+        assert engine.modes == ("vanilla",)
+        with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
             list(engine.stream([8, 9], mode="eagle2"))
         assert len(list(engine.stream([8, 9], mode="vanilla", sampling=SamplingParams(max_new_tokens=3)))) >= 1
     finally:

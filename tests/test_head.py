@@ -25,6 +25,14 @@ def test_round_trip_is_identical(tmp_path):
     assert loaded.config == head.config
 
 
+def test_rotary_frequencies_stay_float32_in_bf16(tmp_path):
+    head, folder = saved_head(tmp_path)
+    loaded = load_head(folder, head.config.hidden_size, head.config.vocab_size, dtype=torch.bfloat16)
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    assert loaded.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(loaded.rotary.inv_freq, head.rotary.inv_freq.float())
+
+
 def test_official_key_names(tmp_path):
     head, folder = saved_head(tmp_path)
     _, state, _ = read_checkpoint(folder)
