@@ -14,14 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from core import kv_cache
+from core.argmax import ScreenedArgmax
 from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
 from core.drafter import STATIC_PATHS, Drafter, DraftVocabulary
 from core.prompt import encode_chat, stop_token_ids
-from core.sampling import next_token
+from core.sampling import probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
-from core.verify import accept_greedy, accept_sampling, base_forward, logits_of, verify_tree
+from core.verify import NodeArgmax, NodeLogits, accept_greedy, accept_sampling, base_forward, logits_of, verify_tree
 from models.base import LoadedModel
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead
@@ -55,6 +56,7 @@ class Engine:
         self.model = base.model
         self.stop_ids = stop_token_ids(base.model, base.tokenizer)
         self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
+        self.argmax = ScreenedArgmax(base.model.get_output_embeddings())
         self.vocabulary = None if head is None else DraftVocabulary(base.model.get_output_embeddings(), head.draft_token_ids)
 
     @property
@@ -150,7 +152,11 @@ class _Run:
         start = time.perf_counter()
         tokens = torch.tensor(self.prompt_ids, device=self.device)
         features = base_forward(self.model, tokens, torch.arange(len(tokens), device=self.device), None, self.cache)
-        self.root = next_token(logits_of(self.model, features[-1:])[0], self.sampling, self.generator)
+        if self.sampling.greedy:
+            self.root = self.engine.argmax(features[-1:])[0]
+        else:
+            logits = logits_of(self.model, features[-1:])[0]
+            self.root = sample(probabilities(logits, self.sampling), self.generator)
         self.committed = len(tokens)
         verified = time.perf_counter()
         if self.drafter is not None:
@@ -163,11 +169,11 @@ class _Run:
         start = time.perf_counter()
         tree = self._draft()
         drafted = time.perf_counter()
-        features, logits = verify_tree(self.model, tree, self.committed, self.cache)
+        features = verify_tree(self.model, tree, self.committed, self.cache)
         if self.sampling.greedy:
-            path, bonus = accept_greedy(tree, logits)
+            path, bonus = accept_greedy(tree, NodeArgmax(self.engine.argmax, features, tree))
         else:
-            path, bonus = accept_sampling(tree, logits, self.sampling, self.generator)
+            path, bonus = accept_sampling(tree, NodeLogits(self.model, features, tree), self.sampling, self.generator)
         kv_cache.commit(self.cache, self.committed, path)
         new_tokens = tree.tokens[path[1:]].tolist() + [bonus]
         self.committed += len(path)

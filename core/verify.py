@@ -5,8 +5,11 @@ temperature / top-k / top-p; the draft proposes each child as a point mass."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from core.argmax import ScreenedArgmax
 from core.config import SamplingParams
 from core.sampling import probabilities, sample
 from core.tree import DraftTree, ancestor_mask
@@ -49,9 +52,27 @@ class NodeLogits:
         return self.rows[node]
 
 
-def verify_tree(model, tree: DraftTree, prefix: int, cache):
+class NodeArgmax:
+    """The base model's greedy token at the tree nodes acceptance visits."""
+
+    def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor, tree: DraftTree):
+        self.argmax, self.features = argmax, features
+        internal = sorted({parent for parent in tree.parents if parent >= 0})
+        # one cheap screening product for all nodes with children; the exact
+        # decision is made only for the nodes the acceptance walk reaches
+        rough = argmax.rough(features[internal]) if internal else None
+        self.rough = {node: None if rough is None else rough[row] for row, node in enumerate(internal)}
+
+    def __call__(self, node: int) -> int:
+        if node not in self.rough:
+            rough = self.argmax.rough(self.features[node : node + 1])
+            self.rough[node] = None if rough is None else rough[0]
+        return self.argmax.resolve(self.features[node], self.rough[node])
+
+
+def verify_tree(model, tree: DraftTree, prefix: int, cache) -> torch.Tensor:
     """One forward over the tree. Each node sees the prefix, its ancestors and
-    itself, at position prefix + depth. -> features (N, H), NodeLogits."""
+    itself, at position prefix + depth. -> features (N, H)."""
     device = cache_device(model)
     tokens = tree.tokens.to(device)
     positions = (tree.depths + prefix).to(device)
@@ -59,24 +80,23 @@ def verify_tree(model, tree: DraftTree, prefix: int, cache):
     if tree.size > 1:
         mask = torch.ones(tree.size, prefix + tree.size, dtype=torch.bool, device=device)  # (N, prefix + N)
         mask[:, prefix:] = ancestor_mask(tree.parents).to(device)
-    features = base_forward(model, tokens, positions, mask, cache)
-    return features, NodeLogits(model, features, tree)
+    return base_forward(model, tokens, positions, mask, cache)
 
 
 def cache_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
-    """Longest path whose every token is the base model's argmax at its parent.
-    logits[node] is (V,). -> (accepted nodes, root first; the bonus token:
-    the argmax after the last)."""
+def accept_greedy(tree: DraftTree, argmax_at: Callable[[int], int]) -> tuple[list[int], int]:
+    """Longest path whose every token is the base model's argmax at its parent;
+    argmax_at(node) is that argmax. -> (accepted nodes, root first; the bonus
+    token: the argmax after the last)."""
     tokens = tree.tokens.tolist()
     children = tree.children()
     path = [0]
     while True:
         node = path[-1]
-        predicted = int(logits[node].argmax())
+        predicted = argmax_at(node)
         match = next((child for child in children[node] if tokens[child] == predicted), None)
         if match is None:
             return path, predicted

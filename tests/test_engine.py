@@ -10,7 +10,7 @@ from core import kv_cache
 from core.config import SamplingParams, TreeParams
 from core.engine import SPECULATIVE_MODEL_TYPES, Engine
 from core.tree import ancestor_mask
-from core.verify import accept_greedy, base_forward, verify_tree
+from core.verify import NodeLogits, accept_greedy, base_forward, verify_tree
 from models.base import load_base
 from models.errors import UnsupportedArchitectureError
 from tests.factory import random_head, save_tiny_model
@@ -42,7 +42,7 @@ def test_tree_logits_match_sequential_decoding(engine64):
 
     # root 13 with children 14 and 15; 14 has a child 16
     tree = make_tree(13, [14, 15, 16], [-1, -1, 0])
-    _, logits = verify_tree(model, tree, 5, cache)
+    logits = NodeLogits(model, verify_tree(model, tree, 5, cache), tree)
     for node, path in {0: [13], 1: [13, 14], 2: [13, 15], 3: [13, 14, 16]}.items():
         sequence = torch.cat([prompt, torch.tensor(path)])
         expected = model(sequence[None]).logits[0, -1]
@@ -103,7 +103,7 @@ def test_accept_greedy_takes_the_longest_matching_path():
     best = {0: 2, 1: 7, 2: 3, 3: 6, 4: 0}  # root prefers token 2 (node 2), node 2 prefers 3 (node 3), node 3 prefers 6
     for node, token in best.items():
         logits[node, token] = 1.0
-    path, bonus = accept_greedy(tree, logits)
+    path, bonus = accept_greedy(tree, lambda node: int(logits[node].argmax()))
     assert path == [0, 2, 3] and bonus == 6
 
 

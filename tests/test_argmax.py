@@ -1,0 +1,28 @@
+import torch
+
+from core.argmax import ScreenedArgmax
+
+
+def test_screened_argmax_equals_full_argmax_including_near_ties():
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        lm_head = torch.nn.Linear(64, 500, bias=False).to(dtype)
+        with torch.no_grad():
+            lm_head.weight.copy_(torch.randn(500, 64, generator=generator, dtype=dtype))
+            # near-ties: rows 1-3 are row 0 nudged below bf16 resolution
+            for row in (1, 2, 3):
+                lm_head.weight[row] = lm_head.weight[0] * (1 + row * 1e-6)
+        screen = ScreenedArgmax(lm_head)
+        assert screen.enabled
+        hidden = torch.randn(300, 64, generator=generator, dtype=dtype)
+        hidden[:100] = lm_head.weight[0].detach() * 3  # rows where tokens 0-3 nearly tie
+        expected = (hidden @ lm_head.weight.T).argmax(dim=-1).tolist()
+        assert screen(hidden) == expected
+
+
+def test_screen_is_off_for_bf16_and_biased_heads():
+    assert not ScreenedArgmax(torch.nn.Linear(8, 20, bias=False).to(torch.bfloat16)).enabled
+    biased = ScreenedArgmax(torch.nn.Linear(8, 20, bias=True))
+    assert not biased.enabled
+    hidden = torch.randn(3, 8)
+    assert biased(hidden) == biased.lm_head(hidden).argmax(dim=-1).tolist()
