@@ -151,3 +151,21 @@ def test_read_answers_skips_a_cut_line(tmp_path):
     path = tmp_path / "answers.jsonl"
     path.write_text(json.dumps({"id": "a", "sample": 0, "prompt_ids": [1], "answer_ids": [2], "finished": True}) + '\n{"id": "b", "sam')
     assert [a.id for a in read_answers(path)] == ["a"]
+
+
+def test_train_head_command_parses_its_options():
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["train-head", "--prompts", "p.jsonl", "--out", "head", "--epochs", "3", "--resume", "--time-budget-minutes", "5"]
+    )
+    assert (args.command, args.prompts, args.out, args.epochs, args.resume) == ("train-head", "p.jsonl", "head", 3, True)
+    assert args.time_budget_minutes == 5 and args.samples_per_prompt == 2 and args.work is None
+
+
+def test_train_head_refuses_to_overwrite_an_earlier_run(tmp_path, prompts_file):
+    from app.cli import main
+
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "answers.jsonl").write_text("")
+    assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path)]) == 2
