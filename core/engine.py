@@ -171,7 +171,7 @@ class _Run:
         drafted = time.perf_counter()
         features = verify_tree(self.model, tree, self.committed, self.cache)
         if self.sampling.greedy:
-            path, bonus = accept_greedy(tree, NodeArgmax(self.engine.argmax, features, tree))
+            path, bonus = accept_greedy(tree, NodeArgmax(self.engine.argmax, features))
         else:
             path, bonus = accept_sampling(tree, NodeLogits(self.model, features, tree), self.sampling, self.generator)
         kv_cache.commit(self.cache, self.committed, path)

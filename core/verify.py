@@ -53,20 +53,18 @@ class NodeLogits:
 
 
 class NodeArgmax:
-    """The base model's greedy token at the tree nodes acceptance visits."""
+    """The base model's greedy token at the tree nodes acceptance visits. One
+    product over all nodes (its cost hardly grows with rows); with screening,
+    the exact decision is made only at the nodes the walk reaches."""
 
-    def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor, tree: DraftTree):
+    def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor):
         self.argmax, self.features = argmax, features
-        internal = sorted({parent for parent in tree.parents if parent >= 0})
-        # one cheap screening product for all nodes with children; the exact
-        # decision is made only for the nodes the acceptance walk reaches
-        rough = argmax.rough(features[internal]) if internal else None
-        self.rough = {node: None if rough is None else rough[row] for row, node in enumerate(internal)}
+        self.rough = argmax.rough(features)  # (N, V) screening logits, or None without screening
+        self.tokens = None if self.rough is not None else argmax.lm_head(features).argmax(dim=-1).tolist()
 
     def __call__(self, node: int) -> int:
-        if node not in self.rough:
-            rough = self.argmax.rough(self.features[node : node + 1])
-            self.rough[node] = None if rough is None else rough[0]
+        if self.tokens is not None:
+            return self.tokens[node]
         return self.argmax.resolve(self.features[node], self.rough[node])
 
 
