@@ -169,3 +169,13 @@ def test_train_head_refuses_to_overwrite_an_earlier_run(tmp_path, prompts_file):
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "answers.jsonl").write_text("")
     assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path)]) == 2
+
+
+def test_a_reduced_loss_vocabulary_still_tracks_chains_in_token_ids(tiny_base, features, tmp_path):
+    _, shards = features
+    params = TrainParams(epochs=1, warmup_steps=1, batch_tokens=256, bf16=False, loss_vocab=32)
+    trainer = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path, params)
+    assert trainer.frozen.lm_head.shape[0] == 32 and trainer.eval_frozen.lm_head.shape[0] == 64
+    trainer.run(progress=False)
+    train = trainer.history[0]["train"]
+    assert train["chain_positions"][1] > 0.1 * train["positions"]  # feedable compares token ids, not row indices

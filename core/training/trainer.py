@@ -54,7 +54,8 @@ class Frozen:
     """The base model's pieces the head is trained against (never updated)."""
 
     embed: torch.Tensor  # (V, H) input embedding, fp32
-    lm_head: torch.Tensor  # (V, H) output layer, in the compute dtype
+    lm_head: torch.Tensor  # (V', H) output layer rows the loss uses, in the compute dtype
+    vocabulary: torch.Tensor | None = None  # (V',) token id of each lm_head row; None: all, in order
 
 
 @dataclass
@@ -131,7 +132,7 @@ def frozen_of(base, bf16: bool, vocabulary: torch.Tensor | None = None) -> Froze
     lm_head = base.model.get_output_embeddings().weight.detach()
     if vocabulary is not None:
         lm_head = lm_head[vocabulary]
-    return Frozen(embed, lm_head.to(torch.bfloat16 if bf16 else torch.float32))
+    return Frozen(embed, lm_head.to(torch.bfloat16 if bf16 else torch.float32), vocabulary)
 
 
 def frequent_tokens(shards: list[Path], size: int, vocab_size: int) -> torch.Tensor:
@@ -197,7 +198,7 @@ def forward_losses(
         base_argmax = target_logits.argmax(-1)
         del target_logits
     base_argmax_full = torch.full(valid0.shape, -1, dtype=torch.long)
-    base_argmax_full[valid0] = base_argmax
+    base_argmax_full[valid0] = base_argmax if frozen.vocabulary is None else frozen.vocabulary[base_argmax]
     feedable = base_argmax_full == batch.next_next_ids  # (B, T) the base's choice is the data's next token
     chain = torch.ones_like(valid0)
     cache, total, prediction = HeadCache(), 0.0, None
