@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=2, help="passes over the training features (default 2)")
     train.add_argument("--learning-rate", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
     train.add_argument("--batch-tokens", type=int, default=2048, help="padded positions per training step (default 2048)")
+    train.add_argument("--draft-vocab", type=int, default=8192, help="the head drafts among this many most frequent answer tokens; 0 = the whole vocabulary (default 8192)")
     train.add_argument("--unroll-steps", type=int, default=3, help="draft steps trained per position, 1 = plain EAGLE (default 3)")
     train.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training compute: bf16 autocast or fp32 (default bf16)")
     train.add_argument("--time-budget-minutes", type=float, help="stop (resumably) after this long; answers get --answer-share of it")
@@ -219,6 +220,7 @@ def run_train_head(args) -> int:
             unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed,
         ),  # fmt: skip
         budget,
+        draft_vocab=args.draft_vocab or None,
     )
     training = report["training"]
     final = report["final_eval"]

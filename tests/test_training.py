@@ -133,11 +133,13 @@ def test_resume_continues_where_it_stopped(tiny_base, features, tmp_path):
 
 def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_file, tmp_path):
     out = tmp_path / "head"
-    report = train_head(tiny_base, RunPaths(prompts_file, out, tmp_path / "work"), ANSWERS, FEATURES, TRAIN, progress=False)
+    paths = RunPaths(prompts_file, out, tmp_path / "work")
+    report = train_head(tiny_base, paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
     assert (out / REPORT_FILE).is_file() and (out / NOTES_FILE).is_file()
     assert report["training"]["steps"] == report["training"]["total_steps"]
     config = tiny_base.model.config
     head = load_head(str(out), config.hidden_size, config.vocab_size, tiny_base.device, tiny_base.dtype)
+    assert head.config.draft_vocab_size == 24 and len(set(head.draft_token_ids.tolist())) == 24
     engine = Engine(tiny_base, head)
     sampling = SamplingParams(max_new_tokens=20)
     for seed in range(3):

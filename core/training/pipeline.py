@@ -13,11 +13,14 @@ from pathlib import Path
 from core.training.answers import AnswerParams, generate_answers, read_answers, read_prompts
 from core.training.features import FeatureParams, extract_features, is_held_out
 from core.training.report import write_report
-from core.training.trainer import TrainParams, Trainer
-from models.head import save_head
+from core.training.trainer import TrainParams, Trainer, frequent_tokens
+from models.head import save_head, with_draft_vocabulary
 
 ANSWERS_FILE = "answers.jsonl"
 PHASES_FILE = "phases.json"
+# Tokens the head drafts among: on the bundled 135M model the 8192 most frequent
+# answer tokens cut drafting time by more than half and tau by about 5% (README).
+DRAFT_VOCAB = 8192
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,11 @@ def train_head(
     train_params: TrainParams,
     budget: Budget = Budget(),
     progress: bool = True,
+    draft_vocab: int | None = DRAFT_VOCAB,
 ) -> dict:
-    """Run (or resume) every phase; returns the report written next to the head."""
+    """Run (or resume) every phase; returns the report written next to the head.
+    draft_vocab: the head drafts among this many most frequent answer tokens
+    (None: the whole vocabulary); drafting cost shrinks with it."""
     clock = PhaseClock(paths.work / PHASES_FILE)
     prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)
     with clock.phase("answers"):
@@ -75,12 +81,17 @@ def train_head(
         trainer = Trainer(base, shards["train"], shards["eval"], paths.work / "train", train_params)
         trainer.run(budget.train_deadline, progress)
         final = trainer.final_eval()
-    save_head(trainer.head.eval(), paths.out)
+    head = trainer.head.eval()
+    if draft_vocab:
+        vocab_size = base.model.get_output_embeddings().weight.shape[0]
+        head = with_draft_vocabulary(head, frequent_tokens(shards["train"], draft_vocab, vocab_size))
+    save_head(head, paths.out)
     report = {
         "base_model": base.name,
         "data": data_summary(paths, prompts, answers, shards, answer_params, feature_params),
         "training": trainer.summary(),
         "final_eval": final,
+        "draft_vocab": draft_vocab,
         "phases": {name: round(seconds, 1) for name, seconds in clock.seconds.items()},
     }
     write_report(paths.out, report)
