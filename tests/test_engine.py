@@ -167,6 +167,7 @@ def test_tree_invariants_over_random_drafts(engine64):
             total_tokens=int(torch.randint(2, 40, (), generator=generator)),
             depth=int(torch.randint(1, 7, (), generator=generator)),
             top_k=int(torch.randint(1, 6, (), generator=generator)),
+            lookup_tokens=0,
         )
         drafter = Drafter(engine64.head, engine64.model, params)
         features = torch.randn(5, engine64.model.config.hidden_size, dtype=torch.float64, generator=generator)
