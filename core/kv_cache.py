@@ -33,7 +33,3 @@ def commit(cache: DynamicCache, prefix: int, path: list[int]) -> None:
         layer.values[..., prefix:end, :] = layer.values[..., rows, :]
         layer.keys = layer.keys[..., :end, :]
         layer.values = layer.values[..., :end, :]
-
-
-def length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
