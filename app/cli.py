@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training compute: bf16 autocast or fp32 (default bf16)")
     train.add_argument("--time-budget-minutes", type=float, help="stop (resumably) after this long; answers get --answer-share of it")
     train.add_argument("--answer-share", type=float, default=0.4, help="share of the time budget for generating answers (default 0.4)")
+    train.add_argument("--init-head", help="start from this head folder's weights (continue training it or fine-tune it on new prompts)")
     train.add_argument("--resume", action="store_true", help="continue from the caches in the work folder")
     train.add_argument("--seed", type=int, default=0, help="seed of sampling, noise, init and batch order (default 0)")
 
@@ -218,6 +219,7 @@ def run_train_head(args) -> int:
         TrainParams(
             epochs=args.epochs, learning_rate=args.learning_rate, batch_tokens=args.batch_tokens,
             unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed,
+            init_head=str(Path(args.init_head).resolve()) if args.init_head else None,
         ),  # fmt: skip
         budget,
         draft_vocab=args.draft_vocab or None,

@@ -181,3 +181,27 @@ def test_a_reduced_loss_vocabulary_still_tracks_chains_in_token_ids(tiny_base, f
     trainer.run(progress=False)
     train = trainer.history[0]["train"]
     assert train["chain_positions"][1] > 0.1 * train["positions"]  # feedable compares token ids, not row indices
+
+
+def test_training_can_start_from_a_saved_head(tiny_base, features, tmp_path):
+    from dataclasses import replace
+
+    from models.errors import HeadFormatError
+    from models.head import save_head, with_draft_vocabulary
+
+    _, shards = features
+    first = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "a", TRAIN)
+    first.run(progress=False)
+    save_head(with_draft_vocabulary(first.head, torch.arange(0, 64, 2)), tmp_path / "head")  # d2t is dropped
+    params = replace(TRAIN, init_head=str(tmp_path / "head"))
+    second = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "b", params)
+    for key, value in first.head.state_dict().items():
+        assert torch.equal(value, second.head.state_dict()[key]), key
+    assert evaluate(second.head, shards["eval"], second.eval_frozen, params) == first.final_eval()
+    assert second.run(progress=False, stop_at=2) is False
+    assert not torch.equal(first.head.fc.weight, second.head.fc.weight)
+
+    config = head_config_for(tiny_base.model.config)
+    save_head(new_head(replace(config, intermediate_size=config.intermediate_size + 1), 0), tmp_path / "other")
+    with pytest.raises(HeadFormatError, match="does not fit"):
+        Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "c", replace(TRAIN, init_head=str(tmp_path / "other")))

@@ -47,6 +47,7 @@ class TrainParams:
     bf16: bool = True  # bf16 autocast (fp32 master weights); fp32 otherwise
     checkpoint_every: int = 50  # optimizer steps between checkpoints
     seed: int = 0
+    init_head: str | None = None  # folder of a head to start from (continue or fine-tune) instead of a fresh one
 
 
 @dataclass
@@ -124,6 +125,22 @@ def new_head(config: HeadConfig, seed: int) -> DraftHead:
         head.fc.weight[:, h:].copy_(torch.eye(h))
         head.fc.bias.zero_()
     return head
+
+
+def initial_weights(folder: Path, head: DraftHead) -> dict[str, torch.Tensor]:
+    """The weights of the head in `folder`, checked against the one being trained;
+    its draft vocabulary (d2t) is dropped: training always covers all tokens."""
+    from models.errors import HeadFormatError
+    from models.head import read_checkpoint
+
+    _, state, file = read_checkpoint(folder)
+    state = {key: value.float() for key, value in state.items() if key != "d2t"}
+    expected = {key: tuple(value.shape) for key, value in head.state_dict().items()}
+    found = {key: tuple(value.shape) for key, value in state.items()}
+    if found != expected:
+        wrong = sorted(set(found.items()) ^ set(expected.items()))
+        raise HeadFormatError(f"{file}: does not fit a head for this base model (differs in {wrong[:4]})")
+    return state
 
 
 def frozen_of(base, bf16: bool, vocabulary: torch.Tensor | None = None) -> Frozen:
@@ -289,6 +306,8 @@ class Trainer:
         self.frozen = frozen_of(base, params.bf16, vocabulary)
         self.eval_frozen = frozen_of(base, params.bf16)
         self.head = new_head(head_config_for(base.model.config), params.seed).train()
+        if params.init_head:
+            self.head.load_state_dict(initial_weights(Path(params.init_head), self.head), strict=True)
         self.optimizer = torch.optim.AdamW(
             self.head.parameters(), lr=params.learning_rate, betas=(0.9, 0.95), weight_decay=params.weight_decay
         )
