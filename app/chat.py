@@ -162,14 +162,18 @@ class ChatHandlers:
         cancel.clear()
         text_throttle, panel_throttle = Throttle(TEXT_INTERVAL), Throttle(PANEL_INTERVAL)
         reply = None
-        yield "", display(chat, colour, {"role": "assistant", "content": ""}), chat, notice_html(note), gr.skip(), gr.skip(), gr.skip()
         try:
+            yield "", display(chat, colour, {"role": "assistant", "content": ""}), chat, notice_html(note), gr.skip(), gr.skip(), gr.skip()
             for reply in stream_reply(engine, messages, mode, options.sampling, options.tree, cancel):
                 if reply.finish_reason is not None or not text_throttle.ready():
                     continue
                 pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
                 panel = self._panel(chat, reply) if panel_throttle.ready() else (gr.skip(),) * 3
                 yield gr.skip(), display(chat, colour, pending), gr.skip(), gr.skip(), *panel
+        except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
+            cancel.set()
+            self._keep_interrupted(chat, reply, mode)
+            raise
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
             if isinstance(error, ContextOverflowError):
                 error = f"{error}. Start a new chat or shorten the message."
@@ -193,6 +197,17 @@ class ChatHandlers:
         except OSError as error:
             note = f"{note} The chat could not be saved ({error}).".strip()
         return note
+
+    def _keep_interrupted(self, chat: dict, reply: Reply | None, mode: str) -> None:
+        """Save the message and the reply so far (as a stopped reply) when nobody is left to show them to."""
+        try:
+            if reply is not None and reply.snapshot is not None:
+                reply.finish_reason = "cancelled"
+                self._finish(chat, reply, mode, "")
+            else:
+                self.store.save_chat(chat)
+        except OSError:
+            pass  # no page to report it on; the message is what is lost, as when the disk is full
 
     def _failed(self, chat: dict, message: str | None, colour: bool, error: str) -> Iterator[tuple]:
         """Show the error; a just-sent message goes back into the message box."""

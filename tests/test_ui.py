@@ -84,6 +84,23 @@ def test_stop_ends_reply_within_a_step(handlers, engine):
     assert "Stopped" in final[3]
 
 
+def test_closing_the_page_mid_reply_keeps_the_reply_so_far(handlers, store):
+    stream = handlers.send("w1 w2", new_chat(), "", *values(max_new_tokens=200, mode="vanilla"))
+    chat = next(stream)[2]
+    for _ in range(3):
+        next(stream)
+    stream.close()  # what Gradio does when the browser goes away
+    saved = store.load_chat(chat["id"])["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"] and saved[0]["content"] == "w1 w2"
+    assert saved[1]["content"]
+    assert 0 < saved[1]["stats"]["tokens"] < 200 and saved[1]["stats"]["finish_reason"] == "cancelled"
+
+    stream = handlers.send("w3", new_chat(), "", *values(max_new_tokens=200, mode="vanilla"))
+    chat = next(stream)[2]
+    stream.close()  # before the first token: the message itself is kept
+    assert [m["content"] for m in store.load_chat(chat["id"])["messages"]] == ["w3"]
+
+
 def test_regenerate_edit_and_clear(handlers):
     chat = list(handlers.send("w1 w2", new_chat(), "", *values(temperature=0.9, seed=-1)))[-1][2]
     regenerated = list(handlers.regenerate(chat, "", *values()))[-1][2]
