@@ -77,7 +77,7 @@ def render_markdown(report: dict) -> str:
             f"{_percent(final['accuracy'])} for steps 1/2/3; in a greedy chain, step k is right "
             f"{_percent(final['chain_accuracy'])} of the time when steps < k were.",
         ]
-    lines += ["", "## Wall time (1 CPU thread)"]
+    lines += ["", "## Wall time"]
     lines += [f"- {name}: {seconds / 60:.1f} min" for name, seconds in phases.items()]
     acceptance = report.get("acceptance")
     if acceptance:
