@@ -144,10 +144,12 @@ def initial_weights(folder: Path, head: DraftHead) -> dict[str, torch.Tensor]:
 
 
 def frozen_of(base, bf16: bool, vocabulary: torch.Tensor | None = None) -> Frozen:
-    """`vocabulary`: token ids whose rows of lm_head the loss uses (None: all)."""
+    """`vocabulary`: token ids whose rows of lm_head the loss uses (None: all).
+    Everything lives on the base model's device, where the head trains."""
     embed = base.model.get_input_embeddings().weight.detach().float()
     lm_head = base.model.get_output_embeddings().weight.detach()
     if vocabulary is not None:
+        vocabulary = vocabulary.to(lm_head.device)
         lm_head = lm_head[vocabulary]
     return Frozen(embed, lm_head.to(torch.bfloat16 if bf16 else torch.float32), vocabulary)
 
@@ -165,7 +167,8 @@ def frequent_tokens(shards: list[Path], size: int, vocab_size: int) -> torch.Ten
 
 
 def make_batch(sequences: list[Sequence], frozen: Frozen) -> Batch:
-    """Right-padded; position t pairs feature_t with token_{t+1}."""
+    """Right-padded; position t pairs feature_t with token_{t+1}. Assembled on
+    the CPU, then moved to the device of `frozen` in one copy per tensor."""
     length = max(len(s.input_ids) for s in sequences)
     size = frozen.embed.shape[1]
     features = torch.zeros(len(sequences), length + 1, size)
@@ -178,20 +181,22 @@ def make_batch(sequences: list[Sequence], frozen: Frozen) -> Batch:
         ids[row, :n] = s.input_ids.long()
         next_next[row, :n] = s.input_ids.long()
         mask[row, :n] = s.loss_mask.bool()
+    device = frozen.embed.device
+    features = features.to(device)
     return Batch(
         features=features[:, :-1],
-        next_embeddings=F.embedding(ids[:, 1:-1], frozen.embed),
+        next_embeddings=F.embedding(ids[:, 1:-1].to(device), frozen.embed),
         targets=features[:, 1:],
-        next_next_ids=next_next[:, 2:],
-        loss_mask=mask,
-        positions=torch.arange(length).expand(len(sequences), length),
+        next_next_ids=next_next[:, 2:].to(device),
+        loss_mask=mask.to(device),
+        positions=torch.arange(length, device=device).expand(len(sequences), length),
     )
 
 
-def unrolled_mask(length: int, step: int) -> torch.Tensor:
+def unrolled_mask(length: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(1, 1, T, (step+1) T) bool: the query of unrolled step `step` at t sees the
     true-input keys at <= t - step and the key of each later step j at t - step + j."""
-    t = torch.arange(length)
+    t = torch.arange(length, device=device)
     blocks = [t[None, :] <= (t[:, None] - step)]
     blocks += [t[None, :] == (t[:, None] - step + j) for j in range(1, step + 1)]
     return torch.cat(blocks, dim=1)[None, None]
@@ -201,12 +206,12 @@ def forward_losses(
     head: DraftHead, batch: Batch, frozen: Frozen, params: TrainParams, noise: torch.Generator | None, totals: Totals
 ) -> torch.Tensor:
     """The weighted loss of all unrolled steps; adds metrics to `totals`."""
-    length = batch.features.shape[1]
+    length, device = batch.features.shape[1], batch.features.device
     inputs = batch.features
-    if noise is not None:
+    if noise is not None:  # drawn on the CPU: the same noise on every device
         rms = batch.features.pow(2).mean().sqrt()
         amplitude = params.noise * rms
-        inputs = inputs + (torch.rand(inputs.shape, generator=noise) * 2 - 1) * amplitude
+        inputs = inputs + (torch.rand(inputs.shape, generator=noise).to(device) * 2 - 1) * amplitude
     valid0 = batch.loss_mask
     target_rows = batch.targets[valid0]  # (M, H)
     with torch.no_grad():
@@ -214,7 +219,7 @@ def forward_losses(
         target_probs = target_logits.softmax(-1)
         base_argmax = target_logits.argmax(-1)
         del target_logits
-    base_argmax_full = torch.full(valid0.shape, -1, dtype=torch.long)
+    base_argmax_full = torch.full(valid0.shape, -1, dtype=torch.long, device=device)
     base_argmax_full[valid0] = base_argmax if frozen.vocabulary is None else frozen.vocabulary[base_argmax]
     feedable = base_argmax_full == batch.next_next_ids  # (B, T) the base's choice is the data's next token
     chain = torch.ones_like(valid0)
@@ -222,8 +227,9 @@ def forward_losses(
     for step in range(params.unroll_steps):
         if step > 0:  # feed the previous step's prediction of feature_t at position t
             inputs = torch.cat([batch.features[:, :1], prediction[:, :-1]], dim=1)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=params.bf16):
-            prediction = head(batch.next_embeddings, inputs, batch.positions, unrolled_mask(length, step), cache)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=params.bf16):
+            mask = unrolled_mask(length, step, device)
+            prediction = head(batch.next_embeddings, inputs, batch.positions, mask, cache)
         valid = valid0 & (batch.positions >= step)  # (B, T)
         rows = valid[valid0]  # which of the M target rows this step trains
         predicted = prediction[valid].float()  # (m, H)
@@ -305,7 +311,7 @@ class Trainer:
         vocabulary = frequent_tokens(train_shards, params.loss_vocab, vocab_size) if params.loss_vocab else None
         self.frozen = frozen_of(base, params.bf16, vocabulary)
         self.eval_frozen = frozen_of(base, params.bf16)
-        self.head = new_head(head_config_for(base.model.config), params.seed).train()
+        self.head = new_head(head_config_for(base.model.config), params.seed).to(base.device).train()
         if params.init_head:
             self.head.load_state_dict(initial_weights(Path(params.init_head), self.head), strict=True)
         self.optimizer = torch.optim.AdamW(
