@@ -110,8 +110,11 @@ class Drafter:
         frontier = list(range(k))
         frontier_scores = values[0]  # (k,)
         floor = math.log(self.params.min_path_prob) if self.params.min_path_prob > 0 else -math.inf
+        keep = self.params.total_tokens - 1
         for _ in range(1, self.params.depth):
             if float(frontier_scores.max()) < floor:  # dynamic depth: deeper nodes would hardly be accepted
+                break
+            if _settled(torch.cat(scores), frontier_scores, keep):  # deeper nodes cannot be kept: same tree, less work
                 break
             values, ids = self._top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
             child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,)
@@ -148,6 +151,17 @@ class Drafter:
                 tokens.append(choices[path[:-1]][path[-1]])
                 parents.append(index_of.get(path[:-1], -1))
         return tokens, parents
+
+
+def _settled(scores: torch.Tensor, frontier_scores: torch.Tensor, keep: int) -> bool:
+    """Whether reranking's best `keep` of `scores` is final. Every later
+    candidate descends from the frontier, so its score is at most its
+    frontier ancestor's (log-probabilities are <= 0), and it loses ties to the
+    earlier candidates; none can enter once no frontier score beats the
+    keep-th best score so far."""
+    if len(scores) < keep:
+        return False
+    return float(frontier_scores.max()) <= float(scores.topk(keep).values[-1])
 
 
 class _Expander:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from core.argmax import ScreenedArgmax
+from core.argmax import ScreenedArgmax, exact_argmax
 from core.config import SamplingParams
 from core.sampling import probabilities, sample
 from core.tree import DraftTree, ancestor_mask
@@ -60,7 +60,7 @@ class NodeArgmax:
     def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor):
         self.argmax, self.features = argmax, features
         self.rough = argmax.rough(features)  # (N, V) screening logits, or None without screening
-        self.tokens = None if self.rough is not None else argmax.lm_head(features).argmax(dim=-1).tolist()
+        self.tokens = None if self.rough is not None else exact_argmax(argmax.lm_head(features)).tolist()
 
     def __call__(self, node: int) -> int:
         if self.tokens is not None:

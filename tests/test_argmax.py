@@ -1,6 +1,6 @@
 import torch
 
-from core.argmax import ScreenedArgmax
+from core.argmax import ScreenedArgmax, exact_argmax
 
 
 def test_screened_argmax_equals_full_argmax_including_near_ties():
@@ -26,3 +26,12 @@ def test_screen_is_off_for_bf16_and_biased_heads():
     assert not biased.enabled
     hidden = torch.randn(3, 8)
     assert biased(hidden) == biased.lm_head(hidden).argmax(dim=-1).tolist()
+
+
+def test_exact_argmax_of_half_precision_keeps_the_first_of_tied_maxima():
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits[:, 700] = logits[:, 300] = 50.0  # exact ties: the first index wins, as in vanilla argmax
+    for dtype in (torch.bfloat16, torch.float16):
+        rows = logits.to(dtype)
+        assert exact_argmax(rows).tolist() == [300] * 16
+        assert exact_argmax(rows).tolist() == rows.argmax(dim=-1).tolist()

@@ -192,6 +192,34 @@ def test_tree_invariants_over_random_drafts(engine64):
             assert len(tokens) == len(set(tokens))
 
 
+def test_settled_drafts_stop_early_with_the_same_tree(engine64, monkeypatch):
+    """Stopping once reranking's choice is final drafts the tree full
+    expansion drafts, and does stop early on some drafts."""
+    from core import drafter as drafter_module
+
+    settled = drafter_module._settled
+    stops = []
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        params = TreeParams(
+            total_tokens=int(torch.randint(2, 20, (), generator=generator)),
+            depth=int(torch.randint(2, 7, (), generator=generator)),
+            top_k=int(torch.randint(1, 5, (), generator=generator)),
+            lookup_tokens=0,
+        )
+        features = torch.randn(5, engine64.model.config.hidden_size, dtype=torch.float64, generator=generator)
+        trees = []
+        for check in (lambda *args: stops.append(settled(*args)) or stops[-1], lambda *args: False):
+            monkeypatch.setattr(drafter_module, "_settled", check)
+            drafter = drafter_module.Drafter(engine64.head, engine64.model, params)
+            with torch.no_grad():
+                drafter.commit(features, torch.tensor([9, 10, 11, 12, 13]))
+                trees.append(drafter.draft(13))
+        assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+        assert trees[0].parents == trees[1].parents
+    assert any(stops)
+
+
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
 def test_quantized_eagle2_end_to_end(tiny_dir, quantization):
     base = load_base(str(tiny_dir), quantization=quantization, dtype="float32")
