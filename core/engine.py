@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core import kv_cache
+from core import int8, kv_cache
 from core.argmax import ScreenedArgmax
 from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
@@ -58,6 +58,10 @@ class Engine:
         self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
         self.argmax = ScreenedArgmax(base.model.get_output_embeddings())
         self.vocabulary = None if head is None else DraftVocabulary(base.model.get_output_embeddings(), head.draft_token_ids)
+        # the head as drafting runs it: int8 linears where they pay (core/int8.py)
+        self.draft_head = head
+        if head is not None and int8.available(head.device):
+            self.draft_head = int8.with_int8_linears(head)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -122,7 +126,7 @@ class Engine:
         problem = self.speculation_problem()
         if problem is not None:
             raise UnsupportedArchitectureError(f"{self.base.name}: {problem}; use vanilla")
-        return Drafter(self.head, self.model, tree, STATIC_PATHS if mode == "eagle" else None, self.vocabulary)
+        return Drafter(self.draft_head, self.model, tree, STATIC_PATHS if mode == "eagle" else None, self.vocabulary)
 
 
 class _Run:

@@ -195,8 +195,17 @@ class DraftHead(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.to(device=device, dtype=dtype)
-        self.rotary = LlamaRotaryEmbedding(self.config.rotary_config()).to(self.fc.weight.device)
+        self.rotary = LlamaRotaryEmbedding(self.config.rotary_config()).to(self.device)
         return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the head's activations: its norm's (its linears may hold int8 for drafting)."""
+        return self.layers[0].post_attention_layernorm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].post_attention_layernorm.weight.device
 
     @property
     def draft_token_ids(self) -> torch.Tensor | None:
@@ -214,7 +223,7 @@ class DraftHead(nn.Module):
         cache: HeadCache,
     ) -> torch.Tensor:
         """-> (B, T, H) predicted features_{t+1}; appends T entries to `cache`."""
-        x = self.fc(torch.cat([embeddings, features], dim=-1).to(self.fc.weight.dtype))
+        x = self.fc(torch.cat([embeddings, features], dim=-1).to(self.dtype))
         rotary = self.rotary(x, positions)
         return self.layers[0](x, rotary, mask, cache)
 
