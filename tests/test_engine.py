@@ -156,6 +156,16 @@ def test_eagle2_sampling_keeps_the_base_distribution(tmp_path, params):
     assert statistic < chi_square_critical(bins - 1), (statistic, bins)
 
 
+def random_tree_params(generator: torch.Generator) -> TreeParams:
+    """A tree shape drawn at random, without the context branch."""
+    return TreeParams(
+        total_tokens=int(torch.randint(2, 40, (), generator=generator)),
+        depth=int(torch.randint(1, 7, (), generator=generator)),
+        top_k=int(torch.randint(1, 6, (), generator=generator)),
+        lookup_tokens=0,
+    )
+
+
 def test_tree_invariants_over_random_drafts(engine64):
     """Masks equal ancestor sets, positions equal depths, node count equals
     total_tokens, and parents precede children, over many drafts."""
@@ -163,12 +173,7 @@ def test_tree_invariants_over_random_drafts(engine64):
 
     generator = torch.Generator().manual_seed(0)
     for trial in range(30):
-        params = TreeParams(
-            total_tokens=int(torch.randint(2, 40, (), generator=generator)),
-            depth=int(torch.randint(1, 7, (), generator=generator)),
-            top_k=int(torch.randint(1, 6, (), generator=generator)),
-            lookup_tokens=0,
-        )
+        params = random_tree_params(generator)
         drafter = Drafter(engine64.head, engine64.model, params)
         features = torch.randn(5, engine64.model.config.hidden_size, dtype=torch.float64, generator=generator)
         with torch.no_grad():
@@ -201,12 +206,7 @@ def test_settled_drafts_stop_early_with_the_same_tree(engine64, monkeypatch):
     stops = []
     generator = torch.Generator().manual_seed(1)
     for trial in range(40):
-        params = TreeParams(
-            total_tokens=int(torch.randint(2, 20, (), generator=generator)),
-            depth=int(torch.randint(2, 7, (), generator=generator)),
-            top_k=int(torch.randint(1, 5, (), generator=generator)),
-            lookup_tokens=0,
-        )
+        params = random_tree_params(generator)
         features = torch.randn(5, engine64.model.config.hidden_size, dtype=torch.float64, generator=generator)
         trees = []
         for check in (lambda *args: stops.append(settled(*args)) or stops[-1], lambda *args: False):
