@@ -55,7 +55,9 @@ class Int8Linear(nn.Module):
 
 def with_int8_linears(module: nn.Module) -> nn.Module:
     """A copy of `module` whose nn.Linear layers are Int8Linear; the original is untouched."""
-    module = copy.deepcopy(module)
+    linears = [child for child in module.modules() if isinstance(child, nn.Linear)]
+    shared = {id(tensor): tensor for linear in linears for tensor in linear.parameters()}
+    module = copy.deepcopy(module, memo=shared)  # linear weights are not copied, only replaced below
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
