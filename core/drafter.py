@@ -41,9 +41,9 @@ class DraftVocabulary:
         self.packed = self.scales = self.weight = None
         if int8.available(weight.device):
             self.packed, self.scales = int8.quantize_rows(weight)  # half the bytes of bf16 to read per call
-        elif weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
-            self.weight = weight.to(torch.bfloat16).contiguous()  # CPUs run bf16 products several times faster
         else:
+            if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
+                weight = weight.to(torch.bfloat16)  # CPUs run bf16 products several times faster
             self.weight = weight.contiguous()  # (V', H)
         self.token_ids = None if token_ids is None else token_ids.to(weight.device)
 

@@ -15,11 +15,11 @@ import copy
 import torch
 from torch import nn
 
+from models.base import cpu_has_native_bf16
+
 
 def available(device: torch.device) -> bool:
     """Whether int8 drafting pays on `device`: a CPU with native bf16 and torch's kernel."""
-    from models.base import cpu_has_native_bf16
-
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm") and cpu_has_native_bf16()
 
 
