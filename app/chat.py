@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import render
-from app.reply import Reply, Throttle, stream_reply
+from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
 from app.store import Store, new_chat, to_json, to_markdown
 from core.config import SamplingParams, TreeParams
@@ -23,8 +23,8 @@ from models.errors import KestrelError
 # The settings controls, in the order their values reach the handlers.
 SETTINGS = ("mode", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k", "colour")
 MODE_LABELS = {"vanilla": "vanilla", "eagle": "EAGLE", "eagle2": "EAGLE-2"}
-TEXT_INTERVAL = 0.1  # seconds between chat text updates
-PANEL_INTERVAL = 0.3  # seconds between side-panel (stats, plots) updates
+TEXT_INTERVAL = 0.25  # seconds between chat text updates (the decoding never waits for them)
+PANEL_INTERVAL = 0.5  # seconds between side-panel (stats, plots) updates
 
 
 def default_settings() -> dict:
@@ -160,12 +160,13 @@ class ChatHandlers:
             note = f"{note} Dropped the {dropped} oldest messages to fit the context window.".strip()
         cancel = self.runtime.cancel_event(chat["id"])
         cancel.clear()
-        text_throttle, panel_throttle = Throttle(TEXT_INTERVAL), Throttle(PANEL_INTERVAL)
+        panel_throttle = Throttle(PANEL_INTERVAL)
         reply = None
         try:
             yield "", display(chat, colour, {"role": "assistant", "content": ""}), chat, notice_html(note), gr.skip(), gr.skip(), gr.skip()
-            for reply in stream_reply(engine, messages, mode, options.sampling, options.tree, cancel):
-                if reply.finish_reason is not None or not text_throttle.ready():
+            replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL)
+            for reply in replies:
+                if reply.finish_reason is not None:
                     continue
                 pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
                 panel = self._panel(chat, reply) if panel_throttle.ready() else (gr.skip(),) * 3

@@ -49,8 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(ui)
     ui.add_argument("--port", type=int, default=7860, help="port on 127.0.0.1 (default 7860; the next free one if taken)")
     ui.add_argument("--no-browser", action="store_true", help="do not open the browser")
-    ui.add_argument("--listen", action="store_true", help="serve on all network interfaces (requires --auth)")
-    ui.add_argument("--auth", help="USER:PASS required by --listen")
+    ui.add_argument("--listen", action="store_true", help="serve on all network interfaces (requires --auth and --api-key)")
+    ui.add_argument("--auth", help="USER:PASS for the page, required by --listen")
+    ui.add_argument("--api-key", help="require this key as 'Authorization: Bearer KEY' on the /v1 API; auto = generate one and print it (required by --listen)")
+    ui.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let web pages from ORIGIN (e.g. http://localhost:3000) call the /v1 API (CORS); repeatable")
+    ui.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model; more are refused with 429 (default 16)")
     ui.add_argument("--install-shortcut", action="store_true", help="create a desktop/menu shortcut and exit")
 
     chat = commands.add_parser("chat", help="answer one prompt in the terminal")

@@ -11,12 +11,12 @@ import pandas as pd
 
 from app import render
 from app.chat import MODE_LABELS, Options
-from app.reply import Reply, Throttle, stream_reply
+from app.reply import Reply, follow_reply
 from app.runtime import Runtime
 from models.errors import KestrelError
 
 QUICK_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "quick.jsonl"
-PANE_INTERVAL = 0.15  # seconds between pane updates
+PANE_INTERVAL = 0.25  # seconds between pane updates (the decoding never waits for them)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -81,12 +81,11 @@ class CompareHandlers:
         messages = [{"role": "user", "content": prompt}]
         yield *panes.values(), "Running vanilla..."
         for mode in modes:
-            throttle = Throttle(PANE_INTERVAL)
             try:
-                for reply in stream_reply(engine, messages, mode, options.sampling, options.tree, cancel):
-                    if throttle.ready(reply.finish_reason is not None):
-                        panes[mode] = render.pane_html(reply.segments)
-                        yield *panes.values(), f"Running {MODE_LABELS[mode]}..."
+                updates = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, PANE_INTERVAL)
+                for reply in updates:
+                    panes[mode] = render.pane_html(reply.segments)
+                    yield *panes.values(), f"Running {MODE_LABELS[mode]}..."
             except (KestrelError, ValueError) as error:
                 yield *panes.values(), render.escape(str(error))
                 return
@@ -107,10 +106,11 @@ class CompareHandlers:
                 raise ValueError("the benchmark compares vanilla with EAGLE-2 and needs a draft head")
             path = upload if upload else QUICK_PROMPTS
             prompts = load_prompts(path, limit=int(limit) if limit else None)
-            result = run_bench(
-                engine, prompts, ("vanilla", "eagle2"), options.sampling, options.tree, warmup=1,
-                progress=lambda done, total, description: progress((done, total), desc=description),
-            )  # fmt: skip
+            with self.runtime.queue.turn():
+                result = run_bench(
+                    engine, prompts, ("vanilla", "eagle2"), options.sampling, options.tree, warmup=1,
+                    progress=lambda done, total, description: progress((done, total), desc=description),
+                )  # fmt: skip
         except (KestrelError, ValueError, ImportError) as error:
             return gr.skip(), gr.skip(), gr.skip(), render.escape(str(error))
         identical = result["summary"].get("identical_fraction")

@@ -94,7 +94,8 @@ class LibraryHandlers:
         """Outputs: status, notice, mode selector."""
         model, head = (model or "").strip() or None, (trained or (head or "").strip()) or None
         try:
-            engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, "auto"))
+            with self.runtime.queue.turn():  # after the requests already waiting, before later ones
+                engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, "auto"), model or "the bundled model")
         except (KestrelError, ValueError) as error:
             return self.status(), f"Loading failed: {render.escape(str(error))}. The previous model is still loaded.", gr.skip()
         modes = engine.modes
@@ -103,5 +104,9 @@ class LibraryHandlers:
 
     def unload(self) -> tuple:
         """Outputs: status, notice."""
-        self.runtime.unload()
+        try:
+            with self.runtime.queue.turn():
+                self.runtime.unload()
+        except KestrelError as error:
+            return self.status(), render.escape(str(error))
         return self.status(), "Unloaded; memory freed."

@@ -19,6 +19,14 @@ CODE = re.compile(r"```.*?(?:```|\Z)|`[^`\n]+`", re.DOTALL)
 # Gradio 6.31's chatbot loads Prism's C++ grammar without the C one it extends, and
 # the whole message then renders empty: C++ fences are highlighted as C instead.
 CPP_FENCE = re.compile(r"^```(?:cpp|c\+\+|cxx|cc)(?=\s)", re.IGNORECASE)
+# A line's block syntax: indentation, block-quote markers, then a heading's
+# hashes or a list marker (with a task box). Only these characters: safe raw.
+BLOCK_PREFIX = re.compile(r"[ \t]{0,3}(?:>[ \t]?)*(?:(?:#{1,6}|[-*+]|\d{1,9}[.)])(?=[ \t]|$)[ \t]*(?:\[[ xX]\][ \t])?)?")
+# Lines that are markdown syntax as a whole (rules, setext underlines, table
+# delimiter rows) or indented code: never highlighted.
+UNCOLOURED_LINE = re.compile(r"[ \t]*[-=*_|:+ \t]*\n?$|(?: {4}|\t)")
+# Inline syntax that a highlight must neither cover nor split.
+INLINE_SYNTAX = re.compile(r"\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~]+")
 DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 CSS = """
 .kestrel-stats table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
@@ -82,11 +90,34 @@ def message_html(message: dict, colour: bool) -> str:
 
 
 def _prose(text: str, origins: list[str], start: int, end: int) -> str:
+    """Escaped prose, line by line: highlights stay inside a line's inline
+    text, so that colouring never changes how the markdown renders."""
+    parts, position = [], start
+    while position < end:
+        newline = text.find("\n", position, end)
+        stop = end if newline < 0 else newline + 1
+        parts.append(_line(text[position:stop], origins[position:stop]))
+        position = stop
+    return "".join(parts)
+
+
+def _line(line: str, origins: list[str]) -> str:
+    """One line of prose. Its block syntax (indentation, quote and list
+    markers, heading hashes) stays raw so that markdown sees it; rules, table
+    delimiter rows and indented lines are not highlighted; within the rest,
+    highlights never cover a newline, a table pipe, an escape, link brackets
+    or emphasis markers, whose meaning depends on their neighbours."""
+    if UNCOLOURED_LINE.match(line):
+        return escape(line)
+    prefix = BLOCK_PREFIX.match(line).end()
+    marks = [origin == DRAFT and char != "\n" for char, origin in zip(line, origins)]
+    for syntax in INLINE_SYNTAX.finditer(line, prefix):
+        marks[syntax.start() : syntax.end()] = [False] * (syntax.end() - syntax.start())
     runs = []
-    for origin, indices in itertools.groupby(range(start, end), key=origins.__getitem__):
+    for mark, indices in itertools.groupby(range(prefix, len(line)), key=marks.__getitem__):
         indices = list(indices)
-        runs.append([text[indices[0] : indices[-1] + 1], origin])
-    return coloured(runs)
+        runs.append([line[indices[0] : indices[-1] + 1], DRAFT if mark else BASE])
+    return line[:prefix] + coloured(runs)
 
 
 def pane_html(segments: list[list[str]], elem_class: str = "kestrel-pane") -> str:

@@ -8,7 +8,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from app.decoding import Decoding
 from app.render import BASE, DRAFT, add_segment, split_step
+from app.runtime import ModelQueue
 from core.config import SamplingParams, TreeParams
 from core.engine import Engine, Step
 from core.stats import Snapshot
@@ -27,9 +29,8 @@ class Reply:
     finish_reason: str | None = None
     last_sample: tuple[float, int] = (0.0, 0)  # (seconds, tokens) at the latest curve point
 
-    def add(self, step: Step, tokenizer) -> None:
-        accepted_text = self._accepted_text(step, tokenizer) if step.accepted else ""
-        for text, origin in split_step(step.text, accepted_text):
+    def add(self, step: Step) -> None:
+        for text, origin in split_step(step.text, step.accepted_text):
             add_segment(self.segments, text, origin)
         self.text += step.text
         self.token_ids.extend(step.token_ids)
@@ -37,13 +38,6 @@ class Reply:
         self.tree_size = step.tree_size or self.tree_size
         self.finish_reason = step.finish_reason
         self._sample_rate(step.stats)
-
-    def _accepted_text(self, step: Step, tokenizer) -> str:
-        """The text that the step's drafted-and-accepted tokens add."""
-        prefix = tokenizer.decode(self.token_ids + list(step.token_ids[: step.accepted]), skip_special_tokens=True)
-        if prefix.endswith("\ufffd") or not prefix.startswith(self.text):
-            return ""
-        return prefix[len(self.text) :]
 
     def _sample_rate(self, snapshot: Snapshot) -> None:
         last_seconds, last_tokens = self.last_sample
@@ -60,19 +54,40 @@ class Reply:
         return drafted / total if total else 0.0
 
 
-def stream_reply(
+def follow_reply(
+    queue: ModelQueue,
     engine: Engine,
     messages: list[dict],
     mode: str,
     sampling: SamplingParams,
     tree: TreeParams,
     cancel: threading.Event | None,
+    interval: float = 0.0,
 ) -> Iterator[Reply]:
-    """The reply after each step (the same object, updated in place)."""
+    """The reply as it grows (the same object, updated in place), at most
+    every `interval` seconds and always at the end. The decoding runs on its
+    own thread in its turn in `queue` and never waits for the caller: while the
+    page renders one update, the steps of the next accumulate. Closing the
+    generator cancels the decoding."""
     reply = Reply()
-    for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree, cancel=cancel):
-        reply.add(step, engine.base.tokenizer)
-        yield reply
+    decoding = Decoding(queue, lambda stop: engine.chat(messages, mode, sampling, tree, stop), cancel)
+    cursor = 0
+    try:
+        while True:
+            shown = time.monotonic()
+            steps = decoding.read(cursor)
+            if not steps:
+                return
+            for step in steps:
+                reply.add(step)
+            cursor += len(steps)
+            yield reply
+            if reply.finish_reason is not None:
+                return
+            time.sleep(max(0.0, interval - (time.monotonic() - shown)))
+    finally:
+        if not decoding.finished:
+            decoding.stop()
 
 
 class Throttle:

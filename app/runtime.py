@@ -1,11 +1,13 @@
-"""The model the app serves, shared by every browser tab, and the cancel
-signals of the requests running on it."""
+"""The model the app serves, shared by every browser tab and API client; the
+one queue in front of it; and the cancel signals of the page's requests."""
 
 from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from core.engine import Engine
 from models.errors import KestrelError
@@ -15,15 +17,87 @@ class NoModelError(KestrelError):
     """No model is loaded (it was unloaded, or a load failed at start)."""
 
 
+class ModelBusyError(KestrelError):
+    """The queue in front of the model is full."""
+
+
+class ModelLoadingError(KestrelError):
+    """A model is being loaded; nothing can run until it is."""
+
+
+class TurnCancelled(Exception):
+    """The request was cancelled while it waited for its turn."""
+
+
+class ModelQueue:
+    """First come, first served turns on the one model: page and API requests
+    alike, so that two generations never run at once on the device. At most
+    `max_waiting` requests wait; one more is refused at once."""
+
+    def __init__(self, max_waiting: int = 16):
+        if max_waiting < 1:
+            raise ValueError(f"the queue must hold at least 1 waiting request, got {max_waiting}")
+        self.max_waiting = max_waiting
+        self._condition = threading.Condition()
+        self._waiting: deque[object] = deque()  # tickets, oldest first
+        self._running = False
+
+    @property
+    def waiting(self) -> int:
+        with self._condition:
+            return len(self._waiting)
+
+    def enter(self) -> object:
+        """A ticket at the back of the queue; ModelBusyError when it is full."""
+        with self._condition:
+            if len(self._waiting) >= self.max_waiting:
+                raise ModelBusyError(
+                    f"the model is busy: {len(self._waiting)} requests are already waiting "
+                    f"(at most {self.max_waiting}); try again shortly"
+                )
+            ticket = object()
+            self._waiting.append(ticket)
+            return ticket
+
+    def wait(self, ticket: object, cancel: threading.Event | None = None) -> None:
+        """Block until `ticket` is first and the model is free, then take the
+        model. TurnCancelled (and out of the queue) if `cancel` is set first."""
+        with self._condition:
+            while self._running or self._waiting[0] is not ticket:
+                if cancel is not None and cancel.is_set():
+                    self._waiting.remove(ticket)
+                    self._condition.notify_all()
+                    raise TurnCancelled
+                self._condition.wait(0.05)
+            self._waiting.popleft()
+            self._running = True
+
+    def leave(self) -> None:
+        with self._condition:
+            self._running = False
+            self._condition.notify_all()
+
+    @contextmanager
+    def turn(self, cancel: threading.Event | None = None) -> Iterator[None]:
+        """Hold the model for the body of a with-statement."""
+        self.wait(self.enter(), cancel)
+        try:
+            yield
+        finally:
+            self.leave()
+
+
 class Runtime:
     """Holds one Engine. A new model is swapped in only once it has loaded,
     so a failed load leaves the previous one usable."""
 
-    def __init__(self, engine_or_loader: Engine | Callable[[], Engine] | None):
+    def __init__(self, engine_or_loader: Engine | Callable[[], Engine] | None, max_waiting: int = 16):
         self._engine = engine_or_loader if isinstance(engine_or_loader, Engine) else None
         self._loader = None if isinstance(engine_or_loader, Engine) else engine_or_loader
         self._lock = threading.Lock()
         self._cancels: dict[str, threading.Event] = {}
+        self.queue = ModelQueue(max_waiting)
+        self.loading: str | None = None  # what is being loaded, while a load runs
 
     @property
     def engine(self) -> Engine | None:
@@ -34,6 +108,8 @@ class Runtime:
             return self._engine
 
     def require(self) -> Engine:
+        if self.loading is not None:
+            raise ModelLoadingError(f"{self.loading} is being loaded; try again when it is ready")
         engine = self.engine
         if engine is None:
             raise NoModelError("no model is loaded; load one in the Models tab")
@@ -52,9 +128,13 @@ class Runtime:
         quantization = "" if engine.base.quantization == "none" else f", {engine.base.quantization}"
         return f"{engine.base.name} ({engine.base.device}, {str(engine.base.dtype).removeprefix('torch.')}{quantization}) {head}"
 
-    def replace(self, loader: Callable[[], Engine]) -> Engine:
+    def replace(self, loader: Callable[[], Engine], name: str = "a model") -> Engine:
         """Load with `loader`; on success the new engine replaces the old."""
-        engine = loader()
+        self.loading = name
+        try:
+            engine = loader()
+        finally:
+            self.loading = None
         with self._lock:
             self._engine, self._loader = engine, None
         free_memory()

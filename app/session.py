@@ -33,4 +33,4 @@ def load_pair(
         config = base.model.config
         vocab = base.model.get_output_embeddings().weight.shape[0]
         draft_head = load_head(head_source, config.hidden_size, vocab, base.device, base.dtype)
-    return Engine(base, draft_head)
+    return Engine(base, draft_head, head or "bundled")

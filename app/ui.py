@@ -4,8 +4,8 @@ concurrency group, so requests queue instead of running at once."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
+import threading
+import webbrowser
 from pathlib import Path
 
 import gradio as gr
@@ -15,18 +15,15 @@ from app.chat import MODE_LABELS, ChatHandlers, chat_choices, default_settings
 from app.compare import CompareHandlers
 from app.library import BITS, LibraryHandlers, catalog_frame, detected_memory
 from app.runtime import Runtime
+from app.server import LOCALHOST, Access, Server, new_api_key
 from app.store import Store, data_dir
 from core.config import MODES, TreeParams
-from core.engine import Engine
 from models import catalog
 
-LOCALHOST = "127.0.0.1"
-ICON = Path(__file__).resolve().parent.parent / "assets" / "kestrel.svg"
 MODEL = {"concurrency_limit": 1, "concurrency_id": "model"}  # every event that runs the model
 
 
-def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir: Path) -> gr.Blocks:
-    runtime = Runtime(engine_or_loader)
+def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
     store = Store(Path(store_dir))
     chat = ChatHandlers(runtime, store)
     compare = CompareHandlers(runtime)
@@ -175,56 +172,39 @@ def build_app(engine_or_loader: Engine | Callable[[], Engine] | None, store_dir:
     return demo
 
 
-def server_address(listen: bool, auth: str | None) -> tuple[str, tuple[str, str] | None]:
-    """(host, credentials): 127.0.0.1 unless --listen, which requires --auth."""
+def access_from(args) -> Access:
+    """The server's access rules from the command line. --listen (reachable
+    from other machines) requires a page password and an API key."""
     credentials = None
-    if auth is not None:
-        user, colon, password = auth.partition(":")
+    if args.auth is not None:
+        user, colon, password = args.auth.partition(":")
         if not (user and colon and password):
             raise ValueError("--auth must be USER:PASS, both non-empty")
         credentials = (user, password)
-    if listen and credentials is None:
+    api_key = new_api_key() if args.api_key == "auto" else args.api_key
+    if api_key is not None and len(api_key) < 8:
+        raise ValueError("--api-key must be at least 8 characters (or auto to generate one)")
+    if args.listen and (credentials is None or api_key is None):
         raise ValueError(
-            "--listen makes Kestrel reachable from other machines, so it needs a password: "
-            "add --auth USER:PASS (or drop --listen to stay on this computer)"
+            "--listen makes Kestrel reachable from other machines, so it needs a page password and an API key: "
+            "add --auth USER:PASS --api-key auto (or drop --listen to stay on this computer)"
         )
-    return ("0.0.0.0" if listen else LOCALHOST), credentials
-
-
-def free_port(host: str, start: int, tries: int = 100) -> int:
-    """`start`, or the next port that can be bound on `host`."""
-    for port in range(start, start + tries):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free port in {start}-{start + tries - 1} on {host}; pass --port")
-
-
-def launch(demo: gr.Blocks, host: str, port: int, auth=None, open_browser: bool = False, block: bool = True):
-    """Serve `demo` on `host` (never through a share link); `block` waits until interrupted."""
-    port = free_port(host, port)
-    if block:
-        shown = LOCALHOST if host == LOCALHOST else f"{host} (all interfaces; password required)"
-        print(f"Kestrel is running at http://{LOCALHOST}:{port} on {shown}. Press Ctrl+C to stop.", flush=True)
-    demo.queue()
-    return demo.launch(
-        server_name=host, server_port=port, auth=auth, inbrowser=open_browser, share=False,
-        prevent_thread_lock=not block, css=render.CSS, favicon_path=str(ICON), show_error=True, quiet=True,
-    )  # fmt: skip
+    origins = tuple(origin.rstrip("/") for origin in args.allow_origin or ())
+    bad = [origin for origin in origins if not origin.startswith(("http://", "https://")) or origin.count("/") != 2]
+    if bad:
+        raise ValueError(f"--allow-origin takes an origin such as http://localhost:3000, got {bad[0]!r}")
+    return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins)
 
 
 def serve(args) -> int:
-    """`launch.py ui`: load the model, then serve the app until interrupted."""
+    """`launch.py ui`: load the model, then serve the page and the API until interrupted."""
     if args.install_shortcut:
         from app.shortcut import install
 
         for path in install():
             print(f"Shortcut written: {path}")
         return 0
-    host, auth = server_address(args.listen, args.auth)
+    access = access_from(args)
     if args.threads:
         import torch
 
@@ -233,8 +213,17 @@ def serve(args) -> int:
 
     print("Loading the model (the first run prepares the bundled one)...", flush=True)
     engine = load_pair(args.model, args.head, args.quantization, args.dtype, args.device)
-    print(f"Loaded {Runtime(engine).describe()}", flush=True)
+    runtime = Runtime(engine, max_waiting=args.max_queue)
+    print(f"Loaded {runtime.describe()}", flush=True)
     store_dir = data_dir()
     print(f"Chats and settings: {store_dir}", flush=True)
-    launch(build_app(engine, store_dir), host, args.port, auth, open_browser=not args.no_browser)
+    server = Server(build_app(runtime, store_dir), runtime, access, args.port)
+    where = LOCALHOST if access.loopback else f"{access.host} (all interfaces; password and API key required)"
+    print(f"Kestrel is running at {server.url} on {where}. Press Ctrl+C to stop.", flush=True)
+    print(f"OpenAI-compatible API: base_url={server.url}v1  model={engine.base.name!r}", flush=True)
+    if access.api_key is not None and args.api_key == "auto":
+        print(f"API key (shown once): {access.api_key}", flush=True)
+    if not args.no_browser:
+        threading.Timer(1.5, webbrowser.open, [server.url]).start()
+    server.run()
     return 0

@@ -47,12 +47,14 @@ class Step:
     verify_seconds: float  # base-model forward, acceptance and cache commit of this step
     stats: Snapshot  # running statistics of the whole request
     finish_reason: str | None = None  # None while decoding; else stop, length, context or cancelled
+    accepted_text: str = ""  # the start of `text` that the accepted tokens decode to ("" if they end mid-character)
 
 
 class Engine:
-    def __init__(self, base: LoadedModel, head: DraftHead | None = None):
+    def __init__(self, base: LoadedModel, head: DraftHead | None = None, head_name: str | None = None):
         self.base = base
         self.head = head
+        self.head_name = head_name if head is not None else None  # where the head came from, for display
         self.model = base.model
         self.stop_ids = stop_token_ids(base.model, base.tokenizer)
         self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
@@ -220,10 +222,11 @@ class _Run:
         accepted = min(accepted, len(tokens))
         draft_seconds, verify_seconds = times
         self.recorder.record(len(tokens), accepted, tree_depth, draft_seconds, verify_seconds)
-        text = self.detokenizer.push(tokens)
+        accepted_text = self.detokenizer.push(tokens[:accepted]) if accepted else ""
+        text = accepted_text + self.detokenizer.push(tokens[accepted:])
         if self.finish_reason is not None:
             text += self.detokenizer.flush()
         return Step(
             tuple(tokens), text, accepted, tree_size, draft_seconds, verify_seconds,
-            self.recorder.snapshot(), self.finish_reason,
+            self.recorder.snapshot(), self.finish_reason, accepted_text,
         )  # fmt: skip

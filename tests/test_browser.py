@@ -23,8 +23,10 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_base, tmp_path_factory):
-    from app.ui import LOCALHOST, build_app, free_port, launch
+def app_url(tiny_base, data_dir):
+    from app.runtime import Runtime
+    from app.server import Server
+    from app.ui import build_app
     from core.engine import Engine
     from tests.factory import random_head
 
@@ -35,10 +37,15 @@ def app_url(tiny_base, tmp_path_factory):
                 yield step
 
     engine = SlowEngine(tiny_base, random_head(tiny_base.model))
-    demo = build_app(engine, tmp_path_factory.mktemp("browser-data"))
-    _, url, _ = launch(demo, LOCALHOST, free_port(LOCALHOST, 7990), block=False)
-    yield url
-    demo.close()
+    runtime = Runtime(engine)
+    server = Server(build_app(runtime, data_dir), runtime, port=7990)
+    yield server.start()
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("browser-data")
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +148,89 @@ def test_models_tab(page):
     page.get_by_text("Vicuna-13B v1.3").first.wait_for(timeout=10_000)
     assert "llama" in page.locator("#model-status").inner_text().lower() or page.locator("#model-status").inner_text()
     screenshot(page, "models")
+
+
+# A reply as models write them: every markdown construct that colouring could break.
+MARKDOWN_REPLY = """# Checking primes
+
+Here is a **simple** function with `n < 2` handled first:
+
+```python
+def is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    return all(n % d for d in range(2, int(n ** 0.5) + 1))
+```
+
+How it works:
+
+1. Numbers below 2 are *not* prime.
+2. For the rest:
+   - try each divisor up to the square root;
+   - stop at the first one that divides `n`.
+
+| n | prime? |
+|---|:------:|
+| 7 | yes |
+| 9 | no \\| 3 x 3 |
+
+> Tip: a <div> or <script>alert(1)</script> in the text stays text, & so does &amp;.
+
+See [the docs](https://docs.python.org/3/) for `range`. Done!
+"""
+
+
+def token_segments(text: str, seed: int = 3) -> list[list[str]]:
+    """The text cut into token-sized pieces (1-6 characters), origins alternating at random."""
+    import random
+
+    rng = random.Random(seed)
+    segments, position = [], 0
+    while position < len(text):
+        size = rng.randint(1, 6)
+        segments.append([text[position : position + size], "draft" if rng.random() < 0.6 else "base"])
+        position += size
+    return segments
+
+
+def rendered(page) -> dict:
+    bubble = page.locator("#chatbot .message-row.bot-row, #chatbot [data-testid='bot']").last
+    return {
+        "text": bubble.inner_text(),
+        "structure": bubble.evaluate(
+            "b => ['pre code', 'h1', 'ol > li', 'ul > li', 'table td', 'blockquote', 'a', 'strong', 'em', 'p > code', 'td > code']"
+            ".map(s => s + ':' + b.querySelectorAll(s).length).join(' ')"
+        ),
+        "highlights": bubble.locator("span.kd").count(),
+    }
+
+
+def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
+    from app.store import Store, new_chat
+
+    chat = new_chat()
+    chat["messages"] = [
+        {"role": "user", "content": "Write a prime check and explain it."},
+        {"role": "assistant", "content": MARKDOWN_REPLY, "segments": token_segments(MARKDOWN_REPLY)},
+    ]
+    Store(data_dir).save_chat(chat)
+    page.reload()
+    page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=30_000)
+    if not page.locator("#colour input").is_checked():
+        page.locator("#colour input").check()
+        page.wait_for_function("document.querySelectorAll('#chatbot span.kd').length > 0")
+    coloured = rendered(page)
+    screenshot(page, "colour-on")
+    page.locator("#colour input").uncheck()
+    page.wait_for_function("document.querySelectorAll('#chatbot span.kd').length == 0")
+    plain = rendered(page)
+    screenshot(page, "colour-off")
+    assert coloured["highlights"] > 20 and plain["highlights"] == 0
+    assert coloured["text"] == plain["text"]
+    assert coloured["structure"] == plain["structure"]
+    for kind, count in (("pre code", 1), ("h1", 1), ("ol > li", 2), ("ul > li", 2), ("table td", 4), ("blockquote", 1), ("a", 1)):
+        assert f"{kind}:{count}" in plain["structure"], plain["structure"]
+    for visible in ("<span", "&lt;", "&amp;amp;", "style="):
+        assert visible not in coloured["text"]
+    assert "<script>alert(1)</script>" in coloured["text"] and "<div>" in coloured["text"]
+    assert page.evaluate("typeof window.alert") == "function"

@@ -172,8 +172,8 @@ def snapshot(tokens: int) -> Snapshot:
 
 def test_tokens_are_coloured_by_origin(tiny_base):
     reply = Reply()
-    reply.add(Step((9,), "w1", 0, 1, 0.0, 0.0, snapshot(1)), tiny_base.tokenizer)
-    reply.add(Step((10, 11, 12), " w2 w3 w4", 2, 8, 0.0, 0.0, snapshot(4)), tiny_base.tokenizer)
+    reply.add(Step((9,), "w1", 0, 1, 0.0, 0.0, snapshot(1)))
+    reply.add(Step((10, 11, 12), " w2 w3 w4", 2, 8, 0.0, 0.0, snapshot(4), None, " w2 w3"))
     assert reply.segments == [["w1", render.BASE], [" w2 w3", render.DRAFT], [" w4", render.BASE]]
     assert render.coloured(reply.segments).count('class="kd"') == 1
 
@@ -248,15 +248,29 @@ def test_catalog_and_trained_heads(engine, tmp_path):
     assert found == [str(tmp_path / "heads" / "mine"), str(tmp_path / "heads" / "unreported")]
 
 
-def test_server_address_is_local_unless_listen_with_auth():
-    from app.ui import server_address
+def ui_args(*argv: str):
+    from app.cli import build_parser
 
-    assert server_address(False, None) == ("127.0.0.1", None)
-    assert server_address(True, "ann:secret") == ("0.0.0.0", ("ann", "secret"))
-    with pytest.raises(ValueError, match="--auth"):
-        server_address(True, None)
+    return build_parser().parse_args(["ui", *argv])
+
+
+def test_access_is_local_unless_listen_with_auth_and_api_key():
+    from app.ui import access_from
+
+    local = access_from(ui_args())
+    assert (local.host, local.auth, local.api_key, local.allow_origins) == ("127.0.0.1", None, None, ())
+    exposed = access_from(ui_args("--listen", "--auth", "ann:secret", "--api-key", "auto"))
+    assert exposed.host == "0.0.0.0" and exposed.auth == ("ann", "secret") and exposed.api_key.startswith("kestrel-")
+    assert access_from(ui_args("--api-key", "k" * 12)).api_key == "k" * 12
+    with pytest.raises(ValueError, match="--auth USER:PASS --api-key auto"):
+        access_from(ui_args("--listen"))
+    with pytest.raises(ValueError, match="--api-key auto"):
+        access_from(ui_args("--listen", "--auth", "ann:secret"))
     with pytest.raises(ValueError, match="USER:PASS"):
-        server_address(False, "nopassword")
+        access_from(ui_args("--auth", "nopassword"))
+    with pytest.raises(ValueError, match="--allow-origin"):
+        access_from(ui_args("--allow-origin", "localhost:3000"))
+    assert access_from(ui_args("--allow-origin", "http://localhost:3000/")).allow_origins == ("http://localhost:3000",)
 
 
 def test_cli_refuses_listen_without_auth(capsys):
@@ -284,7 +298,7 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
 def test_free_port_skips_a_taken_port():
     import socket
 
-    from app.ui import free_port
+    from app.server import free_port
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -296,13 +310,14 @@ def test_free_port_skips_a_taken_port():
 def test_launched_app_streams_through_gradio_client(engine, tmp_path):
     from gradio_client import Client
 
-    from app.ui import LOCALHOST, build_app, free_port, launch
+    from app.server import Server
+    from app.ui import build_app
 
-    demo = build_app(engine, tmp_path / "data")
-    _, url, share_url = launch(demo, LOCALHOST, free_port(LOCALHOST, 7960), block=False)
+    runtime = Runtime(engine)
+    server = Server(build_app(runtime, tmp_path / "data"), runtime, port=7960)
+    url = server.start()
     try:
-        assert url.startswith("http://127.0.0.1:") and share_url is None
-        assert demo.server_name == "127.0.0.1"
+        assert url.startswith("http://127.0.0.1:") and server.access.host == "127.0.0.1"
         client = Client(url, verbose=False)
         settings = dict(zip(SETTINGS, values(max_new_tokens=40)))
         settings["mode"] = "eagle2"
@@ -313,7 +328,7 @@ def test_launched_app_streams_through_gradio_client(engine, tmp_path):
         assert chatbot[-1]["role"] == "assistant" and chatbot[-1]["content"]
         assert len(updates) >= 2
     finally:
-        demo.close()
+        server.close()
 
 
 def test_code_in_markdown_stays_raw_and_prose_is_escaped():
@@ -336,14 +351,16 @@ def test_message_longer_than_the_context_is_refused(handlers):
 def test_launched_app_with_auth_requires_login(engine, tmp_path):
     import httpx
 
-    from app.ui import LOCALHOST, build_app, free_port, launch
+    from app.server import Access, Server
+    from app.ui import build_app
 
-    demo = build_app(engine, tmp_path / "data")
-    _, url, _ = launch(demo, LOCALHOST, free_port(LOCALHOST, 7970), auth=("ann", "secret"), block=False)
+    runtime = Runtime(engine)
+    server = Server(build_app(runtime, tmp_path / "data"), runtime, Access(auth=("ann", "secret")), 7970)
+    url = server.start()
     try:
         assert httpx.get(f"{url}config").status_code == 401
         login = httpx.post(f"{url}login", data={"username": "ann", "password": "secret"})
         assert login.status_code == 200
         assert httpx.post(f"{url}login", data={"username": "ann", "password": "wrong"}).status_code == 400
     finally:
-        demo.close()
+        server.close()

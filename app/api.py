@@ -1,0 +1,420 @@
+"""The OpenAI-compatible HTTP API at /v1, served beside the page.
+
+A thin shell over the engine's stream of steps: each request decodes on its
+own thread in its turn in the model queue (app/decoding.py), shared with the
+page; responses carry the engine's own statistics in `usage.speculative`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from app.decoding import Decoding
+from app.request import Generation, RequestError, parse_chat, parse_completion
+from app.runtime import ModelBusyError, ModelLoadingError, NoModelError, Runtime
+from core.engine import Engine, Step
+from core.stats import Snapshot
+from models.errors import KestrelError
+
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
+POLL_SECONDS = 0.1  # how often a waiting response checks that its client is still there
+FINISH = {"stop": "stop", "length": "length", "context": "length"}  # engine -> OpenAI finish_reason
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+    503: "service_unavailable_error",
+}  # fmt: skip
+log = logging.getLogger("kestrel")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return ApiError(status, message, param, code).response()
+
+
+class StopScanner:
+    """Cuts streamed text at the first stop string. Text that could be the
+    start of a stop string is held back until the next piece settles it."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string ended the reply)."""
+        self.pending += text
+        found = [index for index in (self.pending.find(stop) for stop in self.stops) if index >= 0]
+        if found:
+            text, self.pending = self.pending[: min(found)], ""
+            return text, True
+        keep = max((self._overlap(stop) for stop in self.stops), default=0)
+        cut = len(self.pending) - keep
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+    def _overlap(self, stop: str) -> int:
+        """Length of the longest end of `pending` that begins `stop`."""
+        for size in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+            if stop.startswith(self.pending[-size:]):
+                return size
+        return 0
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+@dataclass
+class Outcome:
+    """How a request's decoding went, filled in as its steps are read."""
+
+    mode: str
+    prompt_tokens: int
+    snapshot: Snapshot | None = None
+    accepted: int = 0  # drafted tokens accepted, over all steps
+    finish_reason: str | None = None
+
+    def add(self, step: Step) -> None:
+        self.snapshot = step.stats
+        self.accepted += step.accepted
+
+    def usage(self) -> dict:
+        s = self.snapshot
+        completion = s.tokens if s else 0
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "speculative": {
+                "mode": self.mode,
+                "mean_accepted_length": round(s.mean_accepted_length, 4) if s else 0.0,
+                "forwards": s.forwards if s else 0,
+                "accepted_draft_tokens": self.accepted,
+                "acceptance_by_depth": [round(rate, 4) for rate in s.acceptance_by_depth] if s else [],
+                "tokens_per_second": round(s.tokens_per_s, 2) if s else 0.0,
+                "time_to_first_token": None if s is None or s.time_to_first_token is None else round(s.time_to_first_token, 4),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready to decode."""
+
+    engine: Engine
+    generation: Generation
+    prompt_ids: list[int]
+    mode: str
+    clipped_from: int | None  # the max_tokens asked for, when the context window cut it
+
+
+class Api:
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/health", self.health, methods=["GET"])
+        router.add_api_route("/v1/models", self.models, methods=["GET"])
+        router.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+        router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        router.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        return router
+
+    # --- endpoints -----------------------------------------------------------
+
+    async def health(self) -> JSONResponse:
+        queue = {"waiting": self.runtime.queue.waiting, "max_waiting": self.runtime.queue.max_waiting}
+        if self.runtime.loading is not None:
+            return JSONResponse({"status": "loading", "loading": self.runtime.loading, "queue": queue}, status_code=503)
+        engine = self.runtime.engine
+        if engine is None:
+            return JSONResponse({"status": "no_model", "queue": queue}, status_code=503)
+        return JSONResponse({"status": "ok", "model": engine.base.name, "queue": queue})
+
+    async def models(self) -> JSONResponse:
+        try:
+            engine = self._engine()
+        except ApiError as error:
+            return error.response()
+        return JSONResponse({"object": "list", "data": [model_card(engine)]})
+
+    async def model(self, model_id: str) -> JSONResponse:
+        try:
+            engine = self._engine()
+            self._check_model(engine, model_id, None)
+        except ApiError as error:
+            return error.response()
+        return JSONResponse(model_card(engine))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._create(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._create(request, chat=False)
+
+    # --- one request ---------------------------------------------------------
+
+    async def _create(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await read_json(request)
+            generation = parse_chat(body) if chat else parse_completion(body)
+            prepared = self._prepare(generation)
+            changed = asyncio.Event()
+            decoding = self._start(prepared, wake_up(changed))
+        except RequestError as error:
+            return error_response(400, str(error), error.param, error.code)
+        except ApiError as error:
+            return error.response()
+        outcome = Outcome(prepared.mode, len(prepared.prompt_ids))
+        pieces = texts(decoding, changed, request, generation, outcome)
+        reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        shape = Shape(reply_id, int(time.time()), prepared.engine.base.name, chat, prepared.clipped_from)
+        if generation.stream:
+            return StreamingResponse(
+                stream_events(pieces, shape, outcome, generation.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            text = "".join([piece async for piece in pieces])
+        except ApiError as error:
+            return error.response()
+        return JSONResponse(shape.whole(text, outcome))
+
+    def _engine(self) -> Engine:
+        try:
+            return self.runtime.require()
+        except ModelLoadingError as error:
+            raise ApiError(503, str(error), code="model_loading") from error
+        except NoModelError as error:
+            raise ApiError(503, "no model is loaded; load one in the page's Models tab", code="no_model") from error
+
+    def _check_model(self, engine: Engine, model_id: str, param: str | None) -> None:
+        if model_id != engine.base.name:
+            raise ApiError(
+                404, f"the model {model_id!r} does not exist here; this server runs {engine.base.name!r}", param, "model_not_found"
+            )
+
+    def _prepare(self, generation: Generation) -> Prepared:
+        engine = self._engine()
+        self._check_model(engine, generation.model, "model")
+        mode = generation.mode or ("eagle2" if "eagle2" in engine.modes else "vanilla")
+        if mode not in engine.modes:
+            why = engine.speculation_problem() if engine.head is not None else "no draft head is loaded"
+            raise ApiError(400, f"kestrel.mode {mode} is not available: {why}; available: {', '.join(engine.modes)}", "kestrel.mode")
+        prompt_ids = self._prompt_ids(engine, generation)
+        room = engine.context_limit - len(prompt_ids)
+        if room < 1:
+            where = "messages" if generation.messages is not None else "prompt"
+            raise ApiError(
+                400, f"the prompt is {len(prompt_ids)} tokens; the model's context window is {engine.context_limit} tokens",
+                where, "context_length_exceeded",
+            )  # fmt: skip
+        asked = generation.max_tokens
+        limit = room if asked is None else min(asked, room)
+        sampling = replace(generation.sampling, max_new_tokens=limit)
+        clipped_from = asked if asked is not None and asked > room else None
+        return Prepared(engine, replace(generation, sampling=sampling), prompt_ids, mode, clipped_from)
+
+    def _prompt_ids(self, engine: Engine, generation: Generation) -> list[int]:
+        if generation.messages is not None:
+            try:
+                return engine.encode(generation.messages)
+            except Exception as error:  # the model's own chat template refused the conversation
+                raise ApiError(400, f"messages: the model's chat template refused them ({error})", "messages") from error
+        if isinstance(generation.prompt, str):
+            return engine.base.tokenizer(generation.prompt)["input_ids"]
+        vocabulary = engine.model.get_input_embeddings().weight.shape[0]
+        if max(generation.prompt) >= vocabulary:
+            raise ApiError(400, f"prompt: token id {max(generation.prompt)} is outside the vocabulary (0-{vocabulary - 1})", "prompt")
+        return list(generation.prompt)
+
+    def _start(self, prepared: Prepared, on_change: Callable[[], None]) -> Decoding:
+        engine, generation = prepared.engine, prepared.generation
+
+        def steps(cancel):
+            return engine.stream(prepared.prompt_ids, prepared.mode, generation.sampling, generation.tree, cancel)
+
+        try:
+            return Decoding(self.runtime.queue, steps, on_change=on_change)
+        except ModelBusyError as error:
+            raise ApiError(429, str(error), code="queue_full") from error
+
+
+def wake_up(event: asyncio.Event) -> Callable[[], None]:
+    """A callback for the decoding thread that sets `event` on this event loop."""
+    loop = asyncio.get_running_loop()
+
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # the loop has closed: nobody is waiting
+            pass
+
+    return wake
+
+
+async def texts(
+    decoding: Decoding, changed: asyncio.Event, request: Request, generation: Generation, outcome: Outcome
+) -> AsyncIterator[str]:
+    """The reply's text as the steps commit, cut at a stop string. The decoding
+    is cancelled when this ends early: a stop string, or the client gone."""
+    scanner = StopScanner(generation.stop)
+    cursor = 0
+    try:
+        while True:
+            try:
+                await asyncio.wait_for(changed.wait(), POLL_SECONDS)
+            except TimeoutError:
+                pass
+            changed.clear()
+            if await request.is_disconnected():
+                outcome.finish_reason = "cancelled"
+                return
+            for step in read_steps(decoding, cursor):
+                cursor += 1
+                outcome.add(step)
+                text, stopped = scanner.push(step.text)
+                if stopped or step.finish_reason is not None:
+                    text += "" if stopped else scanner.flush()
+                    outcome.finish_reason = "stop" if stopped else FINISH.get(step.finish_reason, step.finish_reason)
+                    if text:
+                        yield text
+                    return
+                if text:
+                    yield text
+            if decoding.done_reading(cursor):
+                outcome.finish_reason = outcome.finish_reason or "cancelled"
+                return
+    finally:
+        decoding.stop()
+
+
+def read_steps(decoding: Decoding, cursor: int) -> list[Step]:
+    try:
+        return decoding.read(cursor, timeout=0)
+    except KestrelError as error:
+        raise ApiError(500, str(error), code="decoding_failed") from error
+    except Exception as error:
+        log.exception("decoding failed")
+        raise ApiError(500, f"decoding failed: {type(error).__name__}: {error}", code="decoding_failed") from error
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The OpenAI response and chunk objects of one reply."""
+
+    reply_id: str
+    created: int
+    model: str
+    chat: bool
+    clipped_from: int | None
+
+    def _base(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        body = {"id": self.reply_id, "object": kind, "created": self.created, "model": self.model}
+        if self.clipped_from is not None:
+            body["kestrel"] = {"max_tokens_clipped": {"requested": self.clipped_from, "reason": "the context window"}}
+        return body
+
+    def whole(self, text: str, outcome: Outcome) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=outcome.finish_reason)
+        return {**self._base(chunk=False), "choices": [choice], "usage": outcome.usage()}
+
+    def chunk(self, delta: dict | str, finish_reason: str | None = None, include_usage: bool = False) -> str:
+        """One SSE event: a chat delta ({"content": ...}) or a completion's text."""
+        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        body = {**self._base(chunk=True), "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return event(body)
+
+    def usage_chunk(self, outcome: Outcome) -> str:
+        return event({**self._base(chunk=True), "choices": [], "usage": outcome.usage()})
+
+
+def event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(pieces: AsyncIterator[str], shape: Shape, outcome: Outcome, include_usage: bool) -> AsyncIterator[str]:
+    """Server-Sent Events in OpenAI's chunk format, ending with [DONE]."""
+    empty = {"role": "assistant", "content": ""} if shape.chat else ""
+    yield shape.chunk(empty, include_usage=include_usage)
+    try:
+        async for text in pieces:
+            yield shape.chunk({"content": text} if shape.chat else text, include_usage=include_usage)
+        yield shape.chunk({} if shape.chat else "", outcome.finish_reason, include_usage)
+        if include_usage:
+            yield shape.usage_chunk(outcome)
+    except ApiError as error:
+        yield event(error.body())
+    yield "data: [DONE]\n\n"
+
+
+def model_card(engine: Engine) -> dict:
+    base = engine.base
+    return {
+        "id": base.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kestrel",
+        "kestrel": {
+            "head": engine.head_name,
+            "modes": list(engine.modes),
+            "context_window": engine.context_limit,
+            "device": str(base.device),
+            "dtype": str(base.dtype).removeprefix("torch."),
+            "quantization": base.quantization,
+        },
+    }
+
+
+async def read_json(request: Request) -> dict:
+    """The request body as a JSON object, at most MAX_BODY_BYTES."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is {int(declared)} bytes; at most {MAX_BODY_BYTES} are accepted")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks), parse_constant=reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from error
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got a {type(body).__name__}")
+    return body
+
+
+def reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")

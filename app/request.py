@@ -1,0 +1,237 @@
+"""OpenAI-style request bodies -> Kestrel's settings, with errors that name the
+parameter at fault and its allowed range (the API answers them with 400)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from core.config import MODES, SamplingParams, TreeParams
+
+MAX_MESSAGES = 1024  # messages in one chat request
+MAX_STOPS = 4  # stop strings, as OpenAI allows
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_SEED = 2**63 - 1
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Standard fields that would change the output and that Kestrel cannot honour:
+# refused by name rather than dropped. Each maps to the value that is harmless.
+REFUSED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "audio": (None,),
+    "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "suffix": (None, ""), "echo": (None, False),
+    "best_of": (None, 1),
+}  # fmt: skip
+TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest)
+    "total_tokens": ("total_tokens", 2, 256),
+    "depth": ("depth", 1, 16),
+    "tree_top_k": ("top_k", 1, 32),
+    "lookup_tokens": ("lookup_tokens", 0, 64),
+}
+KESTREL_FIELDS = {"mode", "top_k", "min_path_prob", *TREE_RANGES}
+
+
+class RequestError(ValueError):
+    """A bad request body; `param` names the field (dotted path) at fault."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one request asks the engine for, before its prompt is tokenized."""
+
+    model: str  # the model id the client named
+    messages: list[dict] | None  # chat: [{"role", "content": str}]
+    prompt: str | list[int] | None  # completions: raw text or token ids
+    sampling: SamplingParams  # max_new_tokens is set once the prompt's length is known
+    max_tokens: int | None  # requested limit; None = up to the context window
+    tree: TreeParams
+    mode: str | None  # None = the best mode the model offers
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat(body: dict) -> Generation:
+    messages = _messages(body.get("messages"))
+    return _generation(body, messages=messages, prompt=None)
+
+
+def parse_completion(body: dict) -> Generation:
+    return _generation(body, messages=None, prompt=_prompt(body.get("prompt")))
+
+
+def _generation(body: dict, messages, prompt) -> Generation:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model is required: the id of the loaded model (see GET /v1/models)", "model")
+    _refuse_unsupported(body)
+    n = _integer(body, "n", 1, 1, 1_000_000)
+    if n != 1:
+        raise RequestError(f"n must be 1: Kestrel writes one choice per request, got {n}", "n")
+    kestrel = {} if body.get("kestrel") is None else body["kestrel"]
+    if not isinstance(kestrel, dict):
+        raise RequestError("kestrel must be an object of Kestrel's own settings", "kestrel")
+    unknown = sorted(set(kestrel) - KESTREL_FIELDS)
+    if unknown:
+        raise RequestError(
+            f"kestrel.{unknown[0]} is not a Kestrel setting; known: {', '.join(sorted(KESTREL_FIELDS))}", f"kestrel.{unknown[0]}"
+        )
+    max_tokens = _max_tokens(body)
+    top_k_source = kestrel if "top_k" in kestrel else body
+    top_k_name = "kestrel.top_k" if "top_k" in kestrel else "top_k"
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=_integer(top_k_source, "top_k", 0, 0, 1_000_000, top_k_name),
+        max_new_tokens=max_tokens or 1,
+        seed=_integer(body, "seed", None, 0, MAX_SEED),
+    )
+    mode = kestrel.get("mode")
+    if mode is not None and mode not in MODES:
+        raise RequestError(f"kestrel.mode must be one of {', '.join(MODES)}, got {mode!r}", "kestrel.mode")
+    return Generation(
+        model=model, messages=messages, prompt=prompt, sampling=sampling, max_tokens=max_tokens,
+        tree=_tree(kestrel), mode=mode, stop=_stops(body.get("stop")), stream=_boolean(body, "stream", False),
+        include_usage=_include_usage(body),
+    )  # fmt: skip
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, harmless in REFUSED.items():
+        if name in body and not any(_same(body[name], value) for value in harmless):
+            raise RequestError(f"{name} is not supported by Kestrel; leave it out", name, "unsupported_parameter")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise RequestError("response_format is not supported by Kestrel (only {\"type\": \"text\"})", "response_format", "unsupported_parameter")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise RequestError("modalities: Kestrel writes text only", "modalities", "unsupported_parameter")
+
+
+def _same(value, harmless) -> bool:
+    return type(value) is type(harmless) and value == harmless  # False is not 0 here
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    if len(value) > MAX_MESSAGES:
+        raise RequestError(f"messages: at most {MAX_MESSAGES} messages, got {len(value)}", "messages")
+    messages = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with role and content", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{where}.role must be one of system, developer, user, assistant; got {role!r}", f"{where}.role")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise RequestError(f"{where}: tool calls are not supported by Kestrel", f"{where}.tool_calls")
+        messages.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+    return messages
+
+
+def _content(value, where: str) -> str:
+    """A string, or the list-of-parts form with text parts only."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise RequestError(f"{where} must be a string or a list of text parts", where)
+    texts = []
+    for index, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{where}[{index}]: only text parts are supported, got {kind!r}", f"{where}[{index}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _prompt(value) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise RequestError("prompt is empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(type(token) is int and token >= 0 for token in value):
+        return value
+    raise RequestError("prompt must be a non-empty string, a list of one string, or a list of token ids", "prompt")
+
+
+def _max_tokens(body: dict) -> int | None:
+    new = _integer(body, "max_completion_tokens", None, 1, 1 << 30)
+    old = _integer(body, "max_tokens", None, 1, 1 << 30)
+    if new is not None and old is not None and new != old:
+        raise RequestError(
+            f"max_tokens ({old}) and max_completion_tokens ({new}) disagree; send one of them", "max_completion_tokens"
+        )
+    return new if new is not None else old
+
+
+def _tree(kestrel: dict) -> TreeParams:
+    defaults = TreeParams()
+    values = {}
+    for name, (field, low, high) in TREE_RANGES.items():
+        values[field] = _integer(kestrel, name, getattr(defaults, field), low, high, f"kestrel.{name}")
+    values["min_path_prob"] = _number(kestrel, "min_path_prob", defaults.min_path_prob, 0.0, 0.999, param="kestrel.min_path_prob")
+    return TreeParams(**values)
+
+
+def _stops(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(stop, str) and stop for stop in stops):
+        raise RequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+        raise RequestError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+    return tuple(stops)
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object such as {\"include_usage\": true}", "stream_options")
+    return _boolean(options, "include_usage", False, "stream_options.include_usage")
+
+
+def _boolean(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{param or name} must be true or false, got {value!r}", param or name)
+    return value
+
+
+def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False, param: str | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    param = param or name
+    interval = f"{'above' if low_open else 'from'} {low:g} {'up ' if low_open else ''}to {high:g}"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"{param} must be a number {interval}, got {value!r}", param)
+    if value < low or value > high or (low_open and value == low):
+        raise RequestError(f"{param} must be a number {interval}, got {value:g}", param)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default, low: int, high: int, param: str | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    param = param or name
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or not low <= value <= high:
+        raise RequestError(f"{param} must be an integer from {low} to {high}, got {value!r}", param)
+    return value

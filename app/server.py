@@ -1,0 +1,204 @@
+"""The HTTP server: the page at / and the OpenAI-compatible API at /v1, on
+one port, behind the access rules a local server owes its user.
+
+- Loopback by default; the Host header must name this machine, so that a web
+  page cannot reach the server through a rebound DNS name.
+- A request that a browser makes from another site (its Origin header) is
+  refused unless that origin was allowed with --allow-origin; no CORS headers
+  are sent otherwise.
+- With an API key, every /v1 call needs `Authorization: Bearer KEY`."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gradio as gr
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from app import render
+from app.api import Api, ApiError
+from app.runtime import Runtime
+
+LOCALHOST = "127.0.0.1"
+ICON = Path(__file__).resolve().parent.parent / "assets" / "kestrel.svg"
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+API_PATHS = ("/v1/", "/health")
+log = logging.getLogger("kestrel")
+
+
+@dataclass(frozen=True)
+class Access:
+    host: str = LOCALHOST  # the interface to listen on; 0.0.0.0 with --listen
+    auth: tuple[str, str] | None = None  # the page's login (--auth USER:PASS)
+    api_key: str | None = None  # required as a Bearer token on /v1 when set
+    allow_origins: tuple[str, ...] = ()  # other sites' pages that may call /v1 (CORS)
+
+    @property
+    def loopback(self) -> bool:
+        return self.host == LOCALHOST
+
+
+def new_api_key() -> str:
+    return "kestrel-" + secrets.token_urlsafe(24)
+
+
+def is_api(path: str) -> bool:
+    return path.startswith(API_PATHS) or path == "/v1"
+
+
+class Guard:
+    """ASGI middleware enforcing `Access` before any route runs."""
+
+    def __init__(self, app, access: Access, port: int):
+        self.app = app
+        self.access = access
+        self.own_origins = {f"http://{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]")}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            return await refusal(scope, receive, send)
+        origin = headers.get("origin")
+        if scope["type"] == "http" and is_api(scope["path"]) and origin in self.access.allow_origins:
+            if scope["method"] == "OPTIONS":  # a CORS preflight from an allowed origin
+                return await self._preflight(origin)(scope, receive, send)
+            send = with_cors(send, origin)
+        return await self.app(scope, receive, send)
+
+    def _refusal(self, scope, headers: dict) -> JSONResponse | None:
+        if self.access.loopback and host_name(headers.get("host", "")) not in LOOPBACK_NAMES:
+            shown = headers.get("host", "(none)")
+            return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers only to 127.0.0.1 and localhost").response()
+        if not is_api(scope["path"]):
+            return None  # the page: Gradio checks its own origins and login
+        origin = headers.get("origin")
+        if origin is not None and origin not in self.own_origins and origin not in self.access.allow_origins:
+            return ApiError(
+                403, f"requests from the web page at {origin} are not allowed; start Kestrel with --allow-origin {origin} to allow them",
+                code="origin_not_allowed",
+            ).response()  # fmt: skip
+        if self.access.api_key is not None and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.access.api_key.encode()):
+                return ApiError(
+                    401, "a valid API key is required: send the header Authorization: Bearer <key>", code="invalid_api_key"
+                ).response()
+        return None
+
+    @staticmethod
+    def _preflight(origin: str) -> JSONResponse:
+        return JSONResponse(None, status_code=204, headers={
+            "Access-Control-Allow-Origin": origin, "Vary": "Origin",
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600",
+        })  # fmt: skip
+
+
+def host_name(host: str) -> str:
+    """The name part of a Host header: 'localhost:7860' -> 'localhost', '[::1]:80' -> '::1'."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def with_cors(send, origin: str):
+    async def send_with_cors(message):
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            headers += [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return send_with_cors
+
+
+def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int):
+    """The ASGI app: the API's routes first, then the page mounted at /."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.include_router(Api(runtime).router())
+
+    async def unknown(request: Request) -> JSONResponse:
+        return ApiError(404, f"no such API endpoint: {request.method} {request.url.path}", code="unknown_url").response()
+
+    app.add_api_route("/v1/{rest:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return ApiError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return ApiError(500, f"internal error: {type(error).__name__}").response()
+
+    demo.queue()
+    app = gr.mount_gradio_app(
+        app, demo, path="/", server_name=access.host, server_port=port, auth=access.auth, show_error=True,
+        css=render.CSS, favicon_path=str(ICON),
+    )  # fmt: skip
+    return Guard(app, access, port)
+
+
+def free_port(host: str, start: int, tries: int = 100) -> int:
+    """`start`, or the next port that can be bound on `host`."""
+    for port in range(start, start + tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {start}-{start + tries - 1} on {host}; pass --port")
+
+
+class Server:
+    """Serves the page and the API (on `port`, or the next free one) until
+    closed; `start` returns once it is up, `run` blocks."""
+
+    def __init__(self, demo: gr.Blocks, runtime: Runtime, access: Access = Access(), port: int = 7860):
+        port = free_port(access.host, port)
+        self.access, self.port = access, port
+        config = uvicorn.Config(
+            build_http_app(demo, runtime, access, port), host=access.host, port=port, log_level="warning",
+            timeout_graceful_shutdown=2, ws="none",
+        )  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOCALHOST}:{self.port}/"
+
+    def start(self, timeout: float = 60) -> str:
+        self._thread = threading.Thread(target=self._server.run, name="kestrel-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the server did not start on {self.access.host}:{self.port}")
+            time.sleep(0.05)
+        return self.url
+
+    def run(self) -> None:
+        self._server.run()
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+

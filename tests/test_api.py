@@ -1,0 +1,376 @@
+"""The OpenAI-compatible API on a live server (127.0.0.1, a free port), driven
+by the official `openai` client and by raw HTTP, on a tiny float64 model with
+a random draft head."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from app.runtime import Runtime
+from app.server import Access, Server
+from app.ui import build_app
+from core.config import SamplingParams
+from core.engine import Engine
+from tests.factory import random_head
+
+MESSAGES = [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w1 w2 w3"}]
+
+
+class PacedEngine(Engine):
+    """The real engine, with an adjustable pause after each step (to hold the
+    model busy in queue tests) and a count of the steps it has made."""
+
+    delay = 0.0
+    steps = 0
+
+    def stream(self, *args, **kwargs):
+        for step in super().stream(*args, **kwargs):
+            PacedEngine.steps += 1
+            time.sleep(self.delay)
+            yield step
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_base):
+    return PacedEngine(tiny_base, random_head(tiny_base.model), head_name="random test head")
+
+
+def start(engine, tmp_path_factory, access: Access = Access(), max_waiting: int = 16) -> Server:
+    runtime = Runtime(engine, max_waiting=max_waiting)
+    server = Server(build_app(runtime, tmp_path_factory.mktemp("api-data")), runtime, access, 8100)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    server = start(engine, tmp_path_factory)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def paced(engine):
+    def set_delay(seconds: float):
+        engine.delay = seconds
+
+    yield set_delay
+    engine.delay = 0.0
+
+
+def engine_text(engine, messages=MESSAGES, mode="eagle2", max_new_tokens=30) -> tuple[str, str]:
+    """The engine's own greedy reply and finish reason."""
+    steps = list(engine.chat(messages, mode, SamplingParams(max_new_tokens=max_new_tokens)))
+    return "".join(step.text for step in steps), steps[-1].finish_reason
+
+
+def chat(client, model, **kwargs):
+    settings = {"messages": MESSAGES, "temperature": 0, "max_tokens": 30, **kwargs}
+    return client.chat.completions.create(model=model, **settings)
+
+
+def test_models_lists_the_loaded_model_with_its_head_and_modes(client, engine):
+    models = client.models.list().data
+    assert [model.id for model in models] == [engine.base.name]
+    extra = models[0].model_dump()["kestrel"]
+    assert extra["head"] == "random test head" and extra["modes"] == ["vanilla", "eagle", "eagle2"]
+    assert client.models.retrieve(engine.base.name).id == engine.base.name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_greedy_chat_equals_the_engine_and_vanilla(client, engine):
+    expected, reason = engine_text(engine)
+    vanilla, _ = engine_text(engine, mode="vanilla")
+    assert expected == vanilla and expected
+    for mode in ("eagle2", "eagle", "vanilla"):
+        reply = chat(client, engine.base.name, extra_body={"kestrel": {"mode": mode}})
+        assert reply.choices[0].message.content == expected, mode
+        assert reply.choices[0].finish_reason == {"length": "length", "stop": "stop"}[reason]
+        assert reply.object == "chat.completion" and reply.model == engine.base.name
+        usage = reply.usage.model_dump()
+        assert usage["prompt_tokens"] == len(engine.encode(MESSAGES))
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        speculative = usage["speculative"]
+        assert speculative["mode"] == mode and speculative["forwards"] >= 1
+        assert speculative["mean_accepted_length"] == pytest.approx(usage["completion_tokens"] / speculative["forwards"], abs=1e-3)
+        assert set(speculative) == {
+            "mode", "mean_accepted_length", "forwards", "accepted_draft_tokens", "acceptance_by_depth",
+            "tokens_per_second", "time_to_first_token",
+        }  # fmt: skip
+        if mode == "vanilla":
+            assert speculative["accepted_draft_tokens"] == 0 and speculative["acceptance_by_depth"] == []
+
+
+def test_list_of_text_parts_is_the_same_message(client, engine):
+    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "w1 w2 w3"}]}]
+    assert chat(client, engine.base.name, messages=parts).choices[0].message.content == engine_text(engine)[0]
+
+
+def test_streamed_deltas_equal_the_whole_reply_and_usage_comes_last(client, engine):
+    whole = chat(client, engine.base.name).choices[0].message.content
+    stream = chat(client, engine.base.name, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and chunks[-2].choices[0].finish_reason == finals[0]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].usage.model_dump()["speculative"]["mode"] == "eagle2"
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_max_tokens_ends_with_length(client, engine):
+    reply = chat(client, engine.base.name, max_tokens=None, max_completion_tokens=3)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
+
+
+def test_stop_strings_cut_the_reply(client, engine):
+    whole, _ = engine_text(engine)
+    words = whole.split()
+    stop = f" {words[2]}"  # the third word (and what follows it) is cut
+    cut = whole[: whole.index(stop)]
+    for stops in (stop, ["w63 w63 w63", stop]):
+        reply = chat(client, engine.base.name, stop=stops)
+        assert reply.choices[0].message.content == cut and reply.choices[0].finish_reason == "stop"
+    streamed = chat(client, engine.base.name, stop=stop, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions_take_a_raw_prompt(client, engine):
+    prompt_ids = engine.base.tokenizer("w1 w2 w3")["input_ids"]
+    steps = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=12)))
+    reply = client.completions.create(model=engine.base.name, prompt="w1 w2 w3", max_tokens=12, temperature=0)
+    assert reply.choices[0].text == "".join(step.text for step in steps)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    by_ids = client.completions.create(model=engine.base.name, prompt=prompt_ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == reply.choices[0].text
+
+
+def test_seeded_sampling_repeats(client, engine):
+    first = chat(client, engine.base.name, temperature=1.0, top_p=0.9, seed=7)
+    again = chat(client, engine.base.name, temperature=1.0, top_p=0.9, seed=7)
+    assert first.choices[0].message.content == again.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "changes, param",
+    [
+        ({"temperature": 3}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"seed": -1}, "seed"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
+        ({"extra_body": {"kestrel": {"mode": "fast"}}}, "kestrel.mode"),
+        ({"extra_body": {"kestrel": {"total_tokens": 1}}}, "kestrel.total_tokens"),
+        ({"extra_body": {"kestrel": {"colour": True}}}, "kestrel.colour"),
+    ],
+)
+def test_bad_values_are_400_naming_the_parameter(client, engine, changes, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, engine.base.name, **changes)
+    assert error.value.status_code == 400 and error.value.param == param
+    assert param.split("[")[0].split(".")[-1] in error.value.message
+
+
+def test_ignored_fields_do_not_matter(client, engine):
+    reply = chat(client, engine.base.name, user="ann", metadata={"k": "v"}, n=1, logprobs=False)
+    assert reply.choices[0].message.content == engine_text(engine)[0]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as error:
+        chat(client, "gpt-4o")
+    assert error.value.code == "model_not_found" and "gpt-4o" in error.value.message
+
+
+def test_prompt_longer_than_the_context_is_400_with_both_lengths(client, engine):
+    long = [{"role": "user", "content": " ".join(["w1"] * 300)}]
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, engine.base.name, messages=long)
+    assert error.value.code == "context_length_exceeded"
+    assert str(len(engine.encode(long))) in error.value.message and str(engine.context_limit) in error.value.message
+
+
+def test_max_tokens_is_clipped_to_the_context_and_says_so(client, engine):
+    reply = chat(client, engine.base.name, max_tokens=100_000, stop=["w0"])
+    assert reply.model_dump()["kestrel"]["max_tokens_clipped"]["requested"] == 100_000
+
+
+def test_no_model_is_503(tmp_path_factory):
+    server = start(None, tmp_path_factory)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as error:
+            chat(client, "anything")
+        assert error.value.status_code == 503 and "no model is loaded" in error.value.message
+        assert httpx.get(f"{server.url}health").status_code == 503
+    finally:
+        server.close()
+
+
+def test_sse_framing_and_done(server, engine):
+    body = {"model": engine.base.name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}v1/chat/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for payload in events[:-2]:
+        assert payload.startswith("data: ") and "\n" not in payload
+        assert json.loads(payload[6:])["object"] == "chat.completion.chunk"
+
+
+def test_host_and_origin_checks_and_no_cors_by_default(server, engine):
+    url = f"{server.url}v1/models"
+    assert httpx.get(url).status_code == 200
+    assert "access-control-allow-origin" not in httpx.get(url).headers
+    rebound = httpx.get(url, headers={"Host": "attacker.example:8100"})
+    assert rebound.status_code == 403 and "not this computer" in rebound.json()["error"]["message"]
+    assert httpx.get(server.url, headers={"Host": "attacker.example"}).status_code == 403  # the page too
+    assert httpx.get(url, headers={"Host": "localhost"}).status_code == 200
+    other_site = httpx.post(
+        f"{server.url}v1/chat/completions", headers={"Origin": "https://evil.example"},
+        json={"model": engine.base.name, "messages": MESSAGES},
+    )  # fmt: skip
+    assert other_site.status_code == 403 and "--allow-origin" in other_site.json()["error"]["message"]
+    preflight = httpx.options(url, headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_allowed_origin_gets_cors_headers(engine, tmp_path_factory):
+    server = start(engine, tmp_path_factory, Access(allow_origins=("http://localhost:3000",)))
+    try:
+        url = f"{server.url}v1/models"
+        preflight = httpx.options(url, headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 204 and preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+        allowed = httpx.get(url, headers={"Origin": "http://localhost:3000"})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert httpx.get(url, headers={"Origin": "http://localhost:4000"}).status_code == 403
+    finally:
+        server.close()
+
+
+def test_api_key_is_required_when_set(engine, tmp_path_factory):
+    server = start(engine, tmp_path_factory, Access(api_key="secret-key-123"))
+    try:
+        for key in ("wrong", None):
+            headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+            refused = httpx.get(f"{server.url}v1/models", headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{server.url}v1", api_key="secret-key-123", max_retries=0)
+        assert chat(good, engine.base.name, max_tokens=4).choices[0].message.content
+    finally:
+        server.close()
+
+
+def test_concurrent_streams_and_a_page_request_all_finish_with_sequential_outputs(server, client, engine):
+    from gradio_client import Client
+
+    from tests.test_ui import SETTINGS, values
+
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 1} w{i + 2}"}] for i in range(10, 18)]
+    expected = [chat(client, engine.base.name, messages=m).choices[0].message.content for m in prompts]
+    results: dict[int, str] = {}
+
+    def stream(index: int) -> None:
+        chunks = chat(client, engine.base.name, messages=prompts[index], stream=True)
+        results[index] = "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    page = Client(server.url, verbose=False)
+    settings = dict(zip(SETTINGS, values(max_new_tokens=20)))
+    page_reply = page.submit("w1 w2", "", *settings.values(), api_name="/send").result()
+    for thread in threads:
+        thread.join(120)
+    assert [results.get(i) for i in range(len(prompts))] == expected
+    assert page_reply[1][-1]["role"] == "assistant" and page_reply[1][-1]["content"]
+
+
+def test_full_queue_is_429(engine, tmp_path_factory, paced):
+    server = start(engine, tmp_path_factory, max_waiting=2)
+    paced(0.1)  # the first reply holds the model for 4 s
+    try:
+        body = {"model": engine.base.name, "messages": MESSAGES, "max_tokens": 40, "temperature": 0, "stream": True,
+                "stop": ["w63 w62 w61 w60"], "kestrel": {"mode": "vanilla"}}  # fmt: skip
+        with contextlib.ExitStack() as open_streams:
+            streams = [  # one running, two waiting
+                open_streams.enter_context(httpx.stream("POST", f"{server.url}v1/chat/completions", json=body, timeout=60))
+                for _ in range(3)
+            ]
+            assert httpx.get(f"{server.url}health").json()["queue"]["waiting"] == 2
+            refused = httpx.post(f"{server.url}v1/chat/completions", json={**body, "stream": False}, timeout=60)
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            paced(0.0)
+            for response in streams:
+                assert response.read().decode().endswith("data: [DONE]\n\n")
+    finally:
+        server.close()
+
+
+def test_a_client_gone_mid_stream_frees_the_model_within_a_step(server, client, engine, paced):
+    paced(0.05)  # a 200-token reply would hold the model for 10 s
+    body = {"model": engine.base.name, "messages": MESSAGES, "max_tokens": 200, "temperature": 0,
+            "stream": True, "stop": ["w63 w62 w61 w60"], "kestrel": {"mode": "vanilla"}}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+    started = time.monotonic()
+    steps = PacedEngine.steps
+    reply = chat(client, engine.base.name, max_tokens=2)
+    assert reply.choices[0].message.content and time.monotonic() - started < 3
+    time.sleep(0.5)
+    assert PacedEngine.steps - steps < 10  # the abandoned reply stopped decoding
+
+
+def test_bad_input_fuzz_is_always_a_4xx_json_error(server, client, engine):
+    rng = random.Random(0)
+    url = f"{server.url}v1/chat/completions"
+    bodies = [
+        b"{", b"[]", b"null", b"42", b'"text"', b"\xff\xfe\x00junk", bytes(rng.getrandbits(8) for _ in range(300)),
+        b'{"model": "' + engine.base.name.encode() + b'", "messages": [{"role": "user", "content": "w1"}], "temperature": NaN}',
+        b"[" * 100_000, json.dumps({"model": engine.base.name, "messages": "x" * 5_000_000}).encode(),
+    ]  # fmt: skip
+    good = {"model": engine.base.name, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
+    junk_values = [None, -1, -1e308, 1e308, "", "x" * 10_000, [], {}, [1, "a"], True, {"a": {"b": []}}]
+    for _ in range(60):
+        field = rng.choice(["model", "messages", "temperature", "top_p", "max_tokens", "seed", "stop", "stream", "n", "kestrel"])
+        bodies.append(json.dumps({**good, field: rng.choice(junk_values)}).encode())
+    for body in bodies:
+        response = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+        if response.status_code == 200:  # some junk is valid (e.g. stream=None)
+            continue
+        assert 400 <= response.status_code < 500, (body[:80], response.status_code, response.text[:200])
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server.url}v1/nope").status_code == 404
+    assert httpx.delete(f"{server.url}v1/chat/completions").status_code in (404, 405)
+    assert chat(client, engine.base.name, max_tokens=3).choices[0].message.content
