@@ -24,7 +24,8 @@ from models.errors import KestrelError
 SETTINGS = ("mode", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k", "colour")
 MODE_LABELS = {"vanilla": "vanilla", "eagle": "EAGLE", "eagle2": "EAGLE-2"}
 TEXT_INTERVAL = 0.25  # seconds between chat text updates (the decoding never waits for them)
-PANEL_INTERVAL = 0.5  # seconds between side-panel (stats, plots) updates
+PANEL_INTERVAL = 0.5  # seconds between updates of the statistics
+PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost the browser most to redraw)
 
 
 def default_settings() -> dict:
@@ -104,7 +105,11 @@ def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
 def display(chat: dict, colour: bool, pending: dict | None = None) -> list[dict]:
     """The chatbot's messages: escaped (optionally coloured) model text."""
     messages = chat["messages"] + ([pending] if pending else [])
-    return [{"role": m["role"], "content": render.message_html(m, colour)} for m in messages]
+    return [shown(m, colour) for m in messages]
+
+
+def shown(message: dict, colour: bool) -> dict:
+    return {"role": message["role"], "content": render.message_html(message, colour)}
 
 
 def notice_html(text: str) -> str:
@@ -160,17 +165,19 @@ class ChatHandlers:
             note = f"{note} Dropped the {dropped} oldest messages to fit the context window.".strip()
         cancel = self.runtime.cancel_event(chat["id"])
         cancel.clear()
-        panel_throttle = Throttle(PANEL_INTERVAL)
+        stats_throttle, plot_throttle = Throttle(PANEL_INTERVAL), Throttle(PLOT_INTERVAL)
+        history = display(chat, colour)  # rendered once; each update renders only the growing reply
         reply = None
         try:
-            yield "", display(chat, colour, {"role": "assistant", "content": ""}), chat, notice_html(note), gr.skip(), gr.skip(), gr.skip()
+            yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), gr.skip(), gr.skip(), gr.skip()
             replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL)
             for reply in replies:
                 if reply.finish_reason is not None:
                     continue
                 pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
-                panel = self._panel(chat, reply) if panel_throttle.ready() else (gr.skip(),) * 3
-                yield gr.skip(), display(chat, colour, pending), gr.skip(), gr.skip(), *panel
+                stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
+                plots = self._plots(reply) if plot_throttle.ready() else (gr.skip(), gr.skip())
+                yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), gr.skip(), stats, *plots
         except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
             cancel.set()
             self._keep_interrupted(chat, reply, mode)
@@ -218,9 +225,14 @@ class ChatHandlers:
 
     def _panel(self, chat: dict, reply: Reply, finished: bool = False) -> tuple:
         """Stats, depth plot and rate plot; a finished reply is already in the session totals."""
+        return self._stats(chat, reply, finished), *self._plots(reply)
+
+    def _stats(self, chat: dict, reply: Reply, finished: bool = False) -> str:
         tau = session_tau(chat, None if finished else reply)
-        stats = render.stats_html(reply.snapshot, reply.tree_size, tau)
-        return stats, render.depth_frame(reply.snapshot), render.rate_frame(reply.rate_points)
+        return render.stats_html(reply.snapshot, reply.tree_size, tau)
+
+    def _plots(self, reply: Reply) -> tuple:
+        return render.depth_frame(reply.snapshot), render.rate_frame(reply.rate_points)
 
     def stop(self, chat: dict | None) -> None:
         self.runtime.cancel_event(chat["id"] if chat else None).set()

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("ui", "chat", "bench", "train-head", "test")
+COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "test")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(bench, max_new_tokens=128)
     add_tree_options(bench)
 
+    app_bench = commands.add_parser("bench-app", help="tokens/s of one prompt through the chat command, the API, the page's endpoint and the page in Chromium")
+    app_bench.add_argument("--prompt", default="Write a Python function that checks whether a number is prime, and explain it.", help="the user message (default: a prime-check request)")
+    app_bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated decoding modes (default vanilla,eagle2)")
+    app_bench.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply (default 256)")
+    app_bench.add_argument("--threads", type=int, default=2, help="CPU threads of the chat command and the server (default 2)")
+    app_bench.add_argument("--port", type=int, default=7877, help="port of the server it starts (default 7877)")
+    app_bench.add_argument("--root", default=str(ROOT), help="the Kestrel folder whose launch.py to measure (default: this one)")
+    app_bench.add_argument("--json", dest="json_out", help="write the rows to this JSON file")
+
     train = commands.add_parser("train-head", help="train an EAGLE draft head on the model's own answers")
     train.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and an 'id'")
     train.add_argument("--out", required=True, help="folder for the trained head (config.json, model.safetensors, report)")
@@ -132,6 +141,8 @@ def main(argv: list[str]) -> int:
             return run_chat(args)
         if args.command == "bench":
             return run_bench_command(args)
+        if args.command == "bench-app":
+            return run_app_bench_command(args)
         if args.command == "train-head":
             return run_train_head(args)
     except KestrelError as error:
@@ -256,4 +267,20 @@ def run_bench_command(args) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json_out}")
+    return 0
+
+
+def run_app_bench_command(args) -> int:
+    import json
+
+    from app.appbench import format_rows, run_app_bench
+
+    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    rows = run_app_bench(
+        args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root),
+        show=lambda what: print(f"measuring: {what}", flush=True),
+    )  # fmt: skip
+    print(format_rows(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=1))
     return 0

@@ -4,6 +4,7 @@ EAGLE), one after the other, with a verdict; and the benchmark button."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -27,7 +28,35 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def verdict_html(replies: dict[str, Reply], greedy: bool) -> str:
+# Logit margins below which a greedy choice is a near-tie that the rounding of
+# a tree pass against a one-token pass can flip, per compute dtype: bf16 features
+# were measured to move by up to 0.5 over 30 layers (EAGLE notes, Numerics).
+NEAR_TIE = {"float64": 1e-6, "float32": 0.01, "bfloat16": 1.0, "float16": 0.5}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    index: int  # first generated token where the replies differ
+    vanilla: str  # vanilla's token there, as text
+    other: str  # the speculative mode's token there
+    margin: float  # vanilla's top-2 logit margin at that position
+    dtype: str  # the model's compute dtype
+
+    def explain(self, label: str) -> str:
+        tie = NEAR_TIE.get(self.dtype, 0.01)
+        where = (f"{label} output differs from vanilla from token {self.index}: vanilla wrote {self.vanilla!r}, "
+                 f"{label} wrote {self.other!r}; vanilla's top-2 logit margin there is {self.margin:.4g}.")  # fmt: skip
+        if self.margin <= tie:
+            why = (f" That is a near-tie in {self.dtype} (below {tie:g}): the tree pass and the one-token pass round "
+                   "differently, which can flip such a choice; from there on the two replies are different texts, "
+                   "each one the model could write. Use float32 (or float64) for replies identical to vanilla.")  # fmt: skip
+        else:
+            why = (f" That is not a rounding near-tie in {self.dtype} (above {tie:g}), so the outputs should have "
+                   "been identical: please report it with the prompt and settings.")  # fmt: skip
+        return render.escape(where + why)
+
+
+def verdict_html(replies: dict[str, Reply], greedy: bool, divergences: dict[str, Divergence | None] | None = None) -> str:
     """tokens/s, tau and tokens per mode; speedup over vanilla; identity at temperature 0."""
     base = replies["vanilla"].snapshot.tokens_per_s
     rows = []
@@ -47,12 +76,28 @@ def verdict_html(replies: dict[str, Reply], greedy: bool) -> str:
         for mode, reply in replies.items():
             if mode == "vanilla":
                 continue
-            index = first_difference(replies["vanilla"].token_ids, reply.token_ids)
-            same = "identical to vanilla" if index is None else f"differs from vanilla from token {index}"
-            lines.append(f"<span id='verdict-{mode}-identity'>{MODE_LABELS[mode]} output is {same}</span>")
+            divergence = (divergences or {}).get(mode)
+            if divergence is None:
+                index = first_difference(replies["vanilla"].token_ids, reply.token_ids)
+                same = "is identical to vanilla" if index is None else f"differs from vanilla from token {index}"
+                text = f"{MODE_LABELS[mode]} output {same}"
+            else:
+                text = divergence.explain(MODE_LABELS[mode])
+            lines.append(f"<span id='verdict-{mode}-identity'>{text}</span>")
     else:
         lines.append("Temperature > 0: the outputs are samples, so they are not compared token by token.")
     return f'<div class="kestrel-stats" id="verdict"><table>{header}{"".join(rows)}</table><p>{"<br>".join(lines)}</p></div>'
+
+
+def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply) -> Divergence | None:
+    """Where two greedy replies part, and how close vanilla's choice was there."""
+    index = first_difference(vanilla.token_ids, other.token_ids)
+    if index is None or index >= min(len(vanilla.token_ids), len(other.token_ids)):
+        return None  # identical, or one reply is a prefix of the other (a length limit)
+    ours, theirs = vanilla.token_ids[index], other.token_ids[index]
+    margin, _ = engine.next_token_logits(prompt_ids + vanilla.token_ids[:index], [ours, theirs])
+    decode = engine.base.tokenizer.decode
+    return Divergence(index, decode([ours]), decode([theirs]), margin, str(engine.base.dtype).removeprefix("torch."))
 
 
 class CompareHandlers:
@@ -93,7 +138,13 @@ class CompareHandlers:
             if reply.finish_reason == "cancelled":
                 yield *panes.values(), "Stopped."
                 return
-        yield *panes.values(), verdict_html(replies, options.sampling.greedy)
+        divergences = {}
+        if options.sampling.greedy:
+            prompt_ids = engine.encode(messages)
+            with self.runtime.queue.turn():
+                for mode in modes[1:]:
+                    divergences[mode] = divergence(engine, prompt_ids, replies["vanilla"], replies[mode])
+        yield *panes.values(), verdict_html(replies, options.sampling.greedy, divergences)
 
     def benchmark(self, upload, limit: int, *values, progress=gr.Progress()) -> tuple:
         """Outputs: summary table, tokens/s bar chart, full result (JSON), notice."""

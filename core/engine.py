@@ -82,6 +82,17 @@ class Engine:
             return f"speculative decoding needs sdpa attention, not {config._attn_implementation}"
         return None
 
+    @torch.inference_mode()
+    def next_token_logits(self, token_ids: list[int], candidates: list[int]) -> tuple[float, list[float]]:
+        """(top-2 logit margin, the candidates' logits) for the token after
+        `token_ids`, from one plain forward: how close a choice was."""
+        tokens = torch.tensor(token_ids, device=self.base.device)
+        positions = torch.arange(len(tokens), device=tokens.device)
+        features = base_forward(self.model, tokens, positions, None, kv_cache.new_cache(self.model))
+        logits = logits_of(self.model, features[-1:])[0].double()
+        top = torch.topk(logits, 2).values
+        return float(top[0] - top[1]), [float(logits[c]) for c in candidates]
+
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.base.tokenizer, messages)
 

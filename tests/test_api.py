@@ -374,3 +374,17 @@ def test_bad_input_fuzz_is_always_a_4xx_json_error(server, client, engine):
     assert httpx.get(f"{server.url}v1/nope").status_code == 404
     assert httpx.delete(f"{server.url}v1/chat/completions").status_code in (404, 405)
     assert chat(client, engine.base.name, max_tokens=3).choices[0].message.content
+
+
+def test_the_page_queue_is_calmed_where_gradio_polls():
+    import gradio as gr
+
+    from app.server import QUEUE_POLL_SECONDS, calm_queue
+
+    with gr.Blocks() as demo:
+        gr.Markdown("x")
+    demo.queue()
+    for name in ("sleep_when_free", "progress_update_sleep_when_free"):  # Gradio's own polling intervals
+        assert isinstance(getattr(demo._queue, name), float), name
+    calm_queue(demo)
+    assert demo._queue.sleep_when_free == QUEUE_POLL_SECONDS

@@ -10,6 +10,7 @@ import time
 
 import pandas as pd
 import pytest
+import torch
 
 from app import chat as chat_module
 from app import render
@@ -19,6 +20,7 @@ from app.library import LibraryHandlers, catalog_frame, trained_heads
 from app.reply import Reply
 from app.runtime import Runtime
 from app.store import Store, new_chat
+from core.config import SamplingParams
 from core.engine import Engine, Step
 from core.stats import Snapshot
 from models import catalog
@@ -46,6 +48,7 @@ def store(tmp_path):
 def handlers(engine, store, monkeypatch):
     monkeypatch.setattr(chat_module, "TEXT_INTERVAL", 0.0)
     monkeypatch.setattr(chat_module, "PANEL_INTERVAL", 0.0)
+    monkeypatch.setattr(chat_module, "PLOT_INTERVAL", 0.0)
     return ChatHandlers(Runtime(engine), store)
 
 
@@ -364,3 +367,25 @@ def test_launched_app_with_auth_requires_login(engine, tmp_path):
         assert httpx.post(f"{url}login", data={"username": "ann", "password": "wrong"}).status_code == 400
     finally:
         server.close()
+
+
+def test_verdict_explains_where_and_why_greedy_replies_differ(engine):
+    from app.compare import Divergence, divergence, verdict_html
+
+    messages = [{"role": "user", "content": "w1 w2"}]
+    prompt_ids = engine.encode(messages)
+    steps = list(engine.chat(messages, "vanilla", SamplingParams(max_new_tokens=8)))
+    vanilla = Reply(token_ids=[t for step in steps for t in step.token_ids], snapshot=steps[-1].stats)
+    other_ids = list(vanilla.token_ids)
+    other_ids[2] = (other_ids[2] + 1) % 60 + 8
+    other = Reply(token_ids=other_ids, snapshot=steps[-1].stats)
+    assert divergence(engine, prompt_ids, vanilla, vanilla) is None
+    found = divergence(engine, prompt_ids, vanilla, other)
+    logits = engine.model(torch.tensor([prompt_ids + vanilla.token_ids[:2]])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    assert found.index == 2 and found.dtype == "float64"
+    assert found.margin == pytest.approx(float(top[0] - top[1]), rel=1e-9)
+    verdict = verdict_html({"vanilla": vanilla, "eagle2": other}, True, {"eagle2": found})
+    assert "differs from vanilla from token 2" in verdict and "not a rounding near-tie" in verdict
+    near = Divergence(5, "a", "b", 0.3, "bfloat16").explain("EAGLE-2")
+    assert "near-tie in bfloat16" in near and "different texts" in near and "&#x27;a&#x27;" in near

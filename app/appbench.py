@@ -1,0 +1,165 @@
+"""`launch.py bench-app`: the tokens/s a user sees, one prompt at a time,
+through each way of using Kestrel: the `chat` command, the /v1 API (the
+official openai client), the page's endpoint (gradio_client, no browser) and
+the page in headless Chromium. The server runs as its own process, as when a
+user starts it; every run is greedy with the same prompt and settings, one
+after the other, so the ratios to the `chat` command are comparable."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHAT_RATE = re.compile(r"\[\w+\] (\d+) tokens in [\d.]+ s: ([\d.]+) tokens/s")
+PAGE_RATE = re.compile(r'id="stat-tps">([\d.]+)<')
+
+
+def run_app_bench(prompt: str, modes: list[str], max_new_tokens: int, threads: int, port: int, root: Path, show) -> list[dict]:
+    """One row per (way, mode): tokens and the tokens/s that way reports."""
+    rows = []
+    environment = {**os.environ, "KESTREL_DATA_DIR": tempfile.mkdtemp(prefix="kestrel-bench-app-")}
+    for mode in modes:
+        show(f"chat command, {mode}")
+        rows.append({"way": "chat command", "mode": mode, **chat_command(root, prompt, mode, max_new_tokens, threads, environment)})
+    server = subprocess.Popen(
+        [sys.executable, str(root / "launch.py"), "ui", "--no-browser", "--port", str(port), "--threads", str(threads)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_until_up(url, server)
+        model = httpx.get(f"{url}v1/models").json()["data"][0]["id"] if has_api(url) else None
+        for mode in modes:
+            if model is not None:
+                show(f"API, {mode}")
+                rows.append({"way": "API (openai client)", "mode": mode, **through_api(url, model, prompt, mode, max_new_tokens)})
+            show(f"gradio_client, {mode}")
+            rows.append({"way": "page endpoint (gradio_client)", "mode": mode, **through_gradio_client(url, prompt, mode, max_new_tokens)})
+            if CHROMIUM.exists():
+                show(f"Chromium, {mode}")
+                expected = next(row["tokens"] for row in rows if row["mode"] == mode)
+                rows.append({"way": "page in Chromium", "mode": mode, **through_browser(url, prompt, mode, max_new_tokens, expected)})
+    finally:
+        server.terminate()
+        server.wait(30)
+    cli = {row["mode"]: row["tokens_per_s"] for row in rows if row["way"] == "chat command"}
+    for row in rows:
+        row["vs_chat_command"] = round(row["tokens_per_s"] / cli[row["mode"]], 3) if cli.get(row["mode"]) else None
+    return rows
+
+
+def chat_command(root: Path, prompt: str, mode: str, max_new_tokens: int, threads: int, environment: dict) -> dict:
+    command = [sys.executable, str(root / "launch.py"), "chat", prompt, "--mode", mode,
+               "--max-new-tokens", str(max_new_tokens), "--threads", str(threads)]  # fmt: skip
+    output = subprocess.run(command, capture_output=True, text=True, env=environment, check=True).stdout
+    tokens, rate = CHAT_RATE.findall(output)[-1]
+    return {"tokens": int(tokens), "tokens_per_s": float(rate)}
+
+
+def wait_until_up(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with code {server.returncode}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the server did not answer at {url} within {timeout:.0f} s")
+
+
+def has_api(url: str) -> bool:
+    return httpx.get(f"{url}v1/models").status_code == 200
+
+
+def through_api(url: str, model: str, prompt: str, mode: str, max_new_tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}v1", api_key="unused", max_retries=0, timeout=600)
+    started, usage = time.perf_counter(), None
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=max_new_tokens,
+        stream=True, stream_options={"include_usage": True}, extra_body={"kestrel": {"mode": mode}},
+    )  # fmt: skip
+    for chunk in stream:
+        usage = chunk.usage or usage
+    seconds = time.perf_counter() - started
+    speculative = usage.model_dump()["speculative"]
+    return {"tokens": usage.completion_tokens, "tokens_per_s": speculative["tokens_per_second"],
+            "client_tokens_per_s": round(usage.completion_tokens / seconds, 2)}  # fmt: skip
+
+
+def page_values(mode: str, max_new_tokens: int) -> list:
+    from app.chat import SETTINGS, default_settings
+
+    settings = {**default_settings(), "mode": mode, "temperature": 0, "max_new_tokens": max_new_tokens}
+    return [settings[name] for name in SETTINGS]
+
+
+def through_gradio_client(url: str, prompt: str, mode: str, max_new_tokens: int) -> dict:
+    from gradio_client import Client
+
+    client = Client(url, verbose=False)
+    job = client.submit(prompt, "", *page_values(mode, max_new_tokens), api_name="/send")
+    updates = sum(1 for _ in job)
+    stats = next(value for value in job.result() if isinstance(value, str) and "stat-tps" in value)
+    tokens = re.search(r'id="stat-tokens">(\d+)<', stats)
+    return {"tokens": int(tokens.group(1)), "tokens_per_s": float(PAGE_RATE.search(stats).group(1)), "updates": updates}
+
+
+def through_browser(url: str, prompt: str, mode: str, max_new_tokens: int, expected_tokens: int) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.locator("#mode input[value=vanilla]").wait_for(timeout=60_000)
+        page.locator(f"#mode input[value={mode}]").check()
+        box = page.locator("label:has-text('Max new tokens')").locator("..").locator("input[type=number]").first
+        box.fill(str(max_new_tokens))
+        box.press("Enter")
+        page.locator("#new-chat").click()
+        page.locator("#message textarea").fill(prompt)
+        page.locator("#send").click()
+        settled(page, expected_tokens)
+        tokens = int(page.locator("#stat-tokens").inner_text())
+        rate = float(page.locator("#stat-tps").inner_text())
+        browser.close()
+    return {"tokens": tokens, "tokens_per_s": rate}
+
+
+def settled(page, expected_tokens: int, quiet: float = 3.0, timeout: float = 600) -> None:
+    """Wait until the page shows `expected_tokens` (the chat command's count for
+    the same greedy reply), or its count has not changed for `quiet` seconds."""
+    deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
+    while time.monotonic() < deadline:
+        shown = page.locator("#stat-tokens").inner_text() if page.locator("#stat-tokens").count() else None
+        if shown == str(expected_tokens):
+            time.sleep(0.5)  # the final update carries the same statistics
+            return
+        if shown != last:
+            last, since = shown, time.monotonic()
+        elif shown is not None and time.monotonic() - since > quiet:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the page's reply did not finish in time")
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'way':<32} {'mode':<8} {'tokens':>6} {'tokens/s':>9} {'vs chat':>8}"]
+    for row in rows:
+        ratio = "-" if row["vs_chat_command"] is None else f"{row['vs_chat_command']:.2f}x"
+        lines.append(f"{row['way']:<32} {row['mode']:<8} {row['tokens']:>6} {row['tokens_per_s']:>9.1f} {ratio:>8}")
+    return "\n".join(lines)
