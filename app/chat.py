@@ -61,6 +61,8 @@ def mode_for(engine: Engine, wanted: str) -> tuple[str, str]:
     """The mode to run and a note when the wanted one is unavailable."""
     if wanted in engine.modes:
         return wanted, ""
+    if engine.head is not None and engine.speculation_problem():
+        return "vanilla", f"{MODE_LABELS.get(wanted, wanted)} is off for this model ({engine.speculation_problem()}): decoding vanilla."
     return "vanilla", f"{MODE_LABELS.get(wanted, wanted)} needs a draft head, and none is loaded: decoding vanilla."
 
 

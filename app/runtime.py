@@ -125,6 +125,8 @@ class Runtime:
         if engine is None:
             return "No model loaded."
         head = "with an EAGLE draft head" if engine.head is not None else "without a draft head (vanilla only)"
+        if engine.head is not None and engine.speculation_problem():
+            head = f"with an EAGLE draft head, but vanilla only: {engine.speculation_problem()}"
         quantization = "" if engine.base.quantization == "none" else f", {engine.base.quantization}"
         return f"{engine.base.name} ({engine.base.device}, {str(engine.base.dtype).removeprefix('torch.')}{quantization}) {head}"
 

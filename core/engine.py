@@ -22,15 +22,11 @@ from core.prompt import encode_chat, stop_token_ids
 from core.sampling import probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
+from core.tree_check import tree_problem
 from core.verify import NodeArgmax, NodeLogits, accept_greedy, accept_sampling, base_forward, logits_of, verify_tree
 from models.base import LoadedModel
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead
-
-
-# Architectures whose transformers implementation is tested to honour a custom
-# 4D tree mask with explicit position ids (tests/test_engine.py proves each).
-SPECULATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
 
 class ContextOverflowError(KestrelError):
@@ -64,6 +60,8 @@ class Engine:
         self.draft_head = head
         if head is not None and int8.available(head.device):
             self.draft_head = int8.with_int8_linears(head)
+        # whether this model honours tree masks, asked of the model itself (core/tree_check.py)
+        self._tree_problem = tree_problem(self.model) if head is not None and self._setup_problem() is None else None
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -72,10 +70,10 @@ class Engine:
 
     def speculation_problem(self) -> str | None:
         """Why speculative modes cannot run on this base model, or None."""
+        return self._setup_problem() or self._tree_problem
+
+    def _setup_problem(self) -> str | None:
         config = self.model.config
-        if config.model_type not in SPECULATIVE_MODEL_TYPES:
-            supported = ", ".join(sorted(SPECULATIVE_MODEL_TYPES))
-            return f"speculative decoding is not available for {config.model_type} models (supported: {supported})"
         if kv_cache.has_sliding_window(config):
             return f"speculative decoding does not support sliding-window attention ({config.model_type})"
         if config._attn_implementation != "sdpa":

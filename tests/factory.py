@@ -29,8 +29,13 @@ def tiny_tokenizer():
     return tokenizer
 
 
+# Architectures whose transformers implementation is tested here to honour tree
+# masks and position ids (tree logits equal sequential ones; float64 identity).
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def tiny_config(architecture: str = "llama", vocab_size: int = len(WORDS), **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     settings = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -38,9 +43,12 @@ def tiny_config(architecture: str = "llama", vocab_size: int = len(WORDS), **ove
         bos_token_id=1, eos_token_id=4, pad_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
     settings.update(overrides)
-    if architecture == "mistral":
+    if architecture in ("mistral", "qwen3"):
         settings["sliding_window"] = None
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[architecture](**settings)
+    if architecture == "qwen3":
+        settings["head_dim"] = settings["hidden_size"] // settings["num_attention_heads"]
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}
+    return configs[architecture](**settings)
 
 
 def save_tiny_model(

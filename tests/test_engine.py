@@ -8,12 +8,12 @@ import torch
 
 from core import kv_cache
 from core.config import SamplingParams, TreeParams
-from core.engine import SPECULATIVE_MODEL_TYPES, Engine
+from core.engine import Engine
 from core.tree import ancestor_mask
 from core.verify import NodeLogits, accept_greedy, base_forward, verify_tree
 from models.base import load_base
 from models.errors import UnsupportedArchitectureError
-from tests.factory import random_head, save_tiny_model
+from tests.factory import ARCHITECTURES, random_head, save_tiny_model
 
 TREES = [
     TreeParams(total_tokens=12, depth=4, top_k=3), TreeParams(2, 1, 1), TreeParams(30, 6, 5), TreeParams(8, 8, 2),
@@ -25,7 +25,7 @@ def tokens_of(steps) -> list[int]:
     return [token for step in steps for token in step.token_ids]
 
 
-@pytest.fixture(scope="module", params=sorted(SPECULATIVE_MODEL_TYPES))
+@pytest.fixture(scope="module", params=ARCHITECTURES)
 def engine64(request, tmp_path_factory):
     folder = save_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, vocab_size=48)
     base = load_base(str(folder), dtype="float64")
@@ -64,16 +64,31 @@ def test_speculative_greedy_equals_vanilla(engine64, tree):
     assert accepted > 0  # drafts were accepted, so acceptance paths were exercised
 
 
-def test_unsupported_architecture_is_refused_for_speculation(tiny_base):
-    engine = Engine(tiny_base, random_head(tiny_base.model))
-    engine.model.config.model_type = "gpt2"
-    try:
-        assert engine.modes == ("vanilla",)
-        with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
-            list(engine.stream([8, 9], mode="eagle2"))
-        assert len(list(engine.stream([8, 9], mode="vanilla", sampling=SamplingParams(max_new_tokens=3)))) >= 1
-    finally:
-        engine.model.config.model_type = "llama"
+def test_self_check_accepts_each_tested_architecture(engine64):
+    from core.tree_check import tree_mismatch
+
+    assert engine64.speculation_problem() is None and engine64.modes == ("vanilla", "eagle", "eagle2")
+    assert tree_mismatch(engine64.model) < 1e-10
+
+
+def test_self_check_refuses_an_attention_that_ignores_the_tree_mask(tiny_dir, monkeypatch):
+    """A model whose attention drops the 4D mask (so that tree nodes see their
+    siblings) is offered vanilla only, with the reason."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def mask_blind(module, query, key, value, attention_mask, **kwargs):
+        return sdpa(module, query, key, value, None, **kwargs)
+
+    base = load_base(str(tiny_dir), dtype="float64")
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", mask_blind)
+    engine = Engine(base, random_head(base.model))
+    assert engine.modes == ("vanilla",)
+    assert "does not honour tree attention masks" in engine.speculation_problem()
+    with pytest.raises(UnsupportedArchitectureError, match="tree attention"):
+        list(engine.stream([8, 9], mode="eagle2"))
+    assert len(list(engine.stream([8, 9], mode="vanilla", sampling=SamplingParams(max_new_tokens=3)))) >= 1
 
 
 def test_cache_after_commit_equals_fresh_prefill(engine64):
