@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,43 +18,55 @@ from pathlib import Path
 
 import httpx
 
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 CHAT_RATE = re.compile(r"\[\w+\] (\d+) tokens in [\d.]+ s: ([\d.]+) tokens/s")
+SERVER_URL = re.compile(r"running at (http://127\.0\.0\.1:\d+/?)")
 PAGE_RATE = re.compile(r'id="stat-tps">([\d.]+)<')
 
 
-def run_app_bench(prompt: str, modes: list[str], max_new_tokens: int, threads: int, port: int, root: Path, show) -> list[dict]:
-    """One row per (way, mode): tokens and the tokens/s that way reports."""
-    rows = []
+def run_app_bench(
+    prompt: str, modes: list[str], max_new_tokens: int, threads: int, port: int, root: Path, rounds: int, show
+) -> list[dict]:
+    """One row per (way, mode, round): tokens, the tokens/s that way reports
+    and its ratio to the chat command of the same round. Each round runs every
+    way right after the chat command, so that the machine's drift over minutes
+    touches the ratio little; the server idles while the chat command runs."""
     environment = {**os.environ, "KESTREL_DATA_DIR": tempfile.mkdtemp(prefix="kestrel-bench-app-")}
-    for mode in modes:
-        show(f"chat command, {mode}")
-        rows.append({"way": "chat command", "mode": mode, **chat_command(root, prompt, mode, max_new_tokens, threads, environment)})
-    server = subprocess.Popen(
-        [sys.executable, str(root / "launch.py"), "ui", "--no-browser", "--port", str(port), "--threads", str(threads)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/"
+    log = Path(environment["KESTREL_DATA_DIR"]) / "server.log"
+    with open(log, "w") as output:
+        server = subprocess.Popen(
+            [sys.executable, str(root / "launch.py"), "ui", "--no-browser", "--port", str(port), "--threads", str(threads)],
+            stdout=output, stderr=subprocess.STDOUT, env=environment,
+        )  # fmt: skip
+    rows = []
     try:
-        wait_until_up(url, server)
+        url = wait_until_up(log, server)
         model = httpx.get(f"{url}v1/models").json()["data"][0]["id"] if has_api(url) else None
-        for mode in modes:
-            if model is not None:
-                show(f"API, {mode}")
-                rows.append({"way": "API (openai client)", "mode": mode, **through_api(url, model, prompt, mode, max_new_tokens)})
-            show(f"gradio_client, {mode}")
-            rows.append({"way": "page endpoint (gradio_client)", "mode": mode, **through_gradio_client(url, prompt, mode, max_new_tokens)})
-            if CHROMIUM.exists():
-                show(f"Chromium, {mode}")
-                expected = next(row["tokens"] for row in rows if row["mode"] == mode)
-                rows.append({"way": "page in Chromium", "mode": mode, **through_browser(url, prompt, mode, max_new_tokens, expected)})
+        for round_index in range(rounds):
+            for mode in modes:
+                def measure(way: str, result: dict) -> dict:
+                    row = {"way": way, "mode": mode, "round": round_index + 1, **result}
+                    rows.append(row)
+                    return row
+
+                show(f"round {round_index + 1}: chat command, {mode}")
+                cli = measure("chat command", chat_command(root, prompt, mode, max_new_tokens, threads, environment))
+                if model is not None:
+                    show(f"round {round_index + 1}: API, {mode}")
+                    measure("API (openai client)", through_api(url, model, prompt, mode, max_new_tokens))
+                show(f"round {round_index + 1}: gradio_client, {mode}")
+                measure("page endpoint (gradio_client)", through_gradio_client(url, prompt, mode, max_new_tokens))
+                if CHROMIUM.exists():
+                    show(f"round {round_index + 1}: Chromium, {mode}")
+                    measure("page in Chromium", through_browser(url, prompt, mode, max_new_tokens, cli["tokens"]))
+                for row in rows:
+                    if row["mode"] == mode and row["round"] == round_index + 1:
+                        row["vs_chat_command"] = round(row["tokens_per_s"] / cli["tokens_per_s"], 3)
     finally:
         server.terminate()
         server.wait(30)
-    cli = {row["mode"]: row["tokens_per_s"] for row in rows if row["way"] == "chat command"}
-    for row in rows:
-        row["vs_chat_command"] = round(row["tokens_per_s"] / cli[row["mode"]], 3) if cli.get(row["mode"]) else None
     return rows
 
 
@@ -65,18 +78,23 @@ def chat_command(root: Path, prompt: str, mode: str, max_new_tokens: int, thread
     return {"tokens": int(tokens), "tokens_per_s": float(rate)}
 
 
-def wait_until_up(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
+def wait_until_up(log: Path, server: subprocess.Popen, timeout: float = 600) -> str:
+    """The server's address once it answers there (it may have moved to the
+    next free port, as its first printed line says)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode}")
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+            raise RuntimeError(f"the server exited with code {server.returncode}; see {log}")
+        found = SERVER_URL.search(log.read_text(errors="replace"))
+        if found:
+            try:
+                url = found.group(1).rstrip("/") + "/"
+                if httpx.get(url, timeout=5).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
         time.sleep(1)
-    raise RuntimeError(f"the server did not answer at {url} within {timeout:.0f} s")
+    raise RuntimeError(f"the server did not start within {timeout:.0f} s; see {log}")
 
 
 def has_api(url: str) -> bool:
@@ -158,8 +176,13 @@ def settled(page, expected_tokens: int, quiet: float = 3.0, timeout: float = 600
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'way':<32} {'mode':<8} {'tokens':>6} {'tokens/s':>9} {'vs chat':>8}"]
-    for row in rows:
-        ratio = "-" if row["vs_chat_command"] is None else f"{row['vs_chat_command']:.2f}x"
-        lines.append(f"{row['way']:<32} {row['mode']:<8} {row['tokens']:>6} {row['tokens_per_s']:>9.1f} {ratio:>8}")
+    """Median tokens/s and median ratio to the chat command per way and mode."""
+    lines = [f"{'way':<32} {'mode':<8} {'tokens':>6} {'tokens/s':>9} {'vs chat':>8}  (median of {max(r['round'] for r in rows)} rounds)"]
+    for way in dict.fromkeys(row["way"] for row in rows):
+        for mode in dict.fromkeys(row["mode"] for row in rows):
+            group = [row for row in rows if row["way"] == way and row["mode"] == mode]
+            if group:
+                rate = statistics.median(row["tokens_per_s"] for row in group)
+                ratio = statistics.median(row["vs_chat_command"] for row in group)
+                lines.append(f"{way:<32} {mode:<8} {group[-1]['tokens']:>6} {rate:>9.1f} {ratio:>7.2f}x")
     return "\n".join(lines)

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     app_bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated decoding modes (default vanilla,eagle2)")
     app_bench.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply (default 256)")
     app_bench.add_argument("--threads", type=int, default=2, help="CPU threads of the chat command and the server (default 2)")
+    app_bench.add_argument("--rounds", type=int, default=2, help="rounds of every way and mode; the table shows medians (default 2)")
     app_bench.add_argument("--port", type=int, default=7877, help="port of the server it starts (default 7877)")
     app_bench.add_argument("--root", default=str(ROOT), help="the Kestrel folder whose launch.py to measure (default: this one)")
     app_bench.add_argument("--json", dest="json_out", help="write the rows to this JSON file")
@@ -277,7 +278,7 @@ def run_app_bench_command(args) -> int:
 
     modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     rows = run_app_bench(
-        args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root),
+        args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root), args.rounds,
         show=lambda what: print(f"measuring: {what}", flush=True),
     )  # fmt: skip
     print(format_rows(rows))

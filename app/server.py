@@ -159,6 +159,7 @@ def free_port(host: str, start: int, tries: int = 100) -> int:
     """`start`, or the next port that can be bound on `host`."""
     for port in range(start, start + tries):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: a port in TIME_WAIT is free
             try:
                 probe.bind((host, port))
             except OSError:
@@ -186,7 +187,7 @@ class Server:
 
     def __init__(self, demo: gr.Blocks, runtime: Runtime, access: Access = Access(), port: int = 7860):
         port = free_port(access.host, port)
-        self.access, self.port = access, port
+        self.access, self.port, self.runtime = access, port, runtime
         config = uvicorn.Config(
             build_http_app(demo, runtime, access, port), host=access.host, port=port, log_level="warning",
             timeout_graceful_shutdown=2, ws="none",

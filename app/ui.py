@@ -21,6 +21,10 @@ from core.config import MODES, TreeParams
 from models import catalog
 
 MODEL = {"concurrency_limit": 1, "concurrency_id": "model"}  # every event that runs the model
+# Streams that show their own progress (text, statistics, a notice): Gradio's
+# overlay and timer would animate every frame in the browser, and on a small
+# machine the browser's work is taken from the decoding.
+STREAM = {**MODEL, "show_progress": "hidden"}
 
 
 def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
@@ -139,8 +143,8 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
         chat_outputs = [message, chatbot, chat_state, notice, stats, depth_plot, rate_plot]
         refresh = {"fn": lambda: gr.update(choices=chat_choices(store)), "outputs": chats}
         for trigger, api_name in ((send.click, "send"), (message.submit, False)):
-            trigger(chat.send, [message, chat_state, system, *controls], chat_outputs, api_name=api_name, **MODEL).then(**refresh)
-        regenerate.click(chat.regenerate, [chat_state, system, *controls], chat_outputs, **MODEL).then(**refresh)
+            trigger(chat.send, [message, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)
+        regenerate.click(chat.regenerate, [chat_state, system, *controls], chat_outputs, **STREAM).then(**refresh)
         stop.click(chat.stop, chat_state, None, concurrency_limit=None)
         edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state]).then(**refresh)
         clear.click(chat.clear, chat_state, [chatbot, chat_state, stats]).then(**refresh)
@@ -153,7 +157,7 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
 
         run_compare.click(
             compare.compare, [prompt, with_eagle, chat_state, *controls],
-            [pane_vanilla, pane_eagle, pane_eagle2, verdict], api_name="compare", **MODEL,
+            [pane_vanilla, pane_eagle, pane_eagle2, verdict], api_name="compare", **STREAM,
         )  # fmt: skip
         stop_compare.click(chat.stop, chat_state, None, concurrency_limit=None)
         with_eagle.change(lambda on: gr.update(visible=on), with_eagle, eagle_column)

@@ -233,6 +233,18 @@ def test_no_model_is_503(tmp_path_factory):
         server.close()
 
 
+def test_a_model_loading_is_503_then_served(server, client, engine):
+    server.runtime.loading = "another model"
+    try:
+        with pytest.raises(openai.InternalServerError) as error:
+            chat(client, engine.base.name)
+        assert error.value.status_code == 503 and error.value.code == "model_loading"
+        assert httpx.get(f"{server.url}health").json()["status"] == "loading"
+    finally:
+        server.runtime.loading = None
+    assert chat(client, engine.base.name, max_tokens=2).choices[0].message.content
+
+
 def test_sse_framing_and_done(server, engine):
     body = {"model": engine.base.name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}v1/chat/completions", json=body, timeout=60) as response:

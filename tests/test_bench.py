@@ -87,3 +87,22 @@ def test_mode_labels_set_tree_shapes():
     for bad in ("eagle2:8/4", "vanilla:8/4/2", "eagle2:a/b/c"):
         with pytest.raises(ValueError, match="bad mode"):
             parse_mode(bad, tree)
+
+
+def test_bench_app_reads_the_chat_command_and_server_lines_and_shows_medians():
+    from app.appbench import CHAT_RATE, SERVER_URL, format_rows
+
+    line = "[eagle2] 202 tokens in 18.80 s: 10.7 tokens/s, tau 3.21, first token after 0.34 s, finished: stop"
+    assert CHAT_RATE.findall(line) == [("202", "10.7")]
+    started = "Kestrel is running at http://127.0.0.1:7861/ on 127.0.0.1. Press Ctrl+C to stop."
+    assert SERVER_URL.search(started).group(1) == "http://127.0.0.1:7861/"
+    rows = [
+        {"way": way, "mode": "eagle2", "round": r, "tokens": 10, "tokens_per_s": rate, "vs_chat_command": ratio}
+        for r, (way, rate, ratio) in enumerate(
+            [("chat command", 10.0, 1.0), ("page in Chromium", 7.0, 0.7), ("chat command", 12.0, 1.0),
+             ("page in Chromium", 9.0, 0.75), ("page in Chromium", 1.0, 0.1)]
+        )
+    ]  # fmt: skip
+    table = format_rows(rows).splitlines()
+    assert table[1].split()[-2:] == ["11.0", "1.00x"]
+    assert table[2].split()[-2:] == ["7.0", "0.70x"]  # medians of three rounds
