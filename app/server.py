@@ -183,7 +183,7 @@ def calm_queue(demo: gr.Blocks) -> None:
 
 class Server:
     """Serves the page and the API (on `port`, or the next free one) until
-    closed; `start` returns once it is up, `run` blocks."""
+    closed; `start` returns once it is up, `wait` blocks until it stops."""
 
     def __init__(self, demo: gr.Blocks, runtime: Runtime, access: Access = Access(), port: int = 7860):
         port = free_port(access.host, port)
@@ -209,8 +209,10 @@ class Server:
             time.sleep(0.05)
         return self.url
 
-    def run(self) -> None:
-        self._server.run()
+    def wait(self) -> None:
+        """Block until the server stops (Ctrl+C arrives here as KeyboardInterrupt)."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(0.5)
 
     def close(self) -> None:
         self._server.should_exit = True

@@ -4,7 +4,6 @@ concurrency group, so requests queue instead of running at once."""
 
 from __future__ import annotations
 
-import threading
 import webbrowser
 from pathlib import Path
 
@@ -222,12 +221,18 @@ def serve(args) -> int:
     store_dir = data_dir()
     print(f"Chats and settings: {store_dir}", flush=True)
     server = Server(build_app(runtime, store_dir), runtime, access, args.port)
+    server.start()
     where = LOCALHOST if access.loopback else f"{access.host} (all interfaces; password and API key required)"
     print(f"Kestrel is running at {server.url} on {where}. Press Ctrl+C to stop.", flush=True)
     print(f"OpenAI-compatible API: base_url={server.url}v1  model={engine.base.name!r}", flush=True)
     if access.api_key is not None and args.api_key == "auto":
         print(f"API key (shown once): {access.api_key}", flush=True)
     if not args.no_browser:
-        threading.Timer(1.5, webbrowser.open, [server.url]).start()
-    server.run()
+        webbrowser.open(server.url)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        print("Stopping...", flush=True)
+    finally:
+        server.close()
     return 0

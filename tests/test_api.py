@@ -400,3 +400,40 @@ def test_the_page_queue_is_calmed_where_gradio_polls():
         assert isinstance(getattr(demo._queue, name), float), name
     calm_queue(demo)
     assert demo._queue.sleep_when_free == QUEUE_POLL_SECONDS
+
+
+def test_launch_serves_the_page_and_the_api_with_a_generated_key(tiny_dir):
+    """The real command line: `launch.py ui --no-browser --api-key auto`."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from app.server import LOCALHOST, free_port
+
+    launch = Path(__file__).resolve().parent.parent / "launch.py"
+    port = free_port(LOCALHOST, 8300)
+    command = [sys.executable, str(launch), "ui", "--model", str(tiny_dir), "--dtype", "float64", "--no-browser",
+               "--port", str(port), "--threads", "1", "--api-key", "auto"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output = ""
+        while "API key (shown once)" not in output:
+            line = server.stdout.readline()
+            assert line, f"the server stopped: {output}"
+            output += line
+        key = re.search(r"API key \(shown once\): (\S+)", output).group(1)
+        url = re.search(r"running at (\S+)", output).group(1)
+        assert url == f"http://127.0.0.1:{port}/" and httpx.get(url).status_code == 200
+        assert httpx.get(f"{url}v1/models").status_code == 401
+        client = openai.OpenAI(base_url=f"{url}v1", api_key=key, max_retries=0, timeout=60)
+        model = client.models.list().data[0]
+        assert model.id == str(tiny_dir) and model.model_dump()["kestrel"]["modes"] == ["vanilla"]
+        reply = client.chat.completions.create(model=model.id, messages=MESSAGES, temperature=0, max_tokens=5)
+        assert reply.usage.completion_tokens >= 1 and reply.usage.model_dump()["speculative"]["mode"] == "vanilla"
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
