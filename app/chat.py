@@ -189,6 +189,9 @@ class ChatHandlers:
                 error = f"{error}. Start a new chat or shorten the message."
             yield from self._failed(chat, message, colour, str(error))
             return
+        if reply is None:  # stopped while waiting for its turn
+            yield from self._failed(chat, message, colour, "Stopped before the reply started.")
+            return
         note = self._finish(chat, reply, mode, note)
         yield gr.skip(), display(chat, colour), chat, notice_html(note), *self._panel(chat, reply, finished=True)
 

@@ -126,6 +126,7 @@ class CompareHandlers:
         messages = [{"role": "user", "content": prompt}]
         yield *panes.values(), "Running vanilla..."
         for mode in modes:
+            reply = None
             try:
                 updates = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, PANE_INTERVAL)
                 for reply in updates:
@@ -134,17 +135,24 @@ class CompareHandlers:
             except (KestrelError, ValueError) as error:
                 yield *panes.values(), render.escape(str(error))
                 return
-            replies[mode] = reply
-            if reply.finish_reason == "cancelled":
+            if reply is None or reply.finish_reason == "cancelled":  # stopped, perhaps before its turn came
                 yield *panes.values(), "Stopped."
                 return
-        divergences = {}
-        if options.sampling.greedy:
-            prompt_ids = engine.encode(messages)
+            replies[mode] = reply
+        yield *panes.values(), verdict_html(replies, options.sampling.greedy, self._divergences(engine, messages, replies))
+
+    def _divergences(self, engine, messages: list[dict], replies: dict[str, Reply]) -> dict[str, Divergence | None]:
+        """Where each speculative reply parts from vanilla's (one forward each,
+        in the model's queue), for greedy replies that differ."""
+        differing = [m for m in replies if m != "vanilla" and replies[m].token_ids != replies["vanilla"].token_ids]
+        if not differing or not replies["vanilla"].snapshot or replies["vanilla"].finish_reason == "cancelled":
+            return {}
+        try:
             with self.runtime.queue.turn():
-                for mode in modes[1:]:
-                    divergences[mode] = divergence(engine, prompt_ids, replies["vanilla"], replies[mode])
-        yield *panes.values(), verdict_html(replies, options.sampling.greedy, divergences)
+                prompt_ids = engine.encode(messages)
+                return {mode: divergence(engine, prompt_ids, replies["vanilla"], replies[mode]) for mode in differing}
+        except KestrelError:  # the queue is full: the verdict names the token without the margin
+            return {}
 
     def benchmark(self, upload, limit: int, *values, progress=gr.Progress()) -> tuple:
         """Outputs: summary table, tokens/s bar chart, full result (JSON), notice."""

@@ -389,3 +389,14 @@ def test_verdict_explains_where_and_why_greedy_replies_differ(engine):
     assert "differs from vanilla from token 2" in verdict and "not a rounding near-tie" in verdict
     near = Divergence(5, "a", "b", 0.3, "bfloat16").explain("EAGLE-2")
     assert "near-tie in bfloat16" in near and "different texts" in near and "&#x27;a&#x27;" in near
+
+
+def test_stop_while_waiting_for_the_model_gives_the_message_back(handlers):
+    chat = new_chat()
+    with handlers.runtime.queue.turn():  # another request holds the model
+        updates = handlers.send("w1 w2", chat, "", *values())
+        next(updates)  # the pending reply is shown; its decoding waits for a turn
+        handlers.stop(chat)
+        final = list(updates)[-1]
+    assert "Stopped before the reply started" in final[3] and final[0] == "w1 w2" and final[2]["messages"] == []
+    assert handlers.runtime.queue.waiting == 0
