@@ -48,10 +48,6 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return ApiError(status, message, param, code).response()
-
-
 class StopScanner:
     """Cuts streamed text at the first stop string. Text that could be the
     start of a stop string is held back until the next piece settles it."""
@@ -183,7 +179,7 @@ class Api:
             changed = asyncio.Event()
             decoding = self._start(prepared, wake_up(changed))
         except RequestError as error:
-            return error_response(400, str(error), error.param, error.code)
+            return ApiError(400, str(error), error.param, error.code).response()
         except ApiError as error:
             return error.response()
         outcome = Outcome(prepared.mode, len(prepared.prompt_ids))

@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 
 
-ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 CHAT_RATE = re.compile(r"\[\w+\] (\d+) tokens in [\d.]+ s: ([\d.]+) tokens/s")
 SERVER_URL = re.compile(r"running at (http://127\.0\.0\.1:\d+/?)")
@@ -43,7 +42,7 @@ def run_app_bench(
     rows = []
     try:
         url = wait_until_up(log, server)
-        model = httpx.get(f"{url}v1/models").json()["data"][0]["id"] if has_api(url) else None
+        model = api_model(url)
         for round_index in range(rounds):
             for mode in modes:
                 def measure(way: str, result: dict) -> dict:
@@ -97,8 +96,10 @@ def wait_until_up(log: Path, server: subprocess.Popen, timeout: float = 600) -> 
     raise RuntimeError(f"the server did not start within {timeout:.0f} s; see {log}")
 
 
-def has_api(url: str) -> bool:
-    return httpx.get(f"{url}v1/models").status_code == 200
+def api_model(url: str) -> str | None:
+    """The model id the server's /v1 API serves, or None without an API."""
+    models = httpx.get(f"{url}v1/models")
+    return models.json()["data"][0]["id"] if models.status_code == 200 else None
 
 
 def through_api(url: str, model: str, prompt: str, mode: str, max_new_tokens: int) -> dict:

@@ -61,8 +61,8 @@ def mode_for(engine: Engine, wanted: str) -> tuple[str, str]:
     """The mode to run and a note when the wanted one is unavailable."""
     if wanted in engine.modes:
         return wanted, ""
-    if engine.head is not None and engine.speculation_problem():
-        return "vanilla", f"{MODE_LABELS.get(wanted, wanted)} is off for this model ({engine.speculation_problem()}): decoding vanilla."
+    if engine.head is not None and (problem := engine.speculation_problem()):
+        return "vanilla", f"{MODE_LABELS.get(wanted, wanted)} is off for this model ({problem}): decoding vanilla."
     return "vanilla", f"{MODE_LABELS.get(wanted, wanted)} needs a draft head, and none is loaded: decoding vanilla."
 
 
@@ -240,7 +240,7 @@ class ChatHandlers:
         return render.depth_frame(reply.snapshot), render.rate_frame(reply.rate_points)
 
     def stop(self, chat: dict | None) -> None:
-        self.runtime.cancel_event(chat["id"] if chat else None).set()
+        self.runtime.cancel(chat["id"] if chat else None)
 
     def edit_last(self, chat: dict | None, colour: bool) -> tuple:
         """Take back the last user message (and the reply to it) for editing.

@@ -95,7 +95,7 @@ def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply) -> D
     if index is None or index >= min(len(vanilla.token_ids), len(other.token_ids)):
         return None  # identical, or one reply is a prefix of the other (a length limit)
     ours, theirs = vanilla.token_ids[index], other.token_ids[index]
-    margin, _ = engine.next_token_logits(prompt_ids + vanilla.token_ids[:index], [ours, theirs])
+    margin = engine.next_token_margin(prompt_ids + vanilla.token_ids[:index])
     decode = engine.base.tokenizer.decode
     return Divergence(index, decode([ours]), decode([theirs]), margin, str(engine.base.dtype).removeprefix("torch."))
 

@@ -81,6 +81,7 @@ class Decoding:
     def stop(self) -> None:
         """Cancel: the decoding ends within one step (or leaves the queue)."""
         self.cancel.set()
+        self._queue.wake()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)

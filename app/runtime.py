@@ -68,13 +68,18 @@ class ModelQueue:
                     self._waiting.remove(ticket)
                     self._condition.notify_all()
                     raise TurnCancelled
-                self._condition.wait(0.05)
+                self._condition.wait(1.0)  # woken by leave() or wake(); the timeout is only a backstop
             self._waiting.popleft()
             self._running = True
 
     def leave(self) -> None:
         with self._condition:
             self._running = False
+            self._condition.notify_all()
+
+    def wake(self) -> None:
+        """Let waiting requests look at their cancel signals now."""
+        with self._condition:
             self._condition.notify_all()
 
     @contextmanager
@@ -125,8 +130,8 @@ class Runtime:
         if engine is None:
             return "No model loaded."
         head = "with an EAGLE draft head" if engine.head is not None else "without a draft head (vanilla only)"
-        if engine.head is not None and engine.speculation_problem():
-            head = f"with an EAGLE draft head, but vanilla only: {engine.speculation_problem()}"
+        if engine.head is not None and (problem := engine.speculation_problem()):
+            head = f"with an EAGLE draft head, but vanilla only: {problem}"
         quantization = "" if engine.base.quantization == "none" else f", {engine.base.quantization}"
         return f"{engine.base.name} ({engine.base.device}, {str(engine.base.dtype).removeprefix('torch.')}{quantization}) {head}"
 
@@ -146,6 +151,11 @@ class Runtime:
         with self._lock:
             self._engine, self._loader = None, None
         free_memory()
+
+    def cancel(self, key: str | None) -> None:
+        """Stop the request of one browser session, running or waiting."""
+        self.cancel_event(key).set()
+        self.queue.wake()
 
     def cancel_event(self, key: str | None) -> threading.Event:
         """The cancel signal of one browser session (tests pass None)."""

@@ -23,7 +23,7 @@ from core.sampling import probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
 from core.tree_check import tree_problem
-from core.verify import NodeArgmax, NodeLogits, accept_greedy, accept_sampling, base_forward, logits_of, verify_tree
+from core.verify import NodeArgmax, NodeLogits, accept_greedy, accept_sampling, base_forward, logits_of, next_logits, verify_tree
 from models.base import LoadedModel
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead
@@ -81,15 +81,11 @@ class Engine:
         return None
 
     @torch.inference_mode()
-    def next_token_logits(self, token_ids: list[int], candidates: list[int]) -> tuple[float, list[float]]:
-        """(top-2 logit margin, the candidates' logits) for the token after
-        `token_ids`, from one plain forward: how close a choice was."""
-        tokens = torch.tensor(token_ids, device=self.base.device)
-        positions = torch.arange(len(tokens), device=tokens.device)
-        features = base_forward(self.model, tokens, positions, None, kv_cache.new_cache(self.model))
-        logits = logits_of(self.model, features[-1:])[0].double()
-        top = torch.topk(logits, 2).values
-        return float(top[0] - top[1]), [float(logits[c]) for c in candidates]
+    def next_token_margin(self, token_ids: list[int]) -> float:
+        """The top-2 logit margin for the token after `token_ids`, from one
+        plain forward: how close the base model's greedy choice there was."""
+        top = torch.topk(next_logits(self.model, torch.tensor(token_ids, device=self.base.device)).double(), 2).values
+        return float(top[0] - top[1])
 
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.base.tokenizer, messages)

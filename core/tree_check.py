@@ -11,7 +11,7 @@ import torch
 
 from core import kv_cache
 from core.tree import make_tree
-from core.verify import base_forward, logits_of, verify_tree
+from core.verify import base_forward, logits_of, next_logits, verify_tree
 
 # Largest allowed root-mean-square difference between tree and sequential
 # logits, relative to the spread (standard deviation) of the sequential logits,
@@ -53,9 +53,7 @@ def tree_mismatch(model) -> float:
     tree_logits = logits_of(model, verify_tree(model, tree, len(prompt), cache)).double()
     worst = 0.0
     for node, path in enumerate(paths(TREE_PARENTS)):
-        sequence = torch.tensor(prompt + [tokens[i] for i in path], device=device)
-        features = base_forward(model, sequence, torch.arange(len(sequence), device=device), None, kv_cache.new_cache(model))
-        expected = logits_of(model, features[-1:])[0].double()
+        expected = next_logits(model, torch.tensor(prompt + [tokens[i] for i in path], device=device)).double()
         spread = float(expected.std()) or 1.0
         difference = float((tree_logits[node] - expected).pow(2).mean().sqrt())
         worst = max(worst, difference / spread)

@@ -11,6 +11,7 @@ import torch
 
 from core.argmax import ScreenedArgmax, exact_argmax
 from core.config import SamplingParams
+from core.kv_cache import new_cache
 from core.sampling import probabilities, sample
 from core.tree import DraftTree, ancestor_mask
 
@@ -27,6 +28,13 @@ def base_forward(model, tokens, positions, mask, cache):
         use_cache=True,
     )
     return out.last_hidden_state[0]
+
+
+def next_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """(V,) logits for the token after `tokens` (T,), from one plain causal
+    forward with a fresh cache: the reference a tree pass is held to."""
+    features = base_forward(model, tokens, torch.arange(len(tokens), device=tokens.device), None, new_cache(model))
+    return logits_of(model, features[-1:])[0]
 
 
 def logits_of(model, features: torch.Tensor) -> torch.Tensor:
