@@ -34,11 +34,12 @@ def add_tree_options(parser: argparse.ArgumentParser) -> None:
 
     defaults = TreeParams()
     group = parser.add_argument_group("draft tree (EAGLE-2)")
-    group.add_argument("--total-tokens", type=int, default=defaults.total_tokens, help=f"tree nodes verified per step (default {defaults.total_tokens})")
-    group.add_argument("--depth", type=int, default=defaults.depth, help=f"draft depth (default {defaults.depth})")
+    group.add_argument("--total-tokens", type=int, default=defaults.total_tokens, help="tree nodes verified per step; 0 = sized every step from this device's measured costs (default 0)")
+    group.add_argument("--depth", type=int, default=defaults.depth, help=f"deepest draft (default {defaults.depth})")
     group.add_argument("--tree-top-k", type=int, default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
     group.add_argument("--min-path-prob", type=float, default=defaults.min_path_prob, help=f"stop deepening the tree when its best path is less likely than this, 0 = never (default {defaults.min_path_prob})")
-    group.add_argument("--lookup-tokens", type=int, default=defaults.lookup_tokens, help=f"extra tree branch copied from the context after a repeated n-gram, 0 = off (default {defaults.lookup_tokens})")
+    group.add_argument("--lookup-tokens", type=int, default=defaults.lookup_tokens, help=f"longest tree branch copied from the context after a repeated n-gram, 0 = off (default {defaults.lookup_tokens})")
+    group.add_argument("--context-branches", type=int, default=defaults.context_branches, help=f"copied branches from different earlier matches when trees are sized automatically (default {defaults.context_branches})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated from vanilla, eagle, eagle2, generate, prompt-lookup; eagle2:T/D/K[/L] sets a tree shape (default vanilla,eagle2)")
     bench.add_argument("--json", dest="json_out", help="write the full results to this JSON file")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts (default 1)")
+    bench.add_argument("--calibrate", action="store_true", help="measure this device's step costs again (they are cached per device, model, dtype and threads)")
     add_model_options(bench)
     add_sampling_options(bench, max_new_tokens=128)
     add_tree_options(bench)
@@ -180,11 +182,16 @@ def sampling_from(args):
 def tree_from(args):
     from core.config import TreeParams
 
-    return TreeParams(args.total_tokens, args.depth, args.tree_top_k, args.min_path_prob, args.lookup_tokens)
+    return TreeParams(args.total_tokens, args.depth, args.tree_top_k, args.min_path_prob, args.lookup_tokens, args.context_branches)
+
 
 
 def run_chat(args) -> int:
     engine = load_engine(args)
+    if tree_from(args).planned and args.mode in (None, "eagle2"):
+        from app.session import prepare_costs
+
+        prepare_costs(engine)
     mode = args.mode or ("eagle2" if engine.head is not None else "vanilla")
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
@@ -259,6 +266,10 @@ def run_bench_command(args) -> int:
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     prompts = load_prompts(args.prompts, args.limit, args.per_source)
     engine = load_engine(args)
+    if args.calibrate or any(mode.split(":")[0] == "eagle2" for mode in modes):
+        from app.session import prepare_costs
+
+        prepare_costs(engine, args.calibrate)
 
     def show(done: int, total: int, description: str) -> None:
         print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)

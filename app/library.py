@@ -96,6 +96,7 @@ class LibraryHandlers:
         try:
             with self.runtime.queue.turn():  # after the requests already waiting, before later ones
                 engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, "auto"), model or "the bundled model")
+                engine.prepare_costs()  # read from the cache, or measured once for this model (a few seconds)
         except (KestrelError, ValueError) as error:
             return self.status(), f"Loading failed: {render.escape(str(error))}. The previous model is still loaded.", gr.skip()
         modes = engine.modes

@@ -34,3 +34,15 @@ def load_pair(
         vocab = base.model.get_output_embeddings().weight.shape[0]
         draft_head = load_head(head_source, config.hidden_size, vocab, base.device, base.dtype)
     return Engine(base, draft_head, head or "bundled")
+
+
+def prepare_costs(engine: Engine, remeasure: bool = False) -> None:
+    """Read this device's step costs from the cache, or measure them with a
+    progress line in the terminal (a few seconds, once per device, model,
+    dtype and thread count): the planner sizes draft trees by them."""
+
+    def show(done: int, total: int, description: str) -> None:
+        end = "" if done < total else "\n"
+        print(f"\rMeasuring this device's step costs (once): [{done}/{total}] {description:<28}", end=end, flush=True)
+
+    engine.prepare_costs(show, remeasure)

@@ -212,10 +212,11 @@ def serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from app.session import load_pair
+    from app.session import load_pair, prepare_costs
 
     print("Loading the model (the first run prepares the bundled one)...", flush=True)
     engine = load_pair(args.model, args.head, args.quantization, args.dtype, args.device)
+    prepare_costs(engine)
     runtime = Runtime(engine, max_waiting=args.max_queue)
     print(f"Loaded {runtime.describe()}", flush=True)
     store_dir = data_dir()

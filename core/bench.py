@@ -93,6 +93,8 @@ def run_once(engine: Engine, prompt_ids: list[int], label: str, sampling: Sampli
         "draft_seconds": stats.draft_seconds,
         "verify_seconds": stats.verify_seconds,
         "accepted_lengths": [len(step.token_ids) for step in steps],
+        "tree_nodes": stats.mean_tree_size * (stats.forwards - 1),  # over the steps after the prefill
+        "tree_depths": stats.mean_tree_depth * (stats.forwards - 1),
         "output_ids": [token for step in steps for token in step.token_ids],
     }
 
@@ -111,8 +113,8 @@ def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: Sa
         output = engine.model.generate(inputs, attention_mask=torch.ones_like(inputs), **options)
     seconds = time.perf_counter() - started
     ids = output[0, len(prompt_ids) :].tolist()
-    return {"tokens": len(ids), "seconds": seconds, "forwards": None, "draft_seconds": None,
-            "verify_seconds": None, "accepted_lengths": None, "output_ids": ids}  # fmt: skip
+    return {"tokens": len(ids), "seconds": seconds, "forwards": None, "draft_seconds": None, "verify_seconds": None,
+            "accepted_lengths": None, "tree_nodes": None, "tree_depths": None, "output_ids": ids}  # fmt: skip
 
 
 def run_bench(
@@ -174,8 +176,11 @@ def mode_totals(rows: list[dict]) -> dict:
         forwards = sum(row["forwards"] for row in rows)
         draft = sum(row["draft_seconds"] for row in rows)
         verify = sum(row["verify_seconds"] for row in rows)
+        steps = forwards - len(rows)  # the prefills are not trees
         totals.update(
             mean_accepted_length=tokens / forwards if forwards else 0.0,
+            mean_tree_size=sum(row["tree_nodes"] for row in rows) / steps if steps else 1.0,
+            mean_tree_depth=sum(row["tree_depths"] for row in rows) / steps if steps else 0.0,
             # where a step's time goes: head drafting, base verify (+ accept, commit), the rest
             time_split={"draft": draft / seconds, "verify": verify / seconds, "other": 1 - (draft + verify) / seconds},
         )
@@ -215,7 +220,7 @@ def summarize(rows: list[dict], modes: tuple[str, ...], sampling: SamplingParams
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'mode':<14}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'tau':>7}{'speedup':>9}  time split"]
+    lines = [f"{'mode':<18}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'tau':>7}{'speedup':>9}{'nodes':>7}{'depth':>7}  time split"]
     base = result["modes"].get("vanilla", {}).get("tokens_per_s")
     for mode, totals in result["modes"].items():
         tau = totals["mean_accepted_length"]
@@ -223,9 +228,11 @@ def format_table(result: dict) -> str:
         speed = f"{totals['tokens_per_s'] / base:.2f}x" if base else "-"
         split = totals.get("time_split")
         split_text = " ".join(f"{name} {share:.0%}" for name, share in split.items()) if split else ""
+        nodes, depth = totals.get("mean_tree_size"), totals.get("mean_tree_depth")
+        shape = f"{nodes:>7.1f}{depth:>7.1f}" if nodes is not None else f"{'-':>7}{'-':>7}"
         lines.append(
-            f"{mode:<14}{totals['tokens']:>8}{totals['seconds']:>10.1f}{totals['tokens_per_s']:>10.2f}"
-            f"{tau_text:>7}{speed:>9}  {split_text}"
+            f"{mode:<18}{totals['tokens']:>8}{totals['seconds']:>10.1f}{totals['tokens_per_s']:>10.2f}"
+            f"{tau_text:>7}{speed:>9}{shape}  {split_text}"
         )
     summary = result["summary"]
     if summary["speedup"] is not None:

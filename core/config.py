@@ -33,22 +33,23 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TreeParams:
-    """Defaults tuned on a 2-core CPU with the bundled pair (README, Performance):
-    a bf16 tree pass of 16 nodes costs about a quarter more than a one-node
-    pass there, so bigger trees lose; within 16 nodes, 6 candidates per level
-    raised tau over 4 at the same speed; each depth costs a head step; the
-    context branch lifts tau most on code. The official GPU setting is 60
-    total, depth 5-6, top_k 10."""
+    """By default (total_tokens 0) every tree is sized by the planner from
+    this device's measured costs and calibrated acceptance (core/planner.py):
+    a 2-core CPU, where a 16-node pass costs twice a one-node pass, gets small
+    trees or none; a GPU, where 60 nodes cost about one, gets big ones. A
+    fixed total_tokens is EAGLE-2's own rule (the official GPU setting is 60
+    total, depth 5-6, top_k 10)."""
 
-    total_tokens: int = 16  # nodes verified per step, the root included (EAGLE-2 reranking budget)
-    depth: int = 5  # draft expansions per step: the longest path the tree can hold
+    total_tokens: int = 0  # nodes verified per step, the root included (EAGLE-2 reranking budget); 0 = sized by the planner
+    depth: int = 8  # most draft expansions per step: the longest path the tree can hold
     top_k: int = 6  # children per expanded node, and nodes expanded per depth
     min_path_prob: float = 0.0  # stop deepening once the best frontier path's draft probability is below this; 0 = never
-    lookup_tokens: int = 8  # extra branch copied from the context after the last repeated n-gram; 0 = off
+    lookup_tokens: int = 16  # longest branch copied from the context after a repeated n-gram; 0 = off
+    context_branches: int = 4  # copied branches from different earlier matches, when the planner sizes the tree
 
     def __post_init__(self):
-        if self.total_tokens < 2:
-            raise ValueError(f"total_tokens must be >= 2, got {self.total_tokens}")
+        if self.total_tokens != 0 and self.total_tokens < 2:
+            raise ValueError(f"total_tokens must be 0 (sized by the planner) or >= 2, got {self.total_tokens}")
         if self.depth < 1:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
         if self.top_k < 1:
@@ -57,3 +58,10 @@ class TreeParams:
             raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
         if self.lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
+        if self.context_branches < 1:
+            raise ValueError(f"context_branches must be >= 1, got {self.context_branches}")
+
+    @property
+    def planned(self) -> bool:
+        """Whether the planner sizes each tree (total_tokens 0)."""
+        return self.total_tokens == 0

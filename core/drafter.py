@@ -9,13 +9,20 @@ root has depth 0) enters the head at position n + d - 1."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from core import int8
+from core import int8, planner
+from core.calibration import Calibration
 from core.config import TreeParams
+from core.lookup import ContextIndex
 from core.tree import DraftTree, graft, lookup_continuation, make_tree, rerank, subtree
 from models.head import DraftHead, HeadCache
+
+if TYPE_CHECKING:
+    from core.costs import Costs
 
 # EAGLE-1's static tree, sized for a CPU: each path lists child ranks from the
 # root, e.g. (0, 1) is the head's second choice after its first choice.
@@ -59,8 +66,35 @@ class DraftVocabulary:
         return draft_ids if self.token_ids is None else self.token_ids[draft_ids]
 
 
+@dataclass(frozen=True)
+class Planning:
+    """What sizes trees when TreeParams.total_tokens is 0 (core/planner.py)."""
+
+    costs: Costs  # this device's measured step costs
+    head: Calibration  # acceptance of the head's nodes by draft confidence, for this sampling setting
+    context: Calibration  # acceptance of the context branch's copied nodes by prior confidence
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """Per drafted node of the last tree (the root excluded), what calibration learns from."""
+
+    head_confidence: torch.Tensor  # (N-1,) draft path probability; NaN for nodes only the context branch proposed
+    context_confidence: torch.Tensor  # (N-1,) the context branch's prior; NaN for nodes it did not propose
+    depths: torch.Tensor  # (N-1,) depth in the tree, from 1
+    expected: float  # tokens the planner expects the step to commit (1 + the nodes' acceptance estimates)
+
+
 class Drafter:
-    def __init__(self, head: DraftHead, base_model, params: TreeParams, static_paths=None, vocabulary=None):
+    def __init__(
+        self,
+        head: DraftHead,
+        base_model,
+        params: TreeParams,
+        static_paths=None,
+        vocabulary=None,
+        planning: Planning | None = None,
+    ):
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else base_model.get_input_embeddings()
         self.vocabulary = vocabulary or DraftVocabulary(base_model.get_output_embeddings(), head.draft_token_ids)
@@ -68,7 +102,9 @@ class Drafter:
         self.static_paths = sorted(static_paths, key=lambda path: (len(path), path)) if static_paths else None
         self.cache = HeadCache()
         self.last_hidden: torch.Tensor | None = None  # (H,) predicted feature at the root's position
-        self.context: list[int] = []  # committed tokens after the first, ending with the root: for prompt lookup
+        self.index = ContextIndex()  # committed tokens after the first, ending with the root: for the context branch
+        self.planning = planning
+        self.drafted: Drafted | None = None  # the last tree's nodes, for calibration
         self.dtype = head.dtype
 
     @property
@@ -87,23 +123,39 @@ class Drafter:
             mask = torch.cat([torch.ones(count, start, dtype=torch.bool, device=device), causal], dim=1)[None, None]
         hidden = self.head(self.embed(next_tokens)[None], features.to(self.dtype)[None], positions[None], mask, self.cache)
         self.last_hidden = hidden[0, -1]
-        self.context.extend(next_tokens.tolist())
+        self.index.extend(next_tokens.tolist())
 
     def draft(self, root: int) -> DraftTree:
         """A tree of drafted continuations of `root`; the head cache is left as it was."""
         committed = self.cache.length
+        self.drafted = None
         try:
             if self.static_paths is not None:
                 tokens, parents = self._draft_static()
+            elif self.params.planned:
+                return make_tree(root, *self._draft_planned())
             else:
                 tokens, parents = self._draft_dynamic()
         finally:
             self.cache.crop(committed)
         if self.params.lookup_tokens:
-            tokens, parents = graft(tokens, parents, lookup_continuation(self.context, self.params.lookup_tokens))
+            tokens, parents = graft(tokens, parents, lookup_continuation(self.index.tokens, self.params.lookup_tokens))
         return make_tree(root, tokens, parents)
 
-    def _top(self, hidden: torch.Tensor, k: int):
+    def observe(self, path: list[int]) -> None:
+        """Teach calibration which nodes of the last planned tree were accepted (path: tree nodes, root first)."""
+        if self.drafted is None or self.planning is None:
+            return
+        accepted = torch.zeros(len(self.drafted.depths), dtype=torch.bool)
+        accepted[[node - 1 for node in path[1:]]] = True
+        for confidence, table in (
+            (self.drafted.head_confidence, self.planning.head),
+            (self.drafted.context_confidence, self.planning.context),
+        ):
+            known = ~confidence.isnan()
+            table.observe(confidence[known], self.drafted.depths[known], accepted[known])
+
+    def top(self, hidden: torch.Tensor, k: int):
         """hidden (m, H) -> the k best next tokens of each row: (log-probs (m, k), target ids (m, k))."""
         top = self.vocabulary.log_probs(hidden).topk(k, dim=-1)
         return top.values, self.vocabulary.target_ids(top.indices)
@@ -112,8 +164,8 @@ class Drafter:
         """EAGLE-2: expand the top_k frontier nodes by cumulative log-probability
         at every depth, then keep the best total_tokens - 1 of all candidates."""
         k = self.params.top_k
-        expander = _Expander(self)
-        values, ids = self._top(self.last_hidden[None], k)
+        expander = Expander(self)
+        values, ids = self.top(self.last_hidden[None], k)
         tokens, parents = ids[0].tolist(), [-1] * k
         scores = [values[0]]
         frontier = list(range(k))
@@ -125,7 +177,7 @@ class Drafter:
                 break
             if _settled(torch.cat(scores), frontier_scores, keep):  # deeper nodes cannot be kept: same tree, less work
                 break
-            values, ids = self._top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
+            values, ids = self.top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
             child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,)
             first = len(tokens)
             tokens += ids.flatten().tolist()
@@ -137,13 +189,93 @@ class Drafter:
         chosen = rerank(torch.cat(scores), parents, self.params.total_tokens - 1)
         return subtree(tokens, parents, chosen)
 
+    def _draft_planned(self) -> tuple[list[int], list[int]]:
+        """EAGLE-2's expansion, sized by the planner: deepen while the next level
+        could raise the expected tokens per second, then keep the best n nodes
+        of head and context-branch candidates by calibrated acceptance."""
+        planning, k = self.planning, self.params.top_k
+        costs, context = planning.costs, self.cache.length
+        largest = costs.largest_tree
+        curve = torch.tensor([costs.verify_seconds(n, context) for n in range(1, largest + 1)], dtype=torch.float64)
+        spent = costs.overhead + costs.expand_seconds(1)
+        expander = Expander(self)
+        values, ids = self.top(self.last_hidden[None], k)
+        tokens, parents, depths = ids[0].tolist(), [-1] * k, [1] * k
+        scores = [values[0]]
+        frontier, frontier_scores = list(range(k)), values[0]
+        branches = self.index.branches(self.params.context_branches, self.params.lookup_tokens)
+        copied = self._copied_estimates(branches)
+        for depth in range(2, self.params.depth + 1):
+            estimates = self._head_estimates(torch.cat(scores), depths, parents)
+            known = torch.sort(torch.cat([estimates, copied]), descending=True).values
+            width = len(frontier)
+            if not planner.worth_deepening(known, estimates[frontier], curve, spent, costs.expand_seconds(width)):
+                break
+            spent += costs.expand_seconds(width)
+            values, ids = self.top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
+            child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,)
+            first = len(tokens)
+            tokens += ids.flatten().tolist()
+            parents += [parent for parent in frontier for _ in range(k)]
+            depths += [depth] * len(child_scores)
+            scores.append(child_scores)
+            best = torch.sort(-child_scores, stable=True).indices[:k]
+            frontier = (best + first).tolist()
+            frontier_scores = child_scores[best]
+        head_confidence = torch.cat(scores).double().exp()
+        estimates = self._head_estimates(torch.cat(scores), depths, parents).tolist()
+        context_confidence = [math.nan] * len(tokens)
+        child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+        for branch in branches:
+            node = -1
+            for offset, token in enumerate(branch.tokens, start=1):
+                match = child.get((node, token))
+                if match is None:
+                    match = child[(node, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(node)
+                    depths.append(offset)
+                    estimates.append(0.0)
+                    context_confidence.append(math.nan)
+                    head_confidence = torch.cat([head_confidence, head_confidence.new_tensor([math.nan])])
+                prior = branch.confidence(offset)
+                if math.isnan(context_confidence[match]) or prior > context_confidence[match]:
+                    context_confidence[match] = prior
+                estimated = float(planning.context.estimate(torch.tensor([prior]), torch.tensor([offset]))[0])
+                estimates[match] = max(estimates[match], estimated)
+                node = match
+        closed = planner.closed_estimates(torch.tensor(estimates), parents)
+        order = planner.ranked(closed)
+        size, _ = planner.best_size(closed[order], curve, spent)
+        chosen = sorted(order[: size - 1].tolist())
+        self.drafted = Drafted(
+            head_confidence=head_confidence[chosen],
+            context_confidence=torch.tensor(context_confidence, dtype=torch.float64)[chosen],
+            depths=torch.tensor(depths)[chosen],
+            expected=1 + float(closed[chosen].sum()),
+        )
+        return subtree(tokens, parents, chosen)
+
+    def _head_estimates(self, scores: torch.Tensor, depths: list[int], parents: list[int]) -> torch.Tensor:
+        """Calibrated acceptance of the head's candidates, capped at their parents'."""
+        estimates = self.planning.head.estimate(scores.double().exp(), torch.tensor(depths))
+        return planner.closed_estimates(estimates, parents)
+
+    def _copied_estimates(self, branches) -> torch.Tensor:
+        """Calibrated acceptance of every copied node, as competitors in the deepening decision."""
+        priors = [branch.confidence(offset) for branch in branches for offset in range(1, len(branch.tokens) + 1)]
+        offsets = [offset for branch in branches for offset in range(1, len(branch.tokens) + 1)]
+        if not priors:
+            return torch.zeros(0, dtype=torch.float64)
+        return self.planning.context.estimate(torch.tensor(priors), torch.tensor(offsets))
+
     def _draft_static(self) -> tuple[list[int], list[int]]:
         """EAGLE-1: the fixed tree of STATIC_PATHS, filled with the head's ranked choices."""
-        expander = _Expander(self)
+        expander = Expander(self)
         index_of: dict[tuple[int, ...], int] = {}
         tokens, parents = [], []
         widest = 1 + max(path[0] for path in self.static_paths if len(path) == 1)
-        first_choices = self._top(self.last_hidden[None], widest)[1][0].tolist()
+        first_choices = self.top(self.last_hidden[None], widest)[1][0].tolist()
         deepest = max(len(path) for path in self.static_paths)
         for depth in range(1, deepest + 1):
             level = [path for path in self.static_paths if len(path) == depth]
@@ -153,7 +285,7 @@ class Drafter:
                 expanded = sorted({path[:-1] for path in level})
                 hidden = expander.expand([index_of[path] for path in expanded], tokens, parents)
                 widths = 1 + max(path[-1] for path in level)
-                ranked = self._top(hidden, widths)[1].tolist()
+                ranked = self.top(hidden, widths)[1].tolist()
                 choices = dict(zip(expanded, ranked))
             for path in level:
                 index_of[path] = len(tokens)
@@ -173,7 +305,7 @@ def _settled(scores: torch.Tensor, frontier_scores: torch.Tensor, keep: int) -> 
     return float(frontier_scores.max()) <= float(scores.topk(keep).values[-1])
 
 
-class _Expander:
+class Expander:
     """Feeds drafted nodes through the head, one depth at a time. Each node
     attends to the committed positions, its drafted ancestors and itself."""
 

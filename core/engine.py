@@ -6,27 +6,37 @@ so its single verified node yields exactly the next token."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from core import int8, kv_cache
+from core import costs, int8, kv_cache
 from core.argmax import ScreenedArgmax
+from core.calibration import Calibrations
 from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
-from core.drafter import STATIC_PATHS, Drafter, DraftVocabulary
+from core.drafter import STATIC_PATHS, Drafter, DraftVocabulary, Planning
 from core.prompt import encode_chat, stop_token_ids
-from core.sampling import probabilities, sample
+from core.sampling import Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
 from core.tree_check import tree_problem
-from core.verify import NodeArgmax, NodeLogits, accept_greedy, accept_sampling, base_forward, logits_of, next_logits, verify_tree
+from core.verify import NodeArgmax, NodeLogits, NodeSample, accept, base_forward, logits_of, next_logits, verify_tree
 from models.base import LoadedModel
+from models.bundled import cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead
+
+
+def costs_folder() -> Path:
+    """Where measured step costs are cached; KESTREL_COSTS_DIR overrides it."""
+    override = os.environ.get("KESTREL_COSTS_DIR")
+    return Path(override) if override else cache_root() / "costs"
 
 
 class ContextOverflowError(KestrelError):
@@ -62,6 +72,26 @@ class Engine:
             self.draft_head = int8.with_int8_linears(head)
         # whether this model honours tree masks, asked of the model itself (core/tree_check.py)
         self._tree_problem = tree_problem(self.model) if head is not None and self._setup_problem() is None else None
+        self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
+        self.calibrations = Calibrations()  # acceptance by draft confidence, learned over every request
+
+    def prepare_costs(self, progress: costs.Progress | None = None, remeasure: bool = False) -> costs.Costs | None:
+        """The step costs the planner sizes trees by: read from the cache for
+        this device, model, head, dtype, quantization and thread count, else
+        measured (a few seconds) and cached. None without a head."""
+        if self.head is None or self.speculation_problem() is not None:
+            return None
+        if self.costs is not None and not remeasure:
+            return self.costs
+        base = self.base
+        key = costs.cache_key(base.device, base.name, self.head_name, base.dtype, base.quantization)
+        folder = costs_folder()
+        found = None if remeasure else costs.load_cached(folder, key)
+        if found is None:
+            found = costs.measure(self.model, self.argmax, lambda: self._drafter("eagle2", TreeParams(16)), self.context_limit, progress)
+            costs.save_cached(folder, key, found)
+        self.costs = found
+        return found
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -109,7 +139,7 @@ class Engine:
         cancel: threading.Event | None = None,
     ) -> Iterator[Step]:
         """Decode after `prompt_ids`, yielding one Step per base-model forward."""
-        run = _Run(self, list(prompt_ids), self._drafter(mode, tree), sampling)
+        run = _Run(self, list(prompt_ids), self._drafter(mode, tree, sampling), sampling)
         try:
             yield run.prefill()
             while run.finish_reason is None:
@@ -123,7 +153,7 @@ class Engine:
                 f"{self.base.name}: out of memory while decoding.{hint} or a shorter conversation / smaller tree"
             ) from error
 
-    def _drafter(self, mode: str, tree: TreeParams) -> Drafter | None:
+    def _drafter(self, mode: str, tree: TreeParams, sampling: SamplingParams = SamplingParams()) -> Drafter | None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "vanilla":
@@ -133,7 +163,16 @@ class Engine:
         problem = self.speculation_problem()
         if problem is not None:
             raise UnsupportedArchitectureError(f"{self.base.name}: {problem}; use vanilla")
-        return Drafter(self.draft_head, self.model, tree, STATIC_PATHS if mode == "eagle" else None, self.vocabulary)
+        planning = None
+        if mode == "eagle2" and tree.planned:
+            setting = ("greedy",) if sampling.greedy else (round(sampling.temperature, 2), sampling.top_p, sampling.top_k)
+            planning = Planning(
+                self.prepare_costs(),
+                self.calibrations.get("head", setting),
+                self.calibrations.get("context", setting),
+            )
+        static = STATIC_PATHS if mode == "eagle" else None
+        return Drafter(self.draft_head, self.model, tree, static, self.vocabulary, planning)
 
 
 class _Run:
@@ -151,7 +190,7 @@ class _Run:
         self.cache = kv_cache.new_cache(self.model)
         self.device = self.model.get_input_embeddings().weight.device
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.noise = Noise(seed, engine.model.get_output_embeddings().weight.shape[0], self.device)
         self.recorder = Recorder()
         self.detokenizer = Detokenizer(engine.base.tokenizer)
         self.committed = 0  # tokens in the base cache
@@ -167,7 +206,7 @@ class _Run:
             self.root = self.engine.argmax(features[-1:])[0]
         else:
             logits = logits_of(self.model, features[-1:])[0]
-            self.root = sample(probabilities(logits, self.sampling), self.generator)
+            self.root = sample(probabilities(logits, self.sampling), self.noise.at(len(tokens)))
         self.committed = len(tokens)
         verified = time.perf_counter()
         if self.drafter is not None:
@@ -182,10 +221,13 @@ class _Run:
         drafted = time.perf_counter()
         features = verify_tree(self.model, tree, self.committed, self.cache)
         if self.sampling.greedy:
-            path, bonus = accept_greedy(tree, NodeArgmax(self.engine.argmax, features))
+            path, bonus = accept(tree, NodeArgmax(self.engine.argmax, features))
         else:
-            path, bonus = accept_sampling(tree, NodeLogits(self.model, features, tree), self.sampling, self.generator)
+            logits = NodeLogits(self.model, features, tree)
+            path, bonus = accept(tree, NodeSample(logits, tree, self.sampling, self.noise, self.committed))
         kv_cache.commit(self.cache, self.committed, path)
+        if self.drafter is not None:
+            self.drafter.observe(path)
         new_tokens = tree.tokens[path[1:]].tolist() + [bonus]
         self.committed += len(path)
         self.root = bonus
@@ -226,7 +268,7 @@ class _Run:
             self.finish_reason = "context"
         accepted = min(accepted, len(tokens))
         draft_seconds, verify_seconds = times
-        self.recorder.record(len(tokens), accepted, tree_depth, draft_seconds, verify_seconds)
+        self.recorder.record(len(tokens), accepted, tree_size, tree_depth, draft_seconds, verify_seconds)
         accepted_text = self.detokenizer.push(tokens[:accepted]) if accepted else ""
         text = accepted_text + self.detokenizer.push(tokens[accepted:])
         if self.finish_reason is not None:

@@ -18,6 +18,8 @@ class Snapshot:
     draft_seconds: float  # total time spent drafting (head forwards)
     verify_seconds: float  # total time in base-model forwards and acceptance
     acceptance_by_depth: tuple[float, ...]  # [d-1]: share of steps whose tree reached depth d that accepted a token there
+    mean_tree_size: float = 1.0  # nodes verified per step after the prefill, the root included
+    mean_tree_depth: float = 0.0  # depth of those trees (0 for a root-only step)
 
 
 @dataclass
@@ -30,9 +32,16 @@ class Recorder:
     verify_seconds: float = 0.0
     depth_offered: list[int] = field(default_factory=list)  # [d-1]: steps whose tree had depth >= d
     depth_accepted: list[int] = field(default_factory=list)  # [d-1]: steps that accepted >= d drafted tokens
+    tree_nodes: int = 0  # nodes verified by the steps after the prefill
+    tree_depths: int = 0  # and the sum of their trees' depths
 
-    def record(self, tokens: int, accepted: int, tree_depth: int, draft_seconds: float, verify_seconds: float) -> None:
+    def record(
+        self, tokens: int, accepted: int, tree_size: int, tree_depth: int, draft_seconds: float, verify_seconds: float
+    ) -> None:
         now = time.perf_counter()
+        if self.forwards:  # the prefill is not a tree
+            self.tree_nodes += tree_size
+            self.tree_depths += tree_depth
         if self.first_token_at is None and tokens:
             self.first_token_at = now
         self.tokens += tokens
@@ -58,4 +67,6 @@ class Recorder:
             draft_seconds=self.draft_seconds,
             verify_seconds=self.verify_seconds,
             acceptance_by_depth=tuple(a / o for a, o in zip(self.depth_accepted, self.depth_offered)),
+            mean_tree_size=self.tree_nodes / (self.forwards - 1) if self.forwards > 1 else 1.0,
+            mean_tree_depth=self.tree_depths / (self.forwards - 1) if self.forwards > 1 else 0.0,
         )

@@ -12,7 +12,7 @@ import torch
 from core.argmax import ScreenedArgmax, exact_argmax
 from core.config import SamplingParams
 from core.kv_cache import new_cache
-from core.sampling import probabilities, sample
+from core.sampling import Noise, probabilities, sample
 from core.tree import DraftTree, ancestor_mask
 
 
@@ -93,53 +93,37 @@ def cache_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def accept_greedy(tree: DraftTree, argmax_at: Callable[[int], int]) -> tuple[list[int], int]:
-    """Longest path whose every token is the base model's argmax at its parent;
-    argmax_at(node) is that argmax. -> (accepted nodes, root first; the bonus
-    token: the argmax after the last)."""
+def accept(tree: DraftTree, choice_at: Callable[[int], int]) -> tuple[list[int], int]:
+    """Longest path whose every token is the base model's own choice at its
+    parent; choice_at(node) is that choice (the argmax when greedy, the
+    Gumbel-max sample when sampling). -> (accepted nodes, root first; the
+    bonus token: the choice after the last)."""
     tokens = tree.tokens.tolist()
     children = tree.children()
     path = [0]
     while True:
         node = path[-1]
-        predicted = argmax_at(node)
-        match = next((child for child in children[node] if tokens[child] == predicted), None)
+        chosen = choice_at(node)
+        match = next((child for child in children[node] if tokens[child] == chosen), None)
         if match is None:
-            return path, predicted
+            return path, chosen
         path.append(match)
 
 
-def accept_sampling(
-    tree: DraftTree, logits, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[list[int], int]:
-    """Multi-candidate recursive rejection sampling (SpecInfer, Miao et al. 2024).
+class NodeSample:
+    """The base model's sampled token after each tree node the walk visits.
 
-    At a node with residual distribution p, try its children x_1, x_2, ... in
-    rank order. Child x is a point-mass proposal q = delta_x, so the speculative
-    acceptance probability min(1, p(x)/q(x)) is p(x); on rejection the residual
-    norm(max(0, p - q)) is p with x zeroed and renormalised. Then
-      P(emit x)  = p(x)                                     (accepted at once)
-      P(emit y)  = (1 - p(x)) * p(y) / (1 - p(x)) = p(y)    (y != x, via the residual)
-    so after any number of siblings the emitted token is distributed exactly as
-    p. Once a child is accepted the next token's distribution is the base
-    model's at that child, which the tree pass computed with the right context;
-    by induction on depth the whole output has the base model's distribution.
-    When every child is rejected (or a leaf is reached) the next token is
-    sampled from the residual and becomes the bonus token."""
-    tokens = tree.tokens.tolist()
-    children = tree.children()
-    path = [0]
-    while True:
-        node = path[-1]
-        p = probabilities(logits[node], params).clone()
-        accepted = None
-        for child in children[node]:
-            token = tokens[child]
-            if float(torch.rand((), generator=generator, device=p.device)) < float(p[token]):
-                accepted = child
-                break
-            p[token] = 0.0  # rejected with probability 1 - p(x) > 0, so mass remains
-            p /= p.sum()
-        if accepted is None:
-            return path, sample(p, generator)
-        path.append(accepted)
+    With Gumbel-max coupling (core/sampling.Noise) the token after a node at
+    depth d is argmax(log p_node + g) with g the noise of position
+    prefix + d + 1, so it is the token vanilla sampling with the same seed
+    draws after the same prefix. A drafted child is accepted when it equals
+    that token: with probability p(x) for a child x, and p(x) + p(y) for two
+    siblings x and y, as in multi-candidate speculative sampling (SpecInfer),
+    and the emitted token is exactly distributed as p, whatever the tree."""
+
+    def __init__(self, logits: NodeLogits, tree: DraftTree, params: SamplingParams, noise: Noise, prefix: int):
+        self.logits, self.depths, self.params, self.noise, self.prefix = logits, tree.depths.tolist(), params, noise, prefix
+
+    def __call__(self, node: int) -> int:
+        probs = probabilities(self.logits[node], self.params)
+        return sample(probs, self.noise.at(self.prefix + self.depths[node] + 1))

@@ -8,6 +8,19 @@ from tests.factory import save_tiny_model
 
 # Two cores on CI machines: one torch pool of an explicit size, never oversubscribed.
 torch.set_num_threads(int(os.environ.get("KESTREL_TEST_THREADS", "2")))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def costs_dir(tmp_path_factory):
+    """Step costs measured by tests go to a temporary folder, not the user's cache."""
+    folder = tmp_path_factory.mktemp("costs")
+    saved = os.environ.get("KESTREL_COSTS_DIR")
+    os.environ["KESTREL_COSTS_DIR"] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop("KESTREL_COSTS_DIR", None)
+    else:
+        os.environ["KESTREL_COSTS_DIR"] = saved
 warnings.filterwarnings("ignore", message="MatMul8bitLt")
 
 

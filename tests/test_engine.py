@@ -10,7 +10,7 @@ from core import kv_cache
 from core.config import SamplingParams, TreeParams
 from core.engine import Engine
 from core.tree import ancestor_mask
-from core.verify import NodeLogits, accept_greedy, base_forward, verify_tree
+from core.verify import NodeLogits, accept, base_forward, verify_tree
 from models.base import load_base
 from models.errors import UnsupportedArchitectureError
 from tests.factory import ARCHITECTURES, random_head, save_tiny_model
@@ -110,7 +110,7 @@ def test_cache_after_commit_equals_fresh_prefill(engine64):
         assert torch.allclose(kept.values, expected.values, atol=1e-12)
 
 
-def test_accept_greedy_takes_the_longest_matching_path():
+def test_accept_takes_the_longest_matching_path():
     from core.tree import make_tree
 
     tree = make_tree(5, [1, 2, 3, 4], [-1, -1, 1, 2])  # 0 -> {1:tok1, 2:tok2}, 2 -> 3:tok3, 3 -> 4:tok4
@@ -118,7 +118,7 @@ def test_accept_greedy_takes_the_longest_matching_path():
     best = {0: 2, 1: 7, 2: 3, 3: 6, 4: 0}  # root prefers token 2 (node 2), node 2 prefers 3 (node 3), node 3 prefers 6
     for node, token in best.items():
         logits[node, token] = 1.0
-    path, bonus = accept_greedy(tree, lambda node: int(logits[node].argmax()))
+    path, bonus = accept(tree, lambda node: int(logits[node].argmax()))
     assert path == [0, 2, 3] and bonus == 6
 
 
@@ -127,17 +127,32 @@ def chi_square_critical(dof: int, alpha_z: float = 3.09) -> float:
     return dof * (1 - 2 / (9 * dof) + alpha_z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=2), SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=2)])
-def test_eagle2_sampling_keeps_the_base_distribution(tmp_path, params):
+@pytest.mark.parametrize(
+    "params, planned",
+    [
+        (SamplingParams(temperature=1.0, max_new_tokens=2), False),
+        (SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=2), False),
+        (SamplingParams(temperature=1.0, max_new_tokens=2), True),
+    ],
+    ids=["t1", "t0.8-p0.9", "t1-planned"],
+)
+def test_eagle2_sampling_keeps_the_base_distribution(tmp_path, params, planned):
     """Chi-square test (alpha = 0.001, fixed seeds) of the joint distribution of
-    the first two generated tokens against the exact base-model distribution."""
+    the first two generated tokens against the exact base-model distribution;
+    planned: trees sized by the planner on a GPU-like cost table, with the
+    context branch copying from the prompt when the first token continues
+    "6" as it did before ("6 7", "6 8")."""
     from core.sampling import probabilities
 
     vocab = 10
     folder = save_tiny_model(tmp_path / "m", vocab_size=vocab, sharpness=3.0, seed=4)
     base = load_base(str(folder), dtype="float64")
     engine = Engine(base, random_head(base.model, seed=2))
-    prompt = [5, 6, 7, 8]
+    prompt, tree = [5, 6, 7, 8], TreeParams(8, 3, 3)
+    if planned:
+        from tests.test_planner import GPU_LIKE
+
+        engine.costs, prompt, tree = GPU_LIKE, [5, 6, 7, 3, 5, 6, 8, 5, 6], TreeParams(depth=3, top_k=3)
     # exact distribution of (first, second) with stop tokens ending the reply
     first = probabilities(base.model(torch.tensor([prompt])).logits[0, -1], params)
     expected = {}
@@ -153,7 +168,7 @@ def test_eagle2_sampling_keeps_the_base_distribution(tmp_path, params):
     accepted = 0
     for seed in range(draws):
         run = SamplingParams(params.temperature, params.top_p, params.top_k, 2, seed)
-        steps = list(engine.stream(prompt, mode="eagle2", sampling=run, tree=TreeParams(8, 3, 3)))
+        steps = list(engine.stream(prompt, mode="eagle2", sampling=run, tree=tree))
         outcome = tuple(tokens_of(steps))
         counts[outcome] = counts.get(outcome, 0) + 1
         accepted += sum(step.accepted for step in steps)

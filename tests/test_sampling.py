@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from core.config import SamplingParams
-from core.sampling import next_token, probabilities
+from core.sampling import Noise, probabilities, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
 
@@ -33,20 +33,17 @@ def test_top_p_always_keeps_the_first_token():
     assert probs[0] == 1.0
 
 
-def test_greedy_is_argmax():
-    assert next_token(LOGITS, SamplingParams(), None) == 0
-
-
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.3, top_p=0.8)],
 )
 def test_samples_follow_the_distribution(params):
-    generator = torch.Generator().manual_seed(0)
+    noise = Noise(seed=0, vocabulary=5)
     draws = 20000
     counts = torch.zeros(5)
-    for _ in range(draws):
-        counts[next_token(LOGITS, params, generator)] += 1
+    probs = probabilities(LOGITS, params)
+    for position in range(draws):
+        counts[sample(probs, noise.at(position))] += 1
     expected = probabilities(LOGITS, params).float() * draws
     # every count within 5 standard deviations of its binomial expectation
     for count, mean in zip(counts.tolist(), expected.tolist()):
@@ -54,14 +51,13 @@ def test_samples_follow_the_distribution(params):
         assert abs(count - mean) <= 5 * spread + 1e-6
 
 
-def test_seed_reproduces_samples():
-    params = SamplingParams(temperature=1.0)
-    first = [next_token(LOGITS, params, torch.Generator().manual_seed(3)) for _ in range(1)]
-    runs = []
-    for _ in range(2):
-        generator = torch.Generator().manual_seed(7)
-        runs.append([next_token(LOGITS, params, generator) for _ in range(50)])
-    assert runs[0] == runs[1] and first
+def test_seed_reproduces_samples_position_by_position():
+    probs = probabilities(LOGITS, SamplingParams(temperature=1.0))
+    runs = [[sample(probs, Noise(7, 5).at(position)) for position in range(50)] for _ in range(2)]
+    other = [sample(probs, Noise(8, 5).at(position)) for position in range(50)]
+    assert runs[0] == runs[1] and runs[0] != other
+    # one position's draw does not depend on which positions were drawn before
+    assert sample(probs, Noise(7, 5).at(30)) == runs[0][30]
 
 
 def test_invalid_params_are_named():

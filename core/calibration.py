@@ -1,0 +1,94 @@
+"""Calibrated acceptance: how often a drafted node of a given confidence is
+really accepted, learned online from every verified tree.
+
+EAGLE-2 (Li et al. 2024, section 4) finds that a node's draft confidence (the
+product of the head's probabilities along its path) approximates its chance of
+being accepted, but the head is over- or under-confident by amounts that
+differ between heads, tasks and temperatures. So each verified node adds one
+observation (its confidence, its depth, whether it ended on the accepted path)
+and the estimate for a confidence bucket is the measured rate, shrunk towards
+the confidence itself while a bucket has few observations. With no data the
+estimate is the confidence; with many it is the measured rate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# bucket edges over draft confidence; narrow near 0, where most nodes are
+EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+DEPTHS = 16  # depths kept apart (deeper ones share the last row)
+PRIOR = 4.0  # pseudo-observations at the raw confidence (bucket) and at the pooled rate (depth)
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    confidence: float  # mean draft confidence of the bucket's observations
+    accepted: float  # measured acceptance rate
+    count: int  # observations
+
+
+class Calibration:
+    """Acceptance rates by confidence bucket, pooled over depths and per depth."""
+
+    def __init__(self):
+        buckets = len(EDGES) - 1
+        self.edges = torch.tensor(EDGES[1:-1], dtype=torch.float64)
+        self.offered = torch.zeros(DEPTHS, buckets, dtype=torch.float64)
+        self.accepted = torch.zeros(DEPTHS, buckets, dtype=torch.float64)
+        self.confidence_sum = torch.zeros(DEPTHS, buckets, dtype=torch.float64)
+
+    @property
+    def observations(self) -> int:
+        return int(self.offered.sum())
+
+    def _index(self, confidence: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        buckets = torch.bucketize(confidence.double().clamp(0, 1), self.edges, right=True)
+        rows = (depth.long() - 1).clamp(0, DEPTHS - 1)
+        return rows, buckets
+
+    def observe(self, confidence: torch.Tensor, depth: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One verified tree's drafted nodes: confidence (n,) in [0, 1], depth (n,) >= 1, accepted (n,) bool."""
+        if len(confidence) == 0:
+            return
+        rows, buckets = self._index(confidence, depth)
+        flat = rows * self.offered.shape[1] + buckets
+        ones = torch.ones(len(flat), dtype=torch.float64)
+        self.offered.view(-1).index_add_(0, flat, ones)
+        self.accepted.view(-1).index_add_(0, flat, accepted.double())
+        self.confidence_sum.view(-1).index_add_(0, flat, confidence.double().clamp(0, 1))
+
+    def estimate(self, confidence: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        """(n,) acceptance estimates: per-depth rate shrunk to the pooled rate,
+        which is shrunk to the confidence itself."""
+        rows, buckets = self._index(confidence, depth)
+        raw = confidence.double().clamp(0, 1)
+        pooled_offered, pooled_accepted = self.offered.sum(0)[buckets], self.accepted.sum(0)[buckets]
+        pooled = (pooled_accepted + PRIOR * raw) / (pooled_offered + PRIOR)
+        offered, accepted = self.offered[rows, buckets], self.accepted[rows, buckets]
+        return (accepted + PRIOR * pooled) / (offered + PRIOR)
+
+    def curve(self) -> list[CurvePoint]:
+        """Measured acceptance per confidence bucket (depths pooled), for the calibration plot."""
+        offered, accepted, total = self.offered.sum(0), self.accepted.sum(0), self.confidence_sum.sum(0)
+        return [
+            CurvePoint(float(total[b] / offered[b]), float(accepted[b] / offered[b]), int(offered[b]))
+            for b in range(len(offered))
+            if offered[b] > 0
+        ]
+
+
+class Calibrations:
+    """One Calibration per kind of node and sampling setting: acceptance
+    depends on temperature, top-p and top-k, and head nodes and context
+    (copied) nodes have different confidence measures."""
+
+    def __init__(self):
+        self.tables: dict[tuple, Calibration] = {}
+
+    def get(self, kind: str, setting: tuple) -> Calibration:
+        key = (kind, setting)
+        if key not in self.tables:
+            self.tables[key] = Calibration()
+        return self.tables[key]

@@ -1,0 +1,227 @@
+"""The measured cost model: how long one step's parts take on this device.
+
+A speculative step costs head expansions (one per tree depth, each over the
+frontier's width), one base-model pass over the tree's nodes, and a fixed
+overhead. How the tree pass grows with its node count is what differs most
+between devices: on a 2-core CPU 16 nodes cost about twice one node, on a
+GPU 60 nodes cost hardly more than one. The planner (core/planner.py) sizes
+each tree from these measurements, so they are taken on the device in use,
+once, and cached on disk per device, model, head, dtype, quantization and
+thread count."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from core import kv_cache
+from core.drafter import Expander
+from core.tree import make_tree
+from core.verify import NodeArgmax, base_forward, verify_tree
+
+log = logging.getLogger("kestrel")
+
+CPU_SIZES = (1, 2, 4, 8, 16, 32)  # tree nodes measured on CPUs, where large trees never pay
+GPU_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # and on GPUs, where they can
+CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with context
+WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
+REPEATS = 3  # timings per point; the median is kept
+VERSION = 1  # bump when what is measured changes, so old cache files are ignored
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per step part, measured; linear in between measured points."""
+
+    sizes: tuple[int, ...]  # tree node counts measured, ascending, from 1
+    contexts: tuple[int, ...]  # context lengths measured, ascending
+    verify: tuple[tuple[float, ...], ...]  # [context][size]: base tree pass + greedy acceptance + cache commit
+    widths: tuple[int, ...]  # head expansion widths measured, ascending, from 1
+    expand: tuple[float, ...]  # [width]: one head expansion + its top-k over the draft vocabulary
+    overhead: float  # the rest of a step (bookkeeping, detokenizing), measured on a vanilla decode
+
+    @property
+    def largest_tree(self) -> int:
+        return self.sizes[-1]
+
+    def verify_seconds(self, nodes: int, context: int) -> float:
+        """A tree pass of `nodes` nodes after `context` committed tokens."""
+        rows = [_interpolate(self.sizes, row, nodes) for row in self.verify]
+        return max(_interpolate(self.contexts, rows, context), 1e-9)
+
+    def expand_seconds(self, width: int) -> float:
+        return max(_interpolate(self.widths, self.expand, width), 0.0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Costs:
+        return cls(
+            sizes=tuple(data["sizes"]),
+            contexts=tuple(data["contexts"]),
+            verify=tuple(tuple(row) for row in data["verify"]),
+            widths=tuple(data["widths"]),
+            expand=tuple(data["expand"]),
+            overhead=float(data["overhead"]),
+        )
+
+
+def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past both ends."""
+    if len(xs) == 1:
+        return float(ys[0])
+    index = 1
+    while index < len(xs) - 1 and x > xs[index]:
+        index += 1
+    x0, x1, y0, y1 = xs[index - 1], xs[index], float(ys[index - 1]), float(ys[index])
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def device_name(device: torch.device) -> str:
+    """What the timings depend on: the processor's model (and the GPU's)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str) -> dict:
+    return {
+        "version": VERSION,
+        "device": device_name(device),
+        "device_type": device.type,
+        "model": model,
+        "head": head,
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantization": quantization,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def cache_file(folder: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return folder / f"costs-{digest}.json"
+
+
+def load_cached(folder: Path, key: dict) -> Costs | None:
+    """The cached measurement for exactly this key, or None."""
+    path = cache_file(folder, key)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return Costs.from_dict(data["costs"]) if data.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached(folder: Path, key: dict, costs: Costs) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = cache_file(folder, key)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1), encoding="utf-8")
+    temporary.replace(path)
+    return path
+
+
+Progress = Callable[[int, int, str], None]
+
+
+@torch.inference_mode()
+def measure(model, argmax, drafter_for: Callable[[], object], context_limit: int, progress: Progress | None = None) -> Costs:
+    """Time tree passes of every size at every context length, head
+    expansions of every width, and a step's fixed overhead, on `model` as it
+    runs. `drafter_for()` makes a fresh Drafter; `argmax` is the engine's."""
+    device = model.get_input_embeddings().weight.device
+    sizes = GPU_SIZES if device.type == "cuda" else CPU_SIZES
+    contexts = tuple(c for c in CONTEXTS if c + sizes[-1] < context_limit) or (min(CONTEXTS[0], context_limit // 2),)
+    total, done = len(contexts) * (len(sizes) + 1) + 1, 0
+    vocabulary = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    verify, expand, features = [], [], None
+    for context in contexts:
+        _report(progress, done, total, f"base model, {context}-token context")
+        tokens = torch.randint(0, vocabulary, (context,), generator=generator).to(device)
+        cache = kv_cache.new_cache(model)
+        features = base_forward(model, tokens, torch.arange(context, device=device), None, cache)
+        done += 1
+        row = []
+        for size in sizes:
+            _report(progress, done, total, f"tree pass of {size} nodes")
+            tree = _bushy_tree(size, vocabulary, generator)
+            row.append(_median(lambda tree=tree: _verify_once(model, argmax, tree, context, cache), device, size == sizes[0]))
+            done += 1
+        verify.append(tuple(row))
+    _report(progress, done, total, "draft head")
+    drafter = drafter_for()
+    if drafter is not None:
+        drafter.commit(features, torch.randint(0, vocabulary, (len(features),), generator=generator).to(device))
+        for width in WIDTHS:
+            expand.append(_median(lambda width=width: _expand_once(drafter, width), device, width == WIDTHS[0]))
+        overhead = _median(lambda: _commit_once(drafter, features[:2]), device)
+    else:
+        expand, overhead = [0.0] * len(WIDTHS), 0.0
+    done += 1
+    _report(progress, done, total, "done")
+    return Costs(sizes, contexts, tuple(verify), WIDTHS, tuple(expand), overhead)
+
+
+def _report(progress: Progress | None, done: int, total: int, what: str) -> None:
+    if progress is not None:
+        progress(done, total, what)
+
+
+def _bushy_tree(size: int, vocabulary: int, generator: torch.Generator):
+    """A tree of `size` nodes shaped like EAGLE-2's: a few children per node, depth about 5."""
+    parents = [(node - 1) // 3 - 1 if node > 0 else -1 for node in range(size - 1)]
+    tokens = torch.randint(0, vocabulary, (size,), generator=generator).tolist()
+    return make_tree(tokens[0], tokens[1:], parents)
+
+
+def _verify_once(model, argmax, tree, context: int, cache) -> None:
+    features = verify_tree(model, tree, context, cache)
+    NodeArgmax(argmax, features)(0)
+    kv_cache.commit(cache, context, [])
+
+
+def _expand_once(drafter, width: int) -> None:
+    committed = drafter.cache.length
+    hidden = Expander(drafter).expand(list(range(width)), [0] * width, [-1] * width)  # width first-level nodes
+    drafter.top(hidden, drafter.params.top_k)
+    drafter.cache.crop(committed)
+
+
+def _commit_once(drafter, features: torch.Tensor) -> None:
+    """A step's head commit of its accepted tokens (two here): the bulk of a step's overhead."""
+    committed = drafter.cache.length
+    drafter.commit(features, torch.zeros(len(features), dtype=torch.long, device=features.device))
+    drafter.cache.crop(committed)
+
+
+def _median(run: Callable[[], None], device: torch.device, warm_up: bool = False) -> float:
+    if warm_up:
+        run()  # first calls allocate
+    times = []
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

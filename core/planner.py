@@ -1,0 +1,78 @@
+"""Sizing each draft tree from measured costs and calibrated acceptance.
+
+A drafted node's acceptance estimate a is its chance of ending on the
+accepted path (core/calibration.py), so a tree holding the root and nodes
+a_1 >= a_2 >= ... commits in expectation
+
+    E[tokens](n) = 1 + a_1 + ... + a_{n-1}       (the root's bonus token is sure)
+
+for a base-model pass of n nodes costing verify(n) seconds on this device
+(core/costs.py). The planner picks the n maximising
+
+    rate(n) = E[tokens](n) / (spent + verify(n))
+
+where `spent` is the step's drafting so far plus its fixed overhead, and
+keeps drafting deeper only while the next level could raise that rate by
+more than the head expansion costs. All functions here are pure."""
+
+from __future__ import annotations
+
+import torch
+
+
+def closed_estimates(estimates: torch.Tensor, parents: list[int]) -> torch.Tensor:
+    """Cap each candidate's estimate at its parent's (-1 = the root), so
+    that ranking by estimate, earlier candidates first among equals, keeps
+    every chosen node's parent in the tree: a child is never more likely to
+    be accepted than its parent."""
+    capped = estimates.double().clone()
+    for node, parent in enumerate(parents):
+        if parent >= 0 and capped[node] > capped[parent]:
+            capped[node] = capped[parent]
+    return capped
+
+
+def ranked(estimates: torch.Tensor) -> torch.Tensor:
+    """Candidate indices by estimate, highest first, earlier first among equals."""
+    return torch.sort(-estimates.double(), stable=True).indices
+
+
+def rates(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent: float) -> torch.Tensor:
+    """rate(n) for n = 1 .. len(verify_curve): expected committed tokens per
+    second with the root and the best n - 1 candidates. verify_curve[n-1] is
+    the seconds of an n-node pass; sorted_estimates are descending."""
+    largest = len(verify_curve)
+    gains = torch.zeros(largest, dtype=torch.float64)
+    count = min(largest - 1, len(sorted_estimates))
+    gains[1 : count + 1] = sorted_estimates[:count].double()
+    expected = 1 + gains.cumsum(0)
+    if count + 1 < largest:  # no candidates for bigger trees: they cannot be chosen
+        expected[count + 1 :] = 0
+    return expected / (spent + verify_curve.double())
+
+
+def best_size(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent: float) -> tuple[int, float]:
+    """-> (n, rate): the node count (root included) of the highest expected
+    rate, the smallest such n among equals."""
+    curve = rates(sorted_estimates, verify_curve, spent)
+    best = int(torch.argmax(curve))  # argmax returns the first maximum
+    return best + 1, float(curve[best])
+
+
+def worth_deepening(
+    sorted_estimates: torch.Tensor,
+    frontier_estimates: torch.Tensor,
+    verify_curve: torch.Tensor,
+    spent: float,
+    expand_seconds: float,
+) -> bool:
+    """Whether expanding the frontier could raise the best rate. Optimistic
+    bound: each frontier node f gets one child accepted whenever f is
+    (a child's chance never exceeds its parent's), for one more head
+    expansion's time. If even that does not pay, the real level cannot."""
+    if len(frontier_estimates) == 0:
+        return False
+    _, now = best_size(sorted_estimates, verify_curve, spent)
+    hoped = torch.sort(torch.cat([sorted_estimates.double(), frontier_estimates.double()]), descending=True).values
+    _, deeper = best_size(hoped, verify_curve, spent + expand_seconds)
+    return deeper > now

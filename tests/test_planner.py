@@ -1,0 +1,219 @@
+"""The planner, calibration, the context branch and the cost cache: pure
+functions on synthetic tables, then the engine with the planner on."""
+
+import pytest
+import torch
+
+from core import costs as costs_module
+from core import planner
+from core.calibration import Calibration, Calibrations
+from core.config import SamplingParams, TreeParams
+from core.costs import Costs
+from core.engine import Engine
+from core.lookup import ContextIndex
+from models.base import load_base
+from tests.factory import ARCHITECTURES, random_head, save_tiny_model
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def table(per_node: float, one: float = 0.01, expand: float = 0.001, overhead: float = 0.001) -> Costs:
+    """A cost table whose tree pass costs `one` plus `per_node` per extra node."""
+    row = tuple(one + per_node * (n - 1) for n in SIZES)
+    return Costs(SIZES, (0, 4096), (row, row), (1, 16), (expand, expand), overhead)
+
+
+GPU_LIKE = table(per_node=1e-6, expand=1e-5)  # 128 nodes cost 1.01 one-node passes
+CPU_LIKE = table(per_node=0.004)  # every extra node costs 40% of a one-node pass
+
+
+def curve_of(costs: Costs, largest: int = 128) -> torch.Tensor:
+    return torch.tensor([costs.verify_seconds(n, 100) for n in range(1, largest + 1)], dtype=torch.float64)
+
+
+def brute_force(estimates: list[float], curve: torch.Tensor, spent: float) -> tuple[int, float]:
+    best = (1, 1 / (spent + float(curve[0])))
+    for n in range(2, min(len(estimates) + 1, len(curve)) + 1):
+        rate = (1 + sum(sorted(estimates, reverse=True)[: n - 1])) / (spent + float(curve[n - 1]))
+        if rate > best[1] + 1e-12:
+            best = (n, rate)
+    return best
+
+
+def test_best_size_maximises_the_expected_rate():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        count = int(torch.randint(0, 60, (), generator=generator))
+        estimates = sorted(torch.rand(count, generator=generator).pow(3).tolist(), reverse=True)
+        per_node = float(torch.rand((), generator=generator)) * 0.01
+        curve = curve_of(table(per_node), 64)
+        spent = float(torch.rand((), generator=generator)) * 0.01
+        size, rate = planner.best_size(torch.tensor(estimates, dtype=torch.float64), curve, spent)
+        expected_size, expected_rate = brute_force(estimates, curve, spent)
+        assert rate == pytest.approx(expected_rate)
+        assert size == expected_size
+
+
+def test_cheaper_verification_never_picks_a_smaller_tree():
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(100):
+        estimates = torch.sort(torch.rand(100, generator=generator).pow(2), descending=True).values.double()
+        sizes = [planner.best_size(estimates, curve_of(table(per_node)), 0.002)[0] for per_node in (0.01, 0.003, 0.001, 0.0003, 0.0)]
+        assert sizes == sorted(sizes), sizes
+    # a flat cost takes every candidate; a steep one takes only the sure ones
+    sure = torch.tensor([0.99, 0.98, 0.5, 0.2, 0.1, 0.05], dtype=torch.float64)
+    assert planner.best_size(sure, curve_of(GPU_LIKE), 0.001)[0] == 7
+    assert planner.best_size(sure, curve_of(CPU_LIKE), 0.001)[0] == 3
+
+
+def test_deepening_stops_where_no_deeper_tree_can_pay():
+    curve = curve_of(CPU_LIKE)
+    have = torch.tensor([0.9, 0.3, 0.1], dtype=torch.float64)
+    # a confident frontier on cheap verification pays for one more expansion
+    assert planner.worth_deepening(have, torch.tensor([0.9, 0.3]), curve_of(GPU_LIKE), 0.001, 0.001)
+    # a hopeless frontier never does, nor does an expansion dearer than any gain
+    assert not planner.worth_deepening(have, torch.tensor([0.001, 0.0005]), curve, 0.001, 0.001)
+    assert not planner.worth_deepening(have, torch.tensor([0.9, 0.3]), curve, 0.001, 10.0)
+    assert not planner.worth_deepening(have, torch.tensor([]), curve, 0.001, 0.001)
+    # the rule is a bound: whenever it says stop, no level of children (each at
+    # most as likely as its frontier parent) raises the best rate
+    generator = torch.Generator().manual_seed(2)
+    for trial in range(300):
+        have = torch.sort(torch.rand(10, generator=generator).pow(2), descending=True).values.double()
+        frontier = have[:4] * torch.rand(4, generator=generator).double()
+        expand = float(torch.rand((), generator=generator)) * 0.01
+        curve = curve_of(table(float(torch.rand((), generator=generator)) * 0.005))
+        if planner.worth_deepening(have, frontier, curve, 0.002, expand):
+            continue
+        children = frontier * torch.rand(4, generator=generator).double()
+        merged = torch.sort(torch.cat([have, children]), descending=True).values
+        assert planner.best_size(merged, curve, 0.002 + expand)[1] <= planner.best_size(have, curve, 0.002)[1] + 1e-12
+
+
+def test_closed_estimates_keep_parents_before_children():
+    estimates = torch.tensor([0.2, 0.5, 0.9, 0.1, 0.3])
+    parents = [-1, -1, 0, 2, 1]
+    closed = planner.closed_estimates(estimates, parents)
+    assert closed.tolist() == pytest.approx([0.2, 0.5, 0.2, 0.1, 0.3])
+    order = planner.ranked(closed).tolist()
+    for count in range(1, 6):
+        chosen = set(order[:count])
+        assert all(parents[node] == -1 or parents[node] in chosen for node in chosen)
+
+
+def test_calibration_converges_to_the_true_rates():
+    """An overconfident head (accepted with probability c^2 at confidence c,
+    and less at depth 3) is learned bucket by bucket."""
+    calibration = Calibration()
+    generator = torch.Generator().manual_seed(3)
+    for batch in range(500):
+        confidence = torch.rand(100, generator=generator).double()
+        depth = torch.randint(1, 4, (100,), generator=generator)
+        true_rate = confidence**2 * torch.where(depth == 3, 0.5, 1.0)
+        calibration.observe(confidence, depth, torch.rand(100, generator=generator).double() < true_rate)
+    probe = torch.tensor([0.05, 0.25, 0.55, 0.85, 0.97], dtype=torch.float64)
+    for depth in (1, 2, 3):
+        truth = probe**2 * (0.5 if depth == 3 else 1.0)
+        got = calibration.estimate(probe, torch.full((5,), depth))
+        assert torch.allclose(got, truth, atol=0.06), (depth, got, truth)
+    # with no observations the estimate is the confidence itself
+    assert torch.allclose(Calibration().estimate(probe, torch.ones(5)), probe)
+    points = calibration.curve()
+    # pooled over depths the rate is (1 + 1 + 0.5) / 3 of c^2
+    assert len(points) == 15 and all(abs(p.accepted - 5 / 6 * p.confidence**2) < 0.05 for p in points)
+
+
+def test_context_index_proposes_distinct_branches_longest_match_first():
+    index = ContextIndex()
+    # "7 8" occurs three times before the end; the match before 40 is the longest
+    index.extend([1, 2, 7, 8, 30, 31, 5, 6, 7, 8, 40, 41, 42, 3, 7, 8, 50, 9, 5, 6, 7, 8])
+    branches = index.branches(count=4, longest=16)
+    assert [branch.tokens[0] for branch in branches] == [40, 50, 30]
+    assert branches[0].match == 4 and branches[1].match == 2
+    assert len(branches[0].tokens) > len(branches[1].tokens)  # longer matches are copied further
+    assert branches[0].confidence(1) > branches[1].confidence(1) > branches[2].confidence(1)
+    assert branches[0].confidence(2) < branches[0].confidence(1)
+    assert index.branches(count=1, longest=2)[0].tokens == (40, 41)
+    assert ContextIndex().branches(4, 16) == []
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def engine64(request, tmp_path_factory):
+    folder = save_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, vocab_size=48)
+    base = load_base(str(folder), dtype="float64")
+    return Engine(base, random_head(base.model, seed=1, qkv_bias=request.param == "qwen2"))
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+def prompts(count: int) -> list[list[int]]:
+    """Random prompts, half of them repeating a phrase so that the context branch has matches."""
+    generator = torch.Generator().manual_seed(5)
+    result = []
+    for index in range(count):
+        prompt = torch.randint(8, 48, (4 + 3 * index,), generator=generator).tolist()
+        result.append(prompt + prompt[:5] if index % 2 else prompt)
+    return result
+
+
+@pytest.mark.parametrize("costs", [GPU_LIKE, CPU_LIKE], ids=["gpu-like", "cpu-like"])
+def test_planned_eagle2_equals_vanilla(engine64, costs):
+    """Greedy and seeded sampling: the planner's trees never change the output."""
+    engine64.costs = costs
+    for prompt in prompts(6):
+        for sampling in (SamplingParams(max_new_tokens=40), SamplingParams(temperature=0.9, top_k=20, max_new_tokens=40, seed=11)):
+            reference = tokens_of(engine64.stream(prompt, "vanilla", sampling))
+            for tree in (TreeParams(), TreeParams(depth=3, top_k=2, context_branches=1), TreeParams(lookup_tokens=0)):
+                assert tokens_of(engine64.stream(prompt, "eagle2", sampling, tree)) == reference, (prompt, sampling, tree)
+
+
+def test_the_planner_grows_trees_where_verification_is_cheap(engine64):
+    """Fed a GPU-like cost table (flat in the node count) the planner picks big
+    trees; fed a CPU-like one (steep) it picks small ones or none."""
+    sizes = {}
+    for name, costs in (("gpu", GPU_LIKE), ("cpu", CPU_LIKE)):
+        engine64.costs, engine64.calibrations = costs, Calibrations()
+        steps = list(engine64.stream(prompts(2)[1], "eagle2", SamplingParams(max_new_tokens=30)))
+        sizes[name] = steps[-1].stats.mean_tree_size
+    assert sizes["gpu"] >= 20 and sizes["cpu"] <= 6 and sizes["gpu"] >= 4 * sizes["cpu"], sizes
+
+
+def test_seeded_sampling_is_the_same_in_every_mode(engine64):
+    engine64.costs = GPU_LIKE
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=30, seed=3)
+    replies = [tokens_of(engine64.stream([8, 9, 10, 11], mode, sampling)) for mode in ("vanilla", "eagle", "eagle2")]
+    replies.append(tokens_of(engine64.stream([8, 9, 10, 11], "eagle2", sampling, TreeParams(20, 4, 4))))
+    assert all(reply == replies[0] for reply in replies)
+    other = tokens_of(engine64.stream([8, 9, 10, 11], "vanilla", SamplingParams(temperature=1.0, max_new_tokens=30, seed=4)))
+    assert other != replies[0]
+
+
+def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir, monkeypatch, costs_dir):
+    measured = []
+    real = costs_module.measure
+
+    def counting(*args, **kwargs):
+        measured.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(costs_module, "measure", counting)
+    base = load_base(str(tiny_dir), dtype="float64")
+    first = Engine(base, random_head(base.model)).prepare_costs()
+    assert len(measured) == 1 and first.sizes[0] == 1 and all(t > 0 for row in first.verify for t in row)
+    again = Engine(base, random_head(base.model)).prepare_costs()  # a new session: read from disk
+    assert len(measured) == 1 and again == first
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        Engine(base, random_head(base.model)).prepare_costs()
+        assert len(measured) == 2
+    finally:
+        torch.set_num_threads(threads)
+    float32 = load_base(str(tiny_dir), dtype="float32")
+    Engine(float32, random_head(float32.model)).prepare_costs()
+    assert len(measured) == 3
+    Engine(base, random_head(base.model)).prepare_costs(remeasure=True)  # bench --calibrate
+    assert len(measured) == 4
+    assert Engine(base, None).prepare_costs() is None  # nothing to plan without a head
