@@ -26,6 +26,7 @@ MODE_LABELS = {"vanilla": "vanilla", "eagle": "EAGLE", "eagle2": "EAGLE-2"}
 TEXT_INTERVAL = 0.25  # seconds between chat text updates (the decoding never waits for them)
 PANEL_INTERVAL = 0.5  # seconds between updates of the statistics
 PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost the browser most to redraw)
+SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 
 
 def default_settings() -> dict:
@@ -131,10 +132,10 @@ class ChatHandlers:
         self.store = store
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
-        """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot."""
+        """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot, calibration plot."""
         message = (message or "").strip()
         if not message:
-            yield "", gr.skip(), chat, notice_html("Type a message first."), gr.skip(), gr.skip(), gr.skip()
+            yield "", gr.skip(), chat, notice_html("Type a message first."), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
         chat["system"] = system or ""
@@ -147,7 +148,7 @@ class ChatHandlers:
         if chat["messages"] and chat["messages"][-1]["role"] == "assistant":
             chat["messages"].pop()
         if not chat["messages"]:
-            yield "", gr.skip(), chat, notice_html("Nothing to regenerate."), gr.skip(), gr.skip(), gr.skip()
+            yield "", gr.skip(), chat, notice_html("Nothing to regenerate."), *SKIP_PANEL
             return
         yield from self._respond(chat, values, None)
 
@@ -171,14 +172,14 @@ class ChatHandlers:
         history = display(chat, colour)  # rendered once; each update renders only the growing reply
         reply = None
         try:
-            yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), gr.skip(), gr.skip(), gr.skip()
+            yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *SKIP_PANEL
             replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL)
             for reply in replies:
                 if reply.finish_reason is not None:
                     continue
                 pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
                 stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
-                plots = self._plots(reply) if plot_throttle.ready() else (gr.skip(), gr.skip())
+                plots = self._plots(reply, engine, options.sampling) if plot_throttle.ready() else SKIP_PANEL[1:]
                 yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), gr.skip(), stats, *plots
         except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
             cancel.set()
@@ -193,7 +194,8 @@ class ChatHandlers:
             yield from self._failed(chat, message, colour, "Stopped before the reply started.")
             return
         note = self._finish(chat, reply, mode, note)
-        yield gr.skip(), display(chat, colour), chat, notice_html(note), *self._panel(chat, reply, finished=True)
+        panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
+        yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
 
     def _finish(self, chat: dict, reply: Reply, mode: str, note: str) -> str:
         """Add the reply to the chat and save it; returns the note to show."""
@@ -226,18 +228,17 @@ class ChatHandlers:
         """Show the error; a just-sent message goes back into the message box."""
         if message is not None:
             chat["messages"].pop()
-        yield message or "", display(chat, colour), chat, notice_html(error), gr.skip(), gr.skip(), gr.skip()
-
-    def _panel(self, chat: dict, reply: Reply, finished: bool = False) -> tuple:
-        """Stats, depth plot and rate plot; a finished reply is already in the session totals."""
-        return self._stats(chat, reply, finished), *self._plots(reply)
+        yield message or "", display(chat, colour), chat, notice_html(error), *SKIP_PANEL
 
     def _stats(self, chat: dict, reply: Reply, finished: bool = False) -> str:
+        """The stats panel; a finished reply is already in the session totals."""
         tau = session_tau(chat, None if finished else reply)
         return render.stats_html(reply.snapshot, reply.tree_size, tau)
 
-    def _plots(self, reply: Reply) -> tuple:
-        return render.depth_frame(reply.snapshot), render.rate_frame(reply.rate_points)
+    def _plots(self, reply: Reply, engine: Engine, sampling: SamplingParams) -> tuple:
+        """Depth plot, rate plot, calibration plot."""
+        curve = render.calibration_frame(engine.calibration_curve(sampling))
+        return render.depth_frame(reply.snapshot), render.rate_frame(reply.rate_points), curve
 
     def stop(self, chat: dict | None) -> None:
         self.runtime.cancel(chat["id"] if chat else None)

@@ -11,6 +11,7 @@ import re
 
 import pandas as pd
 
+from core.calibration import CurvePoint
 from core.stats import Snapshot
 
 DRAFT, BASE = "draft", "base"  # token origins: drafted-and-accepted, or sampled by the base model
@@ -150,6 +151,7 @@ def stats_html(snapshot: Snapshot | None, tree_size: int, session_tau: float | N
             ("time to first token", _seconds(snapshot.time_to_first_token), "ttft"),
             ("draft / verify time", share, "share"),
             ("tree size (last step)", str(tree_size), "tree"),
+            ("mean tree: nodes / depth", f"{snapshot.mean_tree_size:.1f} / {snapshot.mean_tree_depth:.1f}", "tree-mean"),
         ]
     cells = "".join(
         f'<tr><td>{label}</td><td class="value" id="stat-{key}">{escape(value)}</td></tr>' for label, value, key in rows
@@ -162,6 +164,14 @@ def depth_frame(snapshot: Snapshot | None) -> pd.DataFrame:
     """Acceptance rate per draft depth, for the bar chart."""
     rates = snapshot.acceptance_by_depth if snapshot is not None else ()
     return pd.DataFrame({"depth": [str(d + 1) for d in range(len(rates))], "acceptance": list(rates)})
+
+
+def calibration_frame(points: list[CurvePoint]) -> pd.DataFrame:
+    """Measured acceptance of drafted nodes against their draft confidence,
+    with the diagonal (a perfectly calibrated head) for reference."""
+    measured = [("measured", p.confidence, p.accepted) for p in points]
+    rows = [("diagonal", 0.0, 0.0), ("diagonal", 1.0, 1.0), *measured]
+    return pd.DataFrame(rows, columns=["series", "draft confidence", "accepted"])
 
 
 def rate_frame(points: list[tuple[float, float]]) -> pd.DataFrame:

@@ -24,10 +24,11 @@ REFUSED = {
     "best_of": (None, 1),
 }  # fmt: skip
 TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest)
-    "total_tokens": ("total_tokens", 2, 256),
+    "total_tokens": ("total_tokens", 0, 256),  # 0 = sized by the planner (1 is refused by name below)
     "depth": ("depth", 1, 16),
     "tree_top_k": ("top_k", 1, 32),
     "lookup_tokens": ("lookup_tokens", 0, 64),
+    "context_branches": ("context_branches", 1, 16),
 }
 KESTREL_FIELDS = {"mode", "top_k", "min_path_prob", *TREE_RANGES}
 
@@ -180,6 +181,8 @@ def _tree(kestrel: dict) -> TreeParams:
     for name, (field, low, high) in TREE_RANGES.items():
         values[field] = _integer(kestrel, name, getattr(defaults, field), low, high, f"kestrel.{name}")
     values["min_path_prob"] = _number(kestrel, "min_path_prob", defaults.min_path_prob, 0.0, 0.999, param="kestrel.min_path_prob")
+    if values["total_tokens"] == 1:
+        raise RequestError("kestrel.total_tokens must be 0 (sized by the planner) or between 2 and 256", "kestrel.total_tokens")
     return TreeParams(**values)
 
 

@@ -69,6 +69,11 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
                         rate_plot = gr.LinePlot(
                             render.rate_frame([]), x="seconds", y="tokens/s", title="Tokens/s over the reply", height=170
                         )
+                        calibration_plot = gr.LinePlot(
+                            render.calibration_frame([]), x="draft confidence", y="accepted", color="series",
+                            x_lim=[0, 1], y_lim=[0, 1], title="Calibration: drafted nodes accepted, by draft confidence",
+                            height=200, elem_id="calibration-plot",
+                        )  # fmt: skip
                         with gr.Accordion("Decoding settings", open=True):
                             # every mode here; the page load narrows the choices to the loaded model's
                             mode = gr.Radio([(MODE_LABELS[m], m) for m in MODES], value="vanilla", label="Mode",
@@ -80,7 +85,8 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
                             top_k = gr.Number(defaults["top_k"], precision=0, minimum=0, label="Top-k (0 = off)")
                             max_new_tokens = gr.Slider(1, 2048, defaults["max_new_tokens"], step=1, label="Max new tokens")
                             seed = gr.Number(defaults["seed"], precision=0, label="Seed (-1 = random)")
-                            total_tokens = gr.Slider(2, 128, tree.total_tokens, step=1, label="Tree: tokens verified per step")
+                            total_tokens = gr.Slider(0, 128, tree.total_tokens, step=1, label="Tree: tokens verified per step",
+                                                     info="0 = sized every step from this device's measured costs")  # fmt: skip
                             depth = gr.Slider(1, 12, tree.depth, step=1, label="Tree: depth")
                             tree_top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Tree: top-k per node")
             controls = [mode, temperature, top_p, top_k, max_new_tokens, seed, total_tokens, depth, tree_top_k, colour]
@@ -139,7 +145,7 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
                     unload = gr.Button("Unload (free memory)")
                 load_notice = gr.HTML()
 
-        chat_outputs = [message, chatbot, chat_state, notice, stats, depth_plot, rate_plot]
+        chat_outputs = [message, chatbot, chat_state, notice, stats, depth_plot, rate_plot, calibration_plot]
         refresh = {"fn": lambda: gr.update(choices=chat_choices(store)), "outputs": chats}
         for trigger, api_name in ((send.click, "send"), (message.submit, False)):
             trigger(chat.send, [message, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)

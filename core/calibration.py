@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from core.config import SamplingParams
+
 # bucket edges over draft confidence; narrow near 0, where most nodes are
 EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 DEPTHS = 16  # depths kept apart (deeper ones share the last row)
@@ -77,6 +79,11 @@ class Calibration:
             for b in range(len(offered))
             if offered[b] > 0
         ]
+
+
+def setting_of(sampling: SamplingParams) -> tuple:
+    """The sampling settings acceptance depends on: greedy, or temperature, top-p and top-k."""
+    return ("greedy",) if sampling.greedy else (round(sampling.temperature, 2), sampling.top_p, sampling.top_k)
 
 
 class Calibrations:

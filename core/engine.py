@@ -17,7 +17,7 @@ import torch
 
 from core import costs, int8, kv_cache
 from core.argmax import ScreenedArgmax
-from core.calibration import Calibrations
+from core.calibration import Calibrations, CurvePoint, setting_of
 from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
 from core.drafter import STATIC_PATHS, Drafter, DraftVocabulary, Planning
@@ -117,6 +117,10 @@ class Engine:
         top = torch.topk(next_logits(self.model, torch.tensor(token_ids, device=self.base.device)).double(), 2).values
         return float(top[0] - top[1])
 
+    def calibration_curve(self, sampling: SamplingParams) -> list[CurvePoint]:
+        """How often the head's drafted nodes were accepted, by draft confidence, under these sampling settings."""
+        return self.calibrations.get("head", setting_of(sampling)).curve()
+
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.base.tokenizer, messages)
 
@@ -165,7 +169,7 @@ class Engine:
             raise UnsupportedArchitectureError(f"{self.base.name}: {problem}; use vanilla")
         planning = None
         if mode == "eagle2" and tree.planned:
-            setting = ("greedy",) if sampling.greedy else (round(sampling.temperature, 2), sampling.top_p, sampling.top_k)
+            setting = setting_of(sampling)
             planning = Planning(
                 self.prepare_costs(),
                 self.calibrations.get("head", setting),

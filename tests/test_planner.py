@@ -190,7 +190,8 @@ def test_seeded_sampling_is_the_same_in_every_mode(engine64):
     assert other != replies[0]
 
 
-def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir, monkeypatch, costs_dir):
+def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("KESTREL_COSTS_DIR", str(tmp_path))  # none measured yet
     measured = []
     real = costs_module.measure
 

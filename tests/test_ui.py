@@ -64,8 +64,13 @@ def test_send_streams_text_and_stats(handlers, store):
     assert lengths == sorted(lengths) and lengths[-1] > lengths[0]
     assert any(isinstance(u[4], str) and 'id="stat-tps"' in u[4] for u in streamed)
     assert any(isinstance(u[5], pd.DataFrame) and len(u[5]) > 0 for u in streamed), "acceptance per depth"
-    _, chatbot, chat, notice, stats, depth, rate = updates[-1]
+    _, chatbot, chat, notice, stats, depth, rate, calibration = updates[-1]
     assert [m["role"] for m in chat["messages"]] == ["user", "assistant"]
+    assert 'id="stat-tree-mean"' in stats
+    # the calibration plot: the diagonal, and the measured acceptance of the head's drafted nodes
+    measured = calibration[calibration["series"] == "measured"]
+    assert len(calibration[calibration["series"] == "diagonal"]) == 2 and len(measured) > 0
+    assert measured["accepted"].between(0, 1).all() and measured["draft confidence"].between(0, 1).all()
     assert chat["messages"][1]["stats"]["tokens"] == 30 and chat["system"] == "w5"
     assert chatbot[-1]["content"] == render.escape(chat["messages"][1]["content"]) or "kd" in chatbot[-1]["content"]
     assert 'id="stat-tau-session"' in stats and isinstance(rate, pd.DataFrame)
