@@ -36,10 +36,13 @@ def detected_memory() -> tuple[float | None, str]:
 def catalog_frame(available_gb: float | None) -> pd.DataFrame:
     rows = []
     for entry in catalog.CATALOG:
-        row = {"model": entry.name, "draft head": entry.head or "bundled", "parameters (B)": entry.parameters}
+        row = {"model": entry.name, "draft head": entry.head or "bundled", "head format": entry.kind,
+               "parameters (B)": entry.parameters}  # fmt: skip
         for label, bits in (("4-bit", 4), ("8-bit", 8), ("16-bit", 16)):
             needed = catalog.estimated_gb(entry, bits)
             row[f"{label} GB"] = f"{needed:.1f} ({catalog.fit(needed, available_gb)})"
+        smallest = catalog.estimated_gb(entry, 4)
+        row[f"on a {catalog.CONSUMER_GPU_GB:.0f} GB GPU"] = catalog.fit(smallest, catalog.CONSUMER_GPU_GB)
         rows.append(row)
     return pd.DataFrame(rows)
 

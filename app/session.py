@@ -32,7 +32,7 @@ def load_pair(
     if head_source is not None:
         config = base.model.config
         vocab = base.model.get_output_embeddings().weight.shape[0]
-        draft_head = load_head(head_source, config.hidden_size, vocab, base.device, base.dtype)
+        draft_head = load_head(head_source, config.hidden_size, vocab, base.device, base.dtype, config.num_hidden_layers)
     return Engine(base, draft_head, head or "bundled")
 
 

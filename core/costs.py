@@ -169,6 +169,7 @@ def measure(model, argmax, drafter_for: Callable[[], object], context_limit: int
     _report(progress, done, total, "draft head")
     drafter = drafter_for()
     if drafter is not None:
+        features = torch.randn(len(features), drafter.head.feature_size, generator=generator).to(device)  # what the head reads
         drafter.commit(features, torch.randint(0, vocabulary, (len(features),), generator=generator).to(device))
         for width in WIDTHS:
             expand.append(_median(lambda width=width: _expand_once(drafter, width), device, width == WIDTHS[0]))

@@ -19,6 +19,7 @@ from core.calibration import Calibration
 from core.config import TreeParams
 from core.lookup import ContextIndex
 from core.tree import DraftTree, graft, lookup_continuation, make_tree, rerank, subtree
+from models.base import cpu_has_native_bf16
 from models.head import DraftHead, HeadCache
 
 if TYPE_CHECKING:
@@ -36,26 +37,30 @@ STATIC_PATHS = (
 
 
 class DraftVocabulary:
-    """The drafter's lm_head: the base model's output rows for the tokens the
-    head drafts from, kept in a fast form (int8 where `int8.available`, else
-    bf16 on CPUs). It only ranks proposals, which the base model then verifies
-    in its own precision, so its rounding never changes the output."""
+    """The drafter's lm_head over its draft tokens, kept in a fast form (int8
+    where `int8.available`, else bf16 on CPUs with native bf16). It only
+    ranks proposals, which the base model then verifies in its own precision,
+    so its rounding never changes the output."""
 
-    def __init__(self, lm_head: torch.nn.Module, token_ids: torch.Tensor | None):
-        weight = lm_head.weight.detach()
-        if token_ids is not None:
-            weight = weight[token_ids.to(weight.device)]
+    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor | None, norm: torch.nn.Module | None = None):
+        """weight (V', H): one row per draft token; token_ids (V',): their
+        target ids (None: the whole vocabulary, in order); norm: applied to
+        the head's output first (EAGLE-3's own final norm)."""
+        weight = weight.detach()
+        self.norm = norm
         self.packed = self.scales = self.weight = None
         if int8.available(weight.device):
             self.packed, self.scales = int8.quantize_rows(weight)  # half the bytes of bf16 to read per call
         else:
-            if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
-                weight = weight.to(torch.bfloat16)  # CPUs run bf16 products several times faster
+            if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64) and cpu_has_native_bf16():
+                weight = weight.to(torch.bfloat16)  # such CPUs run bf16 products several times faster
             self.weight = weight.contiguous()  # (V', H)
         self.token_ids = None if token_ids is None else token_ids.to(weight.device)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (m, H) -> (m, V') log-probabilities over the draft vocabulary, float32."""
+        if self.norm is not None:
+            hidden = self.norm(hidden)
         if self.packed is not None:
             logits = int8.matmul(hidden, self.packed, self.scales)
         else:
@@ -64,6 +69,17 @@ class DraftVocabulary:
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.token_ids is None else self.token_ids[draft_ids]
+
+
+def draft_vocabulary(head, base_model) -> DraftVocabulary:
+    """EAGLE-1/2: the base model's output rows for the head's draft tokens;
+    EAGLE-3: the head's own final norm and lm_head."""
+    if getattr(head, "lm_head", None) is not None:
+        return DraftVocabulary(head.lm_head.weight, head.draft_token_ids, head.norm)
+    weight, token_ids = base_model.get_output_embeddings().weight, head.draft_token_ids
+    if token_ids is not None:
+        weight = weight[token_ids.to(weight.device)]
+    return DraftVocabulary(weight, token_ids)
 
 
 @dataclass(frozen=True)
@@ -97,7 +113,7 @@ class Drafter:
     ):
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else base_model.get_input_embeddings()
-        self.vocabulary = vocabulary or DraftVocabulary(base_model.get_output_embeddings(), head.draft_token_ids)
+        self.vocabulary = vocabulary or draft_vocabulary(head, base_model)
         self.params = params
         self.static_paths = sorted(static_paths, key=lambda path: (len(path), path)) if static_paths else None
         self.cache = HeadCache()

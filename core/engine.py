@@ -17,10 +17,11 @@ import torch
 
 from core import costs, int8, kv_cache
 from core.argmax import ScreenedArgmax
+from core.capture import LayerCapture
 from core.calibration import Calibrations, CurvePoint, setting_of
 from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
-from core.drafter import STATIC_PATHS, Drafter, DraftVocabulary, Planning
+from core.drafter import STATIC_PATHS, Drafter, Planning, draft_vocabulary
 from core.prompt import encode_chat, stop_token_ids
 from core.sampling import Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
@@ -65,13 +66,15 @@ class Engine:
         self.stop_ids = stop_token_ids(base.model, base.tokenizer)
         self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
         self.argmax = ScreenedArgmax(base.model.get_output_embeddings())
-        self.vocabulary = None if head is None else DraftVocabulary(base.model.get_output_embeddings(), head.draft_token_ids)
+        self.vocabulary = None if head is None else draft_vocabulary(head, base.model)
         # the head as drafting runs it: int8 linears where they pay (core/int8.py)
         self.draft_head = head
         if head is not None and int8.available(head.device):
             self.draft_head = int8.with_int8_linears(head)
         # whether this model honours tree masks, asked of the model itself (core/tree_check.py)
         self._tree_problem = tree_problem(self.model) if head is not None and self._setup_problem() is None else None
+        # EAGLE-3 heads read hidden states of chosen base layers, captured during each base forward
+        self.capture = LayerCapture(self.model, head.layer_ids) if head is not None and head.layer_ids else None
         self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
         self.calibrations = Calibrations()  # acceptance by draft confidence, learned over every request
 
@@ -205,7 +208,8 @@ class _Run:
     def prefill(self) -> Step:
         start = time.perf_counter()
         tokens = torch.tensor(self.prompt_ids, device=self.device)
-        features = base_forward(self.model, tokens, torch.arange(len(tokens), device=self.device), None, self.cache)
+        positions = torch.arange(len(tokens), device=self.device)
+        features, head_features = self._forward(lambda: base_forward(self.model, tokens, positions, None, self.cache))
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]
         else:
@@ -214,7 +218,7 @@ class _Run:
         self.committed = len(tokens)
         verified = time.perf_counter()
         if self.drafter is not None:
-            self.drafter.commit(features, torch.cat([tokens[1:], tokens.new_tensor([self.root])]))
+            self.drafter.commit(head_features, torch.cat([tokens[1:], tokens.new_tensor([self.root])]))
         drafted = time.perf_counter()
         return self._emit([self.root], accepted=0, tree_size=1, tree_depth=0, times=(drafted - verified, verified - start))
 
@@ -223,7 +227,7 @@ class _Run:
         start = time.perf_counter()
         tree = self._draft()
         drafted = time.perf_counter()
-        features = verify_tree(self.model, tree, self.committed, self.cache)
+        features, head_features = self._forward(lambda: verify_tree(self.model, tree, self.committed, self.cache))
         if self.sampling.greedy:
             path, bonus = accept(tree, NodeArgmax(self.engine.argmax, features))
         else:
@@ -241,8 +245,19 @@ class _Run:
         )
         if self.drafter is not None and self.finish_reason is None:
             ids = torch.tensor(new_tokens, device=self.device)
-            self.drafter.commit(features[path], ids)
+            self.drafter.commit(head_features[path], ids)
         return step
+
+    def _forward(self, run) -> tuple[torch.Tensor, torch.Tensor]:
+        """One base forward -> (features (T, H) after the final norm, the head's
+        input features: the same, or for EAGLE-3 the captured layers (T, 3H))."""
+        capture = self.engine.capture
+        if capture is None or self.drafter is None:
+            features = run()
+            return features, features
+        with capture.during():
+            features = run()
+        return features, capture.features()
 
     def _draft(self):
         """The draft tree, or the root alone for vanilla decoding and when the

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from models import bundled
 
 RUNTIME_OVERHEAD_GB = 1.0  # CUDA context, activations and a 2k-token KV cache, roughly
+CONSUMER_GPU_GB = 12.0  # the design's target card (RTX 3060 12 GB)
 
 
 @dataclass(frozen=True)
@@ -16,11 +17,17 @@ class CatalogEntry:
     base: str | None  # Hugging Face repo id of the base model; None = the bundled default
     head: str | None  # repo id of its EAGLE head; None = the bundled head (when present)
     parameters: float  # base-model parameters, billions
-    head_parameters: float  # draft-head parameters, billions (one decoder layer + fc)
+    head_parameters: float  # draft-head parameters, billions (one decoder layer + fc; EAGLE-3 adds its own lm_head)
+    kind: str = "EAGLE-2"  # head format: EAGLE-2 (EAGLE-1/2 checkpoints) or EAGLE-3
 
 
 CATALOG = (
     CatalogEntry(bundled.DEFAULT_NAME + " (bundled)", None, None, 0.135, 0.005),
+    CatalogEntry("Llama-3.1-8B-Instruct (EAGLE-3)", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", 8.03, 0.42, "EAGLE-3"),
+    CatalogEntry("DeepSeek-R1-Distill-Llama-8B (EAGLE-3)", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B", 8.03, 0.42, "EAGLE-3"),
+    CatalogEntry("Qwen3-8B (EAGLE-3, community head)", "Qwen/Qwen3-8B", "AngelSlim/Qwen3-8B_eagle3", 8.19, 0.40, "EAGLE-3"),
+    CatalogEntry("Llama-3.3-70B-Instruct (EAGLE-3)", "meta-llama/Llama-3.3-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", 70.6, 1.4, "EAGLE-3"),
+    CatalogEntry("Vicuna-13B v1.3 (EAGLE-3)", "lmsys/vicuna-13b-v1.3", "yuhuili/EAGLE3-Vicuna1.3-13B", 13.0, 0.6, "EAGLE-3"),
     CatalogEntry("Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", 8.03, 0.25),
     CatalogEntry("Vicuna-7B v1.3", "lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", 6.74, 0.24),
     CatalogEntry("Vicuna-13B v1.3", "lmsys/vicuna-13b-v1.3", "yuhuili/EAGLE-Vicuna-13B-v1.3", 13.0, 0.37),

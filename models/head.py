@@ -37,11 +37,12 @@ class HeadConfig:
     qkv_bias: bool = False  # q/k/v projections have biases (Qwen2-style heads)
     hidden_act: str = "silu"
     draft_vocab_size: int | None = None  # drafting over this many target tokens (d2t maps them), None = all
+    head_dim: int | None = None  # per attention head; None = hidden_size // num_attention_heads
     extra: dict = field(default_factory=dict)  # other config.json fields, kept on save
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_dict(cls, settings: dict) -> HeadConfig:
@@ -77,6 +78,7 @@ class HeadConfig:
         return LlamaConfig(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
+            head_dim=self.dim_per_head,
             rope_theta=self.rope_theta,
             rope_scaling=rope_scaling,
             # published heads say 2048, which is no real limit of theirs; but
@@ -124,13 +126,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: HeadConfig):
+    def __init__(self, config: HeadConfig, input_size: int | None = None):
         super().__init__()
-        hd = config.head_dim
+        hd, width = config.dim_per_head, input_size or config.hidden_size
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
-        self.q_proj = nn.Linear(config.hidden_size, self.heads * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * hd, bias=config.qkv_bias)
+        self.q_proj = nn.Linear(width, self.heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(width, self.kv_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(width, self.kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.heads * hd, config.hidden_size, bias=False)
 
     def forward(self, x, rotary, mask, cache: HeadCache) -> torch.Tensor:
@@ -175,6 +177,8 @@ class DecoderLayer(nn.Module):
 
 
 class DraftHead(nn.Module):
+    layer_ids = None  # EAGLE-1/2 heads take the base model's final features, from no captured layers
+
     def __init__(self, config: HeadConfig, own_embedding: bool = False):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -208,6 +212,11 @@ class DraftHead(nn.Module):
         return self.layers[0].post_attention_layernorm.weight.device
 
     @property
+    def feature_size(self) -> int:
+        """Width of the base-model features the head takes: the final hidden state."""
+        return self.config.hidden_size
+
+    @property
     def draft_token_ids(self) -> torch.Tensor | None:
         """The target ids the head drafts from, or None for the whole vocabulary."""
         if self.config.draft_vocab_size is None:
@@ -230,7 +239,7 @@ class DraftHead(nn.Module):
 
 def expected_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
     """Every key of an official EAGLE-1/2 checkpoint and its shape."""
-    h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    h, i, hd = config.hidden_size, config.intermediate_size, config.dim_per_head
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     shapes = {
         "fc.weight": (h, 2 * h),
@@ -339,8 +348,12 @@ def resolve_head_folder(source: str) -> Path:
     raise HeadFormatError(f"{source}: the repo has no {' or '.join(WEIGHT_FILES)}")
 
 
-def load_head(source: str | Path, hidden_size: int, vocab_size: int, device=None, dtype=None) -> DraftHead:
-    """Load a head strictly and check it against the base model's sizes."""
+def load_head(
+    source: str | Path, hidden_size: int, vocab_size: int, device=None, dtype=None, base_layers: int | None = None
+):
+    """Load an EAGLE-1/2 or EAGLE-3 head (told apart by its keys) strictly and
+    check it against the base model's sizes; base_layers (the base model's
+    decoder layers) places an EAGLE-3 head's default feature layers."""
     folder = resolve_head_folder(str(source))
     config, state, file = read_checkpoint(folder)
     if config.hidden_act != "silu":
@@ -349,6 +362,15 @@ def load_head(source: str | Path, hidden_size: int, vocab_size: int, device=None
         raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if config.vocab_size != vocab_size:
         raise HeadFormatError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
+    from models import eagle3
+
+    if eagle3.is_eagle3(state):
+        eagle3.check_state(state, config, file)
+        if base_layers is None:
+            raise ValueError("loading an EAGLE-3 head needs the base model's number of layers")
+        head = eagle3.build(config, state, file, base_layers)
+        head.requires_grad_(False)
+        return head.place(device, dtype).eval()
     check_state(state, config, file)
     head = DraftHead(config, own_embedding="embed_tokens.weight" in state)
     head.load_state_dict(state, strict=True)

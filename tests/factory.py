@@ -84,3 +84,28 @@ def random_head(model, seed: int = 0, qkv_bias: bool = False):
             parameter.normal_(0, 0.2)
     dtype = model.get_input_embeddings().weight.dtype
     return head.place(dtype=dtype).eval().requires_grad_(False)
+
+
+def random_eagle3_head(model, seed: int = 0, draft_ids=None, qkv_bias: bool = False, layer_ids=None):
+    """A random EAGLE-3 head sized for `model`, in its dtype, drafting among
+    `draft_ids` (default: every other token); features from `layer_ids`
+    (default: the first layer, the middle one and the final norm)."""
+    from models.eagle3 import new_head
+    from models.head import HeadConfig
+
+    config = model.config
+    torch.manual_seed(seed)
+    head_config = HeadConfig(
+        hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=config.vocab_size, qkv_bias=qkv_bias, bias=False,
+        draft_vocab_size=len(draft_ids) if draft_ids is not None else (config.vocab_size + 1) // 2,
+    )  # fmt: skip
+    layers = config.num_hidden_layers
+    layer_ids = layer_ids or (0, layers // 2, layers)  # the last: the input of the final norm
+    draft_ids = torch.arange(0, config.vocab_size, 2) if draft_ids is None else draft_ids
+    head = new_head(head_config, layer_ids, draft_ids)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+    dtype = model.get_input_embeddings().weight.dtype
+    return head.place(dtype=dtype).eval().requires_grad_(False)

@@ -13,7 +13,7 @@ from core.tree import ancestor_mask
 from core.verify import NodeLogits, accept, base_forward, verify_tree
 from models.base import load_base
 from models.errors import UnsupportedArchitectureError
-from tests.factory import ARCHITECTURES, random_head, save_tiny_model
+from tests.factory import ARCHITECTURES, random_eagle3_head, random_head, save_tiny_model
 
 TREES = [
     TreeParams(total_tokens=12, depth=4, top_k=3), TreeParams(2, 1, 1), TreeParams(30, 6, 5), TreeParams(8, 8, 2),
@@ -128,28 +128,31 @@ def chi_square_critical(dof: int, alpha_z: float = 3.09) -> float:
 
 
 @pytest.mark.parametrize(
-    "params, planned",
+    "params, case",
     [
-        (SamplingParams(temperature=1.0, max_new_tokens=2), False),
-        (SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=2), False),
-        (SamplingParams(temperature=1.0, max_new_tokens=2), True),
+        (SamplingParams(temperature=1.0, max_new_tokens=2), "fixed"),
+        (SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=2), "fixed"),
+        (SamplingParams(temperature=1.0, max_new_tokens=2), "planned"),
+        (SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=2), "eagle3"),
     ],
-    ids=["t1", "t0.8-p0.9", "t1-planned"],
+    ids=["t1", "t0.8-p0.9", "t1-planned", "t0.8-p0.9-eagle3"],
 )
-def test_eagle2_sampling_keeps_the_base_distribution(tmp_path, params, planned):
+def test_eagle2_sampling_keeps_the_base_distribution(tmp_path, params, case):
     """Chi-square test (alpha = 0.001, fixed seeds) of the joint distribution of
     the first two generated tokens against the exact base-model distribution;
     planned: trees sized by the planner on a GPU-like cost table, with the
     context branch copying from the prompt when the first token continues
-    "6" as it did before ("6 7", "6 8")."""
+    "6" as it did before ("6 7", "6 8"); eagle3: an EAGLE-3 head drafting
+    among half the vocabulary."""
     from core.sampling import probabilities
 
     vocab = 10
     folder = save_tiny_model(tmp_path / "m", vocab_size=vocab, sharpness=3.0, seed=4)
     base = load_base(str(folder), dtype="float64")
-    engine = Engine(base, random_head(base.model, seed=2))
+    head = random_eagle3_head(base.model, seed=2) if case == "eagle3" else random_head(base.model, seed=2)
+    engine = Engine(base, head)
     prompt, tree = [5, 6, 7, 8], TreeParams(8, 3, 3)
-    if planned:
+    if case == "planned":
         from tests.test_planner import GPU_LIKE
 
         engine.costs, prompt, tree = GPU_LIKE, [5, 6, 7, 3, 5, 6, 8, 5, 6], TreeParams(depth=3, top_k=3)

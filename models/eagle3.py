@@ -1,0 +1,231 @@
+"""The EAGLE-3 draft head (Li et al. 2025) and its published checkpoint format.
+
+features: three hidden states of the base model, at the inputs of decoder
+layers low, mid and high (default 2, L//2, L-3), concatenated (T, 3H)
+  g = fc(cat(low, mid, high))                      (only for the base model's features)
+  x = cat(input_layernorm(embed(token_{t+1})), hidden_norm(g))       (2H)
+  h = g + attention(x);  h = h + mlp(post_attention_layernorm(h))
+  logits over the draft vocabulary = lm_head(norm(h)); target id = draft id + d2t[draft id]
+At later draft steps the head's own pre-norm output h is fed back as g, so fc
+is skipped. Module names mirror the checkpoint keys (fc, midlayer.*, norm,
+lm_head, d2t, t2d), so loading is a one-to-one copy, and heads saved here load
+in vLLM, SGLang and llama.cpp."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.errors import HeadFormatError
+from models.head import CONFIG_FILE, MLP, Attention, HeadCache, HeadConfig, RMSNorm
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+MARKER = "midlayer.self_attn.q_proj.weight"  # a key only EAGLE-3 checkpoints have
+
+
+def is_eagle3(state: dict[str, torch.Tensor]) -> bool:
+    return MARKER in state
+
+
+def default_layer_ids(layers: int) -> tuple[int, int, int]:
+    """The reference choice: low, middle and high layers of an L-layer base."""
+    return (2, layers // 2, layers - 3)
+
+
+def configured_layer_ids(config: HeadConfig) -> tuple[int, ...] | None:
+    """`eagle_aux_hidden_state_layer_ids` from config.json, at top level or in
+    `eagle_config`. Read as vLLM does: id i is the input of decoder layer i,
+    which is transformers' `output_hidden_states[i]`."""
+    extra = config.extra
+    ids = extra.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and isinstance(extra.get("eagle_config"), dict):
+        ids = extra["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise HeadFormatError(f"eagle_aux_hidden_state_layer_ids must be three layer numbers, got {ids!r}")
+    return tuple(ids)
+
+
+class MidLayer(nn.Module):
+    """EAGLE-3's decoder layer: attention over [normed embedding, normed hidden] (2H wide)."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, input_size=2 * config.hidden_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeddings, hidden, rotary, mask, cache: HeadCache) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeddings), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, rotary, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: HeadConfig, layer_ids: tuple[int, ...], own_embedding: bool = False, fc_norms: bool = False):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.config = config
+        self.layer_ids = tuple(layer_ids)  # base decoder layers whose inputs are the features, low to high
+        target = self.target_hidden_size
+        # EAGLE-3.1: one RMSNorm per captured feature before fc
+        self.fc_norm = nn.ModuleList([RMSNorm(target, config.rms_norm_eps) for _ in range(3)]) if fc_norms else None
+        self.fc = nn.Linear(3 * target, config.hidden_size, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if own_embedding else None
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(config.rotary_config())
+
+    @property
+    def target_hidden_size(self) -> int:
+        return int(self.config.extra.get("target_hidden_size") or self.config.hidden_size)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the base-model features the head takes: three captured layers."""
+        return 3 * self.target_hidden_size
+
+    def place(self, device=None, dtype=None) -> Eagle3Head:
+        """Move the weights; d2t and t2d keep their integer/bool dtypes, rotary frequencies stay float32."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        d2t, t2d = self.d2t, self.t2d
+        self.to(device=device, dtype=dtype)
+        self.d2t, self.t2d = d2t.to(self.device), t2d.to(self.device)
+        self.rotary = LlamaRotaryEmbedding(self.config.rotary_config()).to(self.device)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor:
+        """The target id of each draft-vocabulary entry (d2t is an offset)."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,  # (B, T, H): embed(token_{t+1})
+        features: torch.Tensor,  # (B, T, 3H) captured base-model states, or (B, T, H) the head's own output h
+        positions: torch.Tensor,  # (B, T) int64
+        mask: torch.Tensor | None,  # (B, 1, T, past + T) bool, True = may attend; None = causal, empty cache
+        cache: HeadCache,
+    ) -> torch.Tensor:
+        """-> (B, T, H) pre-norm outputs h (fed back at the next draft step); appends T entries to `cache`."""
+        features = features.to(self.dtype)
+        if features.shape[-1] == self.feature_size:
+            if self.fc_norm is not None:
+                chunks = features.chunk(3, dim=-1)
+                features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+            features = self.fc(features)
+        rotary = self.rotary(features, positions)
+        return self.midlayer(embeddings.to(self.dtype), features, rotary, mask, cache)
+
+
+def expected_shapes(config: HeadConfig, target_hidden_size: int, fc_norms: bool) -> dict[str, tuple[int, ...]]:
+    """Every key of a published EAGLE-3 checkpoint and its shape."""
+    h, i, hd = config.hidden_size, config.intermediate_size, config.dim_per_head
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes = {
+        "fc.weight": (h, 3 * target_hidden_size),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (i, h),
+        "midlayer.mlp.up_proj.weight": (i, h),
+        "midlayer.mlp.down_proj.weight": (h, i),
+        "norm.weight": (h,),
+        "lm_head.weight": (config.draft_vocab_size, h),
+        "d2t": (config.draft_vocab_size,),
+        "t2d": (config.vocab_size,),
+    }
+    if config.qkv_bias:
+        shapes.update({f"midlayer.self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))})
+    if fc_norms:
+        shapes.update({f"fc_norm.{k}.weight": (target_hidden_size,) for k in range(3)})
+    return shapes
+
+
+def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) -> None:
+    """Strict: every expected key with its shape, nothing unexpected."""
+    if not config.draft_vocab_size:
+        raise HeadFormatError(f"{file.parent / CONFIG_FILE}: an EAGLE-3 head needs draft_vocab_size")
+    target = int(config.extra.get("target_hidden_size") or config.hidden_size)
+    shapes = expected_shapes(config, target, fc_norms="fc_norm.0.weight" in state)
+    optional = {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    for key, shape in shapes.items():
+        if key not in state:
+            raise HeadFormatError(f"{file}: missing key {key} (expected shape {list(shape)})")
+    for key, tensor in state.items():
+        shape = shapes.get(key, optional.get(key))
+        if shape is None:
+            raise HeadFormatError(f"{file}: unexpected key {key} (shape {list(tensor.shape)}) in an EAGLE-3 head")
+        if tuple(tensor.shape) != shape:
+            raise HeadFormatError(
+                f"{file}: key {key} has shape {list(tensor.shape)}, expected {list(shape)} from {CONFIG_FILE}"
+            )
+    target_ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size:
+        raise HeadFormatError(f"{file}: d2t maps draft ids outside the vocabulary of {config.vocab_size} tokens")
+
+
+def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_layers: int) -> Eagle3Head:
+    """An Eagle3Head from a checked state; aux layers from the config or the default."""
+    if config.extra.get("norm_output"):
+        raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_output heads (an EAGLE-3.1 variant) are not supported")
+    layer_ids = configured_layer_ids(config) or default_layer_ids(base_layers)
+    if max(layer_ids) > base_layers:
+        raise HeadFormatError(
+            f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} do not exist in a {base_layers}-layer base model"
+        )
+    head = Eagle3Head(config, layer_ids, own_embedding="embed_tokens.weight" in state, fc_norms="fc_norm.0.weight" in state)
+    state = dict(state, d2t=state["d2t"].long(), t2d=state["t2d"].bool())
+    head.load_state_dict(state, strict=True)
+    return head
+
+
+def new_head(config: HeadConfig, layer_ids: tuple[int, ...], draft_ids: torch.Tensor) -> Eagle3Head:
+    """A freshly initialised head drafting among `draft_ids` (target ids, any order)."""
+    draft_ids = torch.sort(torch.as_tensor(draft_ids, dtype=torch.long)).values
+    head = Eagle3Head(config, layer_ids)
+    with torch.no_grad():
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+    return head
+
+
+def save(head: Eagle3Head, folder: str | Path, extra_config: dict | None = None) -> Path:
+    """Write config.json + model.safetensors in the published EAGLE-3 format."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {key: tensor.detach().contiguous().cpu() for key, tensor in head.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    settings = head.config.to_dict()
+    settings.update(
+        architectures=[ARCHITECTURE], num_hidden_layers=1, tie_word_embeddings=False, bias=False,
+        eagle_aux_hidden_state_layer_ids=list(head.layer_ids), **(extra_config or {}),
+    )  # fmt: skip
+    (folder / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    return folder

@@ -1,0 +1,179 @@
+"""EAGLE-3 heads: the published checkpoint format loaded strictly, features
+captured from the unmodified base model, and lossless decoding with them."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from core.capture import LayerCapture
+from core.config import SamplingParams, TreeParams
+from core.drafter import draft_vocabulary
+from core.engine import Engine
+from models import eagle3
+from models.base import load_base
+from models.errors import HeadFormatError
+from models.head import load_head, read_checkpoint
+from tests.factory import ARCHITECTURES, random_eagle3_head, save_tiny_model
+from tests.test_planner import CPU_LIKE, GPU_LIKE
+
+
+@pytest.fixture(scope="module")
+def base64(tmp_path_factory):
+    folder = save_tiny_model(tmp_path_factory.mktemp("llama") / "m", vocab_size=48)
+    return load_base(str(folder), dtype="float64")
+
+
+def saved(base, folder, **options):
+    head = random_eagle3_head(base.model, **options)
+    return head, eagle3.save(head, folder)
+
+
+def load(base, folder):
+    config = base.model.config
+    return load_head(folder, config.hidden_size, config.vocab_size, dtype=torch.float64, base_layers=config.num_hidden_layers)
+
+
+def test_round_trip_in_the_published_format(base64, tmp_path):
+    head, folder = saved(base64, tmp_path / "head", qkv_bias=True)
+    loaded = load(base64, folder)
+    assert isinstance(loaded, eagle3.Eagle3Head)
+    original, again = head.state_dict(), loaded.state_dict()
+    assert original.keys() == again.keys() and all(torch.equal(original[k], again[k]) for k in original)
+    assert loaded.layer_ids == head.layer_ids
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 24
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    _, state, _ = read_checkpoint(folder)
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(state)
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 24
+
+
+def rewrite(folder, change):
+    state = load_file(str(folder / "model.safetensors"))
+    change(state)
+    save_file(state, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s: s.pop("midlayer.hidden_norm.weight"), r"missing key midlayer\.hidden_norm\.weight \(expected shape \[64\]\)"),
+        (lambda s: s.update(extra=torch.zeros(3)), r"unexpected key extra \(shape \[3\]\) in an EAGLE-3 head"),
+        (lambda s: s.update({"fc.weight": torch.zeros(64, 128)}), r"key fc\.weight has shape \[64, 128\], expected \[64, 192\]"),
+        (lambda s: s.update(d2t=torch.full((24,), 40)), r"d2t maps draft ids outside the vocabulary of 48 tokens"),
+    ],
+    ids=["missing", "extra", "shape", "d2t-range"],
+)
+def test_bad_checkpoints_are_refused_by_name(base64, tmp_path, change, message):
+    _, folder = saved(base64, tmp_path / "head")
+    rewrite(folder, change)
+    with pytest.raises(HeadFormatError, match=message) as caught:
+        load(base64, folder)
+    assert "model.safetensors" in str(caught.value)
+
+
+def test_d2t_offsets_map_draft_ids_to_target_ids(base64, tmp_path):
+    draft_ids = torch.tensor([3, 7, 8, 20, 41])
+    head, folder = saved(base64, tmp_path / "head", draft_ids=draft_ids)
+    _, state, _ = read_checkpoint(folder)
+    assert state["d2t"].tolist() == [3, 6, 6, 17, 37]  # target id = draft id + d2t[draft id]
+    loaded = load(base64, folder)
+    vocabulary = draft_vocabulary(loaded, base64.model)
+    assert vocabulary.target_ids(torch.tensor([0, 1, 2, 3, 4])).tolist() == [3, 7, 8, 20, 41]
+    # the head's own lm_head ranks them: a row that favours draft id 3 proposes target 20
+    with torch.no_grad():
+        loaded.lm_head.weight.zero_()
+        loaded.lm_head.weight[3] = 1.0
+    hidden = torch.ones(1, 64, dtype=torch.float64)
+    best = draft_vocabulary(loaded, base64.model).log_probs(hidden).argmax(-1)
+    assert vocabulary.target_ids(best).tolist() == [20]
+
+
+def test_feature_layers_come_from_the_config_or_the_default(base64, tmp_path):
+    _, folder = saved(base64, tmp_path / "head")
+    config_file = folder / "config.json"
+    settings = json.loads(config_file.read_text())
+    settings.pop("eagle_aux_hidden_state_layer_ids")
+    config_file.write_text(json.dumps(settings))
+    config = base64.model.config
+    published = load_head(folder, config.hidden_size, config.vocab_size, base_layers=32)  # as for an 8B model
+    assert published.layer_ids == (2, 16, 29)
+    settings["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 2, 0]}
+    config_file.write_text(json.dumps(settings))
+    assert load(base64, folder).layer_ids == (1, 2, 0)
+    settings["eagle_aux_hidden_state_layer_ids"] = [0, 1, 9]
+    config_file.write_text(json.dumps(settings))
+    with pytest.raises(HeadFormatError, match=r"aux layers \[0, 1, 9\] do not exist in a 2-layer base model"):
+        load(base64, folder)
+    settings["eagle_aux_hidden_state_layer_ids"] = [0, 1]
+    config_file.write_text(json.dumps(settings))
+    with pytest.raises(HeadFormatError, match="three layer numbers"):
+        load(base64, folder)
+
+
+def test_captured_features_are_the_models_own_hidden_states(base64):
+    """Hook i holds transformers' output_hidden_states[i]: the input of
+    decoder layer i, and for i = L the last layer's output before the norm."""
+    model = base64.model
+    tokens = torch.tensor([[5, 9, 13, 2, 7]])
+    outputs = []
+    handle = model.get_decoder().layers[-1].register_forward_hook(lambda module, args, out: outputs.append(out))
+    expected = model(tokens, output_hidden_states=True).hidden_states
+    handle.remove()
+    last = outputs[0][0] if isinstance(outputs[0], tuple) else outputs[0]
+    expected = (expected[0], expected[1], last)  # transformers' hidden_states[L] is after the final norm
+    capture = LayerCapture(model, (0, 1, 2))
+    with capture.during():
+        model(tokens)
+    fused = capture.features()
+    assert fused.shape == (5, 3 * 64)
+    for index, layer in enumerate((0, 1, 2)):
+        assert torch.equal(fused[:, 64 * index : 64 * (index + 1)], expected[layer][0])
+    model(tokens)  # hooks are gone after the block
+    with pytest.raises(RuntimeError):
+        capture.features()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def engine3(request, tmp_path_factory):
+    assert request.param in ARCHITECTURES
+    folder = save_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, vocab_size=48)
+    base = load_base(str(folder), dtype="float64")
+    return Engine(base, random_eagle3_head(base.model, seed=1, qkv_bias=request.param == "qwen2"))
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+@pytest.mark.parametrize(
+    "tree, costs",
+    [(TreeParams(12, 4, 3), None), (TreeParams(30, 6, 5, lookup_tokens=6), None), (TreeParams(), GPU_LIKE), (TreeParams(), CPU_LIKE)],
+    ids=["12/4/3", "30/6/5", "planned-gpu", "planned-cpu"],
+)
+def test_eagle3_heads_decode_exactly_as_vanilla(engine3, tree, costs):
+    engine3.costs = costs
+    accepted = 0
+    for seed in range(5):
+        prompt = torch.randint(8, 48, (4 + 3 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for sampling in (SamplingParams(max_new_tokens=30), SamplingParams(temperature=1.0, max_new_tokens=30, seed=seed)):
+            reference = tokens_of(engine3.stream(prompt, "vanilla", sampling))
+            for mode in ("eagle", "eagle2"):
+                steps = list(engine3.stream(prompt, mode, sampling, tree))
+                assert tokens_of(steps) == reference, (mode, seed, sampling)
+                accepted += sum(step.accepted for step in steps)
+    assert accepted > 0
+
+
+def test_an_eagle3_head_loads_with_its_base_through_the_app(tmp_path):
+    from app.session import load_pair
+
+    folder = save_tiny_model(tmp_path / "qwen3", "qwen3", vocab_size=48)
+    base = load_base(str(folder), dtype="float32")
+    eagle3.save(random_eagle3_head(base.model), tmp_path / "head")
+    engine = load_pair(str(folder), str(tmp_path / "head"), dtype="float32", device="cpu")
+    assert engine.modes == ("vanilla", "eagle", "eagle2") and engine.capture is not None
+    steps = list(engine.stream([5, 6, 7], "eagle2", SamplingParams(max_new_tokens=8), TreeParams(8, 3, 3)))
+    assert len(tokens_of(steps)) == 8 or steps[-1].finish_reason == "stop"
