@@ -107,6 +107,8 @@ class Outcome:
                 "forwards": s.forwards if s else 0,
                 "accepted_draft_tokens": self.accepted,
                 "acceptance_by_depth": [round(rate, 4) for rate in s.acceptance_by_depth] if s else [],
+                "mean_tree_size": round(s.mean_tree_size, 2) if s else 1.0,
+                "mean_tree_depth": round(s.mean_tree_depth, 2) if s else 0.0,
                 "tokens_per_second": round(s.tokens_per_s, 2) if s else 0.0,
                 "time_to_first_token": None if s is None or s.time_to_first_token is None else round(s.time_to_first_token, 4),
             },

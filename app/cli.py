@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
     train.add_argument("--batch-tokens", type=int, default=2048, help="padded positions per training step (default 2048)")
     train.add_argument("--draft-vocab", type=int, default=8192, help="the head drafts among this many most frequent answer tokens; 0 = the whole vocabulary (default 8192)")
+    train.add_argument("--arch", default="eagle2", choices=("eagle2", "eagle3"), help="eagle2: an EAGLE-1/2 head on the final features; eagle3: an EAGLE-3 head on three captured layers, its own lm_head over the draft vocabulary, no feature loss (default eagle2)")
     train.add_argument("--unroll-steps", type=int, default=3, help="draft steps trained per position, 1 = plain EAGLE (default 3)")
     train.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training compute: bf16 autocast or fp32 (default bf16)")
     train.add_argument("--time-budget-minutes", type=float, help="stop (resumably) after this long; answers get --answer-share of it")
@@ -202,7 +203,8 @@ def run_chat(args) -> int:
     stats = step.stats
     print(
         f"\n\n[{mode}] {stats.tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
-        f"tau {stats.mean_accepted_length:.2f}, first token after {stats.time_to_first_token:.2f} s, "
+        f"tau {stats.mean_accepted_length:.2f}, trees of {stats.mean_tree_size:.1f} nodes (depth {stats.mean_tree_depth:.1f}), "
+        f"first token after {stats.time_to_first_token:.2f} s, "
         f"finished: {step.finish_reason}"
     )
     return 0
@@ -240,7 +242,7 @@ def run_train_head(args) -> int:
         FeatureParams(),
         TrainParams(
             epochs=args.epochs, learning_rate=args.learning_rate, batch_tokens=args.batch_tokens,
-            unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed,
+            unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed, arch=args.arch,
             init_head=str(Path(args.init_head).resolve()) if args.init_head else None,
         ),  # fmt: skip
         budget,

@@ -47,8 +47,12 @@ class LayerCapture:
 
     def features(self) -> torch.Tensor:
         """(T, 3H): the captured states of the last forward (batch 1), low to high, concatenated."""
+        return self.batched()[0]
+
+    def batched(self) -> torch.Tensor:
+        """(B, T, 3H): the same for a batched forward."""
         if any(state is None for state in self.states):
             raise RuntimeError("no forward ran while capturing")
-        fused = torch.cat([state[0] for state in self.states], dim=-1)
+        fused = torch.cat(self.states, dim=-1)
         self.states = [None] * len(self.states)
         return fused

@@ -221,7 +221,10 @@ class Drafter:
         frontier, frontier_scores = list(range(k)), values[0]
         branches = self.index.branches(self.params.context_branches, self.params.lookup_tokens)
         copied = self._copied_estimates(branches)
+        floor = math.log(self.params.min_path_prob) if self.params.min_path_prob > 0 else -math.inf
         for depth in range(2, self.params.depth + 1):
+            if float(frontier_scores.max()) < floor:
+                break
             estimates = self._head_estimates(torch.cat(scores), depths, parents)
             known = torch.sort(torch.cat([estimates, copied]), descending=True).values
             width = len(frontier)

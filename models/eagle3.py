@@ -30,9 +30,10 @@ def is_eagle3(state: dict[str, torch.Tensor]) -> bool:
     return MARKER in state
 
 
-def default_layer_ids(layers: int) -> tuple[int, int, int]:
-    """The reference choice: low, middle and high layers of an L-layer base."""
-    return (2, layers // 2, layers - 3)
+def default_layer_ids(layers: int) -> tuple[int, ...]:
+    """The reference choice: low, middle and high layers (2, L//2, L-3) of an
+    L-layer base, kept inside very shallow models (L = 2: 0, 1, 2)."""
+    return tuple(sorted((min(2, layers), layers // 2, max(layers - 3, 0))))
 
 
 def configured_layer_ids(config: HeadConfig) -> tuple[int, ...] | None:

@@ -103,6 +103,10 @@ def test_chat_streams_reply_and_live_stats(page):
     assert before == "-" and len(rates - {"-"}) >= 2, f"tokens/s should update live (seen {rates})"
     assert page.locator("#stat-tau").inner_text() != "-"
     assert float(page.locator("#stat-tau-session").inner_text()) >= 1.0
+    nodes, depth = (float(part) for part in page.locator("#stat-tree-mean").inner_text().split(" / "))
+    assert nodes >= 1.0 and depth >= 0.0
+    # the calibration plot draws the diagonal and the measured points (Vega renders an svg or canvas)
+    page.locator("#calibration-plot").get_by_text("draft confidence").first.wait_for(timeout=10_000)
     screenshot(page, "chat")
 
 

@@ -131,6 +131,18 @@ def test_resume_continues_where_it_stopped(tiny_base, features, tmp_path):
     assert [r["eval"] for r in resumed.history] == [r["eval"] for r in straight.history]
 
 
+def assert_drafts_losslessly(base, head) -> None:
+    """The head drafts among its 24 tokens, and greedy eagle2 equals vanilla with it."""
+    assert head.config.draft_vocab_size == 24 and len(set(head.draft_token_ids.tolist())) == 24
+    engine = Engine(base, head)
+    sampling = SamplingParams(max_new_tokens=20)
+    for seed in range(3):
+        prompt = torch.randint(8, 64, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        eagle = [t for s in engine.stream(prompt, "eagle2", sampling, TreeParams(8, 3, 2)) for t in s.token_ids]
+        vanilla = [t for s in engine.stream(prompt, "vanilla", sampling) for t in s.token_ids]
+        assert eagle == vanilla
+
+
 def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_file, tmp_path):
     out = tmp_path / "head"
     paths = RunPaths(prompts_file, out, tmp_path / "work")
@@ -139,14 +151,27 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_f
     assert report["training"]["steps"] == report["training"]["total_steps"]
     config = tiny_base.model.config
     head = load_head(str(out), config.hidden_size, config.vocab_size, tiny_base.device, tiny_base.dtype)
-    assert head.config.draft_vocab_size == 24 and len(set(head.draft_token_ids.tolist())) == 24
-    engine = Engine(tiny_base, head)
-    sampling = SamplingParams(max_new_tokens=20)
-    for seed in range(3):
-        prompt = torch.randint(8, 64, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-        eagle = [t for s in engine.stream(prompt, "eagle2", sampling, TreeParams(8, 3, 2)) for t in s.token_ids]
-        vanilla = [t for s in engine.stream(prompt, "vanilla", sampling) for t in s.token_ids]
-        assert eagle == vanilla
+    assert_drafts_losslessly(tiny_base, head)
+
+
+def test_eagle3_training_lowers_the_loss_and_the_head_decodes_losslessly(tiny_base, prompts_file, tmp_path):
+    from dataclasses import replace
+
+    from models.eagle3 import Eagle3Head
+
+    out = tmp_path / "head"
+    paths = RunPaths(prompts_file, out, tmp_path / "work")
+    report = train_head(tiny_base, paths, ANSWERS, FEATURES, replace(TRAIN, arch="eagle3"), progress=False, draft_vocab=24)
+    history = report["training"]["history"]
+    assert report["arch"] == "eagle3" and len(history) == TRAIN.epochs
+    assert history[-1]["train"]["cross_entropy"][0] < history[0]["train"]["cross_entropy"][0]
+    assert all(value == 0 for value in history[-1]["train"]["smooth_l1"])  # no feature regression
+    shard = read_shard(next((tmp_path / "work" / "features-eagle3" / "train").glob("*.safetensors")))[0]
+    assert shard.aux.shape == (len(shard.input_ids), 3 * tiny_base.model.config.hidden_size)
+    config = tiny_base.model.config
+    head = load_head(str(out), config.hidden_size, config.vocab_size, tiny_base.device, tiny_base.dtype, config.num_hidden_layers)
+    assert isinstance(head, Eagle3Head) and head.layer_ids == (0, 1, 2)
+    assert_drafts_losslessly(tiny_base, head)
 
 
 def test_read_answers_skips_a_cut_line(tmp_path):

@@ -7,6 +7,8 @@ One shard is a safetensors file of whole sequences (prompt + answer), concatenat
                            -> feature_{t+1} is trained: t from the position before
                            the first answer token to the one before the last
   lengths    (S,)   int64  sequence lengths (they split the rows)
+  aux        (N, 3H) bf16  for EAGLE-3 heads only: the inputs of three decoder
+                           layers (core/capture.py), what the head reads
 Prompt positions are kept (unmasked) because the head attends to them at
 inference: prefill feeds it the prompt's features too.
 
@@ -16,6 +18,7 @@ its own folder."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ class FeatureParams:
     shard_tokens: int = 65536  # rows per shard (about 75 MB of bf16 features at H=576)
     batch_tokens: int = 8192  # padded tokens per base-model forward
     eval_fraction: float = 0.05  # prompts held out for evaluation
+    layer_ids: tuple[int, ...] | None = None  # EAGLE-3: also store these layers' inputs (aux); None = EAGLE-1/2
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Sequence:
     input_ids: torch.Tensor  # (L,) int32
     loss_mask: torch.Tensor  # (L,) uint8
     features: torch.Tensor  # (L, H) bf16
+    aux: torch.Tensor | None = None  # (L, 3H) bf16 for EAGLE-3
 
 
 def is_held_out(prompt_id: str, fraction: float) -> bool:
@@ -89,7 +94,7 @@ def extract_features(
     for split, index in pending:
         sequences = [
             sequence for batch in _batches(plans[split][index], params.batch_tokens)
-            for sequence in forward_batch(base, batch)
+            for sequence in forward_batch(base, batch, params.layer_ids)
         ]  # fmt: skip
         write_shard(files[split][index], sequences)
         bar.update(sum(len(sequence.input_ids) for sequence in sequences))
@@ -103,6 +108,7 @@ def _check_manifest(folder: Path, answers: list[Answer], params: FeatureParams) 
         json.dumps(sorted((a.id, a.sample, len(a.answer_ids)) for a in answers)).encode()
     ).hexdigest()
     manifest = {"answers": len(answers), "fingerprint": fingerprint, **params.__dict__}
+    manifest["layer_ids"] = list(params.layer_ids) if params.layer_ids else None  # as JSON reads it back
     path = folder / MANIFEST
     if path.is_file():
         previous = json.loads(path.read_text())
@@ -132,23 +138,30 @@ def _batches(answers: list[Answer], batch_tokens: int) -> list[list[Answer]]:
 
 
 @torch.inference_mode()
-def forward_batch(base, answers: list[Answer]) -> list[Sequence]:
+def forward_batch(base, answers: list[Answer], layer_ids: tuple[int, ...] | None = None) -> list[Sequence]:
     """One right-padded base-model forward; padding sits after each sequence, so
-    causal attention never lets a real position see it."""
+    causal attention never lets a real position see it. With layer_ids, the
+    inputs of those layers are captured too (EAGLE-3)."""
+    from core.capture import LayerCapture
+
     lengths = [len(a.prompt_ids) + len(a.answer_ids) for a in answers]
     ids = torch.zeros((len(answers), max(lengths)), dtype=torch.long)
     attention = torch.zeros_like(ids)
     for row, answer in enumerate(answers):
         ids[row, : lengths[row]] = torch.tensor(answer.prompt_ids + answer.answer_ids)
         attention[row, : lengths[row]] = 1
-    hidden = base.model.get_decoder()(
-        input_ids=ids.to(base.device), attention_mask=attention.to(base.device)
-    ).last_hidden_state  # (B, T, H), after the final norm
+    capture = LayerCapture(base.model, layer_ids) if layer_ids else None
+    with capture.during() if capture else contextlib.nullcontext():
+        hidden = base.model.get_decoder()(
+            input_ids=ids.to(base.device), attention_mask=attention.to(base.device)
+        ).last_hidden_state  # (B, T, H), after the final norm
+    aux = capture.batched() if capture else None  # (B, T, 3H)
     return [
         Sequence(
             input_ids=ids[row, :length].to(torch.int32),
             loss_mask=loss_mask_of(len(answer.prompt_ids), length),
             features=hidden[row, :length].to("cpu", torch.bfloat16),
+            aux=None if aux is None else aux[row, :length].to("cpu", torch.bfloat16),
         )
         for row, (answer, length) in enumerate(zip(answers, lengths))
     ]
@@ -164,6 +177,8 @@ def write_shard(path: Path, sequences: list[Sequence]) -> None:
         "loss_mask": torch.cat([s.loss_mask for s in sequences]),
         "lengths": torch.tensor([len(s.input_ids) for s in sequences], dtype=torch.int64),
     }
+    if sequences[0].aux is not None:
+        tensors["aux"] = torch.cat([s.aux for s in sequences]).contiguous()
     partial = path.with_suffix(".partial")
     save_file(tensors, str(partial))
     partial.rename(path)  # atomic: a killed run never leaves a half shard
@@ -174,9 +189,11 @@ def read_shard(path: Path) -> list[Sequence]:
 
     tensors = load_file(str(path))
     lengths = tensors["lengths"].tolist()
+    aux = tensors["aux"].split(lengths) if "aux" in tensors else [None] * len(lengths)
     return [
-        Sequence(input_ids, loss_mask, features)
-        for input_ids, loss_mask, features in zip(
-            tensors["input_ids"].split(lengths), tensors["loss_mask"].split(lengths), tensors["features"].split(lengths)
+        Sequence(input_ids, loss_mask, features, extra)
+        for input_ids, loss_mask, features, extra in zip(
+            tensors["input_ids"].split(lengths), tensors["loss_mask"].split(lengths),
+            tensors["features"].split(lengths), aux,
         )
-    ]
+    ]  # fmt: skip

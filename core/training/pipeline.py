@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.training.answers import AnswerParams, generate_answers, read_answers, read_prompts
 from core.training.features import FeatureParams, extract_features, is_held_out
 from core.training.report import write_report
 from core.training.trainer import TrainParams, Trainer, frequent_tokens
+from models import eagle3
 from models.head import save_head, with_draft_vocabulary
 
 ANSWERS_FILE = "answers.jsonl"
@@ -66,7 +67,15 @@ def train_head(
 ) -> dict:
     """Run (or resume) every phase; returns the report written next to the head.
     draft_vocab: the head drafts among this many most frequent answer tokens
-    (None: the whole vocabulary); drafting cost shrinks with it."""
+    (None: the whole vocabulary); drafting cost shrinks with it. An EAGLE-3
+    head (train_params.arch) is trained over that vocabulary from the start,
+    on features that include three captured layers (their own cache folders)."""
+    third = train_params.arch == "eagle3"
+    if third:
+        layers = eagle3.default_layer_ids(base.model.config.num_hidden_layers)
+        feature_params = replace(feature_params, layer_ids=layers)
+        train_params = replace(train_params, loss_vocab=draft_vocab)
+    suffix = "-eagle3" if third else ""
     clock = PhaseClock(paths.work / PHASES_FILE)
     prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)
     with clock.phase("answers"):
@@ -76,18 +85,22 @@ def train_head(
     if not answers:
         raise ValueError(f"{paths.work / ANSWERS_FILE}: no answers yet; give the answer phase more time")
     with clock.phase("features"):
-        shards = extract_features(base, answers, paths.work / "features", feature_params, progress)
+        shards = extract_features(base, answers, paths.work / f"features{suffix}", feature_params, progress)
     with clock.phase("training"):
-        trainer = Trainer(base, shards["train"], shards["eval"], paths.work / "train", train_params)
+        trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params)
         trainer.run(budget.train_deadline, progress)
         final = trainer.final_eval()
     head = trainer.head.eval()
-    if draft_vocab:
-        vocab_size = base.model.get_output_embeddings().weight.shape[0]
-        head = with_draft_vocabulary(head, frequent_tokens(shards["train"], draft_vocab, vocab_size))
-    save_head(head, paths.out)
+    if third:
+        eagle3.save(head, paths.out)
+    else:
+        if draft_vocab:
+            vocab_size = base.model.get_output_embeddings().weight.shape[0]
+            head = with_draft_vocabulary(head, frequent_tokens(shards["train"], draft_vocab, vocab_size))
+        save_head(head, paths.out)
     report = {
         "base_model": base.name,
+        "arch": train_params.arch,
         "data": data_summary(paths, prompts, answers, shards, answer_params, feature_params),
         "training": trainer.summary(),
         "final_eval": final,

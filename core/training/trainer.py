@@ -10,20 +10,28 @@ wrote at t-k+1..t (one per earlier step). Without it the head only ever sees
 true features and its second draft step is rarely right.
 
 loss_k = SmoothL1(pred_k, feature_{t+1}) + ce_weight * CE(softmax(lm_head(feature_{t+1})),
-         log_softmax(lm_head(pred_k))), over answer positions; total = sum_k decay^k loss_k."""
+         log_softmax(lm_head(pred_k))), over answer positions; total = sum_k decay^k loss_k.
+
+EAGLE-3 heads (arch "eagle3", Li et al. 2025) read three captured base layers
+at step 0 and their own output h after it, and are trained without the
+feature regression: loss_k = CE(softmax(base lm_head(feature_{t+1})) over the
+draft vocabulary, log_softmax(head lm_head(norm(h_k)))). Positions whose next
+token is outside the draft vocabulary are dropped (a stand-in for the base
+model's own top-1, which would need the full lm_head at every position)."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from core.training.features import Sequence, read_shard
+from models.eagle3 import Eagle3Head
 from models.head import DraftHead, HeadCache, HeadConfig
 
 CHECKPOINT = "checkpoint.pt"
@@ -48,6 +56,7 @@ class TrainParams:
     checkpoint_every: int = 50  # optimizer steps between checkpoints
     seed: int = 0
     init_head: str | None = None  # folder of a head to start from (continue or fine-tune) instead of a fresh one
+    arch: str = "eagle2"  # eagle2 (EAGLE-1/2 head) or eagle3 (its draft vocabulary is the loss vocabulary)
 
 
 @dataclass
@@ -57,6 +66,7 @@ class Frozen:
     embed: torch.Tensor  # (V, H) input embedding, fp32
     lm_head: torch.Tensor  # (V', H) output layer rows the loss uses, in the compute dtype
     vocabulary: torch.Tensor | None = None  # (V',) token id of each lm_head row; None: all, in order
+    drafted: torch.Tensor | None = None  # (V,) bool: token ids in `vocabulary` (all True without one)
 
 
 @dataclass
@@ -67,6 +77,7 @@ class Batch:
     next_next_ids: torch.Tensor  # (B, T) token_{t+2} (-1 where none)
     loss_mask: torch.Tensor  # (B, T) bool
     positions: torch.Tensor  # (B, T)
+    aux: torch.Tensor | None = None  # (B, T, 3H) captured layers at t, for EAGLE-3 heads
 
 
 @dataclass
@@ -127,6 +138,25 @@ def new_head(config: HeadConfig, seed: int) -> DraftHead:
     return head
 
 
+def new_eagle3_head(base, draft_ids: torch.Tensor | None, seed: int) -> Eagle3Head:
+    """An EAGLE-3 head for `base` drafting among `draft_ids` (None: all tokens),
+    features from layers 2, L//2 and L-3. Its lm_head and norm start as the
+    base model's (rows of the draft vocabulary), so its first output already
+    reads like a base feature; the rest is freshly initialised."""
+    from models import eagle3
+
+    torch.manual_seed(seed)
+    model = base.model
+    vocab = model.get_output_embeddings().weight.shape[0]
+    draft_ids = torch.arange(vocab) if draft_ids is None else draft_ids.cpu()
+    config = replace(head_config_for(model.config), bias=False, draft_vocab_size=len(draft_ids))
+    head = eagle3.new_head(config, eagle3.default_layer_ids(model.config.num_hidden_layers), draft_ids)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(model.get_output_embeddings().weight[draft_ids.to(base.device)].float().cpu())
+        head.norm.weight.copy_(model.get_decoder().norm.weight.float().cpu())
+    return head
+
+
 def initial_weights(folder: Path, head: DraftHead) -> dict[str, torch.Tensor]:
     """The weights of the head in `folder`, checked against the one being trained;
     its draft vocabulary (d2t) is dropped: training always covers all tokens."""
@@ -148,10 +178,12 @@ def frozen_of(base, bf16: bool, vocabulary: torch.Tensor | None = None) -> Froze
     Everything lives on the base model's device, where the head trains."""
     embed = base.model.get_input_embeddings().weight.detach().float()
     lm_head = base.model.get_output_embeddings().weight.detach()
+    drafted = torch.ones(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
     if vocabulary is not None:
         vocabulary = vocabulary.to(lm_head.device)
         lm_head = lm_head[vocabulary]
-    return Frozen(embed, lm_head.to(torch.bfloat16 if bf16 else torch.float32), vocabulary)
+        drafted = torch.zeros_like(drafted).index_fill_(0, vocabulary, True)
+    return Frozen(embed, lm_head.to(torch.bfloat16 if bf16 else torch.float32), vocabulary, drafted)
 
 
 def frequent_tokens(shards: list[Path], size: int, vocab_size: int) -> torch.Tensor:
@@ -175,9 +207,12 @@ def make_batch(sequences: list[Sequence], frozen: Frozen) -> Batch:
     ids = torch.zeros(len(sequences), length + 2, dtype=torch.long)
     next_next = torch.full((len(sequences), length + 2), -1, dtype=torch.long)
     mask = torch.zeros(len(sequences), length, dtype=torch.bool)
+    aux = None if sequences[0].aux is None else torch.zeros(len(sequences), length, sequences[0].aux.shape[-1])
     for row, s in enumerate(sequences):
         n = len(s.input_ids)
         features[row, :n] = s.features.float()
+        if aux is not None:
+            aux[row, :n] = s.aux.float()
         ids[row, :n] = s.input_ids.long()
         next_next[row, :n] = s.input_ids.long()
         mask[row, :n] = s.loss_mask.bool()
@@ -190,6 +225,7 @@ def make_batch(sequences: list[Sequence], frozen: Frozen) -> Batch:
         next_next_ids=next_next[:, 2:].to(device),
         loss_mask=mask.to(device),
         positions=torch.arange(length, device=device).expand(len(sequences), length),
+        aux=None if aux is None else aux.to(device),
     )
 
 
@@ -207,12 +243,15 @@ def forward_losses(
 ) -> torch.Tensor:
     """The weighted loss of all unrolled steps; adds metrics to `totals`."""
     length, device = batch.features.shape[1], batch.features.device
-    inputs = batch.features
+    third = isinstance(head, Eagle3Head)
+    inputs = batch.aux if third else batch.features
     if noise is not None:  # drawn on the CPU: the same noise on every device
-        rms = batch.features.pow(2).mean().sqrt()
+        rms = inputs.pow(2).mean().sqrt()
         amplitude = params.noise * rms
         inputs = inputs + (torch.rand(inputs.shape, generator=noise).to(device) * 2 - 1) * amplitude
     valid0 = batch.loss_mask
+    if third:  # train only where the next token can be drafted at all
+        valid0 = valid0 & frozen.drafted[batch.next_next_ids.clamp(min=0)] & (batch.next_next_ids >= 0)
     target_rows = batch.targets[valid0]  # (M, H)
     with torch.no_grad():
         target_logits = F.linear(target_rows.to(frozen.lm_head.dtype), frozen.lm_head).float()  # (M, V)
@@ -226,17 +265,24 @@ def forward_losses(
     cache, total, prediction = HeadCache(), 0.0, None
     for step in range(params.unroll_steps):
         if step > 0:  # feed the previous step's prediction of feature_t at position t
-            inputs = torch.cat([batch.features[:, :1], prediction[:, :-1]], dim=1)
+            first = prediction[:, :1] if third else batch.features[:, :1]  # position 0 is never trained past step 0
+            inputs = torch.cat([first, prediction[:, :-1]], dim=1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=params.bf16):
             mask = unrolled_mask(length, step, device)
             prediction = head(batch.next_embeddings, inputs, batch.positions, mask, cache)
         valid = valid0 & (batch.positions >= step)  # (B, T)
         rows = valid[valid0]  # which of the M target rows this step trains
         predicted = prediction[valid].float()  # (m, H)
-        smooth_l1 = F.smooth_l1_loss(predicted, target_rows[rows], reduction="none").mean(-1)
-        logits = F.linear(predicted.to(frozen.lm_head.dtype), frozen.lm_head).float()  # (m, V)
+        if third:  # the head's own norm and lm_head over the draft vocabulary; no feature regression
+            smooth_l1 = torch.zeros(len(predicted), device=device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=params.bf16):
+                logits = head.lm_head(head.norm(prediction[valid])).float()  # (m, V')
+        else:
+            smooth_l1 = F.smooth_l1_loss(predicted, target_rows[rows], reduction="none").mean(-1)
+            logits = F.linear(predicted.to(frozen.lm_head.dtype), frozen.lm_head).float()  # (m, V)
         cross_entropy = -(target_probs[rows] * logits.log_softmax(-1)).sum(-1)
-        total = total + params.step_decay**step * (smooth_l1.mean() + params.ce_weight * cross_entropy.mean())
+        weight = 1.0 if third else params.ce_weight
+        total = total + params.step_decay**step * (smooth_l1.mean() + weight * cross_entropy.mean())
         with torch.no_grad():
             correct_rows = logits.argmax(-1) == base_argmax[rows]
             correct = torch.zeros_like(valid)
@@ -310,9 +356,15 @@ class Trainer:
         vocab_size = base.model.get_output_embeddings().weight.shape[0]
         vocabulary = frequent_tokens(train_shards, params.loss_vocab, vocab_size) if params.loss_vocab else None
         self.frozen = frozen_of(base, params.bf16, vocabulary)
-        self.eval_frozen = frozen_of(base, params.bf16)
-        self.head = new_head(head_config_for(base.model.config), params.seed).to(base.device).train()
+        if params.arch == "eagle3":  # its lm_head only knows the draft vocabulary, so it is judged there too
+            self.eval_frozen = self.frozen
+            self.head = new_eagle3_head(base, vocabulary, params.seed).to(base.device).train()
+        else:
+            self.eval_frozen = frozen_of(base, params.bf16)
+            self.head = new_head(head_config_for(base.model.config), params.seed).to(base.device).train()
         if params.init_head:
+            if params.arch == "eagle3":
+                raise ValueError("--init-head continues EAGLE-1/2 heads only; train an EAGLE-3 head from scratch")
             self.head.load_state_dict(initial_weights(Path(params.init_head), self.head), strict=True)
         self.optimizer = torch.optim.AdamW(
             self.head.parameters(), lr=params.learning_rate, betas=(0.9, 0.95), weight_decay=params.weight_decay
