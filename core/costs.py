@@ -35,7 +35,7 @@ GPU_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # and on GPUs, where they can
 CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with context
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
-VERSION = 2  # bump when what is measured changes, so old cache files are ignored
+VERSION = 3  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,7 @@ def measure(model, argmax, drafter_for: Callable[[], object], context_limit: int
     if drafter is not None:
         features = torch.randn(len(features), drafter.head.feature_size, generator=generator).to(device)  # what the head reads
         drafter.commit(features, torch.randint(0, vocabulary, (len(features),), generator=generator).to(device))
+        drafter.catch_up()
         for width in WIDTHS:
             expand.append(_median(lambda width=width: _expand_once(drafter, width), device, width == WIDTHS[0]))
         overhead = _median(lambda: _commit_once(drafter, features[:2]), device)
@@ -210,6 +211,7 @@ def _commit_once(drafter, features: torch.Tensor) -> None:
     """A step's head commit of its accepted tokens (two here): the bulk of a step's overhead."""
     committed = drafter.cache.length
     drafter.commit(features, torch.zeros(len(features), dtype=torch.long, device=features.device))
+    drafter.catch_up()
     drafter.cache.crop(committed)
 
 

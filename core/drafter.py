@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core import int8, planner
-from core.calibration import Calibration
+from core.calibration import Calibration, Continuation
 from core.config import TreeParams
 from core.lookup import ContextIndex
 from core.tree import DraftTree, graft, lookup_continuation, make_tree, rerank, subtree
@@ -24,6 +24,8 @@ from models.head import DraftHead, HeadCache
 
 if TYPE_CHECKING:
     from core.costs import Costs
+
+MAX_REST = 8  # most consecutive steps a planned drafter skips drafting before it looks again
 
 # EAGLE-1's static tree, sized for a CPU: each path lists child ranks from the
 # root, e.g. (0, 1) is the head's second choice after its first choice.
@@ -89,6 +91,7 @@ class Planning:
     costs: Costs  # this device's measured step costs
     head: Calibration  # acceptance of the head's nodes by draft confidence, for this sampling setting
     context: Calibration  # acceptance of the context branch's copied nodes by prior confidence
+    continuation: Continuation  # how often an accepted draft path goes one level deeper
 
 
 @dataclass(frozen=True)
@@ -121,15 +124,25 @@ class Drafter:
         self.index = ContextIndex()  # committed tokens after the first, ending with the root: for the context branch
         self.planning = planning
         self.drafted: Drafted | None = None  # the last tree's nodes, for calibration
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the head has not read yet
+        self.resting = 0  # planned steps left that skip drafting
+        self.unprofitable = 0  # planned drafts in a row that did not pay
         self.dtype = head.dtype
 
-    @property
-    def committed(self) -> int:
-        return self.cache.length
-
     def commit(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Encode committed pairs (feature_t, token_{t+1}) from the base model's
-        true features; features (T, H), next_tokens (T,)."""
+        """Committed pairs (feature_t, token_{t+1}) from the base model's true
+        features; features (T, F), next_tokens (T,). The head encodes them
+        when it next drafts, so steps that draft nothing cost it nothing."""
+        self.pending.append((features, next_tokens))
+        self.index.extend(next_tokens.tolist())
+
+    def catch_up(self) -> None:
+        """Run the head over the pending committed pairs, in one forward."""
+        if not self.pending:
+            return
+        features = torch.cat([f for f, _ in self.pending])
+        next_tokens = torch.cat([t for _, t in self.pending])
+        self.pending = []
         start, count = self.cache.length, len(next_tokens)
         device = features.device
         positions = torch.arange(start, start + count, device=device)
@@ -139,12 +152,17 @@ class Drafter:
             mask = torch.cat([torch.ones(count, start, dtype=torch.bool, device=device), causal], dim=1)[None, None]
         hidden = self.head(self.embed(next_tokens)[None], features.to(self.dtype)[None], positions[None], mask, self.cache)
         self.last_hidden = hidden[0, -1]
-        self.index.extend(next_tokens.tolist())
 
     def draft(self, root: int) -> DraftTree:
-        """A tree of drafted continuations of `root`; the head cache is left as it was."""
-        committed = self.cache.length
+        """A tree of drafted continuations of `root`; the head cache is left as
+        it was. A planned tree may be the root alone, drafted or not: while
+        drafting does not pay (see `_rest_after`), steps skip the head."""
         self.drafted = None
+        if self.params.planned and self.resting > 0:
+            self.resting -= 1
+            return make_tree(root, [], [])
+        self.catch_up()
+        committed = self.cache.length
         try:
             if self.static_paths is not None:
                 tokens, parents = self._draft_static()
@@ -158,12 +176,26 @@ class Drafter:
             tokens, parents = graft(tokens, parents, lookup_continuation(self.index.tokens, self.params.lookup_tokens))
         return make_tree(root, tokens, parents)
 
+    def _rest_after(self, drafted_rate: float, curve: torch.Tensor) -> None:
+        """After a planned draft: if its expected rate, its drafting included,
+        is below a plain step's (no head work at all), the context is one
+        where drafting does not pay, so skip the head for the next steps:
+        1, then 2, 4, up to MAX_REST steps while that stays so."""
+        plain = 1 / float(curve[0])  # a step that drafts nothing does no head work (commits wait, see `commit`)
+        if drafted_rate >= plain:
+            self.unprofitable = 0
+            return
+        self.resting = min(2**self.unprofitable, MAX_REST)
+        self.unprofitable += 1
+
     def observe(self, path: list[int]) -> None:
         """Teach calibration which nodes of the last planned tree were accepted (path: tree nodes, root first)."""
         if self.drafted is None or self.planning is None:
             return
         accepted = torch.zeros(len(self.drafted.depths), dtype=torch.bool)
         accepted[[node - 1 for node in path[1:]]] = True
+        tree_depth = int(self.drafted.depths.max()) if len(self.drafted.depths) else 0
+        self.planning.continuation.observe(len(path) - 1, tree_depth)
         for confidence, table in (
             (self.drafted.head_confidence, self.planning.head),
             (self.drafted.context_confidence, self.planning.context),
@@ -213,7 +245,7 @@ class Drafter:
         costs, context = planning.costs, self.cache.length
         largest = costs.largest_tree
         curve = torch.tensor([costs.verify_seconds(n, context) for n in range(1, largest + 1)], dtype=torch.float64)
-        spent = costs.overhead + costs.expand_seconds(1)
+        spent = costs.overhead + costs.expand_seconds(1)  # the head's catch-up on committed tokens, its first step
         expander = Expander(self)
         values, ids = self.top(self.last_hidden[None], k)
         tokens, parents, depths = ids[0].tolist(), [-1] * k, [1] * k
@@ -228,7 +260,8 @@ class Drafter:
             estimates = self._head_estimates(torch.cat(scores), depths, parents)
             known = torch.sort(torch.cat([estimates, copied]), descending=True).values
             width = len(frontier)
-            if not planner.worth_deepening(known, estimates[frontier], curve, spent, costs.expand_seconds(width)):
+            children = estimates[frontier] * planning.continuation.rate(depth - 1)  # one likely child per frontier node
+            if not planner.worth_deepening(known, children, curve, spent, costs.expand_seconds(width)):
                 break
             spent += costs.expand_seconds(width)
             values, ids = self.top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
@@ -265,7 +298,8 @@ class Drafter:
                 node = match
         closed = planner.closed_estimates(torch.tensor(estimates), parents)
         order = planner.ranked(closed)
-        size, _ = planner.best_size(closed[order], curve, spent)
+        size, rate = planner.best_size(closed[order], curve, spent)
+        self._rest_after(rate, curve)
         chosen = sorted(order[: size - 1].tolist())
         self.drafted = Drafted(
             head_confidence=head_confidence[chosen],

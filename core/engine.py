@@ -177,6 +177,7 @@ class Engine:
                 self.prepare_costs(),
                 self.calibrations.get("head", setting),
                 self.calibrations.get("context", setting),
+                self.calibrations.continuation(setting),
             )
         static = STATIC_PATHS if mode == "eagle" else None
         return Drafter(self.draft_head, self.model, tree, static, self.vocabulary, planning)

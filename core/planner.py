@@ -11,9 +11,9 @@ for a base-model pass of n nodes costing verify(n) seconds on this device
 
     rate(n) = E[tokens](n) / (spent + verify(n))
 
-where `spent` is the step's drafting so far plus its fixed overhead, and
-keeps drafting deeper only while the next level could raise that rate by
-more than the head expansion costs. All functions here are pure."""
+where `spent` is the step's drafting so far, and keeps drafting deeper only
+while the next level is expected to raise that rate by more than the head
+expansion costs. All functions here are pure."""
 
 from __future__ import annotations
 
@@ -61,18 +61,20 @@ def best_size(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent:
 
 def worth_deepening(
     sorted_estimates: torch.Tensor,
-    frontier_estimates: torch.Tensor,
+    child_estimates: torch.Tensor,
     verify_curve: torch.Tensor,
     spent: float,
     expand_seconds: float,
 ) -> bool:
-    """Whether expanding the frontier could raise the best rate. Optimistic
-    bound: each frontier node f gets one child accepted whenever f is
-    (a child's chance never exceeds its parent's), for one more head
-    expansion's time. If even that does not pay, the real level cannot."""
-    if len(frontier_estimates) == 0:
+    """Whether expanding the frontier is expected to raise the best rate:
+    with the candidates so far plus, per frontier node, its likeliest
+    child's estimate (`child_estimates`: the node's estimate times the
+    measured chance that an accepted path goes one level deeper), for one
+    more head expansion's time. With each child at its parent's estimate
+    this is an upper bound: if that does not pay, no real level can."""
+    if len(child_estimates) == 0:
         return False
     _, now = best_size(sorted_estimates, verify_curve, spent)
-    hoped = torch.sort(torch.cat([sorted_estimates.double(), frontier_estimates.double()]), descending=True).values
+    hoped = torch.sort(torch.cat([sorted_estimates.double(), child_estimates.double()]), descending=True).values
     _, deeper = best_size(hoped, verify_curve, spent + expand_seconds)
     return deeper > now

@@ -6,7 +6,7 @@ import torch
 
 from core import costs as costs_module
 from core import planner
-from core.calibration import Calibration, Calibrations
+from core.calibration import Calibration, Calibrations, Continuation
 from core.config import SamplingParams, TreeParams
 from core.costs import Costs
 from core.engine import Engine
@@ -121,6 +121,31 @@ def test_calibration_converges_to_the_true_rates():
     points = calibration.curve()
     # pooled over depths the rate is (1 + 1 + 0.5) / 3 of c^2
     assert len(points) == 15 and all(abs(p.accepted - 5 / 6 * p.confidence**2) < 0.05 for p in points)
+
+
+def test_continuation_learns_how_often_accepted_paths_go_deeper():
+    continuation = Continuation()
+    assert continuation.rate(1) == pytest.approx(Continuation.PRIOR_RATE)
+    generator = torch.Generator().manual_seed(4)
+    for trial in range(3000):  # accepted depth: 1 with p 0.6, then each next level with p 0.5, in trees of depth 4
+        accepted = 0
+        while accepted < 4 and float(torch.rand((), generator=generator)) < (0.6 if accepted == 0 else 0.5):
+            accepted += 1
+        continuation.observe(accepted, 4)
+    assert [continuation.rate(depth) for depth in (1, 2, 3)] == pytest.approx([0.5, 0.5, 0.5], abs=0.05)
+
+
+def test_planned_steps_skip_the_head_where_drafting_does_not_pay(engine64):
+    """Where one more node costs five one-node passes, steps rest (no head
+    work at all), looking again after 1, 2, 4 and 8 steps; the output is vanilla's."""
+    engine64.costs, engine64.calibrations = table(per_node=0.05), Calibrations()
+    sampling = SamplingParams(max_new_tokens=40)
+    steps = list(engine64.stream([8, 9, 10, 11], "eagle2", sampling))[1:]
+    resting = [step for step in steps if step.draft_seconds < 5e-4]  # building a one-node tree, no head forward
+    looking = [step for step in steps if step.draft_seconds >= 1e-3]
+    assert len(resting) >= len(steps) // 2 and len(looking) >= 3, (len(resting), len(looking), len(steps))
+    assert all(step.tree_size == 1 for step in resting)
+    assert tokens_of(steps) == tokens_of(engine64.stream([8, 9, 10, 11], "vanilla", sampling))[1:]
 
 
 def test_context_index_proposes_distinct_branches_longest_match_first():
