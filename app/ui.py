@@ -87,7 +87,7 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
                             seed = gr.Number(defaults["seed"], precision=0, label="Seed (-1 = random)")
                             total_tokens = gr.Slider(0, 128, tree.total_tokens, step=1, label="Tree: tokens verified per step",
                                                      info="0 = sized every step from this device's measured costs")  # fmt: skip
-                            depth = gr.Slider(1, 12, tree.depth, step=1, label="Tree: depth")
+                            depth = gr.Slider(1, 12, tree.depth, step=1, label="Tree: depth (the most, when sized automatically)")
                             tree_top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Tree: top-k per node")
             controls = [mode, temperature, top_p, top_k, max_new_tokens, seed, total_tokens, depth, tree_top_k, colour]
 
