@@ -67,6 +67,8 @@ class HeadConfig:
         extra = settings.pop("extra")
         settings["architectures"] = ["LlamaForCausalLM"]
         settings["model_type"] = "llama"
+        if settings["head_dim"] is None:  # hidden_size // num_attention_heads; a null would confuse other engines
+            del settings["head_dim"]
         return {**extra, **settings}
 
     def rotary_config(self):
