@@ -58,6 +58,11 @@ class Costs:
         rows = [_interpolate(self.sizes, row, nodes) for row in self.verify]
         return max(_interpolate(self.contexts, rows, context), 1e-9)
 
+    def verify_curve(self, context: int, largest: int | None = None) -> torch.Tensor:
+        """(largest,) float64: verify_seconds(n, context) for n = 1 .. largest (default: the largest measured)."""
+        sizes = range(1, (largest or self.largest_tree) + 1)
+        return torch.tensor([self.verify_seconds(n, context) for n in sizes], dtype=torch.float64)
+
     def expand_seconds(self, width: int) -> float:
         return max(_interpolate(self.widths, self.expand, width), 0.0)
 

@@ -101,7 +101,6 @@ class Drafted:
     head_confidence: torch.Tensor  # (N-1,) draft path probability; NaN for nodes only the context branch proposed
     context_confidence: torch.Tensor  # (N-1,) the context branch's prior; NaN for nodes it did not propose
     depths: torch.Tensor  # (N-1,) depth in the tree, from 1
-    expected: float  # tokens the planner expects the step to commit (1 + the nodes' acceptance estimates)
 
 
 class Drafter:
@@ -242,14 +241,15 @@ class Drafter:
         could raise the expected tokens per second, then keep the best n nodes
         of head and context-branch candidates by calibrated acceptance."""
         planning, k = self.planning, self.params.top_k
-        costs, context = planning.costs, self.cache.length
-        largest = costs.largest_tree
-        curve = torch.tensor([costs.verify_seconds(n, context) for n in range(1, largest + 1)], dtype=torch.float64)
+        costs = planning.costs
+        curve = costs.verify_curve(self.cache.length)
         spent = costs.overhead + costs.expand_seconds(1)  # the head's catch-up on committed tokens, its first step
         expander = Expander(self)
         values, ids = self.top(self.last_hidden[None], k)
-        tokens, parents, depths = ids[0].tolist(), [-1] * k, [1] * k
-        scores = [values[0]]
+        tokens, parents = ids[0].tolist(), [-1] * k
+        scores, depths = [values[0]], [torch.ones(k, dtype=torch.long)]
+        # calibrated acceptance of the head's candidates, each capped at its parent's (planner.closed_estimates)
+        levels = [planning.head.estimate(values[0].double().exp(), depths[0])]
         frontier, frontier_scores = list(range(k)), values[0]
         branches = self.index.branches(self.params.context_branches, self.params.lookup_tokens)
         copied = self._copied_estimates(branches)
@@ -257,7 +257,7 @@ class Drafter:
         for depth in range(2, self.params.depth + 1):
             if float(frontier_scores.max()) < floor:
                 break
-            estimates = self._head_estimates(torch.cat(scores), depths, parents)
+            estimates = torch.cat(levels)
             known = torch.sort(torch.cat([estimates, copied]), descending=True).values
             width = len(frontier)
             children = estimates[frontier] * planning.continuation.rate(depth - 1)  # one likely child per frontier node
@@ -269,15 +269,18 @@ class Drafter:
             first = len(tokens)
             tokens += ids.flatten().tolist()
             parents += [parent for parent in frontier for _ in range(k)]
-            depths += [depth] * len(child_scores)
             scores.append(child_scores)
+            depths.append(torch.full((len(child_scores),), depth, dtype=torch.long))
+            calibrated = planning.head.estimate(child_scores.double().exp(), depths[-1])
+            levels.append(torch.minimum(calibrated, estimates[frontier].repeat_interleave(k)))
             best = torch.sort(-child_scores, stable=True).indices[:k]
             frontier = (best + first).tolist()
             frontier_scores = child_scores[best]
-        head_confidence = torch.cat(scores).double().exp()
-        estimates = self._head_estimates(torch.cat(scores), depths, parents).tolist()
+        head_confidence = torch.cat(scores).double().exp().tolist()
+        estimates, depths = torch.cat(levels).tolist(), torch.cat(depths).tolist()
         context_confidence = [math.nan] * len(tokens)
         child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+        copied_estimates = iter(copied.tolist())  # in the order of the branches' tokens
         for branch in branches:
             node = -1
             for offset, token in enumerate(branch.tokens, start=1):
@@ -289,12 +292,11 @@ class Drafter:
                     depths.append(offset)
                     estimates.append(0.0)
                     context_confidence.append(math.nan)
-                    head_confidence = torch.cat([head_confidence, head_confidence.new_tensor([math.nan])])
+                    head_confidence.append(math.nan)
                 prior = branch.confidence(offset)
                 if math.isnan(context_confidence[match]) or prior > context_confidence[match]:
                     context_confidence[match] = prior
-                estimated = float(planning.context.estimate(torch.tensor([prior]), torch.tensor([offset]))[0])
-                estimates[match] = max(estimates[match], estimated)
+                estimates[match] = max(estimates[match], next(copied_estimates))
                 node = match
         closed = planner.closed_estimates(torch.tensor(estimates), parents)
         order = planner.ranked(closed)
@@ -302,20 +304,14 @@ class Drafter:
         self._rest_after(rate, curve)
         chosen = sorted(order[: size - 1].tolist())
         self.drafted = Drafted(
-            head_confidence=head_confidence[chosen],
+            head_confidence=torch.tensor(head_confidence, dtype=torch.float64)[chosen],
             context_confidence=torch.tensor(context_confidence, dtype=torch.float64)[chosen],
             depths=torch.tensor(depths)[chosen],
-            expected=1 + float(closed[chosen].sum()),
         )
         return subtree(tokens, parents, chosen)
 
-    def _head_estimates(self, scores: torch.Tensor, depths: list[int], parents: list[int]) -> torch.Tensor:
-        """Calibrated acceptance of the head's candidates, capped at their parents'."""
-        estimates = self.planning.head.estimate(scores.double().exp(), torch.tensor(depths))
-        return planner.closed_estimates(estimates, parents)
-
     def _copied_estimates(self, branches) -> torch.Tensor:
-        """Calibrated acceptance of every copied node, as competitors in the deepening decision."""
+        """Calibrated acceptance of every copied node, branch by branch, token by token."""
         priors = [branch.confidence(offset) for branch in branches for offset in range(1, len(branch.tokens) + 1)]
         offsets = [offset for branch in branches for offset in range(1, len(branch.tokens) + 1)]
         if not priors:

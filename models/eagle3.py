@@ -13,14 +13,13 @@ in vLLM, SGLang and llama.cpp."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from models.errors import HeadFormatError
-from models.head import CONFIG_FILE, MLP, Attention, HeadCache, HeadConfig, RMSNorm
+from models.head import CONFIG_FILE, MLP, Attention, HeadCache, HeadConfig, RMSNorm, check_keys, save_head
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 MARKER = "midlayer.self_attn.q_proj.weight"  # a key only EAGLE-3 checkpoints have
@@ -97,12 +96,11 @@ class Eagle3Head(nn.Module):
         return 3 * self.target_hidden_size
 
     def place(self, device=None, dtype=None) -> Eagle3Head:
-        """Move the weights; d2t and t2d keep their integer/bool dtypes, rotary frequencies stay float32."""
+        """Move the weights (d2t and t2d keep their dtypes: `to` casts floating
+        tensors only); rotary frequencies stay float32."""
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        d2t, t2d = self.d2t, self.t2d
         self.to(device=device, dtype=dtype)
-        self.d2t, self.t2d = d2t.to(self.device), t2d.to(self.device)
         self.rotary = LlamaRotaryEmbedding(self.config.rotary_config()).to(self.device)
         return self
 
@@ -172,18 +170,7 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) 
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: an EAGLE-3 head needs draft_vocab_size")
     target = int(config.extra.get("target_hidden_size") or config.hidden_size)
     shapes = expected_shapes(config, target, fc_norms="fc_norm.0.weight" in state)
-    optional = {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}
-    for key, shape in shapes.items():
-        if key not in state:
-            raise HeadFormatError(f"{file}: missing key {key} (expected shape {list(shape)})")
-    for key, tensor in state.items():
-        shape = shapes.get(key, optional.get(key))
-        if shape is None:
-            raise HeadFormatError(f"{file}: unexpected key {key} (shape {list(tensor.shape)}) in an EAGLE-3 head")
-        if tuple(tensor.shape) != shape:
-            raise HeadFormatError(
-                f"{file}: key {key} has shape {list(tensor.shape)}, expected {list(shape)} from {CONFIG_FILE}"
-            )
+    check_keys(state, shapes, config, file, " in an EAGLE-3 head")
     target_ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
     if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size:
         raise HeadFormatError(f"{file}: d2t maps draft ids outside the vocabulary of {config.vocab_size} tokens")
@@ -217,16 +204,8 @@ def new_head(config: HeadConfig, layer_ids: tuple[int, ...], draft_ids: torch.Te
 
 def save(head: Eagle3Head, folder: str | Path, extra_config: dict | None = None) -> Path:
     """Write config.json + model.safetensors in the published EAGLE-3 format."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {key: tensor.detach().contiguous().cpu() for key, tensor in head.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    settings = head.config.to_dict()
-    settings.update(
+    settings = dict(
         architectures=[ARCHITECTURE], num_hidden_layers=1, tie_word_embeddings=False, bias=False,
-        eagle_aux_hidden_state_layer_ids=list(head.layer_ids), **(extra_config or {}),
+        eagle_aux_hidden_state_layer_ids=list(head.layer_ids),
     )  # fmt: skip
-    (folder / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
-    return folder
+    return save_head(head, folder, {**settings, **(extra_config or {})})

@@ -264,8 +264,14 @@ def expected_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) -> None:
-    """Strict: every expected key with its shape, nothing unexpected."""
-    shapes = expected_shapes(config)
+    """Strict: every expected key of an EAGLE-1/2 head with its shape, nothing unexpected."""
+    check_keys(state, expected_shapes(config), config, file, "; not an EAGLE-1/2 head?")
+
+
+def check_keys(state: dict[str, torch.Tensor], shapes: dict, config: HeadConfig, file: Path, unexpected: str) -> None:
+    """Every key of `shapes` present with its shape, nothing else but an own
+    embedding; errors name the key, both shapes and the file. `unexpected`
+    ends the message about a key that does not belong."""
     optional = {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}
     for key, shape in shapes.items():
         if key not in state:
@@ -273,15 +279,16 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) 
     for key, tensor in state.items():
         shape = shapes.get(key, optional.get(key))
         if shape is None:
-            raise HeadFormatError(f"{file}: unexpected key {key} (shape {list(tensor.shape)}); not an EAGLE-1/2 head?")
+            raise HeadFormatError(f"{file}: unexpected key {key} (shape {list(tensor.shape)}){unexpected}")
         if tuple(tensor.shape) != shape:
             raise HeadFormatError(
                 f"{file}: key {key} has shape {list(tensor.shape)}, expected {list(shape)} from {CONFIG_FILE}"
             )
 
 
-def save_head(head: DraftHead, folder: str | Path, extra_config: dict | None = None) -> Path:
-    """Write config.json + model.safetensors, the format other EAGLE tools read."""
+def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = None) -> Path:
+    """Write config.json + model.safetensors, the format other EAGLE tools
+    read; extra_config overrides or adds config fields."""
     from safetensors.torch import save_file
 
     folder = Path(folder)

@@ -28,7 +28,7 @@ CPU_LIKE = table(per_node=0.004)  # every extra node costs 40% of a one-node pas
 
 
 def curve_of(costs: Costs, largest: int = 128) -> torch.Tensor:
-    return torch.tensor([costs.verify_seconds(n, 100) for n in range(1, largest + 1)], dtype=torch.float64)
+    return costs.verify_curve(100, largest)
 
 
 def brute_force(estimates: list[float], curve: torch.Tensor, spent: float) -> tuple[int, float]:
