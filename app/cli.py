@@ -14,7 +14,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", help="base model: Hugging Face repo id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     group.add_argument("--head", help="EAGLE draft head: Hugging Face repo id or local folder (default: the bundled head of the default model, if any)")
-    group.add_argument("--quantization", default="none", choices=("none", "8bit", "4bit"), help="bitsandbytes weight quantization of the base model (default: none)")
+    group.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "8bit", "4bit"), help="base model weights: int8 (torch's CPU kernel), 8bit or 4bit (bitsandbytes, for GPUs), or none; auto (default) = int8 on CPUs where it is measured faster, else none")
     group.add_argument("--dtype", default="auto", choices=("auto", "float64", "float32", "bfloat16", "float16"), help="compute dtype (default auto: bf16/fp16 on GPUs; bf16 on CPUs with native bf16, else float32)")
     group.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and optionally 'id'")
     bench.add_argument("--limit", type=int, help="use only the first N prompts")
     bench.add_argument("--per-source", type=int, help="use the first N prompts of each source (e.g. chat and code)")
-    bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated from vanilla, eagle, eagle2, generate, prompt-lookup; eagle2:T/D/K[/L] sets a tree shape (default vanilla,eagle2)")
+    bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated from vanilla, eagle, eagle2, generate, prompt-lookup, llama.cpp; eagle2:T/D/K[/L] sets a tree shape (default vanilla,eagle2)")
     bench.add_argument("--json", dest="json_out", help="write the full results to this JSON file")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts (default 1)")
+    bench.add_argument("--llama-python", help="for mode llama.cpp: a Python with llama-cpp-python installed (llama.cpp as a measuring stick on the same GGUF)")
     bench.add_argument("--calibrate", action="store_true", help="measure this device's step costs again (they are cached per device, model, dtype and threads)")
     add_model_options(bench)
     add_sampling_options(bench, max_new_tokens=128)
@@ -276,7 +277,7 @@ def run_bench_command(args) -> int:
     def show(done: int, total: int, description: str) -> None:
         print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
 
-    result = run_bench(engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show)
+    result = run_bench(engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show, args.llama_python)
     print(format_table(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))

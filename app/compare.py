@@ -41,12 +41,16 @@ class Divergence:
     other: str  # the speculative mode's token there
     margin: float  # vanilla's top-2 logit margin at that position
     dtype: str  # the model's compute dtype
+    exact: bool = False  # whether tree passes were checked bit for bit against one-token steps at load
 
     def explain(self, label: str) -> str:
         tie = NEAR_TIE.get(self.dtype, 0.01)
         where = (f"{label} output differs from vanilla from token {self.index}: vanilla wrote {self.vanilla!r}, "
                  f"{label} wrote {self.other!r}; vanilla's top-2 logit margin there is {self.margin:.4g}.")  # fmt: skip
-        if self.margin <= tie:
+        if self.exact:
+            why = (" This engine computes every tree node bit for bit as a one-token step would (checked when the "
+                   "model loaded), so the outputs should have been identical: please report it with the prompt and settings.")  # fmt: skip
+        elif self.margin <= tie:
             why = (f" That is a near-tie in {self.dtype} (below {tie:g}): the tree pass and the one-token pass round "
                    "differently, which can flip such a choice; from there on the two replies are different texts, "
                    "each one the model could write. Use float32 (or float64) for replies identical to vanilla.")  # fmt: skip
@@ -97,7 +101,8 @@ def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply) -> D
     ours, theirs = vanilla.token_ids[index], other.token_ids[index]
     margin = engine.next_token_margin(prompt_ids + vanilla.token_ids[:index])
     decode = engine.base.tokenizer.decode
-    return Divergence(index, decode([ours]), decode([theirs]), margin, str(engine.base.dtype).removeprefix("torch."))
+    dtype = "bfloat16" if engine.base.quantization == "int8" else str(engine.base.dtype).removeprefix("torch.")  # int8 kernels take bf16 activations
+    return Divergence(index, decode([ours]), decode([theirs]), margin, dtype, engine.exact)
 
 
 class CompareHandlers:

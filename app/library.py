@@ -17,8 +17,6 @@ from core.training.report import REPORT_FILE
 from models import catalog
 from models.errors import KestrelError
 
-BITS = {"4bit": 4, "8bit": 8, "none": 16}
-
 
 def detected_memory() -> tuple[float | None, str]:
     """(GB, what it is): the first GPU's memory, else the system RAM."""

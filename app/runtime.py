@@ -132,6 +132,8 @@ class Runtime:
         head = "with an EAGLE draft head" if engine.head is not None else "without a draft head (vanilla only)"
         if engine.head is not None and (problem := engine.speculation_problem()):
             head = f"with an EAGLE draft head, but vanilla only: {problem}"
+        elif engine.exact:
+            head += "; tree passes compute bit for bit as vanilla steps (greedy replies identical)"
         quantization = "" if engine.base.quantization == "none" else f", {engine.base.quantization}"
         return f"{engine.base.name} ({engine.base.device}, {str(engine.base.dtype).removeprefix('torch.')}{quantization}) {head}"
 

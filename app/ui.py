@@ -12,12 +12,13 @@ import gradio as gr
 from app import render
 from app.chat import MODE_LABELS, ChatHandlers, chat_choices, default_settings
 from app.compare import CompareHandlers
-from app.library import BITS, LibraryHandlers, catalog_frame, detected_memory
+from app.library import LibraryHandlers, catalog_frame, detected_memory
 from app.runtime import Runtime
 from app.server import LOCALHOST, Access, Server, new_api_key
 from app.store import Store, data_dir
 from core.config import MODES, TreeParams
 from models import catalog
+from models.base import QUANTIZATIONS
 
 MODEL = {"concurrency_limit": 1, "concurrency_id": "model"}  # every event that runs the model
 # Streams that show their own progress (text, statistics, a notice): Gradio's
@@ -138,7 +139,7 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
                     head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
                 trained = gr.Dropdown([], label="Heads you trained for this base (overrides the head box)")
                 with gr.Row():
-                    quantization = gr.Radio(list(BITS), value="none", label="Quantization")
+                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int8: torch's CPU kernel; 8bit/4bit: bitsandbytes (GPUs); auto: int8 on CPUs where it is faster")
                     dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16"], value="auto", label="Compute dtype")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")

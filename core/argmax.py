@@ -1,20 +1,26 @@
 """Exact greedy argmax of the lm_head at a fraction of its full-precision cost.
 
-A bf16 product ranks every token; the best few are recomputed in the model's
-precision; a rounding-error bound then proves that no other token can beat
-them. Where the bound cannot prove it (a near-tie), the full-precision logits
-decide. So the result always equals argmax(lm_head(h)) in full precision.
+An int8 product (models/int8.py: a quarter of float32's bytes to read) ranks
+every token; the best few are recomputed in the model's precision; a
+rounding-error bound then proves that no other token can beat them. Where the
+bound cannot prove it (a near-tie), the full-precision logits decide. So the
+result always equals argmax(lm_head(h)) in full precision.
 
-Bound: rounding both operands to bf16 (unit roundoff u = 2^-8) changes each
-product w_i h_i by at most (2u + u^2)|w_i h_i|, and the float32 accumulation
-adds far less, so |rough_t - exact_t| <= ~2^-7 sum_i |w_ti h_i| <= 2^-7 ||w_t|| ||h||
-(Cauchy-Schwarz). ERROR_SCALE doubles that for margin."""
+Bound, for token t with exact weights w_t, int8 weights w'_t = scale_t * q_t
+and quantization error e_t = w_t - w'_t (known, so its norm is stored):
+  |w_t . h - w'_t . h| <= ||e_t|| ||h||                      (Cauchy-Schwarz)
+  the kernel rounds h to bf16 (relative error <= 2^-8 per element, so
+  |w'_t . (h - bf16(h))| <= 2^-8 ||w'_t|| ||h||), accumulates in float32
+  (<= K 2^-24 ||w'_t|| ||h||) and rounds the result to bf16 (<= 2^-7 |rough_t|).
+ERROR_SCALE doubles the sum for margin."""
 
 from __future__ import annotations
 
 import torch
 
-ERROR_SCALE = 2.0**-6  # bound on |rough - exact| / (||w_t|| ||h||), twice the analysis above
+from models import int8
+
+ERROR_SCALE = 2.0  # margin on the bound above
 CANDIDATES = 16  # tokens recomputed exactly per row (proved the argmax for every row measured)
 
 
@@ -33,35 +39,34 @@ class ScreenedArgmax:
         weight = lm_head.weight.detach()
         self.lm_head = lm_head
         self.weight = weight  # (V, H) in the model's precision
-        # Screening only pays where the model computes in float32/float64 on a
-        # CPU and the head has no bias; elsewhere the plain product is used.
+        # Screening pays where the model computes in float32/float64 on a CPU
+        # whose int8 kernel is fast, and the head has no bias; elsewhere the
+        # plain product is used.
         self.enabled = (
-            weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64) and lm_head.bias is None
+            weight.dtype in (torch.float32, torch.float64) and lm_head.bias is None and int8.available(weight.device)
         )
         if self.enabled:
-            self.rough_weight = weight.to(torch.bfloat16).contiguous()
-            self.row_norms = weight.norm(dim=1)  # (V,)
+            self.packed, self.scales = int8.quantize_rows(weight)
+            rounded = int8.dequantize(self.packed, self.scales).to(torch.float64)
+            error_norms = (weight.to(torch.float64) - rounded).norm(dim=1)
+            relative = 2.0**-8 + weight.shape[1] * 2.0**-24
+            # per token: the bound's factor of ||h|| (everything but the output rounding)
+            self.row_bounds = (error_norms + relative * rounded.norm(dim=1)).float() * ERROR_SCALE
 
     def __call__(self, hidden: torch.Tensor) -> list[int]:
         """hidden (m, H) -> the exact argmax token of each row of lm_head(hidden)."""
-        rough = self.rough(hidden)
-        return [self.resolve(hidden[row], None if rough is None else rough[row]) for row in range(len(hidden))]
-
-    def rough(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden (m, H) -> bf16-precision logits (m, V), or None when screening is off."""
         if not self.enabled:
-            return None
-        return (hidden.to(torch.bfloat16) @ self.rough_weight.T).to(hidden.dtype)
+            return exact_argmax(self.lm_head(hidden)).tolist()
+        rough = int8.matmul(hidden, self.packed, self.scales).float()  # (m, V)
+        return [self._resolve(hidden[row], rough[row]) for row in range(len(hidden))]
 
-    def resolve(self, hidden: torch.Tensor, rough: torch.Tensor | None) -> int:
-        """The exact argmax for one row: hidden (H,), rough (V,) from `rough`."""
-        if rough is None:
-            return int(exact_argmax(self.lm_head(hidden[None]))[0])
+    def _resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
+        """The exact argmax for one row: hidden (H,), rough (V,) int8 logits."""
         candidates = rough.topk(CANDIDATES).indices  # (k,)
         exact = self.weight[candidates] @ hidden  # (k,)
-        best, where = exact.max(dim=0)
-        ceiling = rough + ERROR_SCALE * hidden.norm() * self.row_norms  # (V,)
+        best = exact.max()
+        ceiling = rough + self.row_bounds * float(hidden.norm()) + (2.0**-7 * ERROR_SCALE) * rough.abs()
         ceiling[candidates] = float("-inf")
         if float(ceiling.max()) < float(best):
-            return int(candidates[where])
+            return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax
         return int((self.weight @ hidden).argmax())  # a near-tie: full precision decides

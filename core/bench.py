@@ -6,6 +6,7 @@ prompt, tokens/s = total tokens / total seconds of each mode."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -16,7 +17,8 @@ import torch
 from core.config import MODES, SamplingParams, TreeParams
 from core.engine import Engine
 
-BASELINES = ("generate", "prompt-lookup")  # transformers' generate, plain and with prompt-lookup decoding
+# transformers' generate, plain and with prompt-lookup decoding; llama.cpp on the same GGUF (core/llama_stick.py)
+BASELINES = ("generate", "prompt-lookup", "llama.cpp")
 PROMPT_LOOKUP_TOKENS = 10  # drafted tokens per step for the prompt-lookup baseline
 
 
@@ -77,9 +79,60 @@ def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
     return mode, replace(tree, **fields)
 
 
-def run_once(engine: Engine, prompt_ids: list[int], label: str, sampling: SamplingParams, tree: TreeParams) -> dict:
+class LlamaStick:
+    """llama.cpp in a helper process of another Python (core/llama_stick.py),
+    fed the same prompt token ids, greedy."""
+
+    def __init__(self, python: str | None, engine: Engine, sampling: SamplingParams):
+        from models import bundled
+
+        if not python:
+            raise ValueError("mode llama.cpp needs --llama-python: a Python with llama-cpp-python installed")
+        if not sampling.greedy:
+            raise ValueError("mode llama.cpp is measured greedy only; use --temperature 0")
+        name = engine.base.name
+        gguf = bundled.gguf_path() if name == bundled.DEFAULT_NAME else Path(name)
+        if gguf.suffix != ".gguf" or not gguf.is_file():
+            raise ValueError(f"mode llama.cpp needs a .gguf model file, and {name} is not one")
+        script = Path(__file__).with_name("llama_stick.py")
+        try:
+            self.process = subprocess.Popen(
+                [python, str(script), str(gguf), str(torch.get_num_threads())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        except OSError as error:
+            raise ValueError(f"--llama-python {python}: cannot run it ({error})") from None
+        if not self._read().get("ready"):
+            raise ValueError(f"--llama-python {python}: llama.cpp did not start")
+        self.stop_ids = sorted(engine.stop_ids)
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise ValueError("llama.cpp's helper process ended early (is llama-cpp-python installed there?)")
+        return json.loads(line)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
+        request = {"ids": prompt_ids, "max_new_tokens": max_new_tokens, "stop": self.stop_ids}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = self._read()
+        return {"tokens": len(answer["ids"]), "seconds": answer["seconds"], "forwards": None, "draft_seconds": None,
+                "verify_seconds": None, "accepted_lengths": None, "tree_nodes": None, "tree_depths": None,
+                "output_ids": answer["ids"]}  # fmt: skip
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+def run_once(
+    engine: Engine, prompt_ids: list[int], label: str, sampling: SamplingParams, tree: TreeParams, stick: LlamaStick | None = None
+) -> dict:
     """One prompt through one mode -> tokens, seconds, accepted lengths, output ids."""
     mode, tree = parse_mode(label, tree)
+    if mode == "llama.cpp":
+        return stick.run(prompt_ids, sampling.max_new_tokens)
     if mode in BASELINES:
         return _run_generate(engine, prompt_ids, mode, sampling)
     started = time.perf_counter()
@@ -125,6 +178,7 @@ def run_bench(
     tree: TreeParams = TreeParams(),
     warmup: int = 1,
     progress: Callable[[int, int, str], None] | None = None,
+    llama_python: str | None = None,
 ) -> dict:
     """Every prompt through every mode, interleaved; -> the JSON-ready result."""
     for label in modes:
@@ -132,17 +186,22 @@ def run_bench(
         if mode in MODES and mode not in engine.modes:
             raise ValueError(f"mode {mode} needs a draft head; give --head")
     encoded = [engine.encode([{"role": "user", "content": prompt.text}]) for prompt in prompts]
-    for ids in encoded[:warmup]:
-        for mode in modes:
-            run_once(engine, ids, mode, replace(sampling, max_new_tokens=16), tree)
-    rows, total, done = [], len(prompts) * len(modes), 0
-    for prompt, ids in zip(prompts, encoded):
-        for mode in modes:
-            if progress:
-                progress(done, total, f"{prompt.id} / {mode}")
-            result = run_once(engine, ids, mode, sampling, tree)
-            rows.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
-            done += 1
+    stick = LlamaStick(llama_python, engine, sampling) if "llama.cpp" in modes else None
+    try:
+        for ids in encoded[:warmup]:
+            for mode in modes:
+                run_once(engine, ids, mode, replace(sampling, max_new_tokens=16), tree, stick)
+        rows, total, done = [], len(prompts) * len(modes), 0
+        for prompt, ids in zip(prompts, encoded):
+            for mode in modes:
+                if progress:
+                    progress(done, total, f"{prompt.id} / {mode}")
+                result = run_once(engine, ids, mode, sampling, tree, stick)
+                rows.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
+                done += 1
+    finally:
+        if stick is not None:
+            stick.close()
     if progress:
         progress(total, total, "done")
     return {
@@ -159,6 +218,7 @@ def settings_of(engine, modes, sampling, tree, count, warmup) -> dict:
         "quantization": engine.base.quantization,
         "dtype": str(engine.base.dtype).removeprefix("torch."),
         "device": str(engine.base.device),
+        "exact_trees": engine.exact,
         "threads": torch.get_num_threads(),
         "modes": list(modes),
         "prompts": count,

@@ -35,7 +35,7 @@ GPU_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # and on GPUs, where they can
 CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with context
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
-VERSION = 3  # bump when what is measured changes, so old cache files are ignored
+VERSION = 4  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def _bushy_tree(size: int, vocabulary: int, generator: torch.Generator):
 
 def _verify_once(model, argmax, tree, context: int, cache) -> None:
     features = verify_tree(model, tree, context, cache)
-    NodeArgmax(argmax, features)(0)
+    NodeArgmax(argmax, features, tree)(0)
     kv_cache.commit(cache, context, [])
 
 

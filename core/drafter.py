@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core import int8, planner
+from core import planner
 from core.calibration import Calibration, Continuation
 from core.config import TreeParams
 from core.lookup import ContextIndex
 from core.tree import DraftTree, graft, lookup_continuation, make_tree, rerank, subtree
+from models import int8
 from models.base import cpu_has_native_bf16
 from models.head import DraftHead, HeadCache
 

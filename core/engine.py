@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from core import costs, int8, kv_cache
+from core import attention, costs, kv_cache
 from core.argmax import ScreenedArgmax
 from core.capture import LayerCapture
 from core.calibration import Calibrations, CurvePoint, setting_of
@@ -26,8 +26,9 @@ from core.prompt import encode_chat, stop_token_ids
 from core.sampling import Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
-from core.tree_check import tree_problem
+from core.tree_check import rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeLogits, NodeSample, accept, base_forward, logits_of, next_logits, verify_tree
+from models import int8
 from models.base import LoadedModel
 from models.bundled import cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
@@ -67,12 +68,16 @@ class Engine:
         self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
         self.argmax = ScreenedArgmax(base.model.get_output_embeddings())
         self.vocabulary = None if head is None else draft_vocabulary(head, base.model)
-        # the head as drafting runs it: int8 linears where they pay (core/int8.py)
+        # the head as drafting runs it: int8 linears where they pay (models/int8.py)
         self.draft_head = head
         if head is not None and int8.available(head.device):
             self.draft_head = int8.with_int8_linears(head)
+        if self.model.config._attn_implementation == attention.NAME:
+            attention.use(self.model, False)  # sdpa until _make_exact shows the row-invariant attention exact here
         # whether this model honours tree masks, asked of the model itself (core/tree_check.py)
         self._tree_problem = tree_problem(self.model) if head is not None and self._setup_problem() is None else None
+        # whether tree passes compute every node bit for bit as a vanilla step would (core/attention.py)
+        self.exact = head is not None and self.speculation_problem() is None and self._make_exact()
         # EAGLE-3 heads read hidden states of chosen base layers, captured during each base forward
         self.capture = LayerCapture(self.model, head.layer_ids) if head is not None and head.layer_ids else None
         self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
@@ -96,6 +101,16 @@ class Engine:
         self.costs = found
         return found
 
+    def _make_exact(self) -> bool:
+        """Switch to row-invariant attention when, with it, the whole forward is
+        row-invariant on this device (checked bit for bit); else keep sdpa,
+        with which greedy replies equal vanilla's up to rounding near-ties."""
+        attention.use(self.model, True)
+        if rows_differing(self.model) == 0:
+            return True
+        attention.use(self.model, False)
+        return False
+
     @property
     def modes(self) -> tuple[str, ...]:
         """The modes this model and head can run."""
@@ -109,7 +124,7 @@ class Engine:
         config = self.model.config
         if kv_cache.has_sliding_window(config):
             return f"speculative decoding does not support sliding-window attention ({config.model_type})"
-        if config._attn_implementation != "sdpa":
+        if config._attn_implementation not in ("sdpa", attention.NAME):
             return f"speculative decoding needs sdpa attention, not {config._attn_implementation}"
         return None
 
@@ -230,7 +245,7 @@ class _Run:
         drafted = time.perf_counter()
         features, head_features = self._forward(lambda: verify_tree(self.model, tree, self.committed, self.cache))
         if self.sampling.greedy:
-            path, bonus = accept(tree, NodeArgmax(self.engine.argmax, features))
+            path, bonus = accept(tree, NodeArgmax(self.engine.argmax, features, tree))
         else:
             logits = NodeLogits(self.model, features, tree)
             path, bonus = accept(tree, NodeSample(logits, tree, self.sampling, self.noise, self.committed))

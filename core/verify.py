@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from core.argmax import ScreenedArgmax, exact_argmax
+from core.argmax import ScreenedArgmax
 from core.config import SamplingParams
 from core.kv_cache import new_cache
 from core.sampling import Noise, probabilities, sample
@@ -61,19 +61,20 @@ class NodeLogits:
 
 
 class NodeArgmax:
-    """The base model's greedy token at the tree nodes acceptance visits. One
-    product over all nodes (its cost hardly grows with rows); with screening,
-    the exact decision is made only at the nodes the walk reaches."""
+    """The base model's greedy token at the tree nodes acceptance visits: all
+    nodes with children in one product, a leaf when the walk reaches it (the
+    lm_head rows cost about as much as a decoder layer each here, and most
+    leaves are never visited)."""
 
-    def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor):
+    def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor, tree: DraftTree | None = None):
         self.argmax, self.features = argmax, features
-        self.rough = argmax.rough(features)  # (N, V) screening logits, or None without screening
-        self.tokens = None if self.rough is not None else exact_argmax(argmax.lm_head(features)).tolist()
+        internal = [0] if tree is None else sorted({parent for parent in tree.parents if parent >= 0} | {0})
+        self.tokens = dict(zip(internal, argmax(features[internal])))
 
     def __call__(self, node: int) -> int:
-        if self.tokens is not None:
-            return self.tokens[node]
-        return self.argmax.resolve(self.features[node], self.rough[node])
+        if node not in self.tokens:
+            self.tokens[node] = self.argmax(self.features[node : node + 1])[0]
+        return self.tokens[node]
 
 
 def verify_tree(model, tree: DraftTree, prefix: int, cache) -> torch.Tensor:

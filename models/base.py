@@ -1,5 +1,7 @@
 """Base models: from a Hugging Face repo id, a local folder or a GGUF file,
-optionally quantized to 8 or 4 bits with bitsandbytes."""
+optionally quantized: to 8 or 4 bits with bitsandbytes (the GPU path), or to
+int8 with torch's CPU kernel (models/int8.py), which `auto` picks on CPUs
+where it is measured faster."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from models.errors import (
     UnsupportedArchitectureError,
 )
 
-QUANTIZATIONS = ("none", "8bit", "4bit")
+QUANTIZATIONS = ("auto", "none", "int8", "8bit", "4bit")
 DTYPES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -36,7 +38,7 @@ class LoadedModel:
     model: torch.nn.Module  # a transformers *ForCausalLM, in eval mode
     tokenizer: object  # its tokenizer, with a chat template where the model has one
     name: str  # what the user asked for (repo id, folder or file)
-    quantization: str  # one of QUANTIZATIONS
+    quantization: str  # one of QUANTIZATIONS other than auto: what was applied
 
     @property
     def device(self) -> torch.device:
@@ -95,6 +97,7 @@ def load_base(
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    quantization = resolve_quantization(quantization, torch_device, torch_dtype)
     if source is None or source == bundled.DEFAULT_NAME:
         folder, name = bundled.converted_folder(), bundled.DEFAULT_NAME
         return _load(str(folder), None, name, quantization, torch_dtype, torch_device)
@@ -111,6 +114,26 @@ def load_base(
     return _load(source, None, source, quantization, torch_dtype, torch_device)
 
 
+def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> str:
+    """auto: int8 on CPUs whose int8 kernel beats products in `dtype` (a
+    probe of a few milliseconds), else none. int8 is refused where it
+    cannot run."""
+    from models import int8
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "auto":
+        return "int8" if int8.kernel_available(device) and int8.pays(dtype) else "none"
+    if quantization == "int8":
+        if not int8.kernel_available(device):
+            raise QuantizationUnavailableError(
+                f"int8 runs on CPUs with torch's int8 kernel, not on {device.type}; on GPUs use 8bit or 4bit (bitsandbytes)"
+            )
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise QuantizationUnavailableError(f"int8 computes in float32 or bfloat16, not {str(dtype).removeprefix('torch.')}")
+    return quantization
+
+
 def check_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise MissingWeightsError(f"{path}: no config.json in this folder; is it a Hugging Face model folder?")
@@ -123,7 +146,8 @@ def check_folder(path: Path) -> None:
 
 
 def quantization_config(quantization: str, dtype: torch.dtype):
-    if quantization == "none":
+    """transformers' bitsandbytes config for 8bit/4bit; None otherwise."""
+    if quantization in ("none", "int8"):
         return None
     try:
         import bitsandbytes  # noqa: F401
@@ -168,6 +192,10 @@ def _load(location, gguf_file, name, quantization, dtype, device) -> LoadedModel
             raise _explain(error, name, quantization) from error
     model.eval()
     model.requires_grad_(False)
+    if quantization == "int8":
+        from models import int8
+
+        int8.quantize_decoder(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import time
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -393,10 +394,13 @@ def test_verdict_explains_where_and_why_greedy_replies_differ(engine):
     top = torch.topk(logits, 2).values
     assert found.index == 2 and found.dtype == "float64"
     assert found.margin == pytest.approx(float(top[0] - top[1]), rel=1e-9)
-    verdict = verdict_html({"vanilla": vanilla, "eagle2": other}, True, {"eagle2": found})
+    verdict = verdict_html({"vanilla": vanilla, "eagle2": other}, True, {"eagle2": replace(found, exact=False)})
     assert "differs from vanilla from token 2" in verdict and "not a rounding near-tie" in verdict
+    assert found.exact == engine.exact
     near = Divergence(5, "a", "b", 0.3, "bfloat16").explain("EAGLE-2")
     assert "near-tie in bfloat16" in near and "different texts" in near and "&#x27;a&#x27;" in near
+    exact = Divergence(5, "a", "b", 0.3, "bfloat16", exact=True).explain("EAGLE-2")
+    assert "bit for bit" in exact and "please report" in exact and "near-tie" not in exact
 
 
 def test_stop_while_waiting_for_the_model_gives_the_message_back(handlers):

@@ -1,0 +1,103 @@
+"""Row-invariant attention for decoding steps and tree passes.
+
+Greedy EAGLE-2 equals vanilla only if a tree node's features are bit for bit
+what a one-token vanilla step at that node's position would compute. Fused
+attention kernels (sdpa) do not promise it: their arithmetic depends on how
+many query rows share the call and on masked keys. This attention, registered
+through transformers' attention interface (the model's code is unchanged),
+computes every query row on its own, the same way whatever else is in the
+call: the row's visible keys in cache order (the prefix, then its ancestors,
+then itself: the order they have after a commit), split at a multiple of
+BLOCK positions into an old part (read in place from the cache) and a recent
+part (gathered), each multiplied with fixed shapes, one softmax over both. A
+vanilla step is the one-row case of the same code.
+
+Prefill (many rows, no tree) goes to sdpa: vanilla and speculative decoding
+share it, so it cannot make them differ. Whether the rest of the forward
+(linears, norms) is row-invariant too depends on the device and kernels; the
+engine checks the whole model bit for bit at load (`exact_tree_mismatch`)
+and only then uses this attention."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "kestrel_rows"
+BLOCK = 64  # keys before the last multiple of BLOCK are read in place
+MAX_ROWS = 256  # more query rows than this is a prefill: sdpa
+
+
+class _Plan:
+    """Per query row: (old, the old keys' indices or None when they are the
+    cache's first `old` keys in order, the recent keys' indices)."""
+
+    def __init__(self, mask: torch.Tensor | None, rows: int, total: int, device: torch.device):
+        self.mask = mask  # held so that the plan is only reused for this very mask
+        self.rows = []
+        visible = None if mask is None else mask[0, 0].to(torch.bool)
+        for row in range(rows):
+            if visible is None:  # causal: every key up to this row's own
+                count = total - rows + row + 1
+                index = torch.arange(count, device=device)
+            else:
+                index = visible[row].nonzero().squeeze(1)
+                count = len(index)
+            old = (count - 1) // BLOCK * BLOCK
+            in_place = old == 0 or int(index[old - 1]) == old - 1  # sorted and distinct, so index[:old] == 0..old-1
+            self.rows.append((old, None if in_place else index[:old], index[old:]))
+
+
+_local = threading.local()
+
+
+def _plan_for(mask: torch.Tensor | None, rows: int, total: int, device: torch.device) -> _Plan:
+    """One plan per forward: every layer sees the same mask tensor."""
+    plan = getattr(_local, "plan", None)
+    if plan is None or plan.mask is not mask or mask is None:
+        plan = _Plan(mask, rows, total, device)
+        _local.plan = plan
+    return plan
+
+
+def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query (1, H, T, D), key/value (1, H_kv, S, D) -> ((1, T, H, D), None)."""
+    batch, heads, rows, dim = query.shape
+    if batch != 1 or rows > MAX_ROWS or (attention_mask is None and rows > 1):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    kv_heads, total = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else dim**-0.5
+    keys, values = key[0], value[0]  # (H_kv, S, D)
+    # every row's queries, scaled, in a fresh tensor: (T, H_kv, G, D), each row
+    # 64-byte aligned as a lone row would be (checked at load with the rest)
+    queries = (query[0].transpose(0, 1) * scale).reshape(rows, kv_heads, heads // kv_heads, dim)
+    precision = torch.promote_types(query.dtype, torch.float32)  # softmax in float32 at least
+    results = []
+    for row, (old, old_index, recent) in enumerate(_plan_for(attention_mask, rows, total, query.device).rows):
+        q = queries[row]
+        recent_keys, recent_values = keys.index_select(1, recent), values.index_select(1, recent)
+        if not old:
+            weights = torch.softmax((q @ recent_keys.transpose(1, 2)).to(precision), dim=-1).to(q.dtype)
+            results.append(weights @ recent_values)
+            continue
+        if old_index is None:
+            old_keys, old_values = keys[:, :old], values[:, :old]
+        else:
+            old_keys, old_values = keys.index_select(1, old_index), values.index_select(1, old_index)
+        scores = torch.cat([q @ old_keys.transpose(1, 2), q @ recent_keys.transpose(1, 2)], dim=-1)
+        weights = torch.softmax(scores.to(precision), dim=-1).to(q.dtype)  # (H_kv, G, count)
+        results.append(torch.baddbmm(weights[..., old:] @ recent_values, weights[..., :old], old_values))
+    return torch.stack(results).reshape(1, rows, heads, dim), None
+
+
+AttentionInterface.register(NAME, rows_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def use(model, exact: bool) -> None:
+    """Switch `model` to this attention (exact) or back to sdpa."""
+    model.set_attn_implementation(NAME if exact else "sdpa")

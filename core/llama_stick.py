@@ -1,0 +1,40 @@
+"""llama.cpp as a measuring stick for `bench --modes ...,llama.cpp`.
+
+Runs under another Python that has llama-cpp-python (it is not a dependency
+of Kestrel: `python3 -m venv DIR && DIR/bin/pip install llama-cpp-python`
+builds it), given with `--llama-python DIR/bin/python`. It imports nothing
+from Kestrel. Protocol: argv = GGUF path, threads; then one JSON request per
+stdin line ({"ids": prompt token ids, "max_new_tokens", "stop": token ids}),
+one JSON answer per stdout line ({"ids": generated ids, "seconds"}). Greedy
+only: each prompt is evaluated from scratch (no cache reuse), timed from the
+first prompt token to the last generated one, as Kestrel's modes are."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    from llama_cpp import Llama
+
+    path, threads = sys.argv[1], int(sys.argv[2])
+    model = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        stop = set(request["stop"])
+        model.reset()
+        ids = []
+        started = time.perf_counter()
+        for token in model.generate(request["ids"], top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            ids.append(token)
+            if token in stop or len(ids) >= request["max_new_tokens"]:
+                break
+        seconds = time.perf_counter() - started
+        print(json.dumps({"ids": ids, "seconds": seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Int8 weights on CPUs: torch's int8 weight-only kernel.
+
+A CPU decoding a small model spends most of a step reading weights from
+memory. Stored as int8 with one bf16 scale per output row, they are a
+quarter of float32's bytes, and torch's kernel (`_weight_int8pack_mm`, bf16
+activations, float32 accumulation) reads them directly. Measured on a 2-core
+AVX2 CPU without native bf16: a 1536x576 layer takes 45 us for one row
+against 94 us in float32, and no more than float32 up to 16 rows. The kernel
+computes every row alone, so a row's result does not depend on how many rows
+share the call (tests/test_int8.py checks it), which float32 products here do
+not promise.
+
+Two uses: drafting (the head and its draft vocabulary: proposals only, which
+the base model verifies, so rounding there never changes the output), and
+the base model itself with quantization "int8" (then the model that decodes
+is the int8 one, in vanilla, tree passes and prefill alike)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+
+import torch
+from torch import nn
+
+PROBE_SHAPE = (1536, 576)  # a small model's MLP projection: the probe's stand-in for every layer
+PROBE_ROWS = (1, 8)  # a vanilla step and a typical tree pass
+TREE_SLACK = 1.25  # int8 may be this much slower for tree-sized blocks and still pay (single rows dominate)
+
+
+def kernel_available(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def available(device: torch.device) -> bool:
+    """Whether int8 drafting pays on `device`: a CPU where the kernel is
+    measured faster than float32 products (`pays`)."""
+    return kernel_available(device) and pays(torch.float32)
+
+
+@functools.cache
+def pays(dtype: torch.dtype) -> bool:
+    """Whether the int8 kernel beats `dtype` products on this CPU: faster for
+    one row (every vanilla step) and not much slower for a tree's worth of
+    rows (measured on 2 cores: 45 against 94 us for one row, 174 against 320
+    for eight; on one core 81 against 93, and 335 against 323). A probe of
+    about 20 ms, once per process."""
+    if not kernel_available(torch.device("cpu")) or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(PROBE_SHAPE, generator=generator).to(dtype)
+    packed, scales = quantize_rows(weight)
+    times = {}
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, PROBE_SHAPE[1], generator=generator).to(dtype)
+        times[rows] = (_best_time(lambda: x @ weight.T), _best_time(lambda: matmul(x, packed, scales)))
+    (plain_one, int8_one), (plain_tree, int8_tree) = times[PROBE_ROWS[0]], times[PROBE_ROWS[1]]
+    return int8_one < plain_one and int8_tree < TREE_SLACK * plain_tree
+
+
+def _best_time(run, repeats: int = 12) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) -> (int8 (N, K), bf16 scales (N,)), symmetric per row.
+    Each scale is rounded up to bf16 so that no weight clips: every weight is
+    then within half a scale of its int8 value times the scale."""
+    weight = weight.detach().float()
+    needed = weight.abs().amax(dim=1).clamp_min(1e-30) / 127
+    scales = needed.to(torch.bfloat16)
+    short = scales.float() < needed
+    scales[short] = torch.nextafter(scales[short], torch.full_like(scales[short], float("inf")))
+    packed = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return packed.contiguous(), scales
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weights an int8 matmul multiplies by."""
+    return packed.float() * scales.float()[:, None]
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (m, K) -> (m, N) in bf16: x @ (packed * scales).T."""
+    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), packed, scales)
+
+
+class Int8Linear(nn.Module):
+    """A frozen nn.Linear with int8 weights; inputs and outputs keep their dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed, scales = quantize_rows(linear.weight)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def replace_linears(module: nn.Module) -> int:
+    """Swap every nn.Linear inside `module` for an Int8Linear, in place; -> how many."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child))
+                count += 1
+    return count
+
+
+def with_int8_linears(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose nn.Linear layers are Int8Linear; the original is untouched."""
+    linears = [child for child in module.modules() if isinstance(child, nn.Linear)]
+    shared = {id(tensor): tensor for linear in linears for tensor in linear.parameters()}
+    module = copy.deepcopy(module, memo=shared)  # linear weights are not copied, only replaced below
+    replace_linears(module)
+    return module
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether some of `model`'s linears run through the int8 kernel (so compute with bf16 activations)."""
+    return any(isinstance(module, Int8Linear) for module in model.modules())
+
+
+def quantize_decoder(model: nn.Module) -> int:
+    """Int8 weights for every linear layer of a causal LM's decoder layers,
+    in place; the embedding and the lm_head keep their precision (greedy
+    choices and sampling read the exact lm_head). -> layers replaced."""
+    return replace_linears(model.get_decoder().layers)
