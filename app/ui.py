@@ -139,7 +139,7 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
                     head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
                 trained = gr.Dropdown([], label="Heads you trained for this base (overrides the head box)")
                 with gr.Row():
-                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int8: torch's CPU kernel; 8bit/4bit: bitsandbytes (GPUs); auto: int8 on CPUs where it is faster")
+                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: torch's CPU kernels; 8bit/4bit: bitsandbytes (GPUs); auto: on CPUs int4 for a 4-bit GGUF, else int8 where it is faster")
                     dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16"], value="auto", label="Compute dtype")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")

@@ -1,6 +1,7 @@
 """Base models: from a Hugging Face repo id, a local folder or a GGUF file,
-optionally quantized: to 8 or 4 bits with bitsandbytes (the GPU path), or to
-int8 with torch's CPU kernel (models/int8.py), which `auto` picks on CPUs
+optionally quantized: to 8 or 4 bits with bitsandbytes (the GPU path), or on
+CPUs to int4 or int8 with torch's kernels (models/int4.py, models/int8.py),
+which `auto` picks on CPUs: int4 for a 4-bit GGUF (its own format), else int8
 where it is measured faster."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from models.errors import (
     UnsupportedArchitectureError,
 )
 
-QUANTIZATIONS = ("auto", "none", "int8", "8bit", "4bit")
+QUANTIZATIONS = ("auto", "none", "int4", "int8", "8bit", "4bit")
 DTYPES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -97,15 +98,17 @@ def load_base(
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    quantization = resolve_quantization(quantization, torch_device, torch_dtype)
     if source is None or source == bundled.DEFAULT_NAME:
         folder, name = bundled.converted_folder(), bundled.DEFAULT_NAME
+        quantization = resolve_quantization(quantization, torch_device, torch_dtype, _four_bit(bundled.gguf_path(), quantization))
         return _load(str(folder), None, name, quantization, torch_dtype, torch_device)
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"{source}: a model file must be a .gguf file; otherwise give its folder")
+        quantization = resolve_quantization(quantization, torch_device, torch_dtype, _four_bit(path, quantization))
         return _load(str(path.parent), path.name, source, quantization, torch_dtype, torch_device)
+    quantization = resolve_quantization(quantization, torch_device, torch_dtype)
     if path.is_dir():
         check_folder(path)
         return _load(str(path), None, source, quantization, torch_dtype, torch_device)
@@ -114,23 +117,39 @@ def load_base(
     return _load(source, None, source, quantization, torch_dtype, torch_device)
 
 
-def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: int8 on CPUs whose int8 kernel beats products in `dtype` (a
-    probe of a few milliseconds), else none. int8 is refused where it
-    cannot run."""
-    from models import int8
+def _four_bit(gguf: Path, quantization: str) -> bool:
+    """Whether a GGUF file holds 4-bit weights (only asked when auto decides)."""
+    from models import int4
+
+    return quantization == "auto" and int4.gguf_is_4bit(gguf)
+
+
+def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype, four_bit_source: bool = False) -> str:
+    """auto on CPUs computing in float32 or bf16: int4 for a 4-bit GGUF (its
+    own format, the fastest kernel here), else int8 where the int8 kernel
+    beats products in `dtype` (a probe of a few milliseconds), else none; on
+    GPUs none. int4 and int8 are refused where they cannot run."""
+    from models import int4, int8
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if quantization == "auto":
+        if dtype not in (torch.float32, torch.bfloat16):
+            return "none"
+        if four_bit_source and int4.kernel_available(device):
+            return "int4"
         return "int8" if int8.kernel_available(device) and int8.pays(dtype) else "none"
-    if quantization == "int8":
-        if not int8.kernel_available(device):
+    if quantization in ("int4", "int8"):
+        available = (int4 if quantization == "int4" else int8).kernel_available(device)
+        if not available:
             raise QuantizationUnavailableError(
-                f"int8 runs on CPUs with torch's int8 kernel, not on {device.type}; on GPUs use 8bit or 4bit (bitsandbytes)"
+                f"{quantization} runs on CPUs with torch's {quantization} kernel, not on {device.type}; "
+                "on GPUs use 8bit or 4bit (bitsandbytes)"
             )
         if dtype not in (torch.float32, torch.bfloat16):
-            raise QuantizationUnavailableError(f"int8 computes in float32 or bfloat16, not {str(dtype).removeprefix('torch.')}")
+            raise QuantizationUnavailableError(
+                f"{quantization} computes in float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+            )
     return quantization
 
 
@@ -147,7 +166,7 @@ def check_folder(path: Path) -> None:
 
 def quantization_config(quantization: str, dtype: torch.dtype):
     """transformers' bitsandbytes config for 8bit/4bit; None otherwise."""
-    if quantization in ("none", "int8"):
+    if quantization in ("none", "int4", "int8"):
         return None
     try:
         import bitsandbytes  # noqa: F401
@@ -192,10 +211,12 @@ def _load(location, gguf_file, name, quantization, dtype, device) -> LoadedModel
             raise _explain(error, name, quantization) from error
     model.eval()
     model.requires_grad_(False)
-    if quantization == "int8":
-        from models import int8
+    if quantization in ("int4", "int8"):
+        from models import int4, int8
 
-        int8.quantize_decoder(model)
+        if quantization == "int4" and not int4.fits(model):
+            raise QuantizationUnavailableError(f"{name}: int4 needs layer input sizes that are multiples of {int4.GROUP}; use int8")
+        (int4 if quantization == "int4" else int8).quantize_decoder(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)
 
 

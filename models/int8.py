@@ -92,31 +92,44 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch
     return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), packed, scales)
 
 
-class Int8Linear(nn.Module):
-    """A frozen nn.Linear with int8 weights; inputs and outputs keep their dtype."""
+class QuantizedLinear(nn.Module):
+    """A frozen nn.Linear whose weights a CPU kernel reads packed (`product`);
+    inputs and outputs keep their dtype, the kernel sees bf16 activations."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed, scales = quantize_rows(linear.weight)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(torch.bfloat16))
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (m, K) bf16, contiguous -> (m, N) bf16."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scales)
+        out = self.product(x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous())
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
-def replace_linears(module: nn.Module) -> int:
-    """Swap every nn.Linear inside `module` for an Int8Linear, in place; -> how many."""
+class Int8Linear(QuantizedLinear):
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        packed, scales = quantize_rows(linear.weight)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
+
+
+def replace_linears(module: nn.Module, kind: type[nn.Module] = Int8Linear) -> int:
+    """Swap every nn.Linear inside `module` for kind(linear), in place; -> how many."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, kind(child))
                 count += 1
     return count
 
@@ -131,8 +144,9 @@ def with_int8_linears(module: nn.Module) -> nn.Module:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """Whether some of `model`'s linears run through the int8 kernel (so compute with bf16 activations)."""
-    return any(isinstance(module, Int8Linear) for module in model.modules())
+    """Whether some of `model`'s linears run through torch's int8 or int4
+    kernel (so compute with bf16 activations)."""
+    return any(isinstance(module, QuantizedLinear) for module in model.modules())
 
 
 def quantize_decoder(model: nn.Module) -> int:

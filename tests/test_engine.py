@@ -266,3 +266,24 @@ def test_quantized_eagle2_end_to_end(tiny_dir, quantization):
     produced = tokens_of(steps)
     agree = sum(a == b for a, b in zip(produced, reference))
     assert agree >= min(len(produced), len(reference)) // 2
+
+
+def test_growing_cache_layers_hold_what_concatenation_would(engine64):
+    """Appends write into spare room (growing past it keeps the contents);
+    commits crop and gather in place; the model sees the same keys."""
+    from transformers.cache_utils import DynamicLayer
+
+    cache = kv_cache.new_cache(engine64.model)
+    assert all(isinstance(layer, kv_cache.GrowingLayer) for layer in cache.layers)
+    cache.layers = cache.layers[:1]  # one layer is enough here
+    layer, plain = cache.layers[0], DynamicLayer()
+    generator = torch.Generator().manual_seed(0)
+    for rows in (5, 1, 300, 7, 1):  # the third append outgrows the first buffer
+        keys, values = torch.randn(2, 1, 2, rows, 4, generator=generator, dtype=torch.float64)
+        got, expected = layer.update(keys, values), plain.update(keys, values)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    kv_cache.commit(cache, 306, [0, 2, 5])  # the tree's nodes 0, 2 and 5 after a 306-token prefix
+    expected = torch.cat([plain.keys[..., :306, :], plain.keys[..., [306, 308, 311], :]], dim=-2)
+    assert torch.equal(layer.keys, expected) and layer.get_seq_length() == 309
+    layer.update(*torch.randn(2, 1, 2, 1, 4, generator=generator, dtype=torch.float64))
+    assert layer.keys.shape[-2] == 310 and torch.equal(layer.keys[..., :309, :], expected)

@@ -1,5 +1,5 @@
-"""Int8 weights on CPUs: close to the originals, row-invariant, and the
-decoding they run (with row-invariant attention) bit for bit identical
+"""Int8 and int4 weights on CPUs: close to the originals, row-invariant, and
+the decoding they run (with row-invariant attention) bit for bit identical
 between vanilla and EAGLE-2."""
 
 import pytest
@@ -11,11 +11,11 @@ from core.config import SamplingParams, TreeParams
 from core.drafter import DraftVocabulary
 from core.engine import Engine
 from core.tree_check import rows_differing
-from models import int8
+from models import int4, int8
 from models.base import load_base, resolve_quantization
 from models.errors import QuantizationUnavailableError
 from models.head import load_head
-from tests.factory import random_head
+from tests.factory import random_head, save_tiny_model
 
 needs_kernel = pytest.mark.skipif(not int8.available(torch.device("cpu")), reason="no int8 kernel, or slower than float32 here")
 
@@ -57,6 +57,48 @@ def test_the_int8_kernel_is_row_invariant():
         for rows in (1, 2, 3, 5, 8, 16, 33):
             for start in (0, 7):
                 assert torch.equal(int8.matmul(x[start : start + rows], packed, scales), full[start : start + rows])
+
+
+needs_int4 = pytest.mark.skipif(not int4.kernel_available(torch.device("cpu")), reason="no int4 kernel")
+
+
+@needs_int4
+def test_the_int4_kernel_is_row_invariant():
+    generator = torch.Generator().manual_seed(3)
+    for shape in ((1536, 576), (192, 576), (576, 1536)):
+        packed, scale_and_zeros = int4.quantize_groups(torch.randn(shape, generator=generator))
+        x = torch.randn(40, shape[1], generator=generator).bfloat16()
+        full = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, int4.GROUP, scale_and_zeros)
+        for rows in (1, 2, 3, 5, 8, 16, 33):
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x[5 : 5 + rows].contiguous(), packed, int4.GROUP, scale_and_zeros)
+            assert torch.equal(part, full[5 : 5 + rows])
+
+
+@needs_int4
+def test_int4_groups_find_q4_1_blocks_again():
+    """Weights made as Q4_1 blocks (d*q + m, codes 0 and 15 present in each
+    block) come back exactly: the identity matrix through the kernel returns them."""
+    generator = torch.Generator().manual_seed(4)
+    rows, columns = 48, 96
+    codes = torch.randint(0, 16, (rows, columns // 32, 32), generator=generator)
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = 2.0 ** torch.randint(-8, -3, (rows, columns // 32, 1), generator=generator)
+    m = torch.randint(-64, 0, (rows, columns // 32, 1), generator=generator) * d
+    weight = (codes * d + m).reshape(rows, columns)
+    packed, scale_and_zeros = int4.quantize_groups(weight)
+    identity = torch.eye(columns, dtype=torch.bfloat16)
+    recovered = torch.ops.aten._weight_int4pack_mm_for_cpu(identity, packed, int4.GROUP, scale_and_zeros)
+    assert torch.equal(recovered.float().T, weight)
+
+
+@needs_int4
+def test_int4_base_loads_and_odd_sizes_are_refused(tiny_dir, tmp_path):
+    base = load_base(str(tiny_dir), quantization="int4", dtype="float32")
+    assert base.quantization == "int4"
+    assert sum(isinstance(m, int4.Int4Linear) for m in base.model.get_decoder().layers.modules()) == 14  # 2 layers x 7
+    odd = save_tiny_model(tmp_path / "odd", hidden_size=48, intermediate_size=80, num_attention_heads=4)
+    with pytest.raises(QuantizationUnavailableError, match="multiples of 32"):
+        load_base(str(odd), quantization="int4", dtype="float32")
 
 
 @needs_kernel
@@ -103,8 +145,10 @@ def test_int8_base_loads_with_every_decoder_linear_quantized(tiny_dir):
 
 @pytest.fixture(scope="module")
 def bundled_int8():
-    """The bundled pair as `auto` loads it on this CPU: int8 decoder, exact attention."""
-    base = load_base(None, quantization="int8", dtype="float32")
+    """The bundled pair as `auto` loads it on this CPU (int4: the GGUF is
+    Q4_1, else int8), with exact attention."""
+    base = load_base(None, quantization="auto", dtype="float32")
+    assert base.quantization == ("int4" if int4.kernel_available(base.device) else "int8")
     head = default_head(None)
     config = base.model.config
     vocab = base.model.get_output_embeddings().weight.shape[0]
@@ -135,7 +179,7 @@ def test_the_int8_forward_is_row_invariant_with_row_attention(bundled_int8):
         "List five uses of a paperclip, one per line.",
     ],
 )
-def test_greedy_eagle2_equals_vanilla_bit_for_bit_in_int8(bundled_int8, prompt):
+def test_greedy_eagle2_equals_vanilla_bit_for_bit_in_the_default_setting(bundled_int8, prompt):
     messages = [{"role": "user", "content": prompt}]
     sampling = SamplingParams(max_new_tokens=64)
     replies = {}
