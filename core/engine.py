@@ -76,8 +76,12 @@ class Engine:
             attention.use(self.model, False)  # sdpa until _make_exact shows the row-invariant attention exact here
         # whether this model honours tree masks, asked of the model itself (core/tree_check.py)
         self._tree_problem = tree_problem(self.model) if head is not None and self._setup_problem() is None else None
-        # whether tree passes compute every node bit for bit as a vanilla step would (core/attention.py)
-        self.exact = head is not None and self.speculation_problem() is None and self._make_exact()
+        # whether tree passes compute every node bit for bit as a vanilla step would (core/attention.py);
+        # asked on CPUs only: GPU libraries pick kernels by shape, and a per-row attention over
+        # 60-node trees would cost a GPU thousands of small launches per pass
+        self.exact = (
+            head is not None and self.speculation_problem() is None and base.device.type == "cpu" and self._make_exact()
+        )
         # EAGLE-3 heads read hidden states of chosen base layers, captured during each base forward
         self.capture = LayerCapture(self.model, head.layer_ids) if head is not None and head.layer_ids else None
         self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
