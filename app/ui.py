@@ -4,6 +4,9 @@ concurrency group, so requests queue instead of running at once."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import webbrowser
 from pathlib import Path
 
@@ -243,4 +246,8 @@ def serve(args) -> int:
         print("Stopping...", flush=True)
     finally:
         server.close()
+    lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if lingering:  # e.g. a worker of the server's executor still in a handler: do not hang on Ctrl+C
+        sys.stdout.flush()
+        os._exit(0)
     return 0
