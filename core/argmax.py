@@ -39,6 +39,7 @@ class ScreenedArgmax:
         weight = lm_head.weight.detach()
         self.lm_head = lm_head
         self.weight = weight  # (V, H) in the model's precision
+        self.row_by_row = False  # set by an exact engine: unscreened rows one product each
         # Screening pays where the model computes in float32/float64 on a CPU
         # whose int8 kernel is fast, and the head has no bias; elsewhere the
         # plain product is used.
@@ -56,6 +57,8 @@ class ScreenedArgmax:
     def __call__(self, hidden: torch.Tensor) -> list[int]:
         """hidden (m, H) -> the exact argmax token of each row of lm_head(hidden)."""
         if not self.enabled:
+            if self.row_by_row:  # a product's rows may depend on how many share it (float32 on CPUs)
+                return [int(exact_argmax(self.lm_head(hidden[row : row + 1]))[0]) for row in range(len(hidden))]
             return exact_argmax(self.lm_head(hidden)).tolist()
         rough = int8.matmul(hidden, self.packed, self.scales).float()  # (m, V)
         return [self._resolve(hidden[row], rough[row]) for row in range(len(hidden))]

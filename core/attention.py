@@ -12,7 +12,7 @@ BLOCK positions into an old part (read in place from the cache) and a recent
 part (gathered), each multiplied with fixed shapes, one softmax over both. A
 vanilla step is the one-row case of the same code.
 
-Prefill (many rows, no tree) goes to sdpa: vanilla and speculative decoding
+Prefill (no mask: causal) goes to sdpa: vanilla and speculative decoding
 share it, so it cannot make them differ. Whether the rest of the forward
 (linears, norms) is row-invariant too depends on the device and kernels; the
 engine checks the whole model bit for bit at load (`exact_tree_mismatch`)
@@ -29,7 +29,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "kestrel_rows"
 BLOCK = 64  # keys before the last multiple of BLOCK are read in place
-MAX_ROWS = 256  # more query rows than this is a prefill: sdpa
 
 
 class _Plan:
@@ -67,8 +66,11 @@ def _plan_for(mask: torch.Tensor | None, rows: int, total: int, device: torch.de
 def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query (1, H, T, D), key/value (1, H_kv, S, D) -> ((1, T, H, D), None)."""
     batch, heads, rows, dim = query.shape
-    if batch != 1 or rows > MAX_ROWS or (attention_mask is None and rows > 1):
+    if batch != 1 or (attention_mask is None and rows > 1):  # a prefill: causal, shared by every mode
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
+    if unsupported:  # the load-time check then keeps sdpa for this model
+        raise NotImplementedError(f"row-invariant attention does not model {', '.join(unsupported)}")
     kv_heads, total = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
     keys, values = key[0], value[0]  # (H_kv, S, D)

@@ -102,8 +102,13 @@ class LlamaStick:
             )  # fmt: skip
         except OSError as error:
             raise ValueError(f"--llama-python {python}: cannot run it ({error})") from None
-        if not self._read().get("ready"):
-            raise ValueError(f"--llama-python {python}: llama.cpp did not start")
+        try:
+            ready = self._read().get("ready")
+        except ValueError:
+            ready = False
+        if not ready:
+            self.process.kill()
+            raise ValueError(f"--llama-python {python}: llama.cpp did not start (is llama-cpp-python installed there?)")
         self.stop_ids = sorted(engine.stop_ids)
 
     def _read(self) -> dict:

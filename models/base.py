@@ -100,14 +100,16 @@ def load_base(
     torch_dtype = resolve_dtype(dtype, torch_device)
     if source is None or source == bundled.DEFAULT_NAME:
         folder, name = bundled.converted_folder(), bundled.DEFAULT_NAME
-        quantization = resolve_quantization(quantization, torch_device, torch_dtype, _four_bit(bundled.gguf_path(), quantization))
-        return _load(str(folder), None, name, quantization, torch_dtype, torch_device)
+        four_bit = quantization == "auto" and _four_bit(bundled.gguf_path)
+        chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
+        return _load(str(folder), None, name, chosen, torch_dtype, torch_device, quantization == "auto")
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"{source}: a model file must be a .gguf file; otherwise give its folder")
-        quantization = resolve_quantization(quantization, torch_device, torch_dtype, _four_bit(path, quantization))
-        return _load(str(path.parent), path.name, source, quantization, torch_dtype, torch_device)
+        four_bit = quantization == "auto" and _four_bit(lambda: path)
+        chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
+        return _load(str(path.parent), path.name, source, chosen, torch_dtype, torch_device, quantization == "auto")
     quantization = resolve_quantization(quantization, torch_device, torch_dtype)
     if path.is_dir():
         check_folder(path)
@@ -117,11 +119,14 @@ def load_base(
     return _load(source, None, source, quantization, torch_dtype, torch_device)
 
 
-def _four_bit(gguf: Path, quantization: str) -> bool:
-    """Whether a GGUF file holds 4-bit weights (only asked when auto decides)."""
+def _four_bit(locate) -> bool:
+    """Whether the GGUF file that locate() finds holds 4-bit weights; False when it cannot be found or read."""
     from models import int4
 
-    return quantization == "auto" and int4.gguf_is_4bit(gguf)
+    try:
+        return int4.gguf_is_4bit(locate())
+    except Exception:  # e.g. the bundled package is gone but its converted folder is cached
+        return False
 
 
 def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype, four_bit_source: bool = False) -> str:
@@ -188,7 +193,9 @@ def quantization_config(quantization: str, dtype: torch.dtype):
     )
 
 
-def _load(location, gguf_file, name, quantization, dtype, device) -> LoadedModel:
+def _load(location, gguf_file, name, quantization, dtype, device, automatic: bool = False) -> LoadedModel:
+    """automatic: the quantization was chosen by auto, so int4 may fall back
+    to int8 (or none) for a model whose layer sizes the int4 kernel cannot take."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # sdpa honours the boolean 4D tree masks of speculative decoding
@@ -215,8 +222,14 @@ def _load(location, gguf_file, name, quantization, dtype, device) -> LoadedModel
         from models import int4, int8
 
         if quantization == "int4" and not int4.fits(model):
-            raise QuantizationUnavailableError(f"{name}: int4 needs layer input sizes that are multiples of {int4.GROUP}; use int8")
-        (int4 if quantization == "int4" else int8).quantize_decoder(model)
+            if not automatic:
+                raise QuantizationUnavailableError(
+                    f"{name}: int4 needs layer input sizes that are multiples of {int4.GROUP} and output sizes "
+                    "that are multiples of 16; use int8"
+                )
+            quantization = "int8" if int8.pays(dtype) else "none"
+        if quantization != "none":
+            (int4 if quantization == "int4" else int8).quantize_decoder(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)
 
 

@@ -32,8 +32,10 @@ def kernel_available(device: torch.device) -> bool:
 
 
 def fits(model: nn.Module) -> bool:
-    """Whether every decoder linear's input size is a whole number of groups."""
-    return all(module.in_features % GROUP == 0 for module in model.get_decoder().layers.modules() if isinstance(module, nn.Linear))
+    """Whether the kernel takes every decoder linear: input sizes a whole number
+    of groups, output sizes a multiple of 16 (the packer's tile)."""
+    linears = [module for module in model.get_decoder().layers.modules() if isinstance(module, nn.Linear)]
+    return all(module.in_features % GROUP == 0 and module.out_features % 16 == 0 for module in linears)
 
 
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,6 +99,8 @@ def test_int4_base_loads_and_odd_sizes_are_refused(tiny_dir, tmp_path):
     odd = save_tiny_model(tmp_path / "odd", hidden_size=48, intermediate_size=80, num_attention_heads=4)
     with pytest.raises(QuantizationUnavailableError, match="multiples of 32"):
         load_base(str(odd), quantization="int4", dtype="float32")
+    narrow = load_base(str(save_tiny_model(tmp_path / "narrow", intermediate_size=72)), dtype="float32")
+    assert not int4.fits(narrow.model)  # 72 outputs: not a whole number of the packer's 16-row tiles
 
 
 @needs_kernel
@@ -162,6 +164,7 @@ def test_the_int8_forward_is_row_invariant_with_row_attention(bundled_int8):
     real model; with sdpa they do not (so the check has teeth)."""
     model = bundled_int8.model
     assert bundled_int8.exact and model.config._attn_implementation == attention.NAME
+    assert bundled_int8.argmax.row_by_row
     assert rows_differing(model) == 0
     attention.use(model, False)
     try:
@@ -188,3 +191,10 @@ def test_greedy_eagle2_equals_vanilla_bit_for_bit_in_the_default_setting(bundled
     first = replies[("vanilla", 0)]
     assert len(first) > 20
     assert all(reply == first for reply in replies.values())
+
+
+def test_row_attention_refuses_what_it_does_not_model():
+    query, key = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        attention.rows_attention(None, query, key, key, mask, softcap=30.0)
