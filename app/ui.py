@@ -209,6 +209,9 @@ def access_from(args) -> Access:
     return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins)
 
 
+STOP_SECONDS = 15  # the most Ctrl+C waits for the server to close cleanly
+
+
 def serve(args) -> int:
     """`launch.py ui`: load the model, then serve the page and the API until interrupted."""
     if args.install_shortcut:
@@ -244,6 +247,9 @@ def serve(args) -> int:
         server.wait()
     except KeyboardInterrupt:
         print("Stopping...", flush=True)
+        watchdog = threading.Timer(STOP_SECONDS, os._exit, (0,))  # whatever still runs, Ctrl+C ends the process
+        watchdog.daemon = True
+        watchdog.start()
     finally:
         server.close()
     lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
