@@ -434,7 +434,12 @@ def test_launch_serves_the_page_and_the_api_with_a_generated_key(tiny_dir):
         reply = client.chat.completions.create(model=model.id, messages=MESSAGES, temperature=0, max_tokens=5)
         assert reply.usage.completion_tokens >= 1 and reply.usage.model_dump()["speculative"]["mode"] == "vanilla"
         server.send_signal(signal.SIGINT)
-        assert server.wait(30) == 0
+        try:
+            code = server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise AssertionError(f"Ctrl+C did not stop the server within 30 s; it printed: {server.stdout.read()}") from None
+        assert code == 0
     finally:
         if server.poll() is None:
             server.kill()
