@@ -5,6 +5,7 @@ concurrency group, so requests queue instead of running at once."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import webbrowser
@@ -243,6 +244,8 @@ def serve(args) -> int:
         print(f"API key (shown once): {access.api_key}", flush=True)
     if not args.no_browser:
         webbrowser.open(server.url)
+    # a process started in the background inherits SIGINT ignored; "Press Ctrl+C to stop" must still hold
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server.wait()
     except KeyboardInterrupt:
