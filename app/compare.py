@@ -14,6 +14,7 @@ from app import render
 from app.chat import MODE_LABELS, Options
 from app.reply import Reply, follow_reply
 from app.runtime import Runtime
+from models import int8
 from models.errors import KestrelError
 
 QUICK_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "quick.jsonl"
@@ -101,7 +102,7 @@ def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply) -> D
     ours, theirs = vanilla.token_ids[index], other.token_ids[index]
     margin = engine.next_token_margin(prompt_ids + vanilla.token_ids[:index])
     decode = engine.base.tokenizer.decode
-    dtype = "bfloat16" if engine.base.quantization == "int8" else str(engine.base.dtype).removeprefix("torch.")  # int8 kernels take bf16 activations
+    dtype = str(int8.compute_dtype(engine.model)).removeprefix("torch.")
     return Divergence(index, decode([ours]), decode([theirs]), margin, dtype, engine.exact)
 
 

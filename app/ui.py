@@ -4,10 +4,7 @@ concurrency group, so requests queue instead of running at once."""
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
-import threading
 import webbrowser
 from pathlib import Path
 
@@ -210,9 +207,6 @@ def access_from(args) -> Access:
     return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins)
 
 
-STOP_SECONDS = 15  # the most Ctrl+C waits for the server to close cleanly
-
-
 def serve(args) -> int:
     """`launch.py ui`: load the model, then serve the page and the API until interrupted."""
     if args.install_shortcut:
@@ -250,13 +244,6 @@ def serve(args) -> int:
         server.wait()
     except KeyboardInterrupt:
         print("Stopping...", flush=True)
-        watchdog = threading.Timer(STOP_SECONDS, os._exit, (0,))  # whatever still runs, Ctrl+C ends the process
-        watchdog.daemon = True
-        watchdog.start()
     finally:
         server.close()
-    lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
-    if lingering:  # e.g. a worker of the server's executor still in a handler: do not hang on Ctrl+C
-        sys.stdout.flush()
-        os._exit(0)
     return 0

@@ -15,7 +15,7 @@ vanilla step is the one-row case of the same code.
 Prefill (no mask: causal) goes to sdpa: vanilla and speculative decoding
 share it, so it cannot make them differ. Whether the rest of the forward
 (linears, norms) is row-invariant too depends on the device and kernels; the
-engine checks the whole model bit for bit at load (`exact_tree_mismatch`)
+engine checks the whole model bit for bit at load (`core/tree_check.rows_differing`)
 and only then uses this attention."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class _Plan:
     cache's first `old` keys in order, the recent keys' indices)."""
 
     def __init__(self, mask: torch.Tensor | None, rows: int, total: int, device: torch.device):
-        self.mask = mask  # held so that the plan is only reused for this very mask
+        self.key = (mask, rows, total)  # the mask is held, so the plan is only reused for this very mask
         self.rows = []
         visible = None if mask is None else mask[0, 0].to(torch.bool)
         for row in range(rows):
@@ -55,9 +55,9 @@ _local = threading.local()
 
 
 def _plan_for(mask: torch.Tensor | None, rows: int, total: int, device: torch.device) -> _Plan:
-    """One plan per forward: every layer sees the same mask tensor."""
+    """One plan per forward: every layer sees the same mask tensor (or none, for a one-token step) and length."""
     plan = getattr(_local, "plan", None)
-    if plan is None or plan.mask is not mask or mask is None:
+    if plan is None or plan.key[0] is not mask or plan.key[1:] != (rows, total):
         plan = _Plan(mask, rows, total, device)
         _local.plan = plan
     return plan

@@ -25,6 +25,10 @@ class DraftTree:
             result[parent].append(node)
         return result
 
+    def internal(self) -> list[int]:
+        """The nodes with children, in order (the ones acceptance can pass through)."""
+        return sorted({parent for parent in self.parents if parent >= 0})
+
 
 def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
     """(N, N) bool: row i is True at i and at every ancestor of i."""

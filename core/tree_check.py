@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from core import kv_cache
+from core.attention import BLOCK
 from core.tree import make_tree
 from core.verify import base_forward, logits_of, next_logits, verify_tree
 from models import int8
@@ -19,9 +20,9 @@ from models import int8
 # per compute dtype. A tree pass and path-by-path decoding differ only by
 # rounding; measured on the bundled SmolLM2-135M: 8e-6 in float32 and 0.46 in
 # bfloat16 (its features move by up to 0.5 over 30 layers), against 7.1 for
-# the same model with an attention that drops the tree mask. Int8 linears
-# compute with bf16 activations, so such a model is held to bf16's tolerance
-# (measured: 0.025).
+# the same model with an attention that drops the tree mask. Int4/int8
+# linears compute with bf16 activations, so such a model is held to bf16's
+# tolerance (measured with int8: 0.025).
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-3, torch.bfloat16: 2.0, torch.float16: 2.0}
 PROMPT = (11, 12, 13, 14, 15)
 # root, then drafted tokens with their parents (-1 = the root): a chain of
@@ -65,9 +66,7 @@ def tree_mismatch(model) -> float:
 
 def tree_problem(model) -> str | None:
     """Why this model cannot verify draft trees, or None when it passes."""
-    dtype = model.get_input_embeddings().weight.dtype
-    if int8.is_quantized(model):
-        dtype = torch.bfloat16  # the int8 kernel's activations
+    dtype = int8.compute_dtype(model)
     tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     try:
         mismatch = tree_mismatch(model)
@@ -87,17 +86,15 @@ def rows_differing(model) -> int:
     any bit from one-token decoding steps along their paths. Run after
     prompts of BLOCK - 2 and BLOCK + 6 tokens, so that some paths cross an
     attention block (core/attention.py) and others do not."""
-    from core.attention import BLOCK
-
     vocabulary = model.get_input_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device
     tokens = [token % vocabulary for token in TREE_TOKENS]
+    tree = make_tree(tokens[0], tokens[1:], list(TREE_PARENTS))
     differing = 0
     for length in (BLOCK - 2, BLOCK + 6):
         prompt = [(PROMPT[0] + index) % vocabulary for index in range(length)]
         cache = kv_cache.new_cache(model)
         base_forward(model, torch.tensor(prompt, device=device), torch.arange(length, device=device), None, cache)
-        tree = make_tree(tokens[0], tokens[1:], list(TREE_PARENTS))
         tree_features = verify_tree(model, tree, length, cache)
         kv_cache.commit(cache, length, [])
         for node, path in enumerate(paths(TREE_PARENTS)):

@@ -50,7 +50,7 @@ class NodeLogits:
 
     def __init__(self, model, features: torch.Tensor, tree: DraftTree):
         self.model, self.features = model, features
-        internal = sorted({parent for parent in tree.parents if parent >= 0})
+        internal = tree.internal()
         self.rows = dict(zip(internal, logits_of(model, features[internal]))) if internal else {}
 
     def __getitem__(self, node: int) -> torch.Tensor:
@@ -66,9 +66,9 @@ class NodeArgmax:
     lm_head rows cost about as much as a decoder layer each here, and most
     leaves are never visited)."""
 
-    def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor, tree: DraftTree | None = None):
+    def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor, tree: DraftTree):
         self.argmax, self.features = argmax, features
-        internal = [0] if tree is None else sorted({parent for parent in tree.parents if parent >= 0} | {0})
+        internal = tree.internal() or [0]  # the root alone: acceptance still asks it
         self.tokens = dict(zip(internal, argmax(features[internal])))
 
     def __call__(self, node: int) -> int:

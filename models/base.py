@@ -98,25 +98,24 @@ def load_base(
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    gguf = None  # where the GGUF file is, for auto to ask whether it is 4-bit
     if source is None or source == bundled.DEFAULT_NAME:
-        folder, name = bundled.converted_folder(), bundled.DEFAULT_NAME
-        four_bit = quantization == "auto" and _four_bit(bundled.gguf_path)
-        chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
-        return _load(str(folder), None, name, chosen, torch_dtype, torch_device, quantization == "auto")
-    path = Path(source).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelNotFoundError(f"{source}: a model file must be a .gguf file; otherwise give its folder")
-        four_bit = quantization == "auto" and _four_bit(lambda: path)
-        chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
-        return _load(str(path.parent), path.name, source, chosen, torch_dtype, torch_device, quantization == "auto")
-    quantization = resolve_quantization(quantization, torch_device, torch_dtype)
-    if path.is_dir():
-        check_folder(path)
-        return _load(str(path), None, source, quantization, torch_dtype, torch_device)
-    if not REPO_ID.match(source):
-        raise ModelNotFoundError(f"{source}: no such file or folder, and not a Hugging Face repo id (owner/name)")
-    return _load(source, None, source, quantization, torch_dtype, torch_device)
+        location, gguf_file, name, gguf = str(bundled.converted_folder()), None, bundled.DEFAULT_NAME, bundled.gguf_path
+    else:
+        path = Path(source).expanduser()
+        location, gguf_file, name = source, None, source
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ModelNotFoundError(f"{source}: a model file must be a .gguf file; otherwise give its folder")
+            location, gguf_file, gguf = str(path.parent), path.name, lambda: path
+        elif path.is_dir():
+            check_folder(path)
+            location = str(path)
+        elif not REPO_ID.match(source):
+            raise ModelNotFoundError(f"{source}: no such file or folder, and not a Hugging Face repo id (owner/name)")
+    four_bit = quantization == "auto" and gguf is not None and _four_bit(gguf)
+    chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
+    return _load(location, gguf_file, name, chosen, torch_dtype, torch_device, quantization == "auto")
 
 
 def _four_bit(locate) -> bool:
@@ -227,7 +226,7 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
                     f"{name}: int4 needs layer input sizes that are multiples of {int4.GROUP} and output sizes "
                     "that are multiples of 16; use int8"
                 )
-            quantization = "int8" if int8.pays(dtype) else "none"
+            quantization = resolve_quantization("auto", device, dtype)  # int8 where it pays, else none
         if quantization != "none":
             (int4 if quantization == "int4" else int8).quantize_decoder(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)

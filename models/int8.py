@@ -149,6 +149,12 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(module, QuantizedLinear) for module in model.modules())
 
 
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model's products compute in: bf16 where its linears run
+    through torch's int4/int8 kernels, else its embedding's dtype."""
+    return torch.bfloat16 if is_quantized(model) else model.get_input_embeddings().weight.dtype
+
+
 def quantize_decoder(model: nn.Module) -> int:
     """Int8 weights for every linear layer of a causal LM's decoder layers,
     in place; the embedding and the lm_head keep their precision (greedy

@@ -146,7 +146,7 @@ def test_int8_base_loads_with_every_decoder_linear_quantized(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def bundled_int8():
+def bundled_auto():
     """The bundled pair as `auto` loads it on this CPU (int4: the GGUF is
     Q4_1, else int8), with exact attention."""
     base = load_base(None, quantization="auto", dtype="float32")
@@ -159,12 +159,12 @@ def bundled_int8():
 
 
 @needs_kernel
-def test_the_int8_forward_is_row_invariant_with_row_attention(bundled_int8):
+def test_the_int8_forward_is_row_invariant_with_row_attention(bundled_auto):
     """Every tree node's features equal a one-token step's bit for bit on the
     real model; with sdpa they do not (so the check has teeth)."""
-    model = bundled_int8.model
-    assert bundled_int8.exact and model.config._attn_implementation == attention.NAME
-    assert bundled_int8.argmax.row_by_row
+    model = bundled_auto.model
+    assert bundled_auto.exact and model.config._attn_implementation == attention.NAME
+    assert bundled_auto.argmax.row_by_row
     assert rows_differing(model) == 0
     attention.use(model, False)
     try:
@@ -182,12 +182,12 @@ def test_the_int8_forward_is_row_invariant_with_row_attention(bundled_int8):
         "List five uses of a paperclip, one per line.",
     ],
 )
-def test_greedy_eagle2_equals_vanilla_bit_for_bit_in_the_default_setting(bundled_int8, prompt):
+def test_greedy_eagle2_equals_vanilla_bit_for_bit_in_the_default_setting(bundled_auto, prompt):
     messages = [{"role": "user", "content": prompt}]
     sampling = SamplingParams(max_new_tokens=64)
     replies = {}
     for mode, tree in (("vanilla", TreeParams()), ("eagle2", TreeParams()), ("eagle2", TreeParams(24, depth=6))):
-        replies[(mode, tree.total_tokens)] = [t for step in bundled_int8.chat(messages, mode, sampling, tree) for t in step.token_ids]
+        replies[(mode, tree.total_tokens)] = [t for step in bundled_auto.chat(messages, mode, sampling, tree) for t in step.token_ids]
     first = replies[("vanilla", 0)]
     assert len(first) > 20
     assert all(reply == first for reply in replies.values())
