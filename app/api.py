@@ -390,6 +390,7 @@ def model_card(engine: Engine) -> dict:
             "device": str(base.device),
             "dtype": str(base.dtype).removeprefix("torch."),
             "quantization": base.quantization,
+            "compiled": engine.compiled is not None,
         },
     }
 

@@ -96,7 +96,7 @@ class LibraryHandlers:
         model, head = (model or "").strip() or None, (trained or (head or "").strip()) or None
         try:
             with self.runtime.queue.turn():  # after the requests already waiting, before later ones
-                engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, "auto"), model or "the bundled model")
+                engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, "auto", "auto"), model or "the bundled model")
                 engine.prepare_costs()  # read from the cache, or measured once for this model (a few seconds)
         except (KestrelError, ValueError) as error:
             return self.status(), f"Loading failed: {render.escape(str(error))}. The previous model is still loaded.", gr.skip()

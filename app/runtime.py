@@ -135,7 +135,8 @@ class Runtime:
         elif engine.exact:
             head += "; tree passes compute bit for bit as vanilla steps (greedy replies identical)"
         quantization = "" if engine.base.quantization == "none" else f", {engine.base.quantization}"
-        return f"{engine.base.name} ({engine.base.device}, {str(engine.base.dtype).removeprefix('torch.')}{quantization}) {head}"
+        compiled = ", compiled" if engine.compiled is not None else ""
+        return f"{engine.base.name} ({engine.base.device}, {str(engine.base.dtype).removeprefix('torch.')}{quantization}{compiled}) {head}"
 
     def replace(self, loader: Callable[[], Engine], name: str = "a model") -> Engine:
         """Load with `loader`; on success the new engine replaces the old."""

@@ -25,6 +25,7 @@ def load_pair(
     quantization: str = "none",
     dtype: str = "auto",
     device: str = "auto",
+    compile: str = "off",
 ) -> Engine:
     base = load_base(model, quantization, dtype, device)
     head_source = head or default_head(model)
@@ -33,7 +34,7 @@ def load_pair(
         config = base.model.config
         vocab = base.model.get_output_embeddings().weight.shape[0]
         draft_head = load_head(head_source, config.hidden_size, vocab, base.device, base.dtype, config.num_hidden_layers)
-    return Engine(base, draft_head, head or "bundled")
+    return Engine(base, draft_head, head or "bundled", compile)
 
 
 def prepare_costs(engine: Engine, remeasure: bool = False) -> None:

@@ -223,7 +223,7 @@ def serve(args) -> int:
     from app.session import load_pair, prepare_costs
 
     print("Loading the model (the first run prepares the bundled one)...", flush=True)
-    engine = load_pair(args.model, args.head, args.quantization, args.dtype, args.device)
+    engine = load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
     prepare_costs(engine)
     runtime = Runtime(engine, max_waiting=args.max_queue)
     print(f"Loaded {runtime.describe()}", flush=True)

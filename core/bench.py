@@ -224,6 +224,7 @@ def settings_of(engine, modes, sampling, tree, count, warmup) -> dict:
         "dtype": str(engine.base.dtype).removeprefix("torch."),
         "device": str(engine.base.device),
         "exact_trees": engine.exact,
+        "compiled": engine.compiled is not None,
         "threads": torch.get_num_threads(),
         "modes": list(modes),
         "prompts": count,

@@ -105,7 +105,7 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def cache_key(device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str) -> dict:
+def cache_key(device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str, compiled: bool = False) -> dict:
     return {
         "version": VERSION,
         "device": device_name(device),
@@ -114,6 +114,7 @@ def cache_key(device: torch.device, model: str, head: str | None, dtype: torch.d
         "head": head,
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": quantization,
+        "compiled": compiled,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

@@ -6,6 +6,7 @@ so its single verified node yields exactly the next token."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from core import attention, costs, kv_cache
+from core import attention, compiled, costs, kv_cache
 from core.argmax import ScreenedArgmax
 from core.capture import LayerCapture
 from core.calibration import Calibrations, CurvePoint, setting_of
@@ -33,6 +34,10 @@ from models.base import LoadedModel
 from models.bundled import cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead
+
+
+COMPILE_CHOICES = ("auto", "on", "off")
+log = logging.getLogger("kestrel")
 
 
 def costs_folder() -> Path:
@@ -59,7 +64,12 @@ class Step:
 
 
 class Engine:
-    def __init__(self, base: LoadedModel, head: DraftHead | None = None, head_name: str | None = None):
+    def __init__(self, base: LoadedModel, head: DraftHead | None = None, head_name: str | None = None, compile: str = "off"):
+        """compile: "off", "on" (torch.compile the base model's decoder layers)
+        or "auto" (on where it runs here: CPUs with a C++ compiler); a model
+        that fails to compile stays eager (core/compiled.py)."""
+        if compile not in COMPILE_CHOICES:
+            raise ValueError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
         self.base = base
         self.head = head
         self.head_name = head_name if head is not None else None  # where the head came from, for display
@@ -74,6 +84,9 @@ class Engine:
             self.draft_head = int8.with_int8_linears(head)
         if self.model.config._attn_implementation == attention.NAME:
             attention.use(self.model, False)  # sdpa until _make_exact shows the row-invariant attention exact here
+        self.compiled = compiled.of(self.model)  # an engine made again for the same model keeps its compiled layers
+        if self.compiled is None and (compile == "on" or (compile == "auto" and compiled.worth_trying(base.device, base.dtype))):
+            self.compiled = compiled.compile_model(self.model, lambda line: log.info(line))
         # whether this model honours tree masks, asked of the model itself (core/tree_check.py)
         self._tree_problem = tree_problem(self.model) if head is not None and self._setup_problem() is None else None
         # whether tree passes compute every node bit for bit as a vanilla step would (core/attention.py);
@@ -96,7 +109,7 @@ class Engine:
         if self.costs is not None and not remeasure:
             return self.costs
         base = self.base
-        key = costs.cache_key(base.device, base.name, self.head_name, base.dtype, base.quantization)
+        key = costs.cache_key(base.device, base.name, self.head_name, base.dtype, base.quantization, self.compiled is not None)
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)
         if found is None:
@@ -109,15 +122,21 @@ class Engine:
         """Switch to row-invariant attention when, with it, the whole forward is
         row-invariant on this device (checked bit for bit); else keep sdpa,
         with which greedy replies equal vanilla's up to rounding near-ties."""
-        attention.use(self.model, True)
+        self._use_exact(True)
         try:
             exact = rows_differing(self.model) == 0
         except NotImplementedError:  # an attention feature the row-invariant one does not model
             exact = False
         if not exact:
-            attention.use(self.model, False)
+            self._use_exact(False)
         self.argmax.row_by_row = exact  # unscreened greedy choices then take one lm_head row at a time
         return exact
+
+    def _use_exact(self, exact: bool) -> None:
+        if self.compiled is not None:
+            self.compiled.exact = exact  # the compiled layers' attention op picks it
+        else:
+            attention.use(self.model, exact)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -132,7 +151,7 @@ class Engine:
         config = self.model.config
         if kv_cache.has_sliding_window(config):
             return f"speculative decoding does not support sliding-window attention ({config.model_type})"
-        if config._attn_implementation not in ("sdpa", attention.NAME):
+        if config._attn_implementation not in ("sdpa", attention.NAME, compiled.NAME):
             return f"speculative decoding needs sdpa attention, not {config._attn_implementation}"
         return None
 

@@ -1,0 +1,108 @@
+"""Compiled decoder layers (core/compiled.py): the same exactness as eager
+decoding, and a clean fall back to eager where compiling cannot run."""
+
+import pytest
+import torch
+
+from app.session import default_head
+from core import compiled
+from core.config import SamplingParams, TreeParams
+from core.engine import Engine
+from core.tree_check import rows_differing
+from models import int4
+from models.base import load_base
+from models.head import load_head
+from tests.factory import random_eagle3_head, random_head, save_tiny_model
+
+needs_compiler = pytest.mark.skipif(not compiled.compiler_available(), reason="torch.compile needs a C++ compiler on CPUs")
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("compiled") / "llama", "llama", vocab_size=48)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_compiled_engines_decode_exactly_as_vanilla(tiny_folder, kind):
+    """float64, so that every difference is a bug: compiled speculative
+    decoding equals compiled vanilla, greedy and sampled, and compiled
+    vanilla equals eager vanilla."""
+    eager = Engine(load_base(str(tiny_folder), dtype="float64"))
+    base = load_base(str(tiny_folder), dtype="float64")
+    head = random_head(base.model, seed=1) if kind == "eagle2" else random_eagle3_head(base.model, seed=1)
+    engine = Engine(base, head, compile="on")
+    assert engine.compiled is not None and compiled.of(base.model) is engine.compiled
+    assert base.model.config._attn_implementation == compiled.NAME
+    accepted = 0
+    for seed in range(3):
+        prompt = torch.randint(8, 48, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
+            reference = tokens_of(engine.stream(prompt, "vanilla", sampling))
+            assert tokens_of(eager.stream(prompt, "vanilla", sampling)) == reference
+            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3)), ("eagle2", TreeParams(30, 6, 5))):
+                steps = list(engine.stream(prompt, mode, sampling, tree))
+                assert tokens_of(steps) == reference, (mode, tree, seed, sampling)
+                accepted += sum(step.accepted for step in steps)
+    assert accepted > 0
+
+
+@needs_compiler
+@pytest.mark.skipif(not int4.kernel_available(torch.device("cpu")), reason="needs torch's int4 CPU kernel")
+def test_the_bundled_pair_compiled_keeps_bit_for_bit_trees():
+    """The default setting on this CPU (auto: int4 and compiled layers): tree
+    passes still compute every node as a one-token step would, checked on
+    the real model, and greedy EAGLE-2 equals vanilla."""
+    base = load_base(None, quantization="auto", dtype="float32")
+    config = base.model.config
+    vocab = base.model.get_output_embeddings().weight.shape[0]
+    head = load_head(default_head(None), config.hidden_size, vocab, base.device, base.dtype, config.num_hidden_layers)
+    engine = Engine(base, head, "bundled", compile="auto")
+    assert engine.compiled is not None and engine.exact
+    assert rows_differing(base.model) == 0
+    engine.compiled.exact = False  # sdpa inside the compiled layers: not row-invariant, so the check has teeth
+    try:
+        assert rows_differing(base.model) > 0
+    finally:
+        engine.compiled.exact = True
+    for prompt in ("Write a Python function that checks whether a number is prime.", "List five uses of a paperclip."):
+        messages = [{"role": "user", "content": prompt}]
+        sampling = SamplingParams(max_new_tokens=48)
+        vanilla = tokens_of(engine.chat(messages, "vanilla", sampling))
+        assert len(vanilla) > 20
+        assert tokens_of(engine.chat(messages, "eagle2", sampling)) == vanilla
+
+
+def test_auto_leaves_float64_and_compilerless_machines_eager(tiny_folder, monkeypatch):
+    base = load_base(str(tiny_folder), dtype="float64")
+    assert Engine(base, random_head(base.model), compile="auto").compiled is None  # float64 is for checking
+    float32 = load_base(str(tiny_folder), dtype="float32")
+    monkeypatch.setattr(compiled, "compiler_available", lambda: False)
+    engine = Engine(float32, random_head(float32.model), compile="auto")
+    assert engine.compiled is None and float32.model.config._attn_implementation in ("sdpa", "kestrel_rows")
+    with pytest.raises(ValueError, match="compile"):
+        Engine(float32, compile="sometimes")
+
+
+def test_a_failed_compile_leaves_the_model_eager_and_decoding(tiny_folder, monkeypatch):
+    base = load_base(str(tiny_folder), dtype="float64")
+    reference = tokens_of(Engine(base).stream([9, 10, 11], "vanilla", SamplingParams(max_new_tokens=12)))
+
+    def broken(function, **options):
+        def fails(*args, **kwargs):
+            raise RuntimeError("no backend")
+
+        return fails
+
+    monkeypatch.setattr(compiled, "compiler_available", lambda: True)
+    monkeypatch.setattr(torch, "compile", broken)
+    engine = Engine(base, random_head(base.model), compile="on")
+    assert engine.compiled is None and compiled.of(base.model) is None
+    assert all("forward" not in layer.__dict__ for layer in base.model.get_decoder().layers)
+    assert base.model.config._attn_implementation != compiled.NAME
+    prompt_steps = engine.stream([9, 10, 11], "eagle2", SamplingParams(max_new_tokens=12))
+    assert tokens_of(prompt_steps) == reference
