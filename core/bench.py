@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from core import compiled
 from core.config import MODES, SamplingParams, TreeParams
 from core.engine import Engine
 
@@ -167,7 +168,7 @@ def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: Sa
         options["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
     inputs = torch.tensor([prompt_ids], device=engine.base.device)
     started = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), compiled.eager(engine.model):  # transformers' own code, as its users run it
         output = engine.model.generate(inputs, attention_mask=torch.ones_like(inputs), **options)
     seconds = time.perf_counter() - started
     ids = output[0, len(prompt_ids) :].tolist()

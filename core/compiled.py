@@ -24,7 +24,8 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
@@ -51,7 +52,9 @@ class _Pass:
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """query (1, H, T, D), this step's key/value (1, H_kv, T, D) -> (1, T, H, D),
     after appending key/value to the current pass's cache."""
-    state: _Pass = _local.state
+    state: _Pass | None = getattr(_local, "state", None)
+    if state is None:
+        raise RuntimeError("a compiled model decodes through core/verify.base_forward; run other code inside compiled.eager(model)")
     index = state.layer
     state.layer += 1
     module = state.modules[index]
@@ -111,13 +114,30 @@ class Compiled:
         return out.last_hidden_state[0]
 
 
-_active: dict[int, Compiled] = {}  # id(model) -> its compiled form
+ATTRIBUTE = "_kestrel_compiled"  # on the model: its compiled form (no registry that would keep unloaded models alive)
 
 
 def of(model) -> Compiled | None:
     """The compiled form of `model`, if it was compiled."""
-    found = _active.get(id(model))
-    return found if found is not None and found.model is model else None
+    return getattr(model, ATTRIBUTE, None)
+
+
+@contextmanager
+def eager(model) -> Iterator[None]:
+    """Within the block `model` is plain transformers code again (for its own
+    generate, e.g. the bench's baselines); compiled afterwards."""
+    found = of(model)
+    if found is None:
+        yield
+        return
+    saved = {index: layer.__dict__.pop("forward") for index, layer in enumerate(found.decoder.layers) if "forward" in layer.__dict__}
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        for index, forward in saved.items():
+            found.decoder.layers[index].forward = forward
+        model.set_attn_implementation(NAME)
 
 
 def compiler_available() -> bool:
@@ -143,7 +163,7 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
     model.set_attn_implementation(NAME)
     for layer in compiled.decoder.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
-    _active[id(model)] = compiled
+    setattr(model, ATTRIBUTE, compiled)
     try:
         start = time.perf_counter()
         if progress:
@@ -159,7 +179,7 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
 
 
 def uncompile(compiled: Compiled) -> None:
-    _active.pop(id(compiled.model), None)
+    compiled.model.__dict__.pop(ATTRIBUTE, None)
     for layer in compiled.decoder.layers:
         layer.__dict__.pop("forward", None)
     compiled.model.set_attn_implementation(compiled.previous)

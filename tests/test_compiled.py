@@ -77,6 +77,23 @@ def test_the_bundled_pair_compiled_keeps_bit_for_bit_trees():
         assert tokens_of(engine.chat(messages, "eagle2", sampling)) == vanilla
 
 
+@needs_compiler
+def test_the_bench_baselines_run_transformers_own_code_on_a_compiled_engine(tiny_folder, tmp_path):
+    from core.bench import load_prompts, run_bench
+    from tests.test_bench import write_prompts
+
+    base = load_base(str(tiny_folder), dtype="float64")
+    engine = Engine(base, random_head(base.model, seed=3), compile="on")
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": str(i), "turns": [f"w{i} w{i + 1} w{i + 2}"]} for i in range(2)])
+    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2", "generate", "prompt-lookup"), SamplingParams(max_new_tokens=16), warmup=0)
+    by_mode = {(row["id"], row["mode"]): row["output_ids"] for row in result["prompts"]}
+    assert all(by_mode[(str(i), mode)] == by_mode[(str(i), "vanilla")] for i in range(2) for mode in ("eagle2", "generate", "prompt-lookup"))
+    assert base.model.config._attn_implementation == compiled.NAME  # compiled again after the baselines
+    assert all("forward" in layer.__dict__ for layer in base.model.get_decoder().layers)
+    with pytest.raises(RuntimeError, match="eager"):
+        base.model(torch.tensor([[9, 10]]))  # outside the engine and outside compiled.eager
+
+
 def test_auto_leaves_float64_and_compilerless_machines_eager(tiny_folder, monkeypatch):
     base = load_base(str(tiny_folder), dtype="float64")
     assert Engine(base, random_head(base.model), compile="auto").compiled is None  # float64 is for checking
