@@ -1,16 +1,20 @@
 """Row-invariant attention for decoding steps and tree passes.
 
-Greedy EAGLE-2 equals vanilla only if a tree node's features are bit for bit
-what a one-token vanilla step at that node's position would compute. Fused
-attention kernels (sdpa) do not promise it: their arithmetic depends on how
-many query rows share the call and on masked keys. This attention, registered
-through transformers' attention interface (the model's code is unchanged),
-computes every query row on its own, the same way whatever else is in the
-call: the row's visible keys in cache order (the prefix, then its ancestors,
-then itself: the order they have after a commit), split at a multiple of
-BLOCK positions into an old part (read in place from the cache) and a recent
-part (gathered), each multiplied with fixed shapes, one softmax over both. A
-vanilla step is the one-row case of the same code.
+Greedy EAGLE-2 equals vanilla only if a tree node's features are bit for
+bit what a one-token vanilla step at that node's position would compute.
+Fused attention kernels (sdpa) do not promise it: their arithmetic depends
+on how many query rows share the call and on masked keys. This attention,
+registered through transformers' attention interface (the model's code is
+unchanged), computes every query row on its own, the same way whatever
+else is in the call, over the row's visible keys in cache order (the
+prefix, then its ancestors, then itself: the order they have after a
+commit). A vanilla step is the one-row case of the same code.
+
+Two implementations, one per process: the C++ kernel of core/rowkernel.py
+(one call per layer for all rows) where it builds, else torch operations
+per row, split at a multiple of BLOCK positions into an old part (read in
+place from the cache) and a recent part (gathered), each multiplied with
+fixed shapes, one softmax over both.
 
 Prefill (no mask: causal) goes to sdpa: vanilla and speculative decoding
 share it, so it cannot make them differ. Whether the rest of the forward
@@ -26,6 +30,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from core import rowkernel
 
 NAME = "kestrel_rows"
 BLOCK = 64  # keys before the last multiple of BLOCK are read in place
@@ -63,6 +69,15 @@ def _plan_for(mask: torch.Tensor | None, rows: int, total: int, device: torch.de
     return plan
 
 
+def _rows_for(mask: torch.Tensor | None, rows: int, total: int) -> rowkernel.Rows:
+    """The kernel's per-row key lists, one per forward like the plan."""
+    found = getattr(_local, "rows", None)
+    if found is None or found[0] is not mask or found[1:3] != (rows, total):
+        found = (mask, rows, total, rowkernel.Rows.of(None if mask is None else mask[0, 0], rows, total))
+        _local.rows = found
+    return found[3]
+
+
 def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query (1, H, T, D), key/value (1, H_kv, S, D) -> ((1, T, H, D), None)."""
     batch, heads, rows, dim = query.shape
@@ -73,6 +88,9 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         raise NotImplementedError(f"row-invariant attention does not model {', '.join(unsupported)}")
     kv_heads, total = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
+    out = rowkernel.attend(query, key, value, _rows_for(attention_mask, rows, total), scale)
+    if out is not None:  # the C++ kernel (core/rowkernel.py): one call for every row
+        return out, None
     keys, values = key[0], value[0]  # (H_kv, S, D)
     # every row's queries, scaled, in a fresh tensor: (T, H_kv, G, D), each row
     # 64-byte aligned as a lone row would be (checked at load with the rest)

@@ -1,0 +1,76 @@
+"""The row-invariant attention's C++ kernel (core/rowkernel.py)."""
+
+import pytest
+import torch
+
+from core import attention, rowkernel
+from core.tree import ancestor_mask
+
+needs_kernel = pytest.mark.skipif(rowkernel.library() is None, reason="no C++ compiler to build the kernel")
+PARENTS = (-1, 0, 1, 0, 3, -1, 5, 2)  # a tree of 8 nodes, three deep
+
+
+def tree_case(dtype, prefix=70, heads=6, kv_heads=2, dim=24, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(PARENTS)
+    keys = torch.randn(1, kv_heads, prefix + rows, dim, generator=generator, dtype=dtype)
+    values = torch.randn(1, kv_heads, prefix + rows, dim, generator=generator, dtype=dtype)
+    query = torch.randn(1, rows, heads, dim, generator=generator, dtype=dtype).transpose(1, 2)  # as transformers passes it
+    mask = torch.ones(rows, prefix + rows, dtype=torch.bool)
+    mask[:, prefix:] = ancestor_mask(PARENTS)
+    return query, keys, values, mask
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_kernel_computes_masked_attention(dtype):
+    query, keys, values, mask = tree_case(dtype)
+    out, _ = attention.rows_attention(None, query, keys, values, mask[None, None], scaling=0.3)
+    group = query.shape[1] // keys.shape[1]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), attn_mask=mask[None, None], scale=0.3
+    ).transpose(1, 2)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6 if dtype == torch.float32 else 1e-13)
+
+
+@needs_kernel
+def test_a_tree_row_is_bit_for_bit_a_lone_row_over_its_keys():
+    """What makes greedy EAGLE-2 equal vanilla: each node's result is what a
+    one-token step over the same key sequence (after the commit) computes."""
+    query, keys, values, mask = tree_case(torch.float32, seed=3)
+    out, _ = attention.rows_attention(None, query, keys, values, mask[None, None], scaling=0.25)
+    for row in range(len(PARENTS)):
+        visible = mask[row].nonzero().squeeze(1)
+        lone, _ = attention.rows_attention(
+            None, query[:, :, row : row + 1], keys[:, :, visible], values[:, :, visible], None, scaling=0.25
+        )
+        assert torch.equal(lone[0, 0], out[0, row]), row
+
+
+def test_rows_lists_each_rows_keys_in_cache_order():
+    mask = torch.tensor([[1, 1, 1, 0, 0, 1], [1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    rows = rowkernel.Rows.of(mask, 3, 6)
+    assert rows.prefix.tolist() == [3, 2, 6]
+    assert rows.offsets.tolist() == [0, 1, 3, 3]
+    assert rows.extra.tolist() == [5, 3, 4]
+    causal = rowkernel.Rows.of(None, 2, 9)  # the last two of nine positions, causal
+    assert causal.prefix.tolist() == [8, 9] and causal.offsets.tolist() == [0, 0, 0]
+
+
+def test_without_the_kernel_the_torch_code_computes_the_same_attention(monkeypatch):
+    query, keys, values, mask = tree_case(torch.float64, seed=5)
+    with_kernel, _ = attention.rows_attention(None, query, keys, values, mask[None, None], scaling=0.3)
+    monkeypatch.setattr(rowkernel, "library", lambda: None)
+    assert rowkernel.attend(query, keys, values, rowkernel.Rows.of(mask, len(PARENTS), mask.shape[1]), 0.3) is None
+    attention._local.plan = None
+    without, _ = attention.rows_attention(None, query, keys, values, mask[None, None], scaling=0.3)
+    torch.testing.assert_close(without, with_kernel, rtol=1e-12, atol=1e-13)
+
+
+@needs_kernel
+def test_the_kernel_leaves_dtypes_it_does_not_cover_to_torch():
+    query, keys, values, mask = tree_case(torch.float32)
+    rows = rowkernel.Rows.of(mask, len(PARENTS), mask.shape[1])
+    assert rowkernel.attend(query.bfloat16(), keys.bfloat16(), values.bfloat16(), rows, 0.3) is None
+    assert rowkernel.attend(query, keys, values, rows, 0.3) is not None
