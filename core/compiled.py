@@ -21,6 +21,7 @@ operation Inductor cannot handle) the model stays eager."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -33,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from core import attention
+from models.bundled import cache_root
 
 NAME = "kestrel_compiled"
 log = logging.getLogger("kestrel")
@@ -159,6 +161,9 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
     if model.device.type == "cpu" and not compiler_available():
         log.info("Decoding eagerly: torch.compile needs a C++ compiler (g++ or clang++) on CPUs")
         return None
+    # Inductor's cache beside Kestrel's other caches rather than in /tmp, which
+    # a reboot may clear: later starts then read the compiled code (2-3 s)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     compiled = Compiled(model)
     model.set_attn_implementation(NAME)
     for layer in compiled.decoder.layers:
