@@ -90,12 +90,6 @@ AttentionInterface.register(NAME, compiled_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _no_mask)
 
 
-@torch.compiler.nested_compile_region
-def _run_layer(layer, hidden, position_ids, position_embeddings):
-    """One decoder layer: traced once and reused for every layer."""
-    return layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
-
-
 class Compiled:
     """A base model whose decoder layers run compiled; `forward` is what
     core/verify.base_forward runs for it."""
