@@ -71,6 +71,8 @@ def _plan_for(mask: torch.Tensor | None, rows: int, total: int, device: torch.de
 
 def _rows_for(mask: torch.Tensor | None, rows: int, total: int) -> rowkernel.Rows:
     """The kernel's per-row key lists, one per forward like the plan."""
+    if mask is not None and mask.shape[-1] != total:
+        raise ValueError(f"the attention mask covers {mask.shape[-1]} positions, the cache holds {total}")
     found = getattr(_local, "rows", None)
     if found is None or found[0] is not mask or found[1:3] != (rows, total):
         found = (mask, rows, total, rowkernel.Rows.of(None if mask is None else mask[0, 0], rows, total))
@@ -88,9 +90,10 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         raise NotImplementedError(f"row-invariant attention does not model {', '.join(unsupported)}")
     kv_heads, total = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
-    out = rowkernel.attend(query, key, value, _rows_for(attention_mask, rows, total), scale)
-    if out is not None:  # the C++ kernel (core/rowkernel.py): one call for every row
-        return out, None
+    if rowkernel.covers(query):
+        out = rowkernel.attend(query, key, value, _rows_for(attention_mask, rows, total), scale)
+        if out is not None:  # the C++ kernel (core/rowkernel.py): one call for every row
+            return out, None
     keys, values = key[0], value[0]  # (H_kv, S, D)
     # every row's queries, scaled, in a fresh tensor: (T, H_kv, G, D), each row
     # 64-byte aligned as a lone row would be (checked at load with the rest)

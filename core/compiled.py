@@ -100,13 +100,19 @@ class Compiled:
         self.modules = [layer.self_attn for layer in self.decoder.layers]
         self.exact = False  # row-invariant attention (core/attention.py) rather than sdpa
         self.previous = model.config._attn_implementation
+        self.suspended = False  # inside eager(): the layers are plain transformers code
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
-        _local.state = _Pass(cache, None if mask is None else mask[None, None], self.exact, self.modules)
+        if self.suspended:
+            raise RuntimeError("the model is running as plain transformers code (compiled.eager); decode after it ends")
+        outer = getattr(_local, "state", None)
+        state = _local.state = _Pass(cache, None if mask is None else mask[None, None], self.exact, self.modules)
         try:
             out = self.decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False)
         finally:
-            _local.state = None
+            _local.state = outer
+        if state.layer != len(self.modules):  # every layer's attention must have run through the op, once
+            raise RuntimeError(f"the attention op ran {state.layer} times for {len(self.modules)} layers")
         return out.last_hidden_state[0]
 
 
@@ -126,14 +132,19 @@ def eager(model) -> Iterator[None]:
     if found is None:
         yield
         return
-    saved = {index: layer.__dict__.pop("forward") for index, layer in enumerate(found.decoder.layers) if "forward" in layer.__dict__}
-    model.set_attn_implementation("sdpa")
+    saved = {}
+    found.suspended = True
     try:
+        for index, layer in enumerate(found.decoder.layers):
+            if "forward" in layer.__dict__:
+                saved[index] = layer.__dict__.pop("forward")
+        model.set_attn_implementation("sdpa")
         yield
     finally:
         for index, forward in saved.items():
             found.decoder.layers[index].forward = forward
         model.set_attn_implementation(NAME)
+        found.suspended = False
 
 
 def compiler_available() -> bool:
@@ -158,12 +169,16 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
     # Inductor's cache beside Kestrel's other caches rather than in /tmp, which
     # a reboot may clear: later starts then read the compiled code (2-3 s)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    problem = _layout_problem(model)
+    if problem is not None:
+        log.info(f"Decoding eagerly: {problem}")
+        return None
     compiled = Compiled(model)
-    model.set_attn_implementation(NAME)
-    for layer in compiled.decoder.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
-    setattr(model, ATTRIBUTE, compiled)
     try:
+        model.set_attn_implementation(NAME)
+        for layer in compiled.decoder.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+        setattr(model, ATTRIBUTE, compiled)
         start = time.perf_counter()
         if progress:
             progress("Compiling the model (once; cached afterwards)...")
@@ -175,6 +190,20 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
         log.warning(f"Decoding eagerly: compiling the model failed ({type(error).__name__}: {str(error)[:200]})")
         return None
     return compiled
+
+
+def _layout_problem(model) -> str | None:
+    """Why this model's layers cannot run compiled here, or None: the op
+    stands in for attention modules that hold their layer's scaling and are
+    called through transformers' attention interface."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None or len(layers) == 0:
+        return f"{type(model).__name__} has no decoder layers in the expected place"
+    for layer in layers:
+        attention_module = getattr(layer, "self_attn", None)
+        if not isinstance(getattr(attention_module, "scaling", None), float):
+            return f"{type(layer).__name__} has no attention module with a scaling"
+    return None
 
 
 def uncompile(compiled: Compiled) -> None:

@@ -35,7 +35,7 @@ GPU_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # and on GPUs, where they can
 CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with context
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
-VERSION = 4  # bump when what is measured changes, so old cache files are ignored
+VERSION = 5  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,10 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def cache_key(device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str, compiled: bool = False) -> dict:
+def cache_key(
+    device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str,
+    compiled: bool = False, row_kernel: bool = False,
+) -> dict:  # fmt: skip
     return {
         "version": VERSION,
         "device": device_name(device),
@@ -115,6 +118,7 @@ def cache_key(device: torch.device, model: str, head: str | None, dtype: torch.d
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": quantization,
         "compiled": compiled,
+        "row_kernel": row_kernel,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from core import attention, compiled, costs, kv_cache
+from core import attention, compiled, costs, kv_cache, rowkernel
 from core.argmax import ScreenedArgmax
 from core.capture import LayerCapture
 from core.calibration import Calibrations, CurvePoint, setting_of
@@ -85,6 +85,9 @@ class Engine:
         if self.model.config._attn_implementation == attention.NAME:
             attention.use(self.model, False)  # sdpa until _make_exact shows the row-invariant attention exact here
         self.compiled = compiled.of(self.model)  # an engine made again for the same model keeps its compiled layers
+        if self.compiled is not None and compile == "off":
+            compiled.uncompile(self.compiled)
+            self.compiled = None
         if self.compiled is None and (compile == "on" or (compile == "auto" and compiled.worth_trying(base.device, base.dtype))):
             self.compiled = compiled.compile_model(self.model, lambda line: log.info(line))
         # whether this model honours tree masks, asked of the model itself (core/tree_check.py)
@@ -109,7 +112,10 @@ class Engine:
         if self.costs is not None and not remeasure:
             return self.costs
         base = self.base
-        key = costs.cache_key(base.device, base.name, self.head_name, base.dtype, base.quantization, self.compiled is not None)
+        key = costs.cache_key(
+            base.device, base.name, self.head_name, base.dtype, base.quantization,
+            compiled=self.compiled is not None, row_kernel=self.exact and rowkernel.library() is not None,
+        )  # fmt: skip
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)
         if found is None:

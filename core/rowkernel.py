@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import threading
+from pathlib import Path
 
 import torch
 
@@ -120,6 +121,8 @@ def _compiler() -> str | None:
 def library() -> ctypes.CDLL | None:
     """The built kernel, building it on first use (about a second); None where it cannot be built."""
     global _library, _tried
+    if _tried:  # the common case, without the lock
+        return _library
     with _lock:
         if _tried:
             return _library
@@ -130,7 +133,8 @@ def library() -> ctypes.CDLL | None:
         if compiler is None:
             log.info("Row-invariant attention in torch: no C++ compiler found for its kernel")
             return None
-        digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler).encode()).hexdigest()[:16]
+        # -march=native: the binary is for this CPU only, so the CPU is part of its name
+        digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
         folder = cache_root() / "kernels"
         path = folder / f"rows-{digest}.so"
         try:
@@ -140,10 +144,11 @@ def library() -> ctypes.CDLL | None:
                 source.write_text(SOURCE)
                 staging = source.with_suffix(".so")
                 try:
-                    subprocess.run([compiler, *FLAGS, str(source), "-o", str(staging)], check=True, capture_output=True, timeout=120)
+                    subprocess.run([compiler, *FLAGS, str(source), "-o", str(staging)], check=True, capture_output=True, text=True, timeout=120)
                     staging.replace(path)  # atomic: another process never loads a half-written file
                 finally:
                     source.unlink(missing_ok=True)
+                    staging.unlink(missing_ok=True)
             loaded = ctypes.CDLL(str(path))
             for name in DTYPES.values():
                 function = getattr(loaded, name)
@@ -154,8 +159,23 @@ def library() -> ctypes.CDLL | None:
                                      ctypes.c_double, ctypes.c_void_p]  # fmt: skip
             _library = loaded
         except (OSError, subprocess.SubprocessError, AttributeError) as error:
-            log.warning(f"Row-invariant attention in torch: building its kernel failed ({type(error).__name__}: {error})")
+            detail = getattr(error, "stderr", None) or ""
+            log.warning(f"Row-invariant attention in torch: building its kernel failed ({type(error).__name__}: {error}) {detail[-500:]}")
         return _library
+
+
+def _cpu_flags() -> str:
+    """The CPU's model and instruction-set flags (Linux), else torch's capability."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return " ".join(sorted({line for line in lines if line.startswith(("flags", "model name", "Features"))}))
+    except OSError:
+        return str(torch.backends.cpu.get_cpu_capability())
+
+
+def covers(query: torch.Tensor) -> bool:
+    """Whether the kernel takes this query's dtype and device (and is built)."""
+    return query.dtype in DTYPES and query.device.type == "cpu" and library() is not None
 
 
 class Rows:

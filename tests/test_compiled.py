@@ -105,6 +105,35 @@ def test_auto_leaves_float64_and_compilerless_machines_eager(tiny_folder, monkey
         Engine(float32, compile="sometimes")
 
 
+def test_models_the_op_cannot_stand_in_for_stay_eager(tmp_path):
+    """A layout without attention modules holding their scaling (GPT-2's,
+    say) is never compiled, and an engine over it decodes eagerly."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)).eval()
+    assert compiled.compile_model(model) is None
+    assert compiled.of(model) is None and model.config._attn_implementation != compiled.NAME
+
+
+@needs_compiler
+def test_a_forward_whose_attention_op_ran_too_rarely_is_refused(tiny_folder):
+    base = load_base(str(tiny_folder), dtype="float64")
+    engine = Engine(base, compile="on")
+    engine.compiled.modules = engine.compiled.modules + engine.compiled.modules[:1]  # one more layer than ran
+    with pytest.raises(RuntimeError, match="attention op ran"):
+        list(engine.stream([9, 10, 11], "vanilla", SamplingParams(max_new_tokens=2)))
+
+
+@needs_compiler
+def test_compile_off_returns_a_compiled_model_to_eager(tiny_folder):
+    base = load_base(str(tiny_folder), dtype="float64")
+    assert Engine(base, compile="on").compiled is not None
+    engine = Engine(base, compile="off")
+    assert engine.compiled is None and compiled.of(base.model) is None
+    assert all("forward" not in layer.__dict__ for layer in base.model.get_decoder().layers)
+    assert len(tokens_of(engine.stream([9, 10, 11], "vanilla", SamplingParams(max_new_tokens=6)))) == 6
+
+
 def test_a_failed_compile_leaves_the_model_eager_and_decoding(tiny_folder, monkeypatch):
     base = load_base(str(tiny_folder), dtype="float64")
     reference = tokens_of(Engine(base).stream([9, 10, 11], "vanilla", SamplingParams(max_new_tokens=12)))
