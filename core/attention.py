@@ -42,7 +42,6 @@ class _Plan:
     cache's first `old` keys in order, the recent keys' indices)."""
 
     def __init__(self, mask: torch.Tensor | None, rows: int, total: int, device: torch.device):
-        self.key = (mask, rows, total)  # the mask is held, so the plan is only reused for this very mask
         self.rows = []
         visible = None if mask is None else mask[0, 0].to(torch.bool)
         for row in range(rows):
@@ -60,23 +59,16 @@ class _Plan:
 _local = threading.local()
 
 
-def _plan_for(mask: torch.Tensor | None, rows: int, total: int, device: torch.device) -> _Plan:
-    """One plan per forward: every layer sees the same mask tensor (or none, for a one-token step) and length."""
-    plan = getattr(_local, "plan", None)
-    if plan is None or plan.key[0] is not mask or plan.key[1:] != (rows, total):
-        plan = _Plan(mask, rows, total, device)
-        _local.plan = plan
-    return plan
-
-
-def _rows_for(mask: torch.Tensor | None, rows: int, total: int) -> rowkernel.Rows:
-    """The kernel's per-row key lists, one per forward like the plan."""
+def _per_forward(kind: str, mask: torch.Tensor | None, rows: int, total: int, build):
+    """What build() makes for one forward, reused by all its layers: they see
+    the same mask tensor (or none, for a one-token step) and length. The mask
+    is held, so an entry is only reused for this very mask."""
     if mask is not None and mask.shape[-1] != total:
         raise ValueError(f"the attention mask covers {mask.shape[-1]} positions, the cache holds {total}")
-    found = getattr(_local, "rows", None)
+    slots = _local.__dict__.setdefault("slots", {})
+    found = slots.get(kind)
     if found is None or found[0] is not mask or found[1:3] != (rows, total):
-        found = (mask, rows, total, rowkernel.Rows.of(None if mask is None else mask[0, 0], rows, total))
-        _local.rows = found
+        found = slots[kind] = (mask, rows, total, build())
     return found[3]
 
 
@@ -90,8 +82,10 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         raise NotImplementedError(f"row-invariant attention does not model {', '.join(unsupported)}")
     kv_heads, total = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
-    if rowkernel.covers(query):
-        out = rowkernel.attend(query, key, value, _rows_for(attention_mask, rows, total), scale)
+    if rowkernel.covers(query.dtype, query.device):
+        visible = None if attention_mask is None else attention_mask[0, 0]
+        spec = _per_forward("rows", attention_mask, rows, total, lambda: rowkernel.Rows.of(visible, rows, total))
+        out = rowkernel.attend(query, key, value, spec, scale)
         if out is not None:  # the C++ kernel (core/rowkernel.py): one call for every row
             return out, None
     keys, values = key[0], value[0]  # (H_kv, S, D)
@@ -100,7 +94,9 @@ def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     queries = (query[0].transpose(0, 1) * scale).reshape(rows, kv_heads, heads // kv_heads, dim)
     precision = torch.promote_types(query.dtype, torch.float32)  # softmax in float32 at least
     results = []
-    for row, (old, old_index, recent) in enumerate(_plan_for(attention_mask, rows, total, query.device).rows):
+    for row, (old, old_index, recent) in enumerate(
+        _per_forward("plan", attention_mask, rows, total, lambda: _Plan(attention_mask, rows, total, query.device)).rows
+    ):
         q = queries[row]
         recent_keys, recent_values = keys.index_select(1, recent), values.index_select(1, recent)
         if not old:

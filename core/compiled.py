@@ -34,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from core import attention
+from core.kv_cache import new_cache
 from models.bundled import cache_root
 
 NAME = "kestrel_compiled"
@@ -215,8 +216,6 @@ def uncompile(compiled: Compiled) -> None:
 
 @torch.inference_mode()
 def _warm(compiled: Compiled) -> None:
-    from core.kv_cache import new_cache
-
     device = compiled.model.get_input_embeddings().weight.device
     cache = new_cache(compiled.model)
     compiled.forward(torch.arange(3, device=device), torch.arange(3, device=device), None, cache)

@@ -114,7 +114,7 @@ class Engine:
         base = self.base
         key = costs.cache_key(
             base.device, base.name, self.head_name, base.dtype, base.quantization,
-            compiled=self.compiled is not None, row_kernel=self.exact and rowkernel.library() is not None,
+            compiled=self.compiled is not None, row_kernel=self.exact and rowkernel.covers(base.dtype, base.device),
         )  # fmt: skip
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)

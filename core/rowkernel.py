@@ -173,9 +173,9 @@ def _cpu_flags() -> str:
         return str(torch.backends.cpu.get_cpu_capability())
 
 
-def covers(query: torch.Tensor) -> bool:
-    """Whether the kernel takes this query's dtype and device (and is built)."""
-    return query.dtype in DTYPES and query.device.type == "cpu" and library() is not None
+def covers(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel computes attention in this dtype on this device (and is built)."""
+    return dtype in DTYPES and device.type == "cpu" and library() is not None
 
 
 class Rows:
@@ -206,9 +206,7 @@ class Rows:
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Rows, scale: float) -> torch.Tensor | None:
     """query (1, H, T, D), key/value (1, H_kv, S, D) -> (1, T, H, D), or None
     where the kernel cannot take these tensors (then use the torch code)."""
-    function_name = DTYPES.get(query.dtype)
-    loaded = library()
-    if loaded is None or function_name is None or query.device.type != "cpu":
+    if not covers(query.dtype, query.device):
         return None
     if key.dtype != query.dtype or value.dtype != query.dtype or query.stride(-1) != 1 or key.stride(-1) != 1:
         return None
@@ -217,7 +215,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Ro
     _, heads, count, dim = query.shape
     kv_heads = key.shape[1]
     out = query.new_empty(1, count, heads, dim)
-    getattr(loaded, function_name)(
+    getattr(library(), DTYPES[query.dtype])(
         query.data_ptr(), query.stride(2), query.stride(1), key.data_ptr(), value.data_ptr(),
         key.stride(1), key.stride(2), count, heads, kv_heads, dim,
         rows.prefix.data_ptr(), rows.offsets.data_ptr(), rows.extra.data_ptr(), float(scale), out.data_ptr(),
