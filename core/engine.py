@@ -29,7 +29,7 @@ from core.stats import Recorder, Snapshot
 from core.tree import make_tree
 from core.tree_check import rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeLogits, NodeSample, accept, base_forward, logits_of, next_logits, verify_tree
-from models import int8
+from models import int4, int8
 from models.base import LoadedModel
 from models.bundled import cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
@@ -115,6 +115,7 @@ class Engine:
         key = costs.cache_key(
             base.device, base.name, self.head_name, base.dtype, base.quantization,
             compiled=self.compiled is not None, row_kernel=self.exact and rowkernel.covers(base.dtype, base.device),
+            int4_kernel=int4.kernel_of(self.model),
         )  # fmt: skip
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)

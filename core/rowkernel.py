@@ -10,25 +10,20 @@ and a tree node gets bit for bit what a one-token step over the same keys
 gets. It replaces about a dozen small torch operations per row and layer
 with one call per layer.
 
-The source is compiled once with the system's C++ compiler (the same one
-torch.compile uses on CPUs) into Kestrel's cache and loaded with ctypes,
+The source is compiled once (core/native.py) and loaded with ctypes,
 which releases the GIL during the call. Where no compiler is found, or the
 build fails, the torch implementation in core/attention.py is used."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import threading
-from pathlib import Path
 
 import torch
 
-from models.bundled import cache_root
+from core import native
 
 log = logging.getLogger("kestrel")
 
@@ -105,17 +100,12 @@ void kestrel_rows_f64(const double* q, int64_t q_row, int64_t q_head, const doub
 }
 }
 """
-# -ffp-contract=off: no fused multiply-adds chosen by the compiler here and not there
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = [*native.FLAGS, "-std=c++17"]
 DTYPES = {torch.float32: "kestrel_rows_f32", torch.float64: "kestrel_rows_f64"}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
-
-
-def _compiler() -> str | None:
-    return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
 def library() -> ctypes.CDLL | None:
@@ -129,26 +119,10 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get("KESTREL_ROW_KERNEL", "1") == "0":
             return None
-        compiler = _compiler()
-        if compiler is None:
-            log.info("Row-invariant attention in torch: no C++ compiler found for its kernel")
+        path = native.build("rows", SOURCE, FLAGS, "Row-invariant attention in torch")
+        if path is None:
             return None
-        # -march=native: the binary is for this CPU only, so the CPU is part of its name
-        digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
-        folder = cache_root() / "kernels"
-        path = folder / f"rows-{digest}.so"
         try:
-            if not path.is_file():
-                folder.mkdir(parents=True, exist_ok=True)
-                source = folder / f"rows-{digest}.{os.getpid()}.cpp"  # per process: builds may race
-                source.write_text(SOURCE)
-                staging = source.with_suffix(".so")
-                try:
-                    subprocess.run([compiler, *FLAGS, str(source), "-o", str(staging)], check=True, capture_output=True, text=True, timeout=120)
-                    staging.replace(path)  # atomic: another process never loads a half-written file
-                finally:
-                    source.unlink(missing_ok=True)
-                    staging.unlink(missing_ok=True)
             loaded = ctypes.CDLL(str(path))
             for name in DTYPES.values():
                 function = getattr(loaded, name)
@@ -158,19 +132,9 @@ def library() -> ctypes.CDLL | None:
                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_double, ctypes.c_void_p]  # fmt: skip
             _library = loaded
-        except (OSError, subprocess.SubprocessError, AttributeError) as error:
-            detail = getattr(error, "stderr", None) or ""
-            log.warning(f"Row-invariant attention in torch: building its kernel failed ({type(error).__name__}: {error}) {detail[-500:]}")
+        except (OSError, AttributeError) as error:
+            log.warning(f"Row-invariant attention in torch: loading its kernel failed ({type(error).__name__}: {error})")
         return _library
-
-
-def _cpu_flags() -> str:
-    """The CPU's model and instruction-set flags (Linux), else torch's capability."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return " ".join(sorted({line for line in lines if line.startswith(("flags", "model name", "Features"))}))
-    except OSError:
-        return str(torch.backends.cpu.get_cpu_capability())
 
 
 def covers(dtype: torch.dtype, device: torch.device) -> bool:

@@ -59,13 +59,26 @@ def test_the_int8_kernel_is_row_invariant():
                 assert torch.equal(int8.matmul(x[start : start + rows], packed, scales), full[start : start + rows])
 
 
+needs_torch_int4 = pytest.mark.skipif(not int4.torch_kernel(torch.device("cpu")), reason="no torch int4 kernel")
+needs_own_int4 = pytest.mark.skipif(not int4.own_kernel(), reason="Kestrel's int4 kernel could not be built here")
 needs_int4 = pytest.mark.skipif(not int4.kernel_available(torch.device("cpu")), reason="no int4 kernel")
+SHAPES = ((1536, 576), (192, 576), (576, 1536), (40, 64))  # the last: a column count no thread split divides evenly
 
 
-@needs_int4
-def test_the_int4_kernel_is_row_invariant():
+def q4_1_blocks(rows: int, columns: int, seed: int) -> torch.Tensor:
+    """Weights made as Q4_1 blocks: d*q + m, codes 0 and 15 present in each block."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, columns // 32, 32), generator=generator)
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = 2.0 ** torch.randint(-8, -3, (rows, columns // 32, 1), generator=generator)
+    m = torch.randint(-64, 0, (rows, columns // 32, 1), generator=generator) * d
+    return (codes * d + m).reshape(rows, columns)
+
+
+@needs_torch_int4
+def test_the_torch_int4_kernel_is_row_invariant():
     generator = torch.Generator().manual_seed(3)
-    for shape in ((1536, 576), (192, 576), (576, 1536)):
+    for shape in SHAPES[:3]:
         packed, scale_and_zeros = int4.quantize_groups(torch.randn(shape, generator=generator))
         x = torch.randn(40, shape[1], generator=generator).bfloat16()
         full = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, int4.GROUP, scale_and_zeros)
@@ -74,17 +87,50 @@ def test_the_int4_kernel_is_row_invariant():
             assert torch.equal(part, full[5 : 5 + rows])
 
 
-@needs_int4
+@needs_own_int4
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kestrels_int4_kernel_is_row_invariant_and_exact_to_float32_rounding(threads):
+    """A row's result is the same bits in every block of rows, on 1 or 2
+    threads, and within float32 rounding of the weights times the input."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(3)
+        for shape in SHAPES:
+            codes, d, m = int4.quantize_blocks(torch.randn(shape, generator=generator))
+            x = torch.randn(40, shape[1], generator=generator)
+            full = torch.ops.kestrel_q4.linear(x, codes, d, m)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 16, 33):
+                part = torch.ops.kestrel_q4.linear(x[5 : 5 + rows].contiguous(), codes, d, m)
+                assert torch.equal(part, full[5 : 5 + rows]), (shape, rows)
+            expected = x.double() @ int4.dequantize_blocks(codes, d, m).double().T
+            assert (full.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_own_int4
+def test_kestrels_int4_layer_matches_its_linear_and_compiles():
+    generator = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(96, 48)
+    with torch.no_grad():
+        linear.weight.copy_(q4_1_blocks(48, 96, 4))
+    layer = int4.Q4Linear(linear)
+    assert torch.equal(int4.dequantize_blocks(layer.codes, layer.d, layer.m), linear.weight)  # Q4_1 blocks come back exactly
+    x = torch.randn(2, 3, 96, generator=generator)
+    out = layer(x)
+    assert out.shape == (2, 3, 48) and out.dtype == torch.float32
+    assert torch.allclose(out, linear(x), rtol=1e-5, atol=1e-5)
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    compiled = torch.compile(lambda x: layer(x) * 2, dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(x), out * 2)
+
+
+@needs_torch_int4
 def test_int4_groups_find_q4_1_blocks_again():
-    """Weights made as Q4_1 blocks (d*q + m, codes 0 and 15 present in each
-    block) come back exactly: the identity matrix through the kernel returns them."""
-    generator = torch.Generator().manual_seed(4)
+    """Q4_1 blocks come back exactly through torch's kernel: the identity matrix returns them."""
     rows, columns = 48, 96
-    codes = torch.randint(0, 16, (rows, columns // 32, 32), generator=generator)
-    codes[..., 0], codes[..., 1] = 0, 15
-    d = 2.0 ** torch.randint(-8, -3, (rows, columns // 32, 1), generator=generator)
-    m = torch.randint(-64, 0, (rows, columns // 32, 1), generator=generator) * d
-    weight = (codes * d + m).reshape(rows, columns)
+    weight = q4_1_blocks(rows, columns, 4)
     packed, scale_and_zeros = int4.quantize_groups(weight)
     identity = torch.eye(columns, dtype=torch.bfloat16)
     recovered = torch.ops.aten._weight_int4pack_mm_for_cpu(identity, packed, int4.GROUP, scale_and_zeros)
@@ -95,7 +141,8 @@ def test_int4_groups_find_q4_1_blocks_again():
 def test_int4_base_loads_and_odd_sizes_are_refused(tiny_dir, tmp_path):
     base = load_base(str(tiny_dir), quantization="int4", dtype="float32")
     assert base.quantization == "int4"
-    assert sum(isinstance(m, int4.Int4Linear) for m in base.model.get_decoder().layers.modules()) == 14  # 2 layers x 7
+    kind = int4.Q4Linear if int4.own_kernel() else int4.Int4Linear
+    assert sum(isinstance(m, kind) for m in base.model.get_decoder().layers.modules()) == 14  # 2 layers x 7
     odd = save_tiny_model(tmp_path / "odd", hidden_size=48, intermediate_size=80, num_attention_heads=4)
     with pytest.raises(QuantizationUnavailableError, match="multiples of 32"):
         load_base(str(odd), quantization="int4", dtype="float32")
@@ -198,3 +245,11 @@ def test_row_attention_refuses_what_it_does_not_model():
     mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)
     with pytest.raises(NotImplementedError, match="softcap"):
         attention.rows_attention(None, query, key, key, mask, softcap=30.0)
+
+
+@needs_torch_int4
+def test_int4_falls_back_to_torchs_kernel_where_kestrels_cannot_be_built(tiny_dir, monkeypatch):
+    monkeypatch.setattr(int4, "own_kernel", lambda: False)
+    base = load_base(str(tiny_dir), quantization="int4", dtype="float32")
+    layers = list(base.model.get_decoder().layers.modules())
+    assert sum(isinstance(m, int4.Int4Linear) for m in layers) == 14 and not any(isinstance(m, int4.Q4Linear) for m in layers)

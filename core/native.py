@@ -1,0 +1,78 @@
+"""Building Kestrel's small C++ kernels (core/rowkernel.py, models/int4.py).
+
+Each kernel is compiled once with the system's C++ compiler (the same one
+torch.compile uses on CPUs) into Kestrel's cache folder, under a name that
+hashes its source, flags, compiler and CPU (the binaries use -march=native,
+so they are for this CPU only). A build writes a per-process file and renames
+it, so concurrent processes never load a half-written library."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from models.bundled import cache_root
+
+log = logging.getLogger("kestrel")
+
+# -ffp-contract=off: no fused multiply-adds chosen by the compiler here and not there
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+
+
+def compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def cpu_flags() -> str:
+    """The CPU's model and instruction-set flags (Linux), else torch's capability."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return " ".join(sorted({line for line in lines if line.startswith(("flags", "model name", "Features"))}))
+    except OSError:
+        return str(torch.backends.cpu.get_cpu_capability())
+
+
+def torch_flags() -> list[str]:
+    """Flags to build against the installed torch (its headers, libraries and
+    OpenMP runtime, so at::parallel_for shares torch's threads)."""
+    root = Path(torch.__file__).parent
+    include, lib = root / "include", root / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [f"-I{include}", f"-I{include / 'torch/csrc/api/include'}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-fopenmp", "-w",
+            f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]  # fmt: skip
+
+
+def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
+    """The shared library built from `source` (building it if not cached), or
+    None where no compiler is found or the build fails (logged, naming `what`)."""
+    tool = compiler()
+    if tool is None:
+        log.info(f"{what}: no C++ compiler found for its kernel")
+        return None
+    digest = hashlib.sha256((source + " ".join(flags) + tool + torch.__version__ + cpu_flags()).encode()).hexdigest()[:16]
+    folder = cache_root() / "kernels"
+    path = folder / f"{stem}-{digest}.so"
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    code = folder / f"{stem}-{digest}.{os.getpid()}.cpp"  # per process: builds may race
+    staging = code.with_suffix(".so")
+    try:
+        code.write_text(source)
+        # the source comes first: with GNU ld, libraries must follow the objects that use them
+        subprocess.run([tool, str(code), "-o", str(staging), *flags], check=True, capture_output=True, text=True, timeout=300)
+        staging.replace(path)  # atomic: another process never loads a half-written file
+        return path
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", None) or ""
+        log.warning(f"{what}: building its kernel failed ({type(error).__name__}: {error}) {detail[-500:]}")
+        return None
+    finally:
+        code.unlink(missing_ok=True)
+        staging.unlink(missing_ok=True)
