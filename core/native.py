@@ -60,6 +60,7 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
     path = folder / f"{stem}-{digest}.so"
     if path.is_file():
         return path
+    log.info(f"Building the {stem} kernel (once; cached afterwards)...")
     folder.mkdir(parents=True, exist_ok=True)
     code = folder / f"{stem}-{digest}.{os.getpid()}.cpp"  # per process: builds may race
     staging = code.with_suffix(".so")
