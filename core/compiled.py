@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from core import attention
+from core import attention, native
 from core.kv_cache import new_cache
 from models.bundled import cache_root
 
@@ -150,7 +149,7 @@ def eager(model) -> Iterator[None]:
 
 def compiler_available() -> bool:
     """Inductor on CPUs generates C++ and needs a compiler."""
-    return shutil.which("g++") is not None or shutil.which("c++") is not None or shutil.which("clang++") is not None
+    return native.compiler() is not None
 
 
 def worth_trying(device: torch.device, dtype: torch.dtype) -> bool:

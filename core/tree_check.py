@@ -20,9 +20,10 @@ from models import int8
 # per compute dtype. A tree pass and path-by-path decoding differ only by
 # rounding; measured on the bundled SmolLM2-135M: 8e-6 in float32 and 0.46 in
 # bfloat16 (its features move by up to 0.5 over 30 layers), against 7.1 for
-# the same model with an attention that drops the tree mask. Int4/int8
-# linears compute with bf16 activations, so such a model is held to bf16's
-# tolerance (measured with int8: 0.025).
+# the same model with an attention that drops the tree mask. Linears run
+# through torch's int8 or int4 kernels compute with bf16 activations, so such
+# a model is held to bf16's tolerance (measured with int8: 0.025); Kestrel's
+# int4 kernel computes in float32.
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-3, torch.bfloat16: 2.0, torch.float16: 2.0}
 PROMPT = (11, 12, 13, 14, 15)
 # root, then drafted tokens with their parents (-1 = the root): a chain of

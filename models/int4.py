@@ -149,13 +149,14 @@ def _load() -> bool:
     if os.environ.get("KESTREL_INT4_KERNEL", "1") == "0":
         return False
     if not hasattr(torch.ops.kestrel_q4, "linear"):
-        path = native.build("int4", SOURCE, [*native.FLAGS, "-std=c++17", *native.torch_flags()], "Int4 weights through torch's kernel")
+        fallback = "Int4 weights through torch's kernel"
+        path = native.build("int4", SOURCE, [*native.FLAGS, "-std=c++17", *native.torch_flags()], fallback)
         if path is None:
             return False
         try:
             torch.ops.load_library(str(path))
         except (OSError, RuntimeError) as error:
-            log.warning(f"Int4 weights through torch's kernel: loading Kestrel's failed ({type(error).__name__}: {error})")
+            log.warning(f"{fallback}: loading Kestrel's failed ({type(error).__name__}: {error})")
             return False
 
         @torch.library.register_fake("kestrel_q4::linear")
