@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from app import render
 from app.api import Api, ApiError
+from app.decoding import MAIN_THREAD
 from app.runtime import Runtime
 
 LOCALHOST = "127.0.0.1"
@@ -210,9 +211,9 @@ class Server:
         return self.url
 
     def wait(self) -> None:
-        """Block until the server stops (Ctrl+C arrives here as KeyboardInterrupt)."""
-        while self._thread is not None and self._thread.is_alive():
-            self._thread.join(0.5)
+        """Block until the server stops, decoding its requests on this thread
+        meanwhile (app/decoding.py); Ctrl+C arrives here as KeyboardInterrupt."""
+        MAIN_THREAD.serve(lambda: self._thread is not None and self._thread.is_alive())
 
     def close(self) -> None:
         self._server.should_exit = True

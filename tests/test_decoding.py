@@ -1,0 +1,79 @@
+"""Decodings run on the thread that serves them (the main thread under
+`launch.py ui`), in their turn, and nothing queued there is lost."""
+
+import threading
+import time
+
+import pytest
+
+from app.decoding import Decoding, MainThread, ServerStopping
+from app.runtime import ModelQueue
+
+
+def serving(runner: MainThread) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    thread = threading.Thread(target=runner.serve, args=(lambda: not stop.is_set(),), name="serving")
+    thread.start()
+    while not runner._serving:
+        time.sleep(0.001)
+    return thread, stop
+
+
+def test_jobs_run_inline_when_nothing_serves():
+    ran_on = []
+    MainThread().run(lambda: ran_on.append(threading.current_thread().name))
+    assert ran_on == [threading.current_thread().name]
+
+
+def test_jobs_run_on_the_serving_thread_and_their_errors_come_back():
+    runner = MainThread()
+    thread, stop = serving(runner)
+    try:
+        ran_on = []
+        runner.run(lambda: ran_on.append(threading.current_thread().name))
+        assert ran_on == ["serving"]
+        with pytest.raises(ValueError, match="bad step"):
+            runner.run(lambda: (_ for _ in ()).throw(ValueError("bad step")))
+        runner.run(lambda: ran_on.append("after"))  # an error does not stop serving
+        assert ran_on == ["serving", "after"]
+    finally:
+        stop.set()
+        thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_job_still_queued_when_serving_stops_fails_instead_of_waiting_forever():
+    runner = MainThread()
+    thread, stop = serving(runner)
+    release, outcome = threading.Event(), []
+    first = threading.Thread(target=runner.run, args=(release.wait,))
+    first.start()
+
+    def second():
+        try:
+            runner.run(lambda: outcome.append("ran"))
+        except ServerStopping as error:
+            outcome.append(str(error))
+
+    waiting = threading.Thread(target=second)
+    waiting.start()
+    while runner._jobs.qsize() < 1:  # the second job waits behind the first
+        time.sleep(0.001)
+    stop.set()
+    release.set()
+    for worker in (first, waiting, thread):
+        worker.join(5)
+    assert outcome == ["the server is stopping"]
+
+
+def test_a_decoding_streams_its_steps_from_the_serving_thread(monkeypatch):
+    runner = MainThread()
+    monkeypatch.setattr("app.decoding.MAIN_THREAD", runner)
+    thread, stop = serving(runner)
+    try:
+        decoding = Decoding(ModelQueue(), lambda cancel: iter([threading.current_thread().name] * 3))
+        decoding.join(5)
+        assert decoding.read(0) == ["serving"] * 3 and decoding.finished
+    finally:
+        stop.set()
+        thread.join(5)
