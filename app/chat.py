@@ -23,7 +23,8 @@ from models.errors import KestrelError
 # The settings controls, in the order their values reach the handlers.
 SETTINGS = ("mode", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k", "colour")
 MODE_LABELS = {"vanilla": "vanilla", "eagle": "EAGLE", "eagle2": "EAGLE-2"}
-TEXT_INTERVAL = 0.25  # seconds between chat text updates (the decoding never waits for them)
+TEXT_INTERVAL = 0.5  # seconds between chat text updates: each one costs the browser a re-render
+# of the reply and of Gradio's component state, taken from the decoding on small machines
 PANEL_INTERVAL = 0.5  # seconds between updates of the statistics
 PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost the browser most to redraw)
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are

@@ -18,7 +18,7 @@ from models import int8
 from models.errors import KestrelError
 
 QUICK_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "quick.jsonl"
-PANE_INTERVAL = 0.25  # seconds between pane updates (the decoding never waits for them)
+PANE_INTERVAL = 0.5  # seconds between pane updates (the decoding never waits for them; see chat.TEXT_INTERVAL)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
