@@ -238,3 +238,28 @@ def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
         assert visible not in coloured["text"]
     assert "<script>alert(1)</script>" in coloured["text"] and "<div>" in coloured["text"]
     assert page.evaluate("typeof window.alert") == "function"
+
+
+def test_bench_app_waits_in_the_page_for_the_count_or_for_quiet(browser):
+    from app.appbench import settled
+
+    page = browser.new_page()
+    try:
+        # the count reaches the expected one after a while: settled waits for it
+        page.set_content('<span id="stat-tokens">0</span>')
+        page.evaluate("setTimeout(() => { document.querySelector('#stat-tokens').innerText = '7'; }, 600)")
+        start = time.monotonic()
+        settled(page, 7, quiet=30, timeout=20)
+        assert 0.5 < time.monotonic() - start < 10
+        # a reply that stops short: the count stops changing, settled returns after `quiet`
+        page.set_content('<span id="stat-tokens">3</span>')
+        page.evaluate("() => { delete window.__kestrelSettled; }")
+        start = time.monotonic()
+        settled(page, 9, quiet=1.0, timeout=20)
+        assert 1.0 < time.monotonic() - start < 10
+        # no count at all: a timeout names what did not happen
+        page.set_content("<p>no reply</p>")
+        with pytest.raises(RuntimeError, match="did not finish"):
+            settled(page, 9, quiet=1.0, timeout=2)
+    finally:
+        page.close()
