@@ -10,13 +10,14 @@ and a tree node gets bit for bit what a one-token step over the same keys
 gets. It replaces about a dozen small torch operations per row and layer
 with one call per layer.
 
-The source is compiled once (core/native.py) and loaded with ctypes,
-which releases the GIL during the call. Where no compiler is found, or the
-build fails, the torch implementation in core/attention.py is used."""
+The source is compiled once against the installed torch (core/native.py)
+and registered as a torch operator; its (row, head) pairs are shared out
+among torch's threads, each pair computed whole by one thread. Where no
+compiler is found, or the build fails, the torch implementation in
+core/attention.py is used."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -28,8 +29,12 @@ from core import native
 log = logging.getLogger("kestrel")
 
 SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 template <typename T>
@@ -44,97 +49,176 @@ static inline T dot(const T* a, const T* b, int64_t n) {
     return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
 }
 
+// Four keys' dot() at once, each with exactly dot()'s operations in dot()'s
+// order (the same bits: the eight lanes are its eight partial sums);
+// interleaving four independent chains of additions hides their latency,
+// which bounds a lone dot product.
 template <typename T>
-static void rows(const T* q, int64_t q_row, int64_t q_head,
-                 const T* k, const T* v, int64_t kv_head, int64_t kv_pos,
-                 int64_t n_rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                 const int64_t* prefix, const int64_t* offsets, const int64_t* extra,
-                 double scale, T* out) {
-    const int64_t group = heads / kv_heads;
-    std::vector<T> scores;
-    std::vector<T> acc(dim);
-    for (int64_t r = 0; r < n_rows; ++r) {
-        const int64_t lead = prefix[r], first = offsets[r], count = lead + offsets[r + 1] - first;
-        scores.resize(count);
-        for (int64_t h = 0; h < heads; ++h) {
-            const T* qv = q + r * q_row + h * q_head;
-            const T* kb = k + (h / group) * kv_head;
-            const T* vb = v + (h / group) * kv_head;
-            T best = -INFINITY;
-            for (int64_t j = 0; j < count; ++j) {
-                const int64_t pos = j < lead ? j : extra[first + j - lead];
-                const T s = dot(qv, kb + pos * kv_pos, dim) * (T)scale;
-                scores[j] = s;
-                if (s > best) best = s;
-            }
-            T total = 0;
-            for (int64_t j = 0; j < count; ++j) {
-                scores[j] = std::exp(scores[j] - best);
-                total += scores[j];
-            }
-            for (int64_t d = 0; d < dim; ++d) acc[d] = 0;
-            for (int64_t j = 0; j < count; ++j) {
-                const int64_t pos = j < lead ? j : extra[first + j - lead];
-                const T* vv = vb + pos * kv_pos;
-                const T w = scores[j];
-                for (int64_t d = 0; d < dim; ++d) acc[d] += w * vv[d];
-            }
-            T* o = out + (r * heads + h) * dim;
-            for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] / total;
+struct Vector {
+    typedef T lanes __attribute__((vector_size(8 * sizeof(T))));
+};
+template <typename T>
+using Lanes = typename Vector<T>::lanes;
+
+template <typename T>
+static inline Lanes<T> load8(const T* p) {
+    Lanes<T> v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+template <typename T>
+static inline T combine(const Lanes<T>& p) {
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+template <typename T>
+static inline void dot4(const T* a, const T* b0, const T* b1, const T* b2, const T* b3, int64_t n, T* out) {
+    Lanes<T> p0 = {};
+    Lanes<T> p1 = {};
+    Lanes<T> p2 = {};
+    Lanes<T> p3 = {};
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) {
+        const Lanes<T> x = load8<T>(a + d);
+        p0 += x * load8<T>(b0 + d);
+        p1 += x * load8<T>(b1 + d);
+        p2 += x * load8<T>(b2 + d);
+        p3 += x * load8<T>(b3 + d);
+    }
+    for (; d < n; ++d) {
+        p0[0] += a[d] * b0[d];
+        p1[0] += a[d] * b1[d];
+        p2[0] += a[d] * b2[d];
+        p3[0] += a[d] * b3[d];
+    }
+    out[0] = combine<T>(p0), out[1] = combine<T>(p1), out[2] = combine<T>(p2), out[3] = combine<T>(p3);
+}
+
+// One (row, head): softmax(q k^T * scale) v over the row's keys, in key order.
+template <typename T>
+static void head(const T* qv, const T* kb, const T* vb, int64_t kv_pos, int64_t dim, int64_t lead,
+                 const int64_t* extra, int64_t count, T scale, T* scores, T* acc, T* o) {
+    T best = -INFINITY;
+    int64_t j = 0;
+    for (; j + 4 <= count; j += 4) {
+        const T* b[4];
+        for (int i = 0; i < 4; ++i) b[i] = kb + (j + i < lead ? j + i : extra[j + i - lead]) * kv_pos;
+        T s[4];
+        dot4(qv, b[0], b[1], b[2], b[3], dim, s);
+        for (int i = 0; i < 4; ++i) {
+            scores[j + i] = s[i] * scale;
+            if (scores[j + i] > best) best = scores[j + i];
         }
     }
+    for (; j < count; ++j) {
+        const int64_t pos = j < lead ? j : extra[j - lead];
+        const T s = dot(qv, kb + pos * kv_pos, dim) * scale;
+        scores[j] = s;
+        if (s > best) best = s;
+    }
+    T total = 0;
+    for (int64_t j = 0; j < count; ++j) {
+        scores[j] = std::exp(scores[j] - best);
+        total += scores[j];
+    }
+    for (int64_t d = 0; d < dim; ++d) acc[d] = 0;
+    for (int64_t j = 0; j < count; ++j) {
+        const int64_t pos = j < lead ? j : extra[j - lead];
+        const T* vv = vb + pos * kv_pos;
+        const T w = scores[j];
+        for (int64_t d = 0; d < dim; ++d) acc[d] += w * vv[d];
+    }
+    for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] / total;
 }
 
-extern "C" {
-void kestrel_rows_f32(const float* q, int64_t q_row, int64_t q_head, const float* k, const float* v,
-                      int64_t kv_head, int64_t kv_pos, int64_t n_rows, int64_t heads, int64_t kv_heads,
-                      int64_t dim, const int64_t* prefix, const int64_t* offsets, const int64_t* extra,
-                      double scale, float* out) {
-    rows<float>(q, q_row, q_head, k, v, kv_head, kv_pos, n_rows, heads, kv_heads, dim, prefix, offsets, extra, scale, out);
+// Every (row, head) is computed whole by one thread with the same loops, so
+// the result depends neither on the other rows nor on the thread count.
+template <typename T>
+static void rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* prefix,
+                 const int64_t* offsets, const int64_t* extra, double scale, at::Tensor& out) {
+    const int64_t n_rows = q.size(2), heads = q.size(1), kv_heads = k.size(1), dim = q.size(3);
+    const int64_t q_row = q.stride(2), q_head = q.stride(1), kv_head = k.stride(1), kv_pos = k.stride(2);
+    const int64_t group = heads / kv_heads;
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k.data_ptr<T>();
+    const T* vp = v.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    int64_t longest = 1;
+    for (int64_t r = 0; r < n_rows; ++r)
+        longest = std::max(longest, prefix[r] + offsets[r + 1] - offsets[r]);
+    at::parallel_for(0, n_rows * heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> scores(longest), acc(dim);
+        for (int64_t item = begin; item < end; ++item) {
+            const int64_t r = item / heads, h = item % heads;
+            const int64_t lead = prefix[r], first = offsets[r], count = lead + offsets[r + 1] - first;
+            head<T>(qp + r * q_row + h * q_head, kp + (h / group) * kv_head, vp + (h / group) * kv_head, kv_pos, dim,
+                    lead, extra + first, count, (T)scale, scores.data(), acc.data(), op + (r * heads + h) * dim);
+        }
+    });
 }
-void kestrel_rows_f64(const double* q, int64_t q_row, int64_t q_head, const double* k, const double* v,
-                      int64_t kv_head, int64_t kv_pos, int64_t n_rows, int64_t heads, int64_t kv_heads,
-                      int64_t dim, const int64_t* prefix, const int64_t* offsets, const int64_t* extra,
-                      double scale, double* out) {
-    rows<double>(q, q_row, q_head, k, v, kv_head, kv_pos, n_rows, heads, kv_heads, dim, prefix, offsets, extra, scale, out);
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& prefix,
+                  const at::Tensor& offsets, const at::Tensor& extra, double scale) {
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1, "rows attention: q, k, v are (1, H, T, D)");
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "rows attention: one dtype");
+    TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && k.strides() == v.strides(), "rows attention: layouts");
+    TORCH_CHECK(prefix.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && extra.scalar_type() == at::kLong,
+                "rows attention: int64 row lists");
+    TORCH_CHECK(prefix.is_contiguous() && offsets.is_contiguous() && extra.is_contiguous(), "rows attention: contiguous row lists");
+    TORCH_CHECK(prefix.numel() == q.size(2) && offsets.numel() == q.size(2) + 1, "rows attention: one list per row");
+    auto out = at::empty({1, q.size(2), q.size(1), q.size(3)}, q.options());
+    const int64_t* p = prefix.data_ptr<int64_t>();
+    const int64_t* o = offsets.data_ptr<int64_t>();
+    const int64_t* e = extra.data_ptr<int64_t>();
+    if (q.scalar_type() == at::kFloat)
+        rows<float>(q, k, v, p, o, e, scale, out);
+    else if (q.scalar_type() == at::kDouble)
+        rows<double>(q, k, v, p, o, e, scale, out);
+    else
+        TORCH_CHECK(false, "rows attention: float32 or float64 only");
+    return out;
 }
+
+TORCH_LIBRARY_FRAGMENT(kestrel_rows, lib) {
+    lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor prefix, Tensor offsets, Tensor extra, float scale) -> Tensor");
 }
+TORCH_LIBRARY_IMPL(kestrel_rows, CPU, lib) { lib.impl("attend", &attend); }
 """
-FLAGS = [*native.FLAGS, "-std=c++17"]
-DTYPES = {torch.float32: "kestrel_rows_f32", torch.float64: "kestrel_rows_f64"}
+DTYPES = (torch.float32, torch.float64)
 
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
+_operator = None
 _tried = False
 
 
-def library() -> ctypes.CDLL | None:
-    """The built kernel, building it on first use (about a second); None where it cannot be built."""
-    global _library, _tried
+def library():
+    """The built kernel (a torch operator), building it on first use (about
+    10 s, then cached); None where it cannot be built."""
+    global _operator, _tried
     if _tried:  # the common case, without the lock
-        return _library
+        return _operator
     with _lock:
-        if _tried:
-            return _library
-        _tried = True
-        if os.environ.get("KESTREL_ROW_KERNEL", "1") == "0":
-            return None
-        path = native.build("rows", SOURCE, FLAGS, "Row-invariant attention in torch")
+        if not _tried:
+            _operator = _load()
+            _tried = True
+    return _operator
+
+
+def _load():
+    if os.environ.get("KESTREL_ROW_KERNEL", "1") == "0":
+        return None
+    if not hasattr(torch.ops.kestrel_rows, "attend"):  # not registered by an earlier load in this process
+        fallback = "Row-invariant attention in torch"
+        path = native.build("rows", SOURCE, [*native.FLAGS, "-std=c++17", *native.torch_flags()], fallback)
         if path is None:
             return None
         try:
-            loaded = ctypes.CDLL(str(path))
-            for name in DTYPES.values():
-                function = getattr(loaded, name)
-                function.restype = None
-                function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_double, ctypes.c_void_p]  # fmt: skip
-            _library = loaded
-        except (OSError, AttributeError) as error:
-            log.warning(f"Row-invariant attention in torch: loading its kernel failed ({type(error).__name__}: {error})")
-        return _library
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as error:
+            log.warning(f"{fallback}: loading its kernel failed ({type(error).__name__}: {error})")
+            return None
+    return torch.ops.kestrel_rows.attend
 
 
 def covers(dtype: torch.dtype, device: torch.device) -> bool:
@@ -176,12 +260,4 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Ro
         return None
     if value.stride() != key.stride():
         return None
-    _, heads, count, dim = query.shape
-    kv_heads = key.shape[1]
-    out = query.new_empty(1, count, heads, dim)
-    getattr(library(), DTYPES[query.dtype])(
-        query.data_ptr(), query.stride(2), query.stride(1), key.data_ptr(), value.data_ptr(),
-        key.stride(1), key.stride(2), count, heads, kv_heads, dim,
-        rows.prefix.data_ptr(), rows.offsets.data_ptr(), rows.extra.data_ptr(), float(scale), out.data_ptr(),
-    )  # fmt: skip
-    return out
+    return library()(query, key, value, rows.prefix, rows.offsets, rows.extra, float(scale))

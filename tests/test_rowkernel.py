@@ -74,3 +74,18 @@ def test_the_kernel_leaves_dtypes_it_does_not_cover_to_torch():
     rows = rowkernel.Rows.of(mask, len(PARENTS), mask.shape[1])
     assert rowkernel.attend(query.bfloat16(), keys.bfloat16(), values.bfloat16(), rows, 0.3) is None
     assert rowkernel.attend(query, keys, values, rows, 0.3) is not None
+
+
+@needs_kernel
+def test_the_result_does_not_depend_on_the_thread_count():
+    query, keys, values, mask = tree_case(torch.float32, prefix=300, heads=9, kv_heads=3, dim=64, seed=7)
+    rows = rowkernel.Rows.of(mask, len(PARENTS), mask.shape[1])
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(rowkernel.attend(query, keys, values, rows, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
