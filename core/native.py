@@ -77,3 +77,18 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
     finally:
         code.unlink(missing_ok=True)
         staging.unlink(missing_ok=True)
+
+
+def load_operator(stem: str, source: str, what: str) -> bool:
+    """Build `source` against the installed torch (once, cached) and load it,
+    registering the torch operators it defines; False (logged, naming `what`)
+    where it cannot be built or loaded."""
+    path = build(stem, source, [*FLAGS, "-std=c++17", *torch_flags()], what)
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as error:
+        log.warning(f"{what}: loading its kernel failed ({type(error).__name__}: {error})")
+        return False
+    return True

@@ -18,15 +18,12 @@ core/attention.py is used."""
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 
 import torch
 
 from core import native
-
-log = logging.getLogger("kestrel")
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -208,16 +205,9 @@ def library():
 def _load():
     if os.environ.get("KESTREL_ROW_KERNEL", "1") == "0":
         return None
-    if not hasattr(torch.ops.kestrel_rows, "attend"):  # not registered by an earlier load in this process
-        fallback = "Row-invariant attention in torch"
-        path = native.build("rows", SOURCE, [*native.FLAGS, "-std=c++17", *native.torch_flags()], fallback)
-        if path is None:
-            return None
-        try:
-            torch.ops.load_library(str(path))
-        except (OSError, RuntimeError) as error:
-            log.warning(f"{fallback}: loading its kernel failed ({type(error).__name__}: {error})")
-            return None
+    registered = hasattr(torch.ops.kestrel_rows, "attend")  # by an earlier load in this process
+    if not registered and not native.load_operator("rows", SOURCE, "Row-invariant attention in torch"):
+        return None
     return torch.ops.kestrel_rows.attend
 
 

@@ -25,7 +25,6 @@ Two kernels read them, chosen once per process:
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 
@@ -34,8 +33,6 @@ from torch import nn
 
 from core import native
 from models import int8
-
-log = logging.getLogger("kestrel")
 
 GROUP = 32  # weights per scale and zero, along the input dimension (Q4_0/Q4_1's block)
 GGUF_4BIT_TYPES = {2, 3, 14, 15}  # general.file_type: MOSTLY_Q4_0, MOSTLY_Q4_1, MOSTLY_Q4_K_S, MOSTLY_Q4_K_M
@@ -149,14 +146,7 @@ def _load() -> bool:
     if os.environ.get("KESTREL_INT4_KERNEL", "1") == "0":
         return False
     if not hasattr(torch.ops.kestrel_q4, "linear"):
-        fallback = "Int4 weights through torch's kernel"
-        path = native.build("int4", SOURCE, [*native.FLAGS, "-std=c++17", *native.torch_flags()], fallback)
-        if path is None:
-            return False
-        try:
-            torch.ops.load_library(str(path))
-        except (OSError, RuntimeError) as error:
-            log.warning(f"{fallback}: loading Kestrel's failed ({type(error).__name__}: {error})")
+        if not native.load_operator("int4", SOURCE, "Int4 weights through torch's kernel"):
             return False
 
         @torch.library.register_fake("kestrel_q4::linear")
