@@ -1,16 +1,27 @@
-"""Compiled decoder layers: the base model's forward with torch.compile.
+"""Compiled decoding: the base model's decoder layers run under torch.compile.
 
 A decoding step of a small model is mostly framework overhead: about a dozen
 small ops per layer, each dispatched from Python. torch.compile (Inductor,
-which needs a C++ compiler on CPUs) fuses a layer's norms, rotary embedding
+which needs a C++ compiler on CPUs) fuses the layers' norms, rotary embedding
 and elementwise MLP work into a few generated kernels around the same linear
-kernels. The transformers model itself is unchanged: each decoder layer's
-forward is wrapped by torch.compile, and everything that has state or
-depends on a tree's shape stays outside the compiled code, in one opaque op
-per layer (`kestrel::attend`): appending the step's keys and values to the
-KV cache and the attention itself (core/attention.py's row-invariant one, or
-sdpa). Layers then compile once for one-token steps and once for any other
-row count (dynamic), whatever the cache length or tree shape.
+kernels. The transformers modules themselves are unchanged; the decoder's
+loop over them is Kestrel's (`Compiled.forward`: embedding, rotary
+embedding, the layers, the final norm, as the transformers decoders of the
+supported architectures run them), so that one compiled call runs a run of
+SEGMENT layers: every compiled call costs its guards and wrappers, and 30
+calls a step cost more than the layers' own elementwise work. Everything
+that has state or depends on a tree's shape stays outside the compiled code,
+in one opaque op per layer (`kestrel::attend`): appending the step's keys and
+values to the KV cache and the attention itself (core/attention.py's
+row-invariant one, or sdpa). A segment then compiles once for one-token
+steps and once for any other row count (dynamic), whatever the cache length
+or tree shape, and every segment of the same length shares that code.
+
+Forward pre-hooks on a layer (core/capture.py's, for EAGLE-3 heads) start a
+segment of their own and run before it, with the layer's input. At compile
+time the loop is checked against the transformers decoder it stands in for
+(the same hidden states, up to the compiled kernels' rounding), so a model
+whose decoder does something else (a scaled embedding, say) stays eager.
 
 Vanilla steps, tree passes and prefill all run the compiled layers, so the
 comparison between them is of one model; whether its tree passes compute
@@ -24,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -90,6 +102,36 @@ AttentionInterface.register(NAME, compiled_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _no_mask)
 
 
+SEGMENT = 6  # layers per compiled call (at most): 30 one-layer calls cost ~4 ms a step more than 5 six-layer ones here
+RECOMPILE_LIMIT = 64  # compiled variants per model: two row counts for each segment length in use
+
+
+def _run_layers(layers: tuple, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """hidden (1, T, H) through `layers`, as the transformers decoder calls them
+    (masks and the cache reach the attention op through the pass state)."""
+    for layer in layers:
+        hidden = layer(hidden, attention_mask=None, position_embeddings=(cos, sin), position_ids=position_ids, past_key_values=None, use_cache=False)
+    return hidden
+
+
+def _compiled_runner() -> Callable:
+    """_run_layers compiled, with a code object of its own: Dynamo keeps its
+    compiled variants per code object, so each model's are its own, counted
+    against its own limit and dropped with it."""
+    code = _run_layers.__code__.replace()  # a copy: a distinct code object
+    return torch.compile(types.FunctionType(code, _run_layers.__globals__, "run_layers"), dynamic=True)
+
+
+def segments(layers: int, starts: set[int]) -> list[tuple[int, int]]:
+    """[start, end) runs of at most SEGMENT layers covering 0..layers-1,
+    where each layer in `starts` begins a run of its own."""
+    bounds, start = [], 0
+    for cut in sorted({*starts, layers} - {0}):
+        bounds += [(begin, min(begin + SEGMENT, cut)) for begin in range(start, cut, SEGMENT)]
+        start = cut
+    return bounds
+
+
 class Compiled:
     """A base model whose decoder layers run compiled; `forward` is what
     core/verify.base_forward runs for it."""
@@ -97,10 +139,13 @@ class Compiled:
     def __init__(self, model):
         self.model = model
         self.decoder = model.get_decoder()
-        self.modules = [layer.self_attn for layer in self.decoder.layers]
+        self.layers = tuple(self.decoder.layers)
+        self.modules = [layer.self_attn for layer in self.layers]
         self.exact = False  # row-invariant attention (core/attention.py) rather than sdpa
         self.previous = model.config._attn_implementation
-        self.suspended = False  # inside eager(): the layers are plain transformers code
+        self.suspended = False  # inside eager(): the model is plain transformers code
+        self.runner = _compiled_runner()
+        self._segments: dict[tuple[int, ...], list[tuple[int, int]]] = {}
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
         if self.suspended:
@@ -108,12 +153,53 @@ class Compiled:
         outer = getattr(_local, "state", None)
         state = _local.state = _Pass(cache, None if mask is None else mask[None, None], self.exact, self.modules)
         try:
-            out = self.decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False)
+            hidden = self.decoder_forward(tokens[None], positions[None])
         finally:
             _local.state = outer
         if state.layer != len(self.modules):  # every layer's attention must have run through the op, once
             raise RuntimeError(f"the attention op ran {state.layer} times for {len(self.modules)} layers")
-        return out.last_hidden_state[0]
+        return hidden[0]
+
+    def decoder_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """(1, T) ids and positions -> (1, T, H) after the final norm: the
+        transformers decoder's forward (embedding, rotary embedding, layers,
+        norm), its layers run in compiled segments."""
+        decoder = self.decoder
+        hidden = decoder.embed_tokens(input_ids)
+        cos, sin = decoder.rotary_emb(hidden, position_ids)
+        for start, end in self._segments_now():
+            _run_pre_hooks(self.layers[start], hidden)
+            hidden = self.runner(self.layers[start:end], hidden, cos, sin, position_ids)
+        return decoder.norm(hidden)
+
+    def _segments_now(self) -> list[tuple[int, int]]:
+        hooked = tuple(index for index, layer in enumerate(self.layers) if layer._forward_pre_hooks)
+        if hooked not in self._segments:
+            if any(layer._forward_hooks for layer in self.layers):
+                raise RuntimeError("compiled decoding runs forward pre-hooks on decoder layers, not forward hooks")
+            self._segments[hooked] = segments(len(self.layers), set(hooked))
+        return self._segments[hooked]
+
+    @torch.inference_mode()
+    def warm(self) -> None:
+        """Compile now what decoding will run: a multi-row pass and a one-token
+        step, with the layers' current hooks."""
+        device = self.model.get_input_embeddings().weight.device
+        cache = new_cache(self.model)
+        self.forward(torch.arange(3, device=device), torch.arange(3, device=device), None, cache)
+        self.forward(torch.tensor([5], device=device), torch.tensor([3], device=device), None, cache)
+
+
+def _run_pre_hooks(layer, hidden: torch.Tensor) -> None:
+    """What calling `layer` would run before its forward (core/capture.py's
+    hooks keep its input)."""
+    for key, hook in layer._forward_pre_hooks.items():
+        if key in layer._forward_pre_hooks_with_kwargs:
+            result = hook(layer, (hidden,), {})
+        else:
+            result = hook(layer, (hidden,))
+        if result is not None:
+            raise RuntimeError("compiled decoding runs forward pre-hooks that read a decoder layer's input, not ones that change it")
 
 
 ATTRIBUTE = "_kestrel_compiled"  # on the model: its compiled form (no registry that would keep unloaded models alive)
@@ -132,17 +218,11 @@ def eager(model) -> Iterator[None]:
     if found is None:
         yield
         return
-    saved = {}
     found.suspended = True
     try:
-        for index, layer in enumerate(found.decoder.layers):
-            if "forward" in layer.__dict__:
-                saved[index] = layer.__dict__.pop("forward")
         model.set_attn_implementation("sdpa")
         yield
     finally:
-        for index, forward in saved.items():
-            found.decoder.layers[index].forward = forward
         model.set_attn_implementation(NAME)
         found.suspended = False
 
@@ -160,45 +240,59 @@ def worth_trying(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def compile_model(model, progress: Callable[[str], None] | None = None) -> Compiled | None:
-    """Wrap the decoder layers' forward with torch.compile and compile them
-    now (a one-token step and a multi-row pass, each once for every layer).
-    -> the Compiled model, or None (model left eager) where that fails."""
+    """Compile the decoder layers now (a one-token step and a multi-row pass
+    for each segment length) and check the compiled loop against the
+    transformers decoder. -> the Compiled model, or None (model left eager)
+    where that fails."""
     if model.device.type == "cpu" and not compiler_available():
         log.info("Decoding eagerly: torch.compile needs a C++ compiler (g++ or clang++) on CPUs")
         return None
     # Inductor's cache beside Kestrel's other caches rather than in /tmp, which
-    # a reboot may clear: later starts then read the compiled code (2-3 s)
+    # a reboot may clear: later starts then read the compiled code
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     problem = _layout_problem(model)
     if problem is not None:
         log.info(f"Decoding eagerly: {problem}")
         return None
-    compiled = Compiled(model)
+    # each model's runner holds its own variants (_compiled_runner); the default limit of 8 would drop
+    # to eager once a few segment lengths (EAGLE-3's captured layers split segments) are compiled
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    compiled = None
     try:
+        compiled = Compiled(model)
         model.set_attn_implementation(NAME)
-        for layer in compiled.decoder.layers:
-            layer.forward = torch.compile(layer.forward, dynamic=True)
         setattr(model, ATTRIBUTE, compiled)
         start = time.perf_counter()
         if progress:
             progress("Compiling the model (once; cached afterwards)...")
-        _warm(compiled)
+        compiled.warm()
+        problem = _loop_problem(compiled)
         if progress:
             progress(f"Compiled in {time.perf_counter() - start:.0f} s")
     except Exception as error:  # no usable compiler or an unsupported operation: stay eager
-        uncompile(compiled)
+        if compiled is not None:
+            uncompile(compiled)
         log.warning(f"Decoding eagerly: compiling the model failed ({type(error).__name__}: {str(error)[:200]})")
+        return None
+    if problem is not None:
+        uncompile(compiled)
+        log.warning(f"Decoding eagerly: {problem}")
         return None
     return compiled
 
 
 def _layout_problem(model) -> str | None:
-    """Why this model's layers cannot run compiled here, or None: the op
-    stands in for attention modules that hold their layer's scaling and are
-    called through transformers' attention interface."""
-    layers = getattr(model.get_decoder(), "layers", None)
+    """Why this model's layers cannot run compiled here, or None: the loop
+    needs a decoder with an embedding, a rotary embedding, layers and a final
+    norm, and the op stands in for attention modules that hold their layer's
+    scaling and are called through transformers' attention interface."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
     if layers is None or len(layers) == 0:
         return f"{type(model).__name__} has no decoder layers in the expected place"
+    missing = [name for name in ("embed_tokens", "rotary_emb", "norm") if not hasattr(decoder, name)]
+    if missing:
+        return f"{type(decoder).__name__} has no {', '.join(missing)}"
     for layer in layers:
         attention_module = getattr(layer, "self_attn", None)
         if not isinstance(getattr(attention_module, "scaling", None), float):
@@ -206,16 +300,34 @@ def _layout_problem(model) -> str | None:
     return None
 
 
-def uncompile(compiled: Compiled) -> None:
-    compiled.model.__dict__.pop(ATTRIBUTE, None)
-    for layer in compiled.decoder.layers:
-        layer.__dict__.pop("forward", None)
-    compiled.model.set_attn_implementation(compiled.previous)
+# how far the compiled loop's hidden states may lie from the transformers decoder's, relative to
+# their largest magnitude: the compiled kernels' rounding, not a different computation (a float64
+# model's RMSNorms compute in float32, whose casts Inductor may fuse away: 1e-7 is seen there)
+LOOP_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 @torch.inference_mode()
-def _warm(compiled: Compiled) -> None:
-    device = compiled.model.get_input_embeddings().weight.device
-    cache = new_cache(compiled.model)
-    compiled.forward(torch.arange(3, device=device), torch.arange(3, device=device), None, cache)
-    compiled.forward(torch.tensor([5], device=device), torch.tensor([3], device=device), None, cache)
+def _loop_problem(compiled: Compiled) -> str | None:
+    """Whether the compiled loop computes what the transformers decoder does
+    (a decoder that, say, scales its embedding would differ): None, or why not."""
+    model = compiled.model
+    device = model.get_input_embeddings().weight.device
+    ids = torch.arange(1, 5, device=device)[None]
+    with eager(model):
+        reference = compiled.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+    exact = compiled.exact
+    compiled.exact = False  # sdpa, as the reference
+    try:
+        hidden = compiled.forward(ids[0], torch.arange(4, device=device), None, new_cache(model))
+    finally:
+        compiled.exact = exact
+    error = float((hidden.double() - reference.double()).abs().max() / reference.double().abs().max().clamp_min(1e-30))
+    tolerance = LOOP_TOLERANCE.get(reference.dtype, 5e-2)
+    if not error <= tolerance:
+        return f"the compiled decoder loop differs from {type(compiled.decoder).__name__}'s forward (relative error {error:.1e}, tolerance {tolerance:.0e})"
+    return None
+
+
+def uncompile(compiled: Compiled) -> None:
+    compiled.model.__dict__.pop(ATTRIBUTE, None)
+    compiled.model.set_attn_implementation(compiled.previous)

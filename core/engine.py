@@ -100,6 +100,9 @@ class Engine:
         )
         # EAGLE-3 heads read hidden states of chosen base layers, captured during each base forward
         self.capture = LayerCapture(self.model, head.layer_ids) if head is not None and head.layer_ids else None
+        if self.capture is not None and self.compiled is not None:
+            with self.capture.during():  # captured layers start compiled segments of their own: compile those now
+                self.compiled.warm()
         self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
         self.calibrations = Calibrations()  # acceptance by draft confidence, learned over every request
 

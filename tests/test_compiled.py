@@ -89,7 +89,7 @@ def test_the_bench_baselines_run_transformers_own_code_on_a_compiled_engine(tiny
     by_mode = {(row["id"], row["mode"]): row["output_ids"] for row in result["prompts"]}
     assert all(by_mode[(str(i), mode)] == by_mode[(str(i), "vanilla")] for i in range(2) for mode in ("eagle2", "generate", "prompt-lookup"))
     assert base.model.config._attn_implementation == compiled.NAME  # compiled again after the baselines
-    assert all("forward" in layer.__dict__ for layer in base.model.get_decoder().layers)
+    assert compiled.of(base.model) is engine.compiled
     with pytest.raises(RuntimeError, match="eager"):
         base.model(torch.tensor([[9, 10]]))  # outside the engine and outside compiled.eager
 
@@ -130,7 +130,6 @@ def test_compile_off_returns_a_compiled_model_to_eager(tiny_folder):
     assert Engine(base, compile="on").compiled is not None
     engine = Engine(base, compile="off")
     assert engine.compiled is None and compiled.of(base.model) is None
-    assert all("forward" not in layer.__dict__ for layer in base.model.get_decoder().layers)
     assert len(tokens_of(engine.stream([9, 10, 11], "vanilla", SamplingParams(max_new_tokens=6)))) == 6
 
 
@@ -148,7 +147,35 @@ def test_a_failed_compile_leaves_the_model_eager_and_decoding(tiny_folder, monke
     monkeypatch.setattr(torch, "compile", broken)
     engine = Engine(base, random_head(base.model), compile="on")
     assert engine.compiled is None and compiled.of(base.model) is None
-    assert all("forward" not in layer.__dict__ for layer in base.model.get_decoder().layers)
     assert base.model.config._attn_implementation != compiled.NAME
     prompt_steps = engine.stream([9, 10, 11], "eagle2", SamplingParams(max_new_tokens=12))
     assert tokens_of(prompt_steps) == reference
+
+
+def test_segments_cover_the_layers_in_runs_starting_at_hooked_layers():
+    size = compiled.SEGMENT
+    assert compiled.segments(30, set()) == [(start, min(start + size, 30)) for start in range(0, 30, size)]
+    runs = compiled.segments(30, {2, 15, 27})
+    assert [layer for start, end in runs for layer in range(start, end)] == list(range(30))
+    assert {2, 15, 27} <= {start for start, _ in runs}
+    assert all(0 < end - start <= size for start, end in runs)
+    assert compiled.segments(4, {0, 3}) == [(0, 3), (3, 4)]  # SEGMENT >= 3
+
+
+@needs_compiler
+def test_a_decoder_whose_forward_the_loop_does_not_match_stays_eager(tiny_folder, caplog):
+    """The loop is checked against the transformers decoder at compile time: one
+    that scales its embedding (as some architectures do) is left eager."""
+    base = load_base(str(tiny_folder), dtype="float32")
+    decoder = base.model.get_decoder()
+    plain = decoder.forward
+
+    def scaled(input_ids=None, **kwargs):
+        return plain(inputs_embeds=decoder.embed_tokens(input_ids) * 8.0, **kwargs)
+
+    decoder.forward = scaled
+    with caplog.at_level("WARNING", logger="kestrel"):
+        engine = Engine(base, compile="on")
+    assert engine.compiled is None and compiled.of(base.model) is None
+    assert "differs from LlamaModel's forward" in caplog.text
+    assert base.model.config._attn_implementation != compiled.NAME
