@@ -108,18 +108,32 @@ RECOMPILE_LIMIT = 64  # compiled variants per model: two row counts for each seg
 
 def _run_layers(layers: tuple, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """hidden (1, T, H) through `layers`, as the transformers decoder calls them
-    (masks and the cache reach the attention op through the pass state)."""
+    (masks and the cache reach the attention op through the pass state).
+    Their forward is called rather than the modules: hooks run outside (see
+    Compiled.decoder_forward), never traced into code shared by all segments."""
     for layer in layers:
-        hidden = layer(hidden, attention_mask=None, position_embeddings=(cos, sin), position_ids=position_ids, past_key_values=None, use_cache=False)
+        hidden = layer.forward(hidden, attention_mask=None, position_embeddings=(cos, sin), position_ids=position_ids, past_key_values=None, use_cache=False)
     return hidden
+
+
+def _guards_kept(entries) -> list[bool]:
+    """Dynamo's guards to keep: not those on the layers' insides (their types,
+    attribute dicts and some 130 tensors for six layers, 0.4 ms a call to
+    check). A runner serves one model, whose layers all have the same class,
+    shapes and dtypes (_layout_problem), so what tells variants apart is kept:
+    the number of layers and the activations' shapes."""
+    return [not entry.name.startswith(("layers[", "dict(type(layers[")) for entry in entries]
 
 
 def _compiled_runner() -> Callable:
     """_run_layers compiled, with a code object of its own: Dynamo keeps its
     compiled variants per code object, so each model's are its own, counted
-    against its own limit and dropped with it."""
+    against its own limit and dropped with it. Inductor writes the call
+    sequence of each variant in C++ (cpp_wrapper) rather than Python: about
+    fifty operator calls per segment then cost no Python each."""
     code = _run_layers.__code__.replace()  # a copy: a distinct code object
-    return torch.compile(types.FunctionType(code, _run_layers.__globals__, "run_layers"), dynamic=True)
+    runner = types.FunctionType(code, _run_layers.__globals__, "run_layers")
+    return torch.compile(runner, dynamic=True, options={"guard_filter_fn": _guards_kept, "cpp_wrapper": True})
 
 
 def segments(layers: int, starts: set[int]) -> list[tuple[int, int]]:
@@ -297,7 +311,16 @@ def _layout_problem(model) -> str | None:
         attention_module = getattr(layer, "self_attn", None)
         if not isinstance(getattr(attention_module, "scaling", None), float):
             return f"{type(layer).__name__} has no attention module with a scaling"
+    first = _layout(layers[0])
+    if any(_layout(layer) != first for layer in layers[1:]):  # segments share compiled code (_guards_kept)
+        return "its decoder layers differ in structure, shapes or dtypes"
     return None
+
+
+def _layout(layer) -> tuple:
+    """What compiled code shared between layers relies on: classes, tensor names, shapes, dtypes."""
+    tensors = tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in layer.state_dict().items())
+    return tuple(type(module) for module in layer.modules()), tensors
 
 
 # how far the compiled loop's hidden states may lie from the transformers decoder's, relative to
