@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from core import attention, native
+from core import attention, native, rowkernel
 from core.kv_cache import new_cache
 from models.bundled import cache_root
 
@@ -55,14 +55,14 @@ _local = threading.local()
 
 class _Pass:
     """What the opaque attention op of one forward needs: the cache, the tree
-    mask (None: causal) and whether attention is the row-invariant one."""
+    mask (None: causal), whether attention is the row-invariant one, and the
+    row kernel's key lists where that kernel computes this pass."""
 
-    def __init__(self, cache, mask: torch.Tensor | None, exact: bool, modules: list):
-        self.cache, self.mask, self.exact, self.modules = cache, mask, exact, modules
+    def __init__(self, cache, mask: torch.Tensor | None, exact: bool, modules: list, rows: rowkernel.Rows | None):
+        self.cache, self.mask, self.exact, self.modules, self.rows = cache, mask, exact, modules, rows
         self.layer = 0  # layers run in order; the op counts them
 
 
-@torch.library.custom_op("kestrel::attend", mutates_args=())
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """query (1, H, T, D), this step's key/value (1, H_kv, T, D) -> (1, T, H, D),
     after appending key/value to the current pass's cache."""
@@ -73,15 +73,24 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch
     state.layer += 1
     module = state.modules[index]
     keys, values = state.cache.update(key, value, index)
-    mask, scaling = state.mask, module.scaling
+    rows = state.rows
+    if rows is not None:  # the C++ kernel: every row in one call, nothing else in between
+        return rowkernel.library()(query, keys, values, rows.prefix, rows.offsets, rows.extra, module.scaling)
     if state.exact:
-        out, _ = attention.rows_attention(module, query, keys, values, mask, scaling=scaling)
+        out, _ = attention.rows_attention(module, query, keys, values, state.mask, scaling=module.scaling)
     else:
-        out, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)
+        out, _ = sdpa_attention_forward(module, query, keys, values, state.mask, scaling=module.scaling)
     return out.contiguous()
 
 
-@attend.register_fake
+# The op, defined directly on the dispatcher (torch.library.custom_op's wrapper costs ~30 us a call,
+# once per layer and step); registering it is like registering the attention interface below
+_operators = torch.library.Library("kestrel", "FRAGMENT")
+_operators.define("attend(Tensor query, Tensor key, Tensor value) -> Tensor")
+_operators.impl("attend", attend, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kestrel::attend")
 def _(query, key, value):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
@@ -91,7 +100,7 @@ def compiled_attention(module, query, key, value, attention_mask, dropout=0.0, s
     unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
     if unsupported:
         raise NotImplementedError(f"compiled decoding does not model {', '.join(unsupported)}")
-    return attend(query, key, value), None  # the op reads the module's scaling
+    return torch.ops.kestrel.attend(query, key, value), None  # the op reads the module's scaling
 
 
 def _no_mask(*args, **kwargs):
@@ -165,7 +174,7 @@ class Compiled:
         if self.suspended:
             raise RuntimeError("the model is running as plain transformers code (compiled.eager); decode after it ends")
         outer = getattr(_local, "state", None)
-        state = _local.state = _Pass(cache, None if mask is None else mask[None, None], self.exact, self.modules)
+        state = _local.state = _Pass(cache, None if mask is None else mask[None, None], self.exact, self.modules, self._rows(mask, len(tokens), cache))
         try:
             hidden = self.decoder_forward(tokens[None], positions[None])
         finally:
@@ -173,6 +182,18 @@ class Compiled:
         if state.layer != len(self.modules):  # every layer's attention must have run through the op, once
             raise RuntimeError(f"the attention op ran {state.layer} times for {len(self.modules)} layers")
         return hidden[0]
+
+    def _rows(self, mask: torch.Tensor | None, count: int, cache) -> rowkernel.Rows | None:
+        """The row kernel's key lists for this pass, where the row-invariant
+        attention runs it: tree passes and one-token steps (a prefill, causal
+        over several rows, goes to sdpa: core/attention.py)."""
+        dtype, device = self.decoder.embed_tokens.weight.dtype, self.decoder.embed_tokens.weight.device
+        if not self.exact or (mask is None and count > 1) or not rowkernel.covers(dtype, device):
+            return None
+        total = cache.get_seq_length() + count
+        if mask is not None and mask.shape != (count, total):
+            raise ValueError(f"the attention mask is {tuple(mask.shape)}; the pass has {count} rows over {total} positions")
+        return rowkernel.Rows.of(mask, count, total)
 
     def decoder_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """(1, T) ids and positions -> (1, T, H) after the final norm: the
