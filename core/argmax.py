@@ -9,9 +9,14 @@ result always equals argmax(lm_head(h)) in full precision.
 Bound, for token t with exact weights w_t, int8 weights w'_t = scale_t * q_t
 and quantization error e_t = w_t - w'_t (known, so its norm is stored):
   |w_t . h - w'_t . h| <= ||e_t|| ||h||                      (Cauchy-Schwarz)
-  the kernel rounds h to bf16 (relative error <= 2^-8 per element, so
-  |w'_t . (h - bf16(h))| <= 2^-8 ||w'_t|| ||h||), accumulates in float32
-  (<= K 2^-24 ||w'_t|| ||h||) and rounds the result to bf16 (<= 2^-7 |rough_t|).
+plus the product's own rounding, which depends on the kernel:
+- Kestrel's (float32 activations and accumulation): h rounded to float32
+  (exact for a float32 model), K products accumulated and one scaling, so
+  |rough_t - w'_t . h| <= (K + 2) 2^-24 ||w'_t|| ||h||;
+- torch's, where Kestrel's cannot be built: it rounds h to bf16 (relative
+  error <= 2^-8 per element, so |w'_t . (h - bf16(h))| <= 2^-8 ||w'_t|| ||h||),
+  accumulates in float32 (<= K 2^-24 ||w'_t|| ||h||) and rounds the result to
+  bf16 (<= 2^-7 |rough_t|).
 ERROR_SCALE doubles the sum for margin."""
 
 from __future__ import annotations
@@ -48,11 +53,16 @@ class ScreenedArgmax:
         )
         if self.enabled:
             self.packed, self.scales = int8.quantize_rows(weight)
+            self.own = int8.own_kernel() and weight.shape[1] % 16 == 0  # the kernel's K step
+            if self.own:
+                self.scales = self.scales.float()
             rounded = int8.dequantize(self.packed, self.scales).to(torch.float64)
             error_norms = (weight.to(torch.float64) - rounded).norm(dim=1)
-            relative = 2.0**-8 + weight.shape[1] * 2.0**-24
+            columns = weight.shape[1]
+            relative = (columns + 2) * 2.0**-24 if self.own else 2.0**-8 + columns * 2.0**-24
             # per token: the bound's factor of ||h|| (everything but the output rounding)
             self.row_bounds = (error_norms + relative * rounded.norm(dim=1)).float() * ERROR_SCALE
+            self.output_rounding = 0.0 if self.own else 2.0**-7 * ERROR_SCALE  # per |rough_t|
 
     def __call__(self, hidden: torch.Tensor) -> list[int]:
         """hidden (m, H) -> the exact argmax token of each row of lm_head(hidden)."""
@@ -60,7 +70,10 @@ class ScreenedArgmax:
             if self.row_by_row:  # a product's rows may depend on how many share it (float32 on CPUs)
                 return [int(exact_argmax(self.lm_head(hidden[row : row + 1]))[0]) for row in range(len(hidden))]
             return exact_argmax(self.lm_head(hidden)).tolist()
-        rough = int8.matmul(hidden, self.packed, self.scales).float()  # (m, V)
+        if self.own:
+            rough = int8.own_matmul(hidden.float(), self.packed, self.scales)  # (m, V)
+        else:
+            rough = int8.matmul(hidden, self.packed, self.scales).float()
         return [self._resolve(hidden[row], rough[row]) for row in range(len(hidden))]
 
     def _resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
@@ -68,7 +81,9 @@ class ScreenedArgmax:
         candidates = rough.topk(CANDIDATES).indices  # (k,)
         exact = self.weight[candidates] @ hidden  # (k,)
         best = exact.max()
-        ceiling = rough + self.row_bounds * float(hidden.norm()) + (2.0**-7 * ERROR_SCALE) * rough.abs()
+        ceiling = rough + self.row_bounds * float(hidden.norm())
+        if self.output_rounding:
+            ceiling += self.output_rounding * rough.abs()
         ceiling[candidates] = float("-inf")
         if float(ceiling.max()) < float(best):
             return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax

@@ -52,8 +52,12 @@ class DraftVocabulary:
         weight = weight.detach()
         self.norm = norm
         self.packed = self.scales = self.weight = None
+        self.own = False  # Kestrel's int8 kernel (float32 activations) rather than torch's
         if int8.available(weight.device):
             self.packed, self.scales = int8.quantize_rows(weight)  # half the bytes of bf16 to read per call
+            self.own = int8.own_kernel() and weight.shape[1] % 16 == 0  # the kernel's K step
+            if self.own:
+                self.scales = self.scales.float()
         else:
             if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64) and cpu_has_native_bf16():
                 weight = weight.to(torch.bfloat16)  # such CPUs run bf16 products several times faster
@@ -64,7 +68,9 @@ class DraftVocabulary:
         """hidden (m, H) -> (m, V') log-probabilities over the draft vocabulary, float32."""
         if self.norm is not None:
             hidden = self.norm(hidden)
-        if self.packed is not None:
+        if self.own:
+            logits = int8.own_matmul(hidden.float(), self.packed, self.scales)
+        elif self.packed is not None:
             logits = int8.matmul(hidden, self.packed, self.scales)
         else:
             logits = hidden.to(self.weight.dtype) @ self.weight.T

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import threading
 import time
 
 import torch
 from torch import nn
+
+from core import native
 
 PROBE_SHAPE = (1536, 576)  # a small model's MLP projection: the probe's stand-in for every layer
 PROBE_ROWS = (1, 8)  # a vanilla step and a typical tree pass
@@ -90,6 +94,112 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (m, K) -> (m, N) in bf16: x @ (packed * scales).T."""
     return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), packed, scales)
+
+
+# Kestrel's own int8 product, for the lm_head screen (core/argmax.py) and the draft vocabulary
+# (core/drafter.py): float32 activations, so its only rounding is float32 accumulation. Measured on
+# the 2-core AVX2 machine, a 49k x 576 lm_head: 2.4 ms for one row against torch's 3.6, 2.4 against
+# 5.2 for four rows, 9.0 against 20.8 for sixteen.
+SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#ifndef __AVX2__
+#error "the int8 kernel needs AVX2 and FMA"
+#endif
+#include <immintrin.h>
+
+static inline float sum8(__m256 v) {  // fixed order
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 widen(const int8_t* p) {  // 8 int8 -> 8 float32
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+// C output columns times RB rows; every output element gets the same
+// operations in the same order whatever C, RB and the other rows are (two
+// accumulators along K, then sum8 of their sum, times the row's scale), so a
+// row's result does not depend on how many rows share the call.
+template <int C, int RB>
+static inline void block(int64_t n0, int64_t r0, int64_t K, int64_t N, const int8_t* w, const float* s,
+                         const float* x, float* out) {
+    __m256 a[C][RB], b[C][RB];
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < RB; ++r) a[c][r] = b[c][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        for (int c = 0; c < C; ++c) {
+            const int8_t* wp = w + (n0 + c) * K + k;
+            const __m256 w0 = widen(wp), w1 = widen(wp + 8);
+            for (int r = 0; r < RB; ++r) {
+                const float* xr = x + (r0 + r) * K + k;
+                a[c][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[c][r]);
+                b[c][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), b[c][r]);
+            }
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < RB; ++r) out[(r0 + r) * N + n0 + c] = s[n0 + c] * sum8(_mm256_add_ps(a[c][r], b[c][r]));
+}
+
+at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales) {
+    TORCH_CHECK(input.dim() == 2 && weight.dim() == 2 && scales.dim() == 1, "int8_linear: x (R, K), weight (N, K), scales (N,)");
+    TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
+                "int8_linear: x float32, weight int8, scales float32");
+    TORCH_CHECK(weight.is_contiguous() && scales.is_contiguous(), "int8_linear: contiguous weights");
+    const at::Tensor x = input.contiguous();
+    const int64_t R = x.size(0), K = x.size(1), N = weight.size(0);
+    TORCH_CHECK(weight.size(1) == K && K % 16 == 0 && scales.size(0) == N, "int8_linear: shapes (K a multiple of 16)");
+    at::Tensor result = at::empty({R, N}, x.options());
+    const int8_t* w = weight.data_ptr<int8_t>();
+    const float *s = scales.data_ptr<float>(), *xp = x.data_ptr<float>();
+    float* out = result.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        int64_t r = 0, n;
+        for (; r + 4 <= R; r += 4)
+            for (n = begin; n < end; ++n) block<1, 4>(n, r, K, N, w, s, xp, out);
+        for (; r + 2 <= R; r += 2) {
+            for (n = begin; n + 2 <= end; n += 2) block<2, 2>(n, r, K, N, w, s, xp, out);
+            for (; n < end; ++n) block<1, 2>(n, r, K, N, w, s, xp, out);
+        }
+        for (; r < R; ++r) {
+            for (n = begin; n + 4 <= end; n += 4) block<4, 1>(n, r, K, N, w, s, xp, out);
+            for (; n < end; ++n) block<1, 1>(n, r, K, N, w, s, xp, out);
+        }
+    });
+    return result;
+}
+
+TORCH_LIBRARY_FRAGMENT(kestrel_int8, lib) { lib.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor"); }
+TORCH_LIBRARY_IMPL(kestrel_int8, CPU, lib) { lib.impl("linear", &int8_linear); }
+"""
+
+_lock = threading.Lock()
+_built: bool | None = None
+
+
+def own_kernel() -> bool:
+    """Whether Kestrel's int8 kernel is built and registered (building it on
+    first use: about 10 s, then cached); False where it cannot be (no
+    compiler, no AVX2)."""
+    global _built
+    if _built is None:
+        with _lock:
+            if _built is None:
+                _built = os.environ.get("KESTREL_INT8_KERNEL", "1") != "0" and (
+                    hasattr(torch.ops.kestrel_int8, "linear") or native.load_operator("int8", SOURCE, "The lm_head screen through torch's int8 kernel")
+                )
+    return _built
+
+
+def own_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (m, K) float32 -> (m, N) float32: x @ (packed * scales).T, with
+    scales (N,) float32, rounded by float32 accumulation only."""
+    return torch.ops.kestrel_int8.linear(x, packed, scales)
 
 
 class QuantizedLinear(nn.Module):

@@ -1,9 +1,15 @@
+import pytest
 import torch
 
 from core.argmax import ScreenedArgmax, exact_argmax
+from models import int8
 
 
-def test_screened_argmax_equals_full_argmax_including_near_ties():
+@pytest.mark.parametrize("own", [True, False], ids=["own-kernel", "torch-kernel"])
+def test_screened_argmax_equals_full_argmax_including_near_ties(own, monkeypatch):
+    if own and not int8.own_kernel():
+        pytest.skip("Kestrel's int8 kernel is not built here")
+    monkeypatch.setattr(int8, "own_kernel", lambda: own)
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
         lm_head = torch.nn.Linear(64, 500, bias=False).to(dtype)
@@ -13,7 +19,7 @@ def test_screened_argmax_equals_full_argmax_including_near_ties():
             for row in (1, 2, 3):
                 lm_head.weight[row] = lm_head.weight[0] * (1 + row * 1e-6)
         screen = ScreenedArgmax(lm_head)
-        assert screen.enabled
+        assert screen.enabled and screen.own == own
         hidden = torch.randn(300, 64, generator=generator, dtype=dtype)
         hidden[:100] = lm_head.weight[0].detach() * 3  # rows where tokens 0-3 nearly tie
         expected = (hidden @ lm_head.weight.T).argmax(dim=-1).tolist()

@@ -87,6 +87,31 @@ def test_the_torch_int4_kernel_is_row_invariant():
             assert torch.equal(part, full[5 : 5 + rows])
 
 
+@pytest.mark.skipif(not int8.own_kernel(), reason="Kestrel's int8 kernel is not built here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kestrels_int8_kernel_is_row_invariant_and_within_its_stated_bound(threads):
+    """A row's result is the same bits in every block of rows, on 1 or 2
+    threads, and within the rounding bound core/argmax.py relies on:
+    |rough - w'.h| <= (K + 2) 2^-24 ||w'|| ||h||."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(4)
+        for shape in ((48, 64), (1000, 576), (37, 32)):
+            packed, scales = int8.quantize_rows(torch.randn(shape, generator=generator))
+            scales = scales.float()
+            x = torch.randn(40, shape[1], generator=generator) * 10
+            full = int8.own_matmul(x, packed, scales)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 16, 33):
+                part = int8.own_matmul(x[5 : 5 + rows].contiguous(), packed, scales)
+                assert torch.equal(part, full[5 : 5 + rows]), (shape, rows)
+            weights = int8.dequantize(packed, scales).double()
+            bound = (shape[1] + 2) * 2.0**-24 * weights.norm(dim=1)[None, :] * x.double().norm(dim=1)[:, None]
+            assert ((full.double() - x.double() @ weights.T).abs() <= bound).all()
+    finally:
+        torch.set_num_threads(saved)
+
+
 @needs_own_int4
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kestrels_int4_kernel_is_row_invariant_and_exact_to_float32_rounding(threads):
