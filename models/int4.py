@@ -105,18 +105,27 @@ at::Tensor q4_linear(const at::Tensor& input, const at::Tensor& codes_t, const a
     const uint8_t* codes = codes_t.data_ptr<uint8_t>();
     const float *d = d_t.data_ptr<float>(), *m = m_t.data_ptr<float>(), *xp = x.data_ptr<float>();
     float* out = result.data_ptr<float>();
-    // columns are split between threads; each element is computed by one thread
+    // columns are split between threads; each element is computed by one thread. A tree pass
+    // of 3 to 7 rows reads the weights once (one block of all its rows), more rows once per four
     at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
         int64_t r = 0, n;
-        for (; r + 4 <= R; r += 4)
+        for (; R - r > 7; r += 4)
             for (n = begin; n < end; ++n) block<1, 4>(n, r, G, K, N, codes, d, m, xp, out);
-        for (; r + 2 <= R; r += 2) {
-            for (n = begin; n + 2 <= end; n += 2) block<2, 2>(n, r, G, K, N, codes, d, m, xp, out);
-            for (; n < end; ++n) block<1, 2>(n, r, G, K, N, codes, d, m, xp, out);
-        }
-        for (; r < R; ++r) {
-            for (n = begin; n + 4 <= end; n += 4) block<4, 1>(n, r, G, K, N, codes, d, m, xp, out);
-            for (; n < end; ++n) block<1, 1>(n, r, G, K, N, codes, d, m, xp, out);
+        switch (R - r) {
+            case 0: break;
+            case 1:
+                for (n = begin; n + 4 <= end; n += 4) block<4, 1>(n, r, G, K, N, codes, d, m, xp, out);
+                for (; n < end; ++n) block<1, 1>(n, r, G, K, N, codes, d, m, xp, out);
+                break;
+            case 2:
+                for (n = begin; n + 2 <= end; n += 2) block<2, 2>(n, r, G, K, N, codes, d, m, xp, out);
+                for (; n < end; ++n) block<1, 2>(n, r, G, K, N, codes, d, m, xp, out);
+                break;
+            case 3: for (n = begin; n < end; ++n) block<1, 3>(n, r, G, K, N, codes, d, m, xp, out); break;
+            case 4: for (n = begin; n < end; ++n) block<1, 4>(n, r, G, K, N, codes, d, m, xp, out); break;
+            case 5: for (n = begin; n < end; ++n) block<1, 5>(n, r, G, K, N, codes, d, m, xp, out); break;
+            case 6: for (n = begin; n < end; ++n) block<1, 6>(n, r, G, K, N, codes, d, m, xp, out); break;
+            default: for (n = begin; n < end; ++n) block<1, 7>(n, r, G, K, N, codes, d, m, xp, out); break;
         }
     });
     return result;

@@ -125,7 +125,7 @@ def test_kestrels_int4_kernel_is_row_invariant_and_exact_to_float32_rounding(thr
             codes, d, m = int4.quantize_blocks(torch.randn(shape, generator=generator))
             x = torch.randn(40, shape[1], generator=generator)
             full = torch.ops.kestrel_q4.linear(x, codes, d, m)
-            for rows in (1, 2, 3, 4, 5, 7, 8, 16, 33):
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 33):
                 part = torch.ops.kestrel_q4.linear(x[5 : 5 + rows].contiguous(), codes, d, m)
                 assert torch.equal(part, full[5 : 5 + rows]), (shape, rows)
             expected = x.double() @ int4.dequantize_blocks(codes, d, m).double().T
