@@ -70,13 +70,17 @@ class ScreenedArgmax:
             if self.row_by_row:  # a product's rows may depend on how many share it (float32 on CPUs)
                 return [int(exact_argmax(self.lm_head(hidden[row : row + 1]))[0]) for row in range(len(hidden))]
             return exact_argmax(self.lm_head(hidden)).tolist()
-        if self.own:
-            rough = int8.own_matmul(hidden.float(), self.packed, self.scales)  # (m, V)
-        else:
-            rough = int8.matmul(hidden, self.packed, self.scales).float()
-        return [self._resolve(hidden[row], rough[row]) for row in range(len(hidden))]
+        rough = self.screen(hidden)
+        return [self.resolve(hidden[row], rough[row]) for row in range(len(hidden))]
 
-    def _resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
+    def screen(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (m, H) -> (m, V) float32 int8 logits, to `resolve` rows of
+        (only where `enabled`)."""
+        if self.own:
+            return int8.own_matmul(hidden.float(), self.packed, self.scales)
+        return int8.matmul(hidden, self.packed, self.scales).float()
+
+    def resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
         """The exact argmax for one row: hidden (H,), rough (V,) int8 logits."""
         candidates = rough.topk(CANDIDATES).indices  # (k,)
         exact = self.weight[candidates] @ hidden  # (k,)

@@ -68,16 +68,29 @@ class NodeArgmax:
     """The base model's greedy token at the tree nodes acceptance visits: all
     nodes with children in one product, a leaf when the walk reaches it (the
     lm_head rows cost about as much as a decoder layer each here, and most
-    leaves are never visited)."""
+    leaves are never visited). Where Kestrel's int8 kernel screens and the
+    tree is small, every node's screen row comes from one product (up to
+    SCREEN_ALL rows read its weights once, as one row does) and only the
+    visited nodes are resolved: a reached leaf then costs no second product."""
+
+    SCREEN_ALL = 7
 
     def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor, tree: DraftTree):
         self.argmax, self.features = argmax, features
+        self.rough = None
+        if argmax.enabled and argmax.own and tree.size <= self.SCREEN_ALL:  # torch's kernel pays per row
+            self.rough = argmax.screen(features)  # (N, V)
+            self.tokens = {}
+            return
         internal = tree.internal() or [0]  # the root alone: acceptance still asks it
         self.tokens = dict(zip(internal, argmax(features[internal])))
 
     def __call__(self, node: int) -> int:
         if node not in self.tokens:
-            self.tokens[node] = self.argmax(self.features[node : node + 1])[0]
+            if self.rough is not None:
+                self.tokens[node] = self.argmax.resolve(self.features[node], self.rough[node])
+            else:
+                self.tokens[node] = self.argmax(self.features[node : node + 1])[0]
         return self.tokens[node]
 
 

@@ -158,17 +158,26 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const 
     const int8_t* w = weight.data_ptr<int8_t>();
     const float *s = scales.data_ptr<float>(), *xp = x.data_ptr<float>();
     float* out = result.data_ptr<float>();
+    // up to 7 rows (a screen of a whole small tree) read the weights once, in one block
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
         int64_t r = 0, n;
-        for (; r + 4 <= R; r += 4)
+        for (; R - r > 7; r += 4)
             for (n = begin; n < end; ++n) block<1, 4>(n, r, K, N, w, s, xp, out);
-        for (; r + 2 <= R; r += 2) {
-            for (n = begin; n + 2 <= end; n += 2) block<2, 2>(n, r, K, N, w, s, xp, out);
-            for (; n < end; ++n) block<1, 2>(n, r, K, N, w, s, xp, out);
-        }
-        for (; r < R; ++r) {
-            for (n = begin; n + 4 <= end; n += 4) block<4, 1>(n, r, K, N, w, s, xp, out);
-            for (; n < end; ++n) block<1, 1>(n, r, K, N, w, s, xp, out);
+        switch (R - r) {
+            case 0: break;
+            case 1:
+                for (n = begin; n + 4 <= end; n += 4) block<4, 1>(n, r, K, N, w, s, xp, out);
+                for (; n < end; ++n) block<1, 1>(n, r, K, N, w, s, xp, out);
+                break;
+            case 2:
+                for (n = begin; n + 2 <= end; n += 2) block<2, 2>(n, r, K, N, w, s, xp, out);
+                for (; n < end; ++n) block<1, 2>(n, r, K, N, w, s, xp, out);
+                break;
+            case 3: for (n = begin; n < end; ++n) block<1, 3>(n, r, K, N, w, s, xp, out); break;
+            case 4: for (n = begin; n < end; ++n) block<1, 4>(n, r, K, N, w, s, xp, out); break;
+            case 5: for (n = begin; n < end; ++n) block<1, 5>(n, r, K, N, w, s, xp, out); break;
+            case 6: for (n = begin; n < end; ++n) block<1, 6>(n, r, K, N, w, s, xp, out); break;
+            default: for (n = begin; n < end; ++n) block<1, 7>(n, r, K, N, w, s, xp, out); break;
         }
     });
     return result;
