@@ -46,14 +46,17 @@ class ScreenedArgmax:
         self.weight = weight  # (V, H) in the model's precision
         self.row_by_row = False  # set by an exact engine: unscreened rows one product each
         # Screening pays where the model computes in float32/float64 on a CPU
-        # whose int8 kernel is fast, and the head has no bias; elsewhere the
-        # plain product is used.
+        # with Kestrel's int8 kernel (K a multiple of its step of 16), or
+        # torch's where a probe finds that faster than float32, and the head
+        # has no bias; elsewhere the plain product is used.
+        self.own = weight.device.type == "cpu" and weight.shape[1] % 16 == 0 and int8.own_kernel()
         self.enabled = (
-            weight.dtype in (torch.float32, torch.float64) and lm_head.bias is None and int8.available(weight.device)
+            weight.dtype in (torch.float32, torch.float64)
+            and lm_head.bias is None
+            and (self.own or int8.available(weight.device))
         )
         if self.enabled:
             self.packed, self.scales = int8.quantize_rows(weight)
-            self.own = int8.own_kernel() and weight.shape[1] % 16 == 0  # the kernel's K step
             if self.own:
                 self.scales = self.scales.float()
             rounded = int8.dequantize(self.packed, self.scales).to(torch.float64)

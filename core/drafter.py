@@ -52,10 +52,10 @@ class DraftVocabulary:
         weight = weight.detach()
         self.norm = norm
         self.packed = self.scales = self.weight = None
-        self.own = False  # Kestrel's int8 kernel (float32 activations) rather than torch's
-        if int8.available(weight.device):
+        # Kestrel's int8 kernel (float32 activations; K a multiple of its step of 16) rather than torch's
+        self.own = weight.device.type == "cpu" and weight.shape[1] % 16 == 0 and int8.own_kernel()
+        if self.own or int8.available(weight.device):
             self.packed, self.scales = int8.quantize_rows(weight)  # half the bytes of bf16 to read per call
-            self.own = int8.own_kernel() and weight.shape[1] % 16 == 0  # the kernel's K step
             if self.own:
                 self.scales = self.scales.float()
         else:

@@ -9,7 +9,10 @@ from models import int8
 def test_screened_argmax_equals_full_argmax_including_near_ties(own, monkeypatch):
     if own and not int8.own_kernel():
         pytest.skip("Kestrel's int8 kernel is not built here")
+    if not own and not int8.kernel_available(torch.device("cpu")):
+        pytest.skip("torch's int8 kernel is missing here")
     monkeypatch.setattr(int8, "own_kernel", lambda: own)
+    monkeypatch.setattr(int8, "available", int8.kernel_available)  # whatever the speed probe finds on a busy machine
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
         lm_head = torch.nn.Linear(64, 500, bias=False).to(dtype)
