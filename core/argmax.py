@@ -49,17 +49,15 @@ class ScreenedArgmax:
         # with Kestrel's int8 kernel (K a multiple of its step of 16), or
         # torch's where a probe finds that faster than float32, and the head
         # has no bias; elsewhere the plain product is used.
-        self.own = weight.device.type == "cpu" and weight.shape[1] % 16 == 0 and int8.own_kernel()
+        self.own = int8.own_kernel_takes(weight)
         self.enabled = (
             weight.dtype in (torch.float32, torch.float64)
             and lm_head.bias is None
             and (self.own or int8.available(weight.device))
         )
         if self.enabled:
-            self.packed, self.scales = int8.quantize_rows(weight)
-            if self.own:
-                self.scales = self.scales.float()
-            rounded = int8.dequantize(self.packed, self.scales).to(torch.float64)
+            self.rows = int8.PackedRows(weight, self.own)
+            rounded = self.rows.dequantized().to(torch.float64)
             error_norms = (weight.to(torch.float64) - rounded).norm(dim=1)
             columns = weight.shape[1]
             relative = (columns + 2) * 2.0**-24 if self.own else 2.0**-8 + columns * 2.0**-24
@@ -79,9 +77,7 @@ class ScreenedArgmax:
     def screen(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (m, H) -> (m, V) float32 int8 logits, to `resolve` rows of
         (only where `enabled`)."""
-        if self.own:
-            return int8.own_matmul(hidden.float(), self.packed, self.scales)
-        return int8.matmul(hidden, self.packed, self.scales).float()
+        return self.rows(hidden)
 
     def resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
         """The exact argmax for one row: hidden (H,), rough (V,) int8 logits."""

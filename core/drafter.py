@@ -41,7 +41,8 @@ STATIC_PATHS = (
 
 class DraftVocabulary:
     """The drafter's lm_head over its draft tokens, kept in a fast form (int8
-    where `int8.available`, else bf16 on CPUs with native bf16). It only
+    through Kestrel's kernel, or torch's where `int8.available`, else bf16 on
+    CPUs with native bf16). It only
     ranks proposals, which the base model then verifies in its own precision,
     so its rounding never changes the output."""
 
@@ -51,13 +52,10 @@ class DraftVocabulary:
         the head's output first (EAGLE-3's own final norm)."""
         weight = weight.detach()
         self.norm = norm
-        self.packed = self.scales = self.weight = None
-        # Kestrel's int8 kernel (float32 activations; K a multiple of its step of 16) rather than torch's
-        self.own = weight.device.type == "cpu" and weight.shape[1] % 16 == 0 and int8.own_kernel()
-        if self.own or int8.available(weight.device):
-            self.packed, self.scales = int8.quantize_rows(weight)  # half the bytes of bf16 to read per call
-            if self.own:
-                self.scales = self.scales.float()
+        self.packed = self.weight = None
+        own = int8.own_kernel_takes(weight)
+        if own or int8.available(weight.device):
+            self.packed = int8.PackedRows(weight, own)  # half the bytes of bf16 to read per call
         else:
             if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64) and cpu_has_native_bf16():
                 weight = weight.to(torch.bfloat16)  # such CPUs run bf16 products several times faster
@@ -68,10 +66,8 @@ class DraftVocabulary:
         """hidden (m, H) -> (m, V') log-probabilities over the draft vocabulary, float32."""
         if self.norm is not None:
             hidden = self.norm(hidden)
-        if self.own:
-            logits = int8.own_matmul(hidden.float(), self.packed, self.scales)
-        elif self.packed is not None:
-            logits = int8.matmul(hidden, self.packed, self.scales)
+        if self.packed is not None:
+            logits = self.packed(hidden)
         else:
             logits = hidden.to(self.weight.dtype) @ self.weight.T
         return torch.log_softmax(logits.float(), dim=-1)

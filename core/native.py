@@ -1,4 +1,4 @@
-"""Building Kestrel's small C++ kernels (core/rowkernel.py, models/int4.py).
+"""Building Kestrel's small C++ kernels (core/rowkernel.py, models/int4.py, models/int8.py).
 
 Each kernel is compiled once with the system's C++ compiler (the same one
 torch.compile uses on CPUs) into Kestrel's cache folder, under a name that
@@ -23,6 +23,52 @@ log = logging.getLogger("kestrel")
 
 # -ffp-contract=off: no fused multiply-adds chosen by the compiler here and not there
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+
+
+# What the int4 and int8 product kernels share (prepended to their sources): the fixed-order
+# sum of eight lanes, and the walk over an output in blocks of C columns x RB rows. A kernel
+# passes run(C, RB, n, r) computing one block; every element gets the same operations whatever
+# the block, so the blocks only decide how often the weights are read: once per 4 rows, and
+# once for all the rows of a pass of 3 to 7 (a tree's worth).
+AVX2_BLOCKS = r"""
+#include <cstdint>
+#include <type_traits>
+#ifndef __AVX2__
+#error "Kestrel's product kernels need AVX2 and FMA"
+#endif
+#include <immintrin.h>
+
+static inline float sum8(__m256 v) {  // fixed order
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+// blocks of C columns x RB rows at row r, from column n while they fit before `end`; -> the next column
+template <int C, int RB, typename Run>
+static inline int64_t sweep(int64_t n, int64_t end, int64_t r, const Run& run) {
+    for (; n + C <= end; n += C) run(std::integral_constant<int, C>{}, std::integral_constant<int, RB>{}, n, r);
+    return n;
+}
+
+// every block of columns [begin, end) and rows [0, R)
+template <typename Run>
+static inline void each_block(int64_t R, int64_t begin, int64_t end, const Run& run) {
+    int64_t r = 0;
+    for (; R - r > 7; r += 4) sweep<1, 4>(begin, end, r, run);
+    switch (R - r) {
+        case 0: break;
+        case 1: sweep<1, 1>(sweep<4, 1>(begin, end, r, run), end, r, run); break;
+        case 2: sweep<1, 2>(sweep<2, 2>(begin, end, r, run), end, r, run); break;
+        case 3: sweep<1, 3>(begin, end, r, run); break;
+        case 4: sweep<1, 4>(begin, end, r, run); break;
+        case 5: sweep<1, 5>(begin, end, r, run); break;
+        case 6: sweep<1, 6>(begin, end, r, run); break;
+        default: sweep<1, 7>(begin, end, r, run); break;
+    }
+}
+"""
 
 
 def compiler() -> str | None:

@@ -38,27 +38,13 @@ GROUP = 32  # weights per scale and zero, along the input dimension (Q4_0/Q4_1's
 GGUF_4BIT_TYPES = {2, 3, 14, 15}  # general.file_type: MOSTLY_Q4_0, MOSTLY_Q4_1, MOSTLY_Q4_K_S, MOSTLY_Q4_K_M
 
 
-SOURCE = r"""
+SOURCE = native.AVX2_BLOCKS + r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <cmath>
-#include <cstdint>
-#include <vector>
-#ifndef __AVX2__
-#error "the int4 kernel needs AVX2 and FMA"
-#endif
-#include <immintrin.h>
 
 // codes (N, G, 16) uint8: byte j of a group holds element j (low nibble) and
 // element j + 16 (high nibble); d, m (N, G) float32; weight = d * code + m.
-
-static inline float sum8(__m256 v) {  // fixed order
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 
 // C output columns times RB rows. Every output element gets the same
 // operations in the same order whatever C, RB and the other rows are: two
@@ -105,28 +91,11 @@ at::Tensor q4_linear(const at::Tensor& input, const at::Tensor& codes_t, const a
     const uint8_t* codes = codes_t.data_ptr<uint8_t>();
     const float *d = d_t.data_ptr<float>(), *m = m_t.data_ptr<float>(), *xp = x.data_ptr<float>();
     float* out = result.data_ptr<float>();
-    // columns are split between threads; each element is computed by one thread. A tree pass
-    // of 3 to 7 rows reads the weights once (one block of all its rows), more rows once per four
+    // columns are split between threads; each element is computed by one thread
     at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-        int64_t r = 0, n;
-        for (; R - r > 7; r += 4)
-            for (n = begin; n < end; ++n) block<1, 4>(n, r, G, K, N, codes, d, m, xp, out);
-        switch (R - r) {
-            case 0: break;
-            case 1:
-                for (n = begin; n + 4 <= end; n += 4) block<4, 1>(n, r, G, K, N, codes, d, m, xp, out);
-                for (; n < end; ++n) block<1, 1>(n, r, G, K, N, codes, d, m, xp, out);
-                break;
-            case 2:
-                for (n = begin; n + 2 <= end; n += 2) block<2, 2>(n, r, G, K, N, codes, d, m, xp, out);
-                for (; n < end; ++n) block<1, 2>(n, r, G, K, N, codes, d, m, xp, out);
-                break;
-            case 3: for (n = begin; n < end; ++n) block<1, 3>(n, r, G, K, N, codes, d, m, xp, out); break;
-            case 4: for (n = begin; n < end; ++n) block<1, 4>(n, r, G, K, N, codes, d, m, xp, out); break;
-            case 5: for (n = begin; n < end; ++n) block<1, 5>(n, r, G, K, N, codes, d, m, xp, out); break;
-            case 6: for (n = begin; n < end; ++n) block<1, 6>(n, r, G, K, N, codes, d, m, xp, out); break;
-            default: for (n = begin; n < end; ++n) block<1, 7>(n, r, G, K, N, codes, d, m, xp, out); break;
-        }
+        each_block(R, begin, end, [&](auto c, auto rb, int64_t n, int64_t r) {
+            block<decltype(c)::value, decltype(rb)::value>(n, r, G, K, N, codes, d, m, xp, out);
+        });
     });
     return result;
 }

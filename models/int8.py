@@ -100,22 +100,10 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch
 # (core/drafter.py): float32 activations, so its only rounding is float32 accumulation. Measured on
 # the 2-core AVX2 machine, a 49k x 576 lm_head: 2.4 ms for one row against torch's 3.6, 2.4 against
 # 5.2 for four rows, 9.0 against 20.8 for sixteen.
-SOURCE = r"""
+SOURCE = native.AVX2_BLOCKS + r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <cstdint>
-#ifndef __AVX2__
-#error "the int8 kernel needs AVX2 and FMA"
-#endif
-#include <immintrin.h>
-
-static inline float sum8(__m256 v) {  // fixed order
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 
 static inline __m256 widen(const int8_t* p) {  // 8 int8 -> 8 float32
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
@@ -158,27 +146,10 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const 
     const int8_t* w = weight.data_ptr<int8_t>();
     const float *s = scales.data_ptr<float>(), *xp = x.data_ptr<float>();
     float* out = result.data_ptr<float>();
-    // up to 7 rows (a screen of a whole small tree) read the weights once, in one block
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-        int64_t r = 0, n;
-        for (; R - r > 7; r += 4)
-            for (n = begin; n < end; ++n) block<1, 4>(n, r, K, N, w, s, xp, out);
-        switch (R - r) {
-            case 0: break;
-            case 1:
-                for (n = begin; n + 4 <= end; n += 4) block<4, 1>(n, r, K, N, w, s, xp, out);
-                for (; n < end; ++n) block<1, 1>(n, r, K, N, w, s, xp, out);
-                break;
-            case 2:
-                for (n = begin; n + 2 <= end; n += 2) block<2, 2>(n, r, K, N, w, s, xp, out);
-                for (; n < end; ++n) block<1, 2>(n, r, K, N, w, s, xp, out);
-                break;
-            case 3: for (n = begin; n < end; ++n) block<1, 3>(n, r, K, N, w, s, xp, out); break;
-            case 4: for (n = begin; n < end; ++n) block<1, 4>(n, r, K, N, w, s, xp, out); break;
-            case 5: for (n = begin; n < end; ++n) block<1, 5>(n, r, K, N, w, s, xp, out); break;
-            case 6: for (n = begin; n < end; ++n) block<1, 6>(n, r, K, N, w, s, xp, out); break;
-            default: for (n = begin; n < end; ++n) block<1, 7>(n, r, K, N, w, s, xp, out); break;
-        }
+        each_block(R, begin, end, [&](auto c, auto rb, int64_t n, int64_t r) {
+            block<decltype(c)::value, decltype(rb)::value>(n, r, K, N, w, s, xp, out);
+        });
     });
     return result;
 }
@@ -209,6 +180,33 @@ def own_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> t
     """x (m, K) float32 -> (m, N) float32: x @ (packed * scales).T, with
     scales (N,) float32, rounded by float32 accumulation only."""
     return torch.ops.kestrel_int8.linear(x, packed, scales)
+
+
+def own_kernel_takes(weight: torch.Tensor) -> bool:
+    """Whether Kestrel's int8 kernel is built and can multiply by `weight` (N, K):
+    on the CPU, K a multiple of its step of 16."""
+    return weight.device.type == "cpu" and weight.shape[1] % 16 == 0 and own_kernel()
+
+
+class PackedRows:
+    """A weight (N, K) as int8 rows with one scale each, multiplied by
+    Kestrel's kernel (`own`: float32 activations) or else torch's."""
+
+    def __init__(self, weight: torch.Tensor, own: bool):
+        self.own = own
+        self.packed, self.scales = quantize_rows(weight)
+        if own:
+            self.scales = self.scales.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (m, K) -> (m, N) float32."""
+        if self.own:
+            return own_matmul(x.float(), self.packed, self.scales)
+        return matmul(x, self.packed, self.scales).float()
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights (N, K) the product multiplies by."""
+        return dequantize(self.packed, self.scales)
 
 
 class QuantizedLinear(nn.Module):
