@@ -17,7 +17,12 @@ plus the product's own rounding, which depends on the kernel:
   error <= 2^-8 per element, so |w'_t . (h - bf16(h))| <= 2^-8 ||w'_t|| ||h||),
   accumulates in float32 (<= K 2^-24 ||w'_t|| ||h||) and rounds the result to
   bf16 (<= 2^-7 |rough_t|).
-ERROR_SCALE doubles the sum for margin."""
+ERROR_SCALE doubles the sum for margin.
+
+A bf16 lm_head is screened too, with Kestrel's kernel: its exact logits are
+then float32 products of the bf16 weights and the bf16 features (both widened
+exactly), the same for vanilla steps and tree nodes, so the bound above holds
+as for float32 weights."""
 
 from __future__ import annotations
 
@@ -47,14 +52,15 @@ class ScreenedArgmax:
         self.row_by_row = False  # set by an exact engine: unscreened rows one product each
         # Screening pays where the model computes in float32/float64 on a CPU
         # with Kestrel's int8 kernel (K a multiple of its step of 16), or
-        # torch's where a probe finds that faster than float32, and the head
-        # has no bias; elsewhere the plain product is used.
+        # torch's where a probe finds that faster than float32, or in bf16
+        # with Kestrel's kernel, and the head has no bias; elsewhere the
+        # plain product is used.
         self.own = int8.own_kernel_takes(weight)
-        self.enabled = (
-            weight.dtype in (torch.float32, torch.float64)
-            and lm_head.bias is None
-            and (self.own or int8.available(weight.device))
+        self.enabled = lm_head.bias is None and (
+            (weight.dtype in (torch.float32, torch.float64) and (self.own or int8.available(weight.device)))
+            or (weight.dtype == torch.bfloat16 and self.own)
         )
+        self.exact_dtype = torch.float32 if weight.dtype == torch.bfloat16 else weight.dtype  # what logits are computed in
         if self.enabled:
             self.rows = int8.PackedRows(weight, self.own)
             rounded = self.rows.dequantized().to(torch.float64)
@@ -81,8 +87,9 @@ class ScreenedArgmax:
 
     def resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
         """The exact argmax for one row: hidden (H,), rough (V,) int8 logits."""
+        hidden = hidden.to(self.exact_dtype)
         candidates = rough.topk(CANDIDATES).indices  # (k,)
-        exact = self.weight[candidates] @ hidden  # (k,)
+        exact = self.weight[candidates].to(self.exact_dtype) @ hidden  # (k,)
         best = exact.max()
         ceiling = rough + self.row_bounds * float(hidden.norm())
         if self.output_rounding:
@@ -90,4 +97,11 @@ class ScreenedArgmax:
         ceiling[candidates] = float("-inf")
         if float(ceiling.max()) < float(best):
             return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax
-        return int((self.weight @ hidden).argmax())  # a near-tie: full precision decides
+        return self._full_argmax(hidden)  # a near-tie: full precision decides
+
+    def _full_argmax(self, hidden: torch.Tensor) -> int:
+        if self.weight.dtype == self.exact_dtype:
+            return int((self.weight @ hidden).argmax())
+        chunk = 4096  # bf16 rows widened a slice at a time, not the whole matrix at once
+        logits = torch.cat([self.weight[start : start + chunk].to(self.exact_dtype) @ hidden for start in range(0, len(self.weight), chunk)])
+        return int(logits.argmax())

@@ -134,15 +134,22 @@ def _guards_kept(entries) -> list[bool]:
     return [not entry.name.startswith(("layers[", "dict(type(layers[")) for entry in entries]
 
 
+OPTIONS = {"guard_filter_fn": _guards_kept, "cpp_wrapper": True, "emulate_precision_casts": True}
+
+
 def _compiled_runner() -> Callable:
     """_run_layers compiled, with a code object of its own: Dynamo keeps its
     compiled variants per code object, so each model's are its own, counted
     against its own limit and dropped with it. Inductor writes the call
     sequence of each variant in C++ (cpp_wrapper) rather than Python: about
-    fifty operator calls per segment then cost no Python each."""
+    fifty operator calls per segment then cost no Python each. In bf16,
+    Inductor rounds every intermediate to bf16 where eager code would
+    (emulate_precision_casts): without it, how a value is rounded depends on
+    what a kernel fuses, which differs between one-token and multi-row
+    variants, and tree nodes would not match one-token steps bit for bit."""
     code = _run_layers.__code__.replace()  # a copy: a distinct code object
     runner = types.FunctionType(code, _run_layers.__globals__, "run_layers")
-    return torch.compile(runner, dynamic=True, options={"guard_filter_fn": _guards_kept, "cpp_wrapper": True})
+    return torch.compile(runner, dynamic=True, options=OPTIONS)
 
 
 def segments(layers: int, starts: set[int]) -> list[tuple[int, int]]:

@@ -5,7 +5,8 @@ Each query row attends to its own list of keys: a leading run of the cache
 ancestors and itself). The kernel computes every (row, head) with the same
 loops in the same order whatever the other rows are: the dot products with
 eight fixed partial sums, the softmax and the weighted sum of values in key
-order. So a row's result depends only on its query and its key sequence,
+order, in float32 for bf16 tensors (widened on load, rounded to bf16 once
+at the end). So a row's result depends only on its query and its key sequence,
 and a tree node gets bit for bit what a one-token step over the same keys
 gets. It replaces about a dozen small torch operations per row and layer
 with one call per layer.
@@ -32,6 +33,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 template <typename T>
@@ -92,15 +94,48 @@ static inline void dot4(const T* a, const T* b0, const T* b1, const T* b2, const
     out[0] = combine<T>(p0), out[1] = combine<T>(p1), out[2] = combine<T>(p2), out[3] = combine<T>(p3);
 }
 
+// Storage types: float and double are read as they are; bf16 (the upper
+// 16 bits of a float) is widened to float exactly on load, and the whole
+// computation runs in float.
+struct bf16 {
+    uint16_t bits;
+};
+template <typename S>
+struct Compute {
+    typedef S type;
+};
+template <>
+struct Compute<bf16> {
+    typedef float type;
+};
+
+// n stored values as the compute type: the values themselves for float and
+// double, else widened into `out`.
+template <typename S, typename T = typename Compute<S>::type>
+static inline const T* widened(const S* p, int64_t n, T* out) {
+    if constexpr (std::is_same<S, T>::value) {
+        return p;
+    } else {
+        for (int64_t i = 0; i < n; ++i) {
+            const uint32_t bits = uint32_t(p[i].bits) << 16;
+            std::memcpy(out + i, &bits, sizeof(T));
+        }
+        return out;
+    }
+}
+
 // One (row, head): softmax(q k^T * scale) v over the row's keys, in key order.
-template <typename T>
-static void head(const T* qv, const T* kb, const T* vb, int64_t kv_pos, int64_t dim, int64_t lead,
-                 const int64_t* extra, int64_t count, T scale, T* scores, T* acc, T* o) {
+template <typename S, typename T = typename Compute<S>::type>
+static void head(const S* qs, const S* kb, const S* vb, int64_t kv_pos, int64_t dim, int64_t lead,
+                 const int64_t* extra, int64_t count, T scale, T* scores, T* acc, T* wide, T* o) {
+    T* kw = wide + dim;  // room for four widened keys (or one value)
+    const T* qv = widened<S>(qs, dim, wide);
     T best = -INFINITY;
     int64_t j = 0;
     for (; j + 4 <= count; j += 4) {
         const T* b[4];
-        for (int i = 0; i < 4; ++i) b[i] = kb + (j + i < lead ? j + i : extra[j + i - lead]) * kv_pos;
+        for (int i = 0; i < 4; ++i)
+            b[i] = widened<S>(kb + (j + i < lead ? j + i : extra[j + i - lead]) * kv_pos, dim, kw + i * dim);
         T s[4];
         dot4(qv, b[0], b[1], b[2], b[3], dim, s);
         for (int i = 0; i < 4; ++i) {
@@ -110,7 +145,7 @@ static void head(const T* qv, const T* kb, const T* vb, int64_t kv_pos, int64_t 
     }
     for (; j < count; ++j) {
         const int64_t pos = j < lead ? j : extra[j - lead];
-        const T s = dot(qv, kb + pos * kv_pos, dim) * scale;
+        const T s = dot(qv, widened<S>(kb + pos * kv_pos, dim, kw), dim) * scale;
         scores[j] = s;
         if (s > best) best = s;
     }
@@ -122,7 +157,7 @@ static void head(const T* qv, const T* kb, const T* vb, int64_t kv_pos, int64_t 
     for (int64_t d = 0; d < dim; ++d) acc[d] = 0;
     for (int64_t j = 0; j < count; ++j) {
         const int64_t pos = j < lead ? j : extra[j - lead];
-        const T* vv = vb + pos * kv_pos;
+        const T* vv = widened<S>(vb + pos * kv_pos, dim, kw);
         const T w = scores[j];
         for (int64_t d = 0; d < dim; ++d) acc[d] += w * vv[d];
     }
@@ -131,26 +166,28 @@ static void head(const T* qv, const T* kb, const T* vb, int64_t kv_pos, int64_t 
 
 // Every (row, head) is computed whole by one thread with the same loops, so
 // the result depends neither on the other rows nor on the thread count.
-template <typename T>
+// `out` (1, T, H, D) is in the compute type.
+template <typename S, typename T = typename Compute<S>::type>
 static void rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* prefix,
                  const int64_t* offsets, const int64_t* extra, double scale, at::Tensor& out) {
     const int64_t n_rows = q.size(2), heads = q.size(1), kv_heads = k.size(1), dim = q.size(3);
     const int64_t q_row = q.stride(2), q_head = q.stride(1), kv_head = k.stride(1), kv_pos = k.stride(2);
     const int64_t group = heads / kv_heads;
-    const T* qp = q.data_ptr<T>();
-    const T* kp = k.data_ptr<T>();
-    const T* vp = v.data_ptr<T>();
+    const S* qp = static_cast<const S*>(q.data_ptr());
+    const S* kp = static_cast<const S*>(k.data_ptr());
+    const S* vp = static_cast<const S*>(v.data_ptr());
     T* op = out.data_ptr<T>();
     int64_t longest = 1;
     for (int64_t r = 0; r < n_rows; ++r)
         longest = std::max(longest, prefix[r] + offsets[r + 1] - offsets[r]);
     at::parallel_for(0, n_rows * heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> scores(longest), acc(dim);
+        std::vector<T> scores(longest), acc(dim), wide(5 * dim);
         for (int64_t item = begin; item < end; ++item) {
             const int64_t r = item / heads, h = item % heads;
             const int64_t lead = prefix[r], first = offsets[r], count = lead + offsets[r + 1] - first;
-            head<T>(qp + r * q_row + h * q_head, kp + (h / group) * kv_head, vp + (h / group) * kv_head, kv_pos, dim,
-                    lead, extra + first, count, (T)scale, scores.data(), acc.data(), op + (r * heads + h) * dim);
+            head<S>(qp + r * q_row + h * q_head, kp + (h / group) * kv_head, vp + (h / group) * kv_head, kv_pos, dim,
+                    lead, extra + first, count, (T)scale, scores.data(), acc.data(), wide.data(),
+                    op + (r * heads + h) * dim);
         }
     });
 }
@@ -164,25 +201,32 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 "rows attention: int64 row lists");
     TORCH_CHECK(prefix.is_contiguous() && offsets.is_contiguous() && extra.is_contiguous(), "rows attention: contiguous row lists");
     TORCH_CHECK(prefix.numel() == q.size(2) && offsets.numel() == q.size(2) + 1, "rows attention: one list per row");
-    auto out = at::empty({1, q.size(2), q.size(1), q.size(3)}, q.options());
     const int64_t* p = prefix.data_ptr<int64_t>();
     const int64_t* o = offsets.data_ptr<int64_t>();
     const int64_t* e = extra.data_ptr<int64_t>();
+    const std::vector<int64_t> shape{1, q.size(2), q.size(1), q.size(3)};
+    if (q.scalar_type() == at::kDouble) {
+        auto out = at::empty(shape, q.options());
+        rows<double>(q, k, v, p, o, e, scale, out);
+        return out;
+    }
+    auto out = at::empty(shape, q.options().dtype(at::kFloat));
     if (q.scalar_type() == at::kFloat)
         rows<float>(q, k, v, p, o, e, scale, out);
-    else if (q.scalar_type() == at::kDouble)
-        rows<double>(q, k, v, p, o, e, scale, out);
+    else if (q.scalar_type() == at::kBFloat16)
+        rows<bf16>(q, k, v, p, o, e, scale, out);
     else
-        TORCH_CHECK(false, "rows attention: float32 or float64 only");
-    return out;
+        TORCH_CHECK(false, "rows attention: float32, float64 or bfloat16 only");
+    return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());  // bf16: each element rounded once
 }
+
 
 TORCH_LIBRARY_FRAGMENT(kestrel_rows, lib) {
     lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor prefix, Tensor offsets, Tensor extra, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kestrel_rows, CPU, lib) { lib.impl("attend", &attend); }
 """
-DTYPES = (torch.float32, torch.float64)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 _lock = threading.Lock()
 _operator = None

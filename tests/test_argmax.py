@@ -29,8 +29,31 @@ def test_screened_argmax_equals_full_argmax_including_near_ties(own, monkeypatch
         assert screen(hidden) == expected
 
 
-def test_screen_is_off_for_bf16_and_biased_heads():
-    assert not ScreenedArgmax(torch.nn.Linear(8, 20, bias=False).to(torch.bfloat16)).enabled
+@pytest.mark.skipif(not int8.own_kernel(), reason="Kestrel's int8 kernel is not built here")
+def test_a_bf16_lm_head_is_screened_against_its_float32_products():
+    """bf16 weights and features, widened exactly: the screened argmax is the
+    argmax of their float32 products, near-ties (which round to the same
+    bf16 logit) included."""
+    generator = torch.Generator().manual_seed(1)
+    lm_head = torch.nn.Linear(64, 700, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(700, 64, generator=generator))
+        for row in (1, 2, 3):
+            lm_head.weight[row] = lm_head.weight[0]
+            lm_head.weight[row, row] += 2**-7 * row * torch.sign(lm_head.weight[0, row])
+    screen = ScreenedArgmax(lm_head)
+    assert screen.enabled and screen.own
+    hidden = torch.randn(200, 64, generator=generator).bfloat16()
+    hidden[:80] = (lm_head.weight[0].detach() * 3).bfloat16()  # rows where tokens 0-3 nearly tie
+    expected = (hidden.float() @ lm_head.weight.float().T).argmax(dim=-1).tolist()
+    assert screen(hidden) == expected
+    assert set(expected[:80]) <= {0, 1, 2, 3}
+
+
+def test_screen_is_off_for_half_precision_and_biased_heads(monkeypatch):
+    assert not ScreenedArgmax(torch.nn.Linear(8, 20, bias=False).to(torch.float16)).enabled
+    monkeypatch.setattr(int8, "own_kernel", lambda: False)
+    assert not ScreenedArgmax(torch.nn.Linear(16, 20, bias=False).to(torch.bfloat16)).enabled
     biased = ScreenedArgmax(torch.nn.Linear(8, 20, bias=True))
     assert not biased.enabled
     hidden = torch.randn(3, 8)

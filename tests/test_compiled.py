@@ -53,11 +53,14 @@ def test_compiled_engines_decode_exactly_as_vanilla(tiny_folder, kind):
 
 @needs_compiler
 @pytest.mark.skipif(not int4.kernel_available(torch.device("cpu")), reason="needs torch's int4 CPU kernel")
-def test_the_bundled_pair_compiled_keeps_bit_for_bit_trees():
-    """The default setting on this CPU (auto: int4 and compiled layers): tree
-    passes still compute every node as a one-token step would, checked on
-    the real model, and greedy EAGLE-2 equals vanilla."""
-    base = load_base(None, quantization="auto", dtype="float32")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_bundled_pair_compiled_keeps_bit_for_bit_trees(dtype):
+    """The default settings on CPUs (auto: int4 and compiled layers, float32,
+    or bf16 where the CPU computes it natively): tree passes still compute
+    every node as a one-token step would, checked on the real model, and
+    greedy EAGLE-2 equals vanilla. In bf16 that takes Inductor's emulated
+    precision casts (core/compiled.py) and the row kernel's bf16 path."""
+    base = load_base(None, quantization="auto", dtype=dtype)
     config = base.model.config
     vocab = base.model.get_output_embeddings().weight.shape[0]
     head = load_head(default_head(None), config.hidden_size, vocab, base.device, base.dtype, config.num_hidden_layers)
