@@ -86,10 +86,14 @@ class ScreenedArgmax:
         return self.rows(hidden)
 
     def resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
-        """The exact argmax for one row: hidden (H,), rough (V,) int8 logits."""
+        """The exact argmax for one row: hidden (H,), rough (V,) int8 logits.
+        The best CANDIDATES by rough logit are computed exactly; every other
+        token whose bound still reaches their best (a near-tie, or flat
+        logits) is computed exactly too, and the first of the highest wins,
+        as in argmax. A token left out is strictly below the best."""
         hidden = hidden.to(self.exact_dtype)
         candidates = rough.topk(CANDIDATES).indices  # (k,)
-        exact = self.weight[candidates].to(self.exact_dtype) @ hidden  # (k,)
+        exact = self._exact(candidates, hidden)  # (k,)
         best = exact.max()
         ceiling = rough + self.row_bounds * float(hidden.norm())
         if self.output_rounding:
@@ -97,11 +101,15 @@ class ScreenedArgmax:
         ceiling[candidates] = float("-inf")
         if float(ceiling.max()) < float(best):
             return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax
-        return self._full_argmax(hidden)  # a near-tie: full precision decides
+        contenders = torch.cat([candidates, (ceiling >= best).nonzero().squeeze(1)])
+        exact = torch.cat([exact, self._exact(contenders[len(candidates) :], hidden)])
+        return int(contenders[exact == exact.max()].min())
 
-    def _full_argmax(self, hidden: torch.Tensor) -> int:
-        if self.weight.dtype == self.exact_dtype:
-            return int((self.weight @ hidden).argmax())
-        chunk = 4096  # bf16 rows widened a slice at a time, not the whole matrix at once
-        logits = torch.cat([self.weight[start : start + chunk].to(self.exact_dtype) @ hidden for start in range(0, len(self.weight), chunk)])
-        return int(logits.argmax())
+    def _exact(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of `tokens` in the model's precision (float32 for bf16 weights), a slice at a time."""
+        chunk = 4096
+        if len(tokens) == 0:
+            return hidden.new_empty(0)
+        return torch.cat(
+            [self.weight[tokens[start : start + chunk]].to(self.exact_dtype) @ hidden for start in range(0, len(tokens), chunk)]
+        )

@@ -27,6 +27,13 @@ def test_screened_argmax_equals_full_argmax_including_near_ties(own, monkeypatch
         hidden[:100] = lm_head.weight[0].detach() * 3  # rows where tokens 0-3 nearly tie
         expected = (hidden @ lm_head.weight.T).argmax(dim=-1).tolist()
         assert screen(hidden) == expected
+        # more near-ties than the screen's candidates: the other contenders are computed exactly too
+        with torch.no_grad():
+            for row in range(4, 60):
+                lm_head.weight[row] = lm_head.weight[0] * (1 - row * 1e-6)
+        screen = ScreenedArgmax(lm_head)
+        expected = (hidden @ lm_head.weight.T).argmax(dim=-1).tolist()
+        assert screen(hidden) == expected
 
 
 @pytest.mark.skipif(not int8.own_kernel(), reason="Kestrel's int8 kernel is not built here")
