@@ -116,7 +116,16 @@ static inline const T* widened(const S* p, int64_t n, T* out) {
     if constexpr (std::is_same<S, T>::value) {
         return p;
     } else {
-        for (int64_t i = 0; i < n; ++i) {
+        typedef uint16_t halves __attribute__((vector_size(8 * sizeof(uint16_t))));
+        typedef uint32_t words __attribute__((vector_size(8 * sizeof(uint32_t))));
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {  // eight at a time
+            halves h;
+            std::memcpy(&h, p + i, sizeof(h));
+            const words w = __builtin_convertvector(h, words) << 16;
+            std::memcpy(out + i, &w, sizeof(w));
+        }
+        for (; i < n; ++i) {
             const uint32_t bits = uint32_t(p[i].bits) << 16;
             std::memcpy(out + i, &bits, sizeof(T));
         }
@@ -124,55 +133,145 @@ static inline const T* widened(const S* p, int64_t n, T* out) {
     }
 }
 
-// One (row, head): softmax(q k^T * scale) v over the row's keys, in key order.
+// exp(x[j] - shift) in place. Doubles use std::exp. Floats use a fixed
+// polynomial eight lanes at a time (Cephes' expf: about 1 ulp; a tail is
+// padded to eight lanes), the same operations for every element wherever it
+// sits, and several times faster than a call per element.
+static inline void exp_shifted(double* x, int64_t n, double shift) {
+    for (int64_t j = 0; j < n; ++j) x[j] = std::exp(x[j] - shift);
+}
+
+static inline Lanes<float> exp8(Lanes<float> x) {
+    typedef int32_t ints __attribute__((vector_size(8 * sizeof(int32_t))));
+    const Lanes<float> zero = {}, floor = zero - 87.0f;
+    const ints low = x < floor;  // exp underflows there: clamp, then zero
+    x = low ? floor : x;
+    const Lanes<float> rounder = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
+                                  12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};  // 1.5 * 2^23
+    Lanes<float> n = x * 1.44269504088896341f + rounder;
+    n = n - rounder;  // x / ln 2 rounded to the nearest integer
+    const Lanes<float> r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    Lanes<float> p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const ints power = (__builtin_convertvector(n, ints) + 127) << 23;
+    Lanes<float> scale;
+    std::memcpy(&scale, &power, sizeof(scale));
+    const Lanes<float> result = p * scale;
+    return low ? zero : result;
+}
+
+static inline void exp_shifted(float* x, int64_t n, float shift) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        Lanes<float> v;
+        std::memcpy(&v, x + j, sizeof(v));
+        v = exp8(v - shift);
+        std::memcpy(x + j, &v, sizeof(v));
+    }
+    if (j < n) {
+        Lanes<float> v = {};
+        std::memcpy(&v, x + j, (n - j) * sizeof(float));
+        v = exp8(v - shift);
+        std::memcpy(x + j, &v, (n - j) * sizeof(float));
+    }
+}
+
+static constexpr int64_t MAX_GROUP = 8;  // query heads computed together over one key/value head
+
+// The row's keys (or values) in key order: pointers into the cache, or for
+// bf16 rows widened once into `wide` (count x dim).
 template <typename S, typename T = typename Compute<S>::type>
-static void head(const S* qs, const S* kb, const S* vb, int64_t kv_pos, int64_t dim, int64_t lead,
-                 const int64_t* extra, int64_t count, T scale, T* scores, T* acc, T* wide, T* o) {
-    T* kw = wide + dim;  // room for four widened keys (or one value)
-    const T* qv = widened<S>(qs, dim, wide);
-    T best = -INFINITY;
+static void gather(const S* base, int64_t kv_pos, int64_t dim, int64_t lead, const int64_t* extra, int64_t count,
+                   T* wide, const T** out) {
+    for (int64_t j = 0; j < count; ++j)
+        out[j] = widened<S>(base + (j < lead ? j : extra[j - lead]) * kv_pos, dim, wide + j * dim);
+}
+
+// One row and the g query heads sharing a key/value head: softmax(q k^T *
+// scale) v over the row's keys, in key order, for each of the g heads.
+// Every key and value is read (and widened) once for the g heads; each
+// head's result gets exactly the operations a lone head would: dot products
+// in eight fixed partial sums, and each output element the sum over keys in
+// order of weight times value, held in registers 32 elements at a time.
+template <typename S, typename T = typename Compute<S>::type>
+static void group_heads(const S* qs, int64_t q_head, int64_t g, const S* kb, const S* vb, int64_t kv_pos, int64_t dim,
+                        int64_t lead, const int64_t* extra, int64_t count, T scale, T* scores, T* wide,
+                        const T** keys, const T** values, T* o) {
+    const T* qv[MAX_GROUP];
+    T best[MAX_GROUP];
+    for (int64_t h = 0; h < g; ++h) {
+        qv[h] = widened<S>(qs + h * q_head, dim, wide + h * dim);
+        best[h] = -INFINITY;
+    }
+    T* rows_wide = wide + MAX_GROUP * dim;  // bf16: the widened keys, then the widened values
+    gather<S>(kb, kv_pos, dim, lead, extra, count, rows_wide, keys);
     int64_t j = 0;
     for (; j + 4 <= count; j += 4) {
-        const T* b[4];
-        for (int i = 0; i < 4; ++i)
-            b[i] = widened<S>(kb + (j + i < lead ? j + i : extra[j + i - lead]) * kv_pos, dim, kw + i * dim);
-        T s[4];
-        dot4(qv, b[0], b[1], b[2], b[3], dim, s);
-        for (int i = 0; i < 4; ++i) {
-            scores[j + i] = s[i] * scale;
-            if (scores[j + i] > best) best = scores[j + i];
+        for (int64_t h = 0; h < g; ++h) {
+            T s[4];
+            dot4(qv[h], keys[j], keys[j + 1], keys[j + 2], keys[j + 3], dim, s);
+            T* row = scores + h * count;
+            for (int i = 0; i < 4; ++i) {
+                row[j + i] = s[i] * scale;
+                if (row[j + i] > best[h]) best[h] = row[j + i];
+            }
         }
     }
     for (; j < count; ++j) {
-        const int64_t pos = j < lead ? j : extra[j - lead];
-        const T s = dot(qv, widened<S>(kb + pos * kv_pos, dim, kw), dim) * scale;
-        scores[j] = s;
-        if (s > best) best = s;
+        for (int64_t h = 0; h < g; ++h) {
+            const T s = dot(qv[h], keys[j], dim) * scale;
+            scores[h * count + j] = s;
+            if (s > best[h]) best[h] = s;
+        }
     }
-    T total = 0;
-    for (int64_t j = 0; j < count; ++j) {
-        scores[j] = std::exp(scores[j] - best);
-        total += scores[j];
+    gather<S>(vb, kv_pos, dim, lead, extra, count, rows_wide + count * dim, values);
+    for (int64_t h = 0; h < g; ++h) {
+        T* row = scores + h * count;
+        T total = 0;
+        exp_shifted(row, count, best[h]);
+        for (int64_t j = 0; j < count; ++j) total += row[j];
+        int64_t d = 0;
+        for (; d + 32 <= dim; d += 32) {
+            Lanes<T> a0 = {}, a1 = {}, a2 = {}, a3 = {};
+            for (int64_t j = 0; j < count; ++j) {
+                const T* vv = values[j] + d;
+                const T w = row[j];
+                a0 = a0 + w * load8<T>(vv);
+                a1 = a1 + w * load8<T>(vv + 8);
+                a2 = a2 + w * load8<T>(vv + 16);
+                a3 = a3 + w * load8<T>(vv + 24);
+            }
+            T* out = o + h * dim + d;
+            for (int l = 0; l < 8; ++l) {
+                out[l] = a0[l] / total;
+                out[8 + l] = a1[l] / total;
+                out[16 + l] = a2[l] / total;
+                out[24 + l] = a3[l] / total;
+            }
+        }
+        for (; d < dim; ++d) {
+            T a = 0;
+            for (int64_t j = 0; j < count; ++j) a += row[j] * values[j][d];
+            o[h * dim + d] = a / total;
+        }
     }
-    for (int64_t d = 0; d < dim; ++d) acc[d] = 0;
-    for (int64_t j = 0; j < count; ++j) {
-        const int64_t pos = j < lead ? j : extra[j - lead];
-        const T* vv = widened<S>(vb + pos * kv_pos, dim, kw);
-        const T w = scores[j];
-        for (int64_t d = 0; d < dim; ++d) acc[d] += w * vv[d];
-    }
-    for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] / total;
 }
 
-// Every (row, head) is computed whole by one thread with the same loops, so
-// the result depends neither on the other rows nor on the thread count.
-// `out` (1, T, H, D) is in the compute type.
+// Every (row, key/value head) is computed whole by one thread with the same
+// loops, so the result depends neither on the other rows nor on the thread
+// count. `out` (1, T, H, D) is in the compute type.
 template <typename S, typename T = typename Compute<S>::type>
 static void rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* prefix,
                  const int64_t* offsets, const int64_t* extra, double scale, at::Tensor& out) {
     const int64_t n_rows = q.size(2), heads = q.size(1), kv_heads = k.size(1), dim = q.size(3);
     const int64_t q_row = q.stride(2), q_head = q.stride(1), kv_head = k.stride(1), kv_pos = k.stride(2);
     const int64_t group = heads / kv_heads;
+    // a group wider than MAX_GROUP is computed MAX_GROUP heads (or fewer) at a time
+    const int64_t parts = (group + MAX_GROUP - 1) / MAX_GROUP, width = (group + parts - 1) / parts;
     const S* qp = static_cast<const S*>(q.data_ptr());
     const S* kp = static_cast<const S*>(k.data_ptr());
     const S* vp = static_cast<const S*>(v.data_ptr());
@@ -180,14 +279,17 @@ static void rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     int64_t longest = 1;
     for (int64_t r = 0; r < n_rows; ++r)
         longest = std::max(longest, prefix[r] + offsets[r + 1] - offsets[r]);
-    at::parallel_for(0, n_rows * heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> scores(longest), acc(dim), wide(5 * dim);
+    const bool widen = !std::is_same<S, T>::value;
+    at::parallel_for(0, n_rows * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> scores(width * longest), wide((MAX_GROUP + (widen ? 2 * longest : 0)) * dim);
+        std::vector<const T*> keys(longest), values(longest);
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t r = item / heads, h = item % heads;
+            const int64_t r = item / (kv_heads * parts), kv = item % (kv_heads * parts) / parts, part = item % parts;
+            const int64_t h = kv * group + part * width, g = std::min(width, (kv + 1) * group - h);
             const int64_t lead = prefix[r], first = offsets[r], count = lead + offsets[r + 1] - first;
-            head<S>(qp + r * q_row + h * q_head, kp + (h / group) * kv_head, vp + (h / group) * kv_head, kv_pos, dim,
-                    lead, extra + first, count, (T)scale, scores.data(), acc.data(), wide.data(),
-                    op + (r * heads + h) * dim);
+            group_heads<S>(qp + r * q_row + h * q_head, q_head, g, kp + kv * kv_head, vp + kv * kv_head, kv_pos, dim,
+                           lead, extra + first, count, (T)scale, scores.data(), wide.data(), keys.data(),
+                           values.data(), op + (r * heads + h) * dim);
         }
     });
 }
