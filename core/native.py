@@ -52,11 +52,25 @@ static inline int64_t sweep(int64_t n, int64_t end, int64_t r, const Run& run) {
     return n;
 }
 
-// every block of columns [begin, end) and rows [0, R)
+// every block of columns [begin, end) and rows [0, R). With AVX-512's 32
+// vector registers a block holds up to 12 rows (one pass over the weights
+// for a 12-node tree), else 7.
 template <typename Run>
 static inline void each_block(int64_t R, int64_t begin, int64_t end, const Run& run) {
     int64_t r = 0;
+#ifdef __AVX512F__
+    for (; R - r > 12; r += 8) sweep<1, 8>(begin, end, r, run);
+    switch (R - r) {
+        case 8: sweep<1, 8>(begin, end, r, run); return;
+        case 9: sweep<1, 9>(begin, end, r, run); return;
+        case 10: sweep<1, 10>(begin, end, r, run); return;
+        case 11: sweep<1, 11>(begin, end, r, run); return;
+        case 12: sweep<1, 12>(begin, end, r, run); return;
+        default: break;
+    }
+#else
     for (; R - r > 7; r += 4) sweep<1, 4>(begin, end, r, run);
+#endif
     switch (R - r) {
         case 0: break;
         case 1: sweep<1, 1>(sweep<4, 1>(begin, end, r, run), end, r, run); break;
