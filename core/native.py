@@ -45,6 +45,12 @@ static inline float sum8(__m256 v) {  // fixed order
     return _mm_cvtss_f32(s);
 }
 
+#ifdef __AVX512F__
+static inline float sum16(__m512 v) {  // fixed order
+    return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+#endif
+
 // blocks of C columns x RB rows at row r, from column n while they fit before `end`; -> the next column
 template <int C, int RB, typename Run>
 static inline int64_t sweep(int64_t n, int64_t end, int64_t r, const Run& run) {

@@ -55,10 +55,6 @@ SOURCE = native.AVX2_BLOCKS + r"""
 // and high nibbles), else four 8-lane ones: the two builds round
 // differently, each the same way for every row.
 #ifdef __AVX512F__
-static inline float sum16(__m512 v) {  // fixed order
-    return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-}
-
 template <int C, int RB>
 static inline void block(int64_t n0, int64_t r0, int64_t G, int64_t K, int64_t N, const uint8_t* codes,
                          const float* d, const float* m, const float* x, float* out) {
