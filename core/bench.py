@@ -115,6 +115,15 @@ class LlamaStick:
     def _read(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
+            try:
+                code = self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None and code < 0:  # killed by a signal: llama.cpp itself crashed
+                raise ValueError(
+                    f"llama.cpp's helper process crashed (signal {-code}); a llama-cpp-python built for this CPU's "
+                    "AMX can crash where the system does not enable AMX: see the README's Performance section"
+                )
             raise ValueError("llama.cpp's helper process ended early (is llama-cpp-python installed there?)")
         return json.loads(line)
 

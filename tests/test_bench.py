@@ -1,8 +1,9 @@
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from core.bench import PromptFileError, format_table, load_prompts, run_bench
+from core.bench import LlamaStick, PromptFileError, format_table, load_prompts, run_bench
 from core.config import SamplingParams, TreeParams
 from core.engine import Engine
 from tests.factory import random_head
@@ -106,3 +107,16 @@ def test_bench_app_reads_the_chat_command_and_server_lines_and_shows_medians():
     table = format_rows(rows).splitlines()
     assert table[1].split()[-2:] == ["11.0", "1.00x"]
     assert table[2].split()[-2:] == ["7.0", "0.70x"]  # medians of three rounds
+
+
+def test_a_crashing_llama_cpp_helper_is_reported_as_a_crash(tmp_path):
+    """llama.cpp dying on a signal (e.g. an AMX build where AMX is not enabled) is named as a crash."""
+    helper = tmp_path / "python"
+    helper.write_text('#!/bin/sh\necho \'{"ready": true}\'\nread request\nkill -SEGV $$\n')
+    helper.chmod(0o755)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    engine = SimpleNamespace(base=SimpleNamespace(name=str(gguf)), stop_ids={2})
+    stick = LlamaStick(str(helper), engine, SamplingParams())
+    with pytest.raises(ValueError, match=r"crashed \(signal 11\)"):
+        stick.run([1, 2, 3], 4)
