@@ -86,11 +86,9 @@ def main() -> None:
             sys.exit(subprocess.call(command))
         os.execv(command[0], command)
     sys.path.insert(0, str(ROOT))
-    from models.bundled import cache_root
+    from models.bundled import use_compile_cache
 
-    # torch.compile's cache beside Kestrel's other caches (not /tmp, which a reboot may clear), set before
-    # torch starts the compiler's worker processes, which keep the environment they start with
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    use_compile_cache()  # before torch is imported
     from app.cli import main as cli
 
     sys.exit(cli(sys.argv[1:]))

@@ -32,7 +32,6 @@ operation Inductor cannot handle) the model stays eager."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import types
@@ -46,7 +45,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from core import attention, native, rowkernel
 from core.kv_cache import new_cache
-from models.bundled import cache_root
+from models.bundled import use_compile_cache
 
 NAME = "kestrel_compiled"
 log = logging.getLogger("kestrel")
@@ -289,9 +288,7 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
     if model.device.type == "cpu" and not compiler_available():
         log.info("Decoding eagerly: torch.compile needs a C++ compiler (g++ or clang++) on CPUs")
         return None
-    # Inductor's cache beside Kestrel's other caches rather than in /tmp, which
-    # a reboot may clear: later starts then read the compiled code
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    use_compile_cache()  # where launch.py has not already
     problem = _layout_problem(model)
     if problem is not None:
         log.info(f"Decoding eagerly: {problem}")

@@ -25,12 +25,13 @@ log = logging.getLogger("kestrel")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 
 
-# What the int4 and int8 product kernels share (prepended to their sources): the fixed-order
-# sum of eight lanes, and the walk over an output in blocks of C columns x RB rows. A kernel
-# passes run(C, RB, n, r) computing one block; every element gets the same operations whatever
-# the block, so the blocks only decide how often the weights are read: once per 4 rows, and
-# once for all the rows of a pass of 3 to 7 (a tree's worth).
-AVX2_BLOCKS = r"""
+# What the int4 and int8 product kernels share (prepended to their sources): the float vector
+# they accumulate in (16 lanes with AVX-512, else 8: the two builds round differently, each the
+# same way for every row), its fixed-order lane sum, and the walk over an output in blocks of C
+# columns x RB rows. A kernel passes run(C, RB, n, r) computing one block; every element gets the
+# same operations whatever the block, so the blocks only decide how often the weights are read:
+# once for all the rows of a pass of up to 7 (12 with AVX-512's 32 registers), else once per 4 (8).
+BLOCKS = r"""
 #include <cstdint>
 #include <type_traits>
 #ifndef __AVX2__
@@ -46,8 +47,31 @@ static inline float sum8(__m256 v) {  // fixed order
 }
 
 #ifdef __AVX512F__
-static inline float sum16(__m512 v) {  // fixed order
+typedef __m512 vec;
+static constexpr int LANES = 16;
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vset1(float value) { return _mm512_set1_ps(value); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a, vec b) {  // of a + b, fixed order
+    const __m512 v = _mm512_add_ps(a, b);
     return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+static inline vec vfrom_u8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }  // the first LANES bytes
+static inline vec vfrom_i8(const int8_t* p) {  // LANES bytes at p
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#else
+typedef __m256 vec;
+static constexpr int LANES = 8;
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vset1(float value) { return _mm256_set1_ps(value); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a, vec b) { return sum8(_mm256_add_ps(a, b)); }  // of a + b, fixed order
+static inline vec vfrom_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }  // the first LANES bytes
+static inline vec vfrom_i8(const int8_t* p) {  // LANES bytes at p
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 #endif
 
@@ -58,9 +82,7 @@ static inline int64_t sweep(int64_t n, int64_t end, int64_t r, const Run& run) {
     return n;
 }
 
-// every block of columns [begin, end) and rows [0, R). With AVX-512's 32
-// vector registers a block holds up to 12 rows (one pass over the weights
-// for a 12-node tree), else 7.
+// every block of columns [begin, end) and rows [0, R)
 template <typename Run>
 static inline void each_block(int64_t R, int64_t begin, int64_t end, const Run& run) {
     int64_t r = 0;

@@ -322,7 +322,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());  // bf16: each element rounded once
 }
 
-
 TORCH_LIBRARY_FRAGMENT(kestrel_rows, lib) {
     lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor prefix, Tensor offsets, Tensor extra, float scale) -> Tensor");
 }

@@ -26,6 +26,14 @@ def cache_root() -> Path:
     return Path(override) if override else Path(platformdirs.user_cache_dir("kestrel"))
 
 
+def use_compile_cache() -> None:
+    """Put torch.compile's cache beside Kestrel's other caches rather than in
+    /tmp, which a reboot may clear, so later starts read the compiled code.
+    torch's compiler worker processes keep the environment they start with:
+    call this before they start (launch.py does, before importing torch)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
 def gguf_path() -> Path:
     # The package's own __init__ imports the `llm` CLI, which is not installed:
     # find its folder without importing it.

@@ -40,7 +40,7 @@ GROUP = 32  # weights per scale and zero, along the input dimension (Q4_0/Q4_1's
 GGUF_4BIT_TYPES = {2, 3, 14, 15}  # general.file_type: MOSTLY_Q4_0, MOSTLY_Q4_1, MOSTLY_Q4_K_S, MOSTLY_Q4_K_M
 
 
-SOURCE = native.AVX2_BLOCKS + r"""
+SOURCE = native.BLOCKS + r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,69 +48,51 @@ SOURCE = native.AVX2_BLOCKS + r"""
 // codes (N, G, 16) uint8: byte j of a group holds element j (low nibble) and
 // element j + 16 (high nibble); d, m (N, G) float32; weight = d * code + m.
 
-// C output columns times RB rows. Every output element gets the same
-// operations in the same order whatever C, RB and the other rows are: two
-// accumulators over the groups in order, then a fixed-order sum of their
-// sum. With AVX-512 a group of 32 weights is two 16-lane vectors (its low
-// and high nibbles), else four 8-lane ones: the two builds round
-// differently, each the same way for every row.
+// A group's 32 weights, d * code + m, as 32 / LANES vectors in element order.
 #ifdef __AVX512F__
-template <int C, int RB>
-static inline void block(int64_t n0, int64_t r0, int64_t G, int64_t K, int64_t N, const uint8_t* codes,
-                         const float* d, const float* m, const float* x, float* out) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    __m512 a[C][RB], b[C][RB];
-    for (int c = 0; c < C; ++c)
-        for (int r = 0; r < RB; ++r) a[c][r] = b[c][r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-        for (int c = 0; c < C; ++c) {
-            const int64_t at = (n0 + c) * G + g;
-            const __m128i raw = _mm_loadu_si128((const __m128i*)(codes + at * 16));
-            const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-            const __m512 scale = _mm512_set1_ps(d[at]), base = _mm512_set1_ps(m[at]);
-            const __m512 w0 = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), base);
-            const __m512 w1 = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), base);
-            for (int r = 0; r < RB; ++r) {
-                const float* xr = x + (r0 + r) * K + g * 32;
-                a[c][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[c][r]);
-                b[c][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), b[c][r]);
-            }
-        }
-    }
-    for (int c = 0; c < C; ++c)
-        for (int r = 0; r < RB; ++r) out[(r0 + r) * N + n0 + c] = sum16(_mm512_add_ps(a[c][r], b[c][r]));
+static inline void dequantize(__m128i lo, __m128i hi, vec scale, vec base, vec* w) {
+    w[0] = vfma(scale, vfrom_u8(lo), base);
+    w[1] = vfma(scale, vfrom_u8(hi), base);
 }
 #else
+static inline void dequantize(__m128i lo, __m128i hi, vec scale, vec base, vec* w) {
+    w[0] = vfma(scale, vfrom_u8(lo), base);
+    w[1] = vfma(scale, vfrom_u8(_mm_srli_si128(lo, 8)), base);
+    w[2] = vfma(scale, vfrom_u8(hi), base);
+    w[3] = vfma(scale, vfrom_u8(_mm_srli_si128(hi, 8)), base);
+}
+#endif
+
+// C output columns times RB rows. Every output element gets the same
+// operations in the same order whatever C, RB and the other rows are: two
+// accumulators (the group's vectors alternating between them) over the
+// groups in order, then the fixed-order sum of their sum.
 template <int C, int RB>
 static inline void block(int64_t n0, int64_t r0, int64_t G, int64_t K, int64_t N, const uint8_t* codes,
                          const float* d, const float* m, const float* x, float* out) {
+    constexpr int W = 32 / LANES;  // vectors per group
     const __m128i low = _mm_set1_epi8(0x0F);
-    __m256 a[C][RB], b[C][RB];
+    vec a[C][RB], b[C][RB];
     for (int c = 0; c < C; ++c)
-        for (int r = 0; r < RB; ++r) a[c][r] = b[c][r] = _mm256_setzero_ps();
+        for (int r = 0; r < RB; ++r) a[c][r] = b[c][r] = vzero();
     for (int64_t g = 0; g < G; ++g) {
         for (int c = 0; c < C; ++c) {
             const int64_t at = (n0 + c) * G + g;
             const __m128i raw = _mm_loadu_si128((const __m128i*)(codes + at * 16));
-            const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-            const __m256 scale = _mm256_set1_ps(d[at]), base = _mm256_set1_ps(m[at]);
-            const __m256 w0 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), base);
-            const __m256 w1 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), base);
-            const __m256 w2 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), base);
-            const __m256 w3 = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), base);
+            vec w[W];
+            dequantize(_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low), vset1(d[at]), vset1(m[at]), w);
             for (int r = 0; r < RB; ++r) {
                 const float* xr = x + (r0 + r) * K + g * 32;
-                a[c][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[c][r]);
-                b[c][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), b[c][r]);
-                a[c][r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a[c][r]);
-                b[c][r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), b[c][r]);
+                for (int i = 0; i < W; ++i) {
+                    vec& acc = i % 2 ? b[c][r] : a[c][r];
+                    acc = vfma(w[i], vload(xr + i * LANES), acc);
+                }
             }
         }
     }
     for (int c = 0; c < C; ++c)
-        for (int r = 0; r < RB; ++r) out[(r0 + r) * N + n0 + c] = sum8(_mm256_add_ps(a[c][r], b[c][r]));
+        for (int r = 0; r < RB; ++r) out[(r0 + r) * N + n0 + c] = vsum(a[c][r], b[c][r]);
 }
-#endif
 
 at::Tensor q4_linear(const at::Tensor& input, const at::Tensor& codes_t, const at::Tensor& d_t, const at::Tensor& m_t) {
     TORCH_CHECK(input.dim() == 2 && codes_t.dim() == 3 && codes_t.size(2) == 16, "q4_linear: x (R, K), codes (N, K/32, 16)");

@@ -100,76 +100,43 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch
 # (core/drafter.py): float32 activations, so its only rounding is float32 accumulation. Measured on
 # the 2-core AVX2 machine, a 49k x 576 lm_head: 2.4 ms for one row against torch's 3.6, 2.4 against
 # 5.2 for four rows, 9.0 against 20.8 for sixteen.
-SOURCE = native.AVX2_BLOCKS + r"""
+SOURCE = native.BLOCKS + r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 // C output columns times RB rows; every output element gets the same
 // operations in the same order whatever C, RB and the other rows are (two
-// accumulators along K, then a fixed-order sum of their sum, times the row's
-// scale), so a row's result does not depend on how many rows share the call.
-// With AVX-512 the accumulators are 16 lanes wide (32 weights a step, and 16
-// for a last odd step), else 8: the two builds round differently, each the
-// same way for every row.
-#ifdef __AVX512F__
-static inline __m512 widen16(const int8_t* p) {  // 16 int8 -> 16 float32
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-
+// accumulators along K, 2 * LANES weights a step, a last odd LANES into the
+// first, then the fixed-order sum of their sum, times the row's scale), so a
+// row's result does not depend on how many rows share the call.
 template <int C, int RB>
 static inline void block(int64_t n0, int64_t r0, int64_t K, int64_t N, const int8_t* w, const float* s,
                          const float* x, float* out) {
-    __m512 a[C][RB], b[C][RB];
+    vec a[C][RB], b[C][RB];
     for (int c = 0; c < C; ++c)
-        for (int r = 0; r < RB; ++r) a[c][r] = b[c][r] = _mm512_setzero_ps();
+        for (int r = 0; r < RB; ++r) a[c][r] = b[c][r] = vzero();
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
+    for (; k + 2 * LANES <= K; k += 2 * LANES) {
         for (int c = 0; c < C; ++c) {
             const int8_t* wp = w + (n0 + c) * K + k;
-            const __m512 w0 = widen16(wp), w1 = widen16(wp + 16);
+            const vec w0 = vfrom_i8(wp), w1 = vfrom_i8(wp + LANES);
             for (int r = 0; r < RB; ++r) {
                 const float* xr = x + (r0 + r) * K + k;
-                a[c][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[c][r]);
-                b[c][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), b[c][r]);
+                a[c][r] = vfma(w0, vload(xr), a[c][r]);
+                b[c][r] = vfma(w1, vload(xr + LANES), b[c][r]);
             }
         }
     }
-    if (k < K) {  // K is a multiple of 16
+    if (k < K) {  // K is a multiple of 16, so with 16 lanes one vector may be left
         for (int c = 0; c < C; ++c) {
-            const __m512 w0 = widen16(w + (n0 + c) * K + k);
-            for (int r = 0; r < RB; ++r) a[c][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + (r0 + r) * K + k), a[c][r]);
+            const vec w0 = vfrom_i8(w + (n0 + c) * K + k);
+            for (int r = 0; r < RB; ++r) a[c][r] = vfma(w0, vload(x + (r0 + r) * K + k), a[c][r]);
         }
     }
     for (int c = 0; c < C; ++c)
-        for (int r = 0; r < RB; ++r) out[(r0 + r) * N + n0 + c] = s[n0 + c] * sum16(_mm512_add_ps(a[c][r], b[c][r]));
+        for (int r = 0; r < RB; ++r) out[(r0 + r) * N + n0 + c] = s[n0 + c] * vsum(a[c][r], b[c][r]);
 }
-#else
-static inline __m256 widen(const int8_t* p) {  // 8 int8 -> 8 float32
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-
-template <int C, int RB>
-static inline void block(int64_t n0, int64_t r0, int64_t K, int64_t N, const int8_t* w, const float* s,
-                         const float* x, float* out) {
-    __m256 a[C][RB], b[C][RB];
-    for (int c = 0; c < C; ++c)
-        for (int r = 0; r < RB; ++r) a[c][r] = b[c][r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        for (int c = 0; c < C; ++c) {
-            const int8_t* wp = w + (n0 + c) * K + k;
-            const __m256 w0 = widen(wp), w1 = widen(wp + 8);
-            for (int r = 0; r < RB; ++r) {
-                const float* xr = x + (r0 + r) * K + k;
-                a[c][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[c][r]);
-                b[c][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), b[c][r]);
-            }
-        }
-    }
-    for (int c = 0; c < C; ++c)
-        for (int r = 0; r < RB; ++r) out[(r0 + r) * N + n0 + c] = s[n0 + c] * sum8(_mm256_add_ps(a[c][r], b[c][r]));
-}
-#endif
 
 at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales) {
     TORCH_CHECK(input.dim() == 2 && weight.dim() == 2 && scales.dim() == 1, "int8_linear: x (R, K), weight (N, K), scales (N,)");
