@@ -135,14 +135,26 @@ def test_continuation_learns_how_often_accepted_paths_go_deeper():
     assert [continuation.rate(depth) for depth in (1, 2, 3)] == pytest.approx([0.5, 0.5, 0.5], abs=0.05)
 
 
-def test_planned_steps_skip_the_head_where_drafting_does_not_pay(engine64):
+def test_planned_steps_skip_the_head_where_drafting_does_not_pay(engine64, monkeypatch):
     """Where one more node costs five one-node passes, steps rest (no head
     work at all), looking again after 1, 2, 4 and 8 steps; the output is vanilla's."""
     engine64.costs, engine64.calibrations = table(per_node=0.05), Calibrations()
     sampling = SamplingParams(max_new_tokens=40)
-    steps = list(engine64.stream([8, 9, 10, 11], "eagle2", sampling))[1:]
-    resting = [step for step in steps if step.draft_seconds < 5e-4]  # building a one-node tree, no head forward
-    looking = [step for step in steps if step.draft_seconds >= 1e-3]
+    head, forwards = engine64.draft_head, [0]  # head forwards so far (counted, not timed: machines differ)
+    original = head.forward
+
+    def counted(*args, **kwargs):
+        forwards[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(head, "forward", counted)
+    steps, head_work = [], []
+    for step in engine64.stream([8, 9, 10, 11], "eagle2", sampling):
+        head_work.append(forwards[0] - sum(head_work))
+        steps.append(step)
+    steps, head_work = steps[1:], head_work[1:]
+    resting = [step for step, work in zip(steps, head_work) if work == 0]  # a one-node tree, no head forward
+    looking = [step for step, work in zip(steps, head_work) if work > 0]
     assert len(resting) >= len(steps) // 2 and len(looking) >= 3, (len(resting), len(looking), len(steps))
     assert all(step.tree_size == 1 for step in resting)
     assert tokens_of(steps) == tokens_of(engine64.stream([8, 9, 10, 11], "vanilla", sampling))[1:]
