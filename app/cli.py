@@ -1,4 +1,4 @@
-"""The command line: ui (default), chat, bench, train-head, test."""
+"""The command line: ui (default), chat, bench, train-head, eval-heads, test."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "test")
+COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "eval-heads", "test")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the caches in the work folder")
     train.add_argument("--seed", type=int, default=0, help="seed of sampling, noise, init and batch order (default 0)")
 
+    judge = commands.add_parser("eval-heads", help="held-out top-1 of draft heads (any kind) on the same stored features")
+    judge.add_argument("--features", required=True, help="a features folder of train-head (WORK/features-eagle3 serves every kind of head)")
+    judge.add_argument("--split", default="eval", choices=("eval", "train"), help="which shards to judge on (default eval: the held-out prompts)")
+    judge.add_argument("--steps", type=int, default=3, help="draft steps, each fed the head's own earlier output (default 3)")
+    judge.add_argument("--json", dest="json_out", help="write the figures to this JSON file")
+    add_model_options(judge)
+    judge.add_argument("heads", nargs="*", metavar="HEAD", help="more head folders or Hugging Face repo ids")
+
     test = commands.add_parser("test", help="run the test suite (extra arguments go to pytest)")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER)
     return parser
@@ -151,6 +159,8 @@ def main(argv: list[str]) -> int:
             return run_app_bench_command(args)
         if args.command == "train-head":
             return run_train_head(args)
+        if args.command == "eval-heads":
+            return run_eval_heads(args)
     except KestrelError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -258,6 +268,37 @@ def run_train_head(args) -> int:
     )
     if training["steps"] < training["total_steps"]:
         print(f"stopped by the time budget; run again with --resume to continue ({work})")
+    return 0
+
+
+def run_eval_heads(args) -> int:
+    import json
+
+    import torch
+
+    from core.training.compare import drafted_accuracy
+    from models.base import load_base
+    from models.head import load_head
+
+    if args.threads is not None:
+        torch.set_num_threads(max(1, args.threads))
+    sources = ([args.head] if args.head else []) + args.heads
+    if not sources:
+        raise ValueError("name at least one head to judge (--head or HEAD ...)")
+    shards = sorted((Path(args.features).expanduser() / args.split).glob("shard-*.safetensors"))
+    if not shards:
+        raise ValueError(f"{Path(args.features) / args.split}: no feature shards (run train-head first)")
+    base = load_base(args.model, args.quantization, args.dtype, args.device)
+    config = base.model.config
+    results = {}
+    for source in sources:
+        head = load_head(source, config.hidden_size, config.vocab_size, base.device, torch.float32, config.num_hidden_layers)
+        figures = drafted_accuracy(base, head, shards, args.steps)
+        results[source] = figures
+        chain = ", ".join(f"{100 * a:.1f}%" for a in figures["chain_accuracy"])
+        print(f"{source}: top-1 {', '.join(f'{100 * a:.1f}%' for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

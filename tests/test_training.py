@@ -230,3 +230,51 @@ def test_training_can_start_from_a_saved_head(tiny_base, features, tmp_path):
     save_head(new_head(replace(config, intermediate_size=config.intermediate_size + 1), 0), tmp_path / "other")
     with pytest.raises(HeadFormatError, match="does not fit"):
         Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "c", replace(TRAIN, init_head=str(tmp_path / "other")))
+
+
+def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_dir, features, tmp_path):
+    """eval-heads' top-1 equals training's own evaluation for a head that drafts
+    the whole vocabulary; an EAGLE-3 head is judged on the same positions, and a
+    draft vocabulary without the base model's choices scores nothing."""
+    from dataclasses import replace
+
+    from core.training.compare import drafted_accuracy
+    from core.training.trainer import new_eagle3_head
+
+    answers, _ = features
+    layer_ids = (0, 1, 2)
+    shards = extract_features(tiny_base, answers, tmp_path / "features", replace(FEATURES, layer_ids=layer_ids), progress=False)
+    trainer = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "train", replace(TRAIN, epochs=1))
+    trainer.run(progress=False)
+    own = trainer.final_eval()
+    judged = drafted_accuracy(tiny_base, trainer.head, shards["eval"], steps=TRAIN.unroll_steps, batch_tokens=TRAIN.batch_tokens)
+    assert judged["positions"] == own["positions"] and judged["accuracy"] == own["accuracy"]
+    assert judged["chain_accuracy"] == own["chain_accuracy"] and 0 < judged["accuracy"][0] < 1
+
+    lm_head = tiny_base.model.get_output_embeddings().weight.float()
+    chosen = set()
+    for path in shards["eval"]:
+        for sequence in read_shard(path):
+            chosen |= set((sequence.features.float() @ lm_head.T).argmax(-1).tolist())
+    others = torch.tensor(sorted(set(range(lm_head.shape[0])) - chosen))
+    assert len(others) > 0
+    for draft_ids, bounded in ((torch.arange(lm_head.shape[0]), False), (others, True)):
+        head = new_eagle3_head(tiny_base, draft_ids, seed=0)
+        head.layer_ids = layer_ids
+        figures = drafted_accuracy(tiny_base, head, shards["eval"])
+        assert figures["positions"] == own["positions"]
+        if bounded:
+            assert figures["accuracy"] == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="no captured layers"):
+        drafted_accuracy(tiny_base, head, [p for p in features[1]["eval"]])
+
+    from app.cli import main
+    from models.head import save_head
+
+    save_head(trainer.head, tmp_path / "head")
+    command = ["eval-heads", "--features", str(tmp_path / "features"), "--model", str(tiny_dir), "--dtype", "float64"]
+    assert main([*command, "--json", str(tmp_path / "figures.json"), str(tmp_path / "head")]) == 0
+    figures = json.loads((tmp_path / "figures.json").read_text())[str(tmp_path / "head")]
+    assert figures["accuracy"] == judged["accuracy"]
+    assert main(command) == 2  # no head named
+    assert main(["eval-heads", "--features", str(tmp_path / "nowhere"), str(tmp_path / "head")]) == 2

@@ -1,0 +1,74 @@
+"""Held-out top-1 of draft heads of any kind on the same stored features.
+
+Each head is judged as the engine drafts with it: its argmax over its own draft
+vocabulary (the base lm_head's rows for an EAGLE-1/2 head, its own lm_head for
+an EAGLE-3 head), mapped to token ids, against the base model's greedy token
+over the whole vocabulary. A token outside a head's draft vocabulary counts as
+a miss, so heads with different vocabularies are compared on the same
+positions. Steps after the first feed the head its own earlier outputs, as a
+draft chain does (the training-time test of core.training.trainer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from core.training.features import read_shard
+from core.training.trainer import Totals, frozen_of, make_batch, plan_epoch, unrolled_mask
+from models.eagle3 import Eagle3Head
+from models.head import HeadCache
+
+
+@torch.no_grad()
+def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_tokens: int = 2048) -> dict:
+    """{"positions", "accuracy": [step 1, 2, ...], "chain_accuracy": [...]} over
+    the answer positions of `shards` (EAGLE-3 shards hold both kinds of features)."""
+    frozen = frozen_of(base, bf16=False)
+    head = head.place(frozen.embed.device, torch.float32).eval()
+    third = isinstance(head, Eagle3Head)
+    draft_ids = head.draft_token_ids
+    rows = frozen.lm_head if draft_ids is None or third else frozen.lm_head[draft_ids]
+    totals = Totals()
+    for path in shards:
+        sequences = read_shard(path)
+        if third and sequences[0].aux is None:
+            raise ValueError(f"{path}: holds no captured layers; an EAGLE-3 head needs features from `train-head --arch eagle3`")
+        lengths = [[len(sequence.input_ids) for sequence in sequences]]
+        for _, indices in plan_epoch([path], lengths, batch_tokens, 0, 0):
+            batch = make_batch([sequences[i] for i in indices], frozen)
+            _judge(head, batch, frozen.lm_head, rows, draft_ids, third, steps, totals)
+    summary = totals.summary()
+    return {key: summary[key] for key in ("positions", "accuracy", "chain_accuracy", "chain_positions")}
+
+
+def _judge(head, batch, lm_head, rows, draft_ids, third: bool, steps: int, totals: Totals) -> None:
+    valid0 = batch.loss_mask
+    base_argmax = torch.full(valid0.shape, -1, dtype=torch.long, device=valid0.device)
+    base_argmax[valid0] = F.linear(batch.targets[valid0], lm_head).argmax(-1)
+    feedable = base_argmax == batch.next_next_ids  # the data's next token is the base's choice
+    inputs = batch.aux if third else batch.features
+    cache, chain, prediction = HeadCache(), torch.ones_like(valid0), None
+    for step in range(steps):
+        if step > 0:
+            first = prediction[:, :1] if third else batch.features[:, :1]
+            inputs = torch.cat([first, prediction[:, :-1]], dim=1)
+        prediction = head(batch.next_embeddings, inputs, batch.positions, unrolled_mask(inputs.shape[1], step, inputs.device), cache)
+        valid = valid0 & (batch.positions >= step)
+        chosen = prediction[valid]
+        logits = head.lm_head(head.norm(chosen)) if third else F.linear(chosen, rows)
+        tokens = logits.argmax(-1)
+        if draft_ids is not None:
+            tokens = draft_ids[tokens]
+        correct = torch.zeros_like(valid)
+        correct[valid] = tokens == base_argmax[valid]
+        fed = torch.ones_like(valid) if step == 0 else F.pad((chain & feedable)[:, :-1], (1, 0))
+        considered = valid & fed
+        chain = considered & correct
+        totals.add(step, "positions", float(valid.sum()))
+        totals.add(step, "smooth_l1", 0.0)  # losses are not judged here
+        totals.add(step, "cross_entropy", 0.0)
+        totals.add(step, "correct", float(correct.sum()))
+        totals.add(step, "chain_total", float(considered.sum()))
+        totals.add(step, "chain_correct", float(chain.sum()))
