@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", help="write the full results to this JSON file")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts (default 1)")
     bench.add_argument("--llama-python", help="for mode llama.cpp: a Python with llama-cpp-python installed (llama.cpp as a measuring stick on the same GGUF)")
+    bench.add_argument("--other-head", action="append", default=[], metavar="NAME=HEAD", help="another head (folder or repo id) on the same base model, for modes eagle2@NAME: two heads in one run (repeatable)")
     bench.add_argument("--calibrate", action="store_true", help="measure this device's step costs again (they are cached per device, model, dtype and threads)")
     add_model_options(bench)
     add_sampling_options(bench, max_new_tokens=128)
@@ -310,21 +311,43 @@ def run_bench_command(args) -> int:
 
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     prompts = load_prompts(args.prompts, args.limit, args.per_source)
+    others = {}
+    for option in args.other_head:
+        name, _, source = option.partition("=")
+        if not name or not source or not name.isidentifier():
+            raise ValueError(f"--other-head {option!r}: write NAME=HEAD, NAME a plain word (modes eagle2@NAME)")
+        others[name] = source
     engine = load_engine(args)
-    if args.calibrate or any(mode.split(":")[0] == "eagle2" for mode in modes):
-        from app.session import prepare_costs
+    other_heads = {name: other_engine(engine, source, args.compile) for name, source in others.items()}
+    from app.session import prepare_costs
 
-        prepare_costs(engine, args.calibrate)
+    for chosen in [engine, *other_heads.values()]:
+        if args.calibrate or any(mode.split(":")[0].split("@")[0] == "eagle2" for mode in modes):
+            prepare_costs(chosen, args.calibrate)
 
     def show(done: int, total: int, description: str) -> None:
         print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
 
-    result = run_bench(engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show, args.llama_python)
+    result = run_bench(
+        engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show, args.llama_python, other_heads
+    )
     print(format_table(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json_out}")
     return 0
+
+
+def other_engine(engine, source: str, compile: str):
+    """An engine on `engine`'s base model that drafts with the head at `source`."""
+    from core.engine import Engine
+    from models.head import load_head
+
+    base = engine.base
+    config = base.model.config
+    vocab = base.model.get_output_embeddings().weight.shape[0]
+    head = load_head(source, config.hidden_size, vocab, base.device, base.dtype, config.num_hidden_layers)
+    return Engine(base, head, source, compile)
 
 
 def run_app_bench_command(args) -> int:

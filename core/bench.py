@@ -64,8 +64,12 @@ def load_prompts(path: str | Path, limit: int | None = None, per_source: int | N
 def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
     """A mode label -> (mode, tree). "eagle2:8/4/2" runs eagle2 with total_tokens 8,
     depth 4 and top_k 2, and "eagle2:8/4/2/6" adds 6 lookup tokens; the other
-    settings come from `tree`. Plain labels use `tree` itself."""
-    mode, _, shape = label.partition(":")
+    settings come from `tree`. Plain labels use `tree` itself. "eagle2@NAME"
+    drafts with the other head called NAME (`head_of`)."""
+    named, _, shape = label.partition(":")
+    mode, _, head = named.partition("@")
+    if head and mode not in ("eagle", "eagle2"):
+        raise ValueError(f"bad mode {label!r}: only eagle and eagle2 draft with a head (@{head})")
     if mode not in MODES + BASELINES:
         raise ValueError(f"unknown mode {label!r}; choose from {', '.join(MODES + BASELINES)}")
     if not shape:
@@ -141,6 +145,11 @@ class LlamaStick:
         self.process.wait(timeout=30)
 
 
+def head_of(label: str) -> str | None:
+    """NAME of a label "eagle2@NAME[:shape]": the other head it drafts with; None for the engine's own."""
+    return label.partition(":")[0].partition("@")[2] or None
+
+
 def run_once(
     engine: Engine, prompt_ids: list[int], label: str, sampling: SamplingParams, tree: TreeParams, stick: LlamaStick | None = None
 ) -> dict:
@@ -194,24 +203,34 @@ def run_bench(
     warmup: int = 1,
     progress: Callable[[int, int, str], None] | None = None,
     llama_python: str | None = None,
+    other_heads: dict[str, Engine] | None = None,
 ) -> dict:
-    """Every prompt through every mode, interleaved; -> the JSON-ready result."""
+    """Every prompt through every mode, interleaved; -> the JSON-ready result.
+    other_heads: engines on the same base model with other heads, which modes
+    labelled "eagle2@NAME" draft with (two heads compared in one run)."""
+    other_heads = other_heads or {}
+    engines = {}
     for label in modes:
         mode, _ = parse_mode(label, tree)
-        if mode in MODES and mode not in engine.modes:
+        name = head_of(label)
+        if name is not None and name not in other_heads:
+            known = ", ".join(sorted(other_heads)) or "none given"
+            raise ValueError(f"mode {label}: no other head called {name!r} (known: {known}); give --other-head {name}=FOLDER")
+        engines[label] = other_heads[name] if name else engine
+        if mode in MODES and mode not in engines[label].modes:
             raise ValueError(f"mode {mode} needs a draft head; give --head")
     encoded = [engine.encode([{"role": "user", "content": prompt.text}]) for prompt in prompts]
     stick = LlamaStick(llama_python, engine, sampling) if "llama.cpp" in modes else None
     try:
         for ids in encoded[:warmup]:
             for mode in modes:
-                run_once(engine, ids, mode, replace(sampling, max_new_tokens=16), tree, stick)
+                run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=16), tree, stick)
         rows, total, done = [], len(prompts) * len(modes), 0
         for prompt, ids in zip(prompts, encoded):
             for mode in modes:
                 if progress:
                     progress(done, total, f"{prompt.id} / {mode}")
-                result = run_once(engine, ids, mode, sampling, tree, stick)
+                result = run_once(engines[mode], ids, mode, sampling, tree, stick)
                 rows.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
                 done += 1
     finally:
@@ -220,7 +239,11 @@ def run_bench(
     if progress:
         progress(total, total, "done")
     return {
-        "settings": settings_of(engine, modes, sampling, tree, len(prompts), warmup),
+        "settings": {
+            **settings_of(engine, modes, sampling, tree, len(prompts), warmup),
+            "head": engine.head_name,
+            "other_heads": {name: other.head_name for name, other in other_heads.items()},
+        },
         "summary": summarize(rows, modes, sampling),
         "modes": {mode: mode_totals([row for row in rows if row["mode"] == mode]) for mode in modes},
         "prompts": rows,

@@ -120,3 +120,27 @@ def test_a_crashing_llama_cpp_helper_is_reported_as_a_crash(tmp_path):
     stick = LlamaStick(str(helper), engine, SamplingParams())
     with pytest.raises(ValueError, match=r"crashed \(signal 11\)"):
         stick.run([1, 2, 3], 4)
+
+
+def test_two_heads_are_compared_in_one_run(tiny_base, tmp_path):
+    from tests.factory import random_eagle3_head
+
+    engine = Engine(tiny_base, random_head(tiny_base.model, seed=3))
+    other = Engine(tiny_base, random_eagle3_head(tiny_base.model, seed=4), "third")
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": str(i), "turns": [f"w{i} w{i + 3}"]} for i in range(2)])
+    result = run_bench(
+        engine, load_prompts(path), ("vanilla", "eagle2", "eagle2@third:8/3/2"), SamplingParams(max_new_tokens=16),
+        TreeParams(8, 3, 2), warmup=0, other_heads={"third": other},
+    )  # fmt: skip
+    assert result["summary"]["identical_fraction_by_mode"] == {"eagle2": 1.0, "eagle2@third:8/3/2": 1.0}
+    assert result["settings"]["other_heads"] == {"third": "third"}
+    rows = [row for row in result["prompts"] if row["mode"] == "eagle2@third:8/3/2"]
+    assert len(rows) == 2 and all(row["tree_nodes"] > row["forwards"] - 1 for row in rows)  # trees, not single tokens
+    with pytest.raises(ValueError, match="no other head called 'fourth'"):
+        run_bench(engine, load_prompts(path), ("eagle2@fourth",), other_heads={"third": other})
+    with pytest.raises(ValueError, match="only eagle and eagle2"):
+        run_bench(engine, load_prompts(path), ("vanilla@third",), other_heads={"third": other})
+
+    from app.cli import main
+
+    assert main(["bench", "--prompts", str(path), "--other-head", "no name"]) == 2
