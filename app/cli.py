@@ -147,6 +147,10 @@ def main(argv: list[str]) -> int:
     # bitsandbytes' 8-bit CPU path warns on every matmul that it casts to fp16
     warnings.filterwarnings("ignore", message="MatMul8bitLt")
 
+    if args.command == "train-head":  # a stopped run (kill, logout) ends as Ctrl-C does: checkpoint and clock saved
+        import signal
+
+        signal.signal(signal.SIGTERM, _interrupted)
     try:
         if args.command == "ui":
             from app.ui import serve
@@ -172,6 +176,10 @@ def main(argv: list[str]) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
 
 
 def load_engine(args):

@@ -278,3 +278,34 @@ def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_di
     assert figures["accuracy"] == judged["accuracy"]
     assert main(command) == 2  # no head named
     assert main(["eval-heads", "--features", str(tmp_path / "nowhere"), str(tmp_path / "head")]) == 2
+
+
+def test_a_terminated_run_keeps_its_answers_and_its_clock(tiny_dir, prompts_file, tmp_path):
+    """SIGTERM (a kill, a logout) stops train-head as Ctrl-C does: the phase
+    clock and the caches are written, and --resume goes on from them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    work = tmp_path / "work"
+    command = [
+        sys.executable, str(root / "launch.py"), "train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "head"),
+        "--work", str(work), "--model", str(tiny_dir), "--dtype", "float32", "--threads", "1", "--answer-batch", "1",
+        "--samples-per-prompt", "50", "--max-new-tokens", "64",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        answers = work / "answers.jsonl"
+        if answers.is_file() and len(answers.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "interrupted" in err
+    assert json.loads((work / "phases.json").read_text())["answers"] > 0
+    assert len(read_answers(work / "answers.jsonl")) >= 3
