@@ -217,7 +217,8 @@ def test_int8_base_loads_with_every_decoder_linear_quantized(tiny_dir):
     layers = base.model.get_decoder().layers
     assert not any(isinstance(module, torch.nn.Linear) for module in layers.modules())
     assert isinstance(base.model.get_output_embeddings(), torch.nn.Linear)  # the lm_head stays exact
-    assert load_base(str(tiny_dir), quantization="auto", dtype="float32").quantization == "int8"  # it pays here
+    expected = "int8" if int8.pays(torch.float32) else "none"  # auto takes int8 where the probe finds it faster
+    assert load_base(str(tiny_dir), quantization="auto", dtype="float32").quantization == expected
 
 
 @pytest.fixture(scope="module")
