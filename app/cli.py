@@ -182,16 +182,21 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-def load_engine(args):
-    """The base model and its head from the command-line options."""
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's CPU threads (None: torch's choice)."""
     import torch
 
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def load_engine(args):
+    """The base model and its head from the command-line options."""
     from app.session import load_pair
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     return load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
 
 
@@ -234,18 +239,13 @@ def run_chat(args) -> int:
 def run_train_head(args) -> int:
     import time
 
-    import torch
-
     from core.training.answers import AnswerParams
     from core.training.features import FeatureParams
     from core.training.pipeline import Budget, RunPaths, train_head
     from core.training.trainer import TrainParams
     from models.base import load_base
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     out = Path(args.out).expanduser()
     work = Path(args.work).expanduser() if args.work else out / "work"
     if work.is_dir() and any(work.iterdir()) and not args.resume:
@@ -285,12 +285,11 @@ def run_eval_heads(args) -> int:
 
     import torch
 
+    from app.session import load_draft_head
     from core.training.compare import drafted_accuracy
     from models.base import load_base
-    from models.head import load_head
 
-    if args.threads is not None:
-        torch.set_num_threads(max(1, args.threads))
+    set_threads(args.threads)
     sources = ([args.head] if args.head else []) + args.heads
     if not sources:
         raise ValueError("name at least one head to judge (--head or HEAD ...)")
@@ -298,10 +297,9 @@ def run_eval_heads(args) -> int:
     if not shards:
         raise ValueError(f"{Path(args.features) / args.split}: no feature shards (run train-head first)")
     base = load_base(args.model, args.quantization, args.dtype, args.device)
-    config = base.model.config
     results = {}
     for source in sources:
-        head = load_head(source, config.hidden_size, config.vocab_size, base.device, torch.float32, config.num_hidden_layers)
+        head = load_draft_head(base, source, torch.float32)
         figures = drafted_accuracy(base, head, shards, args.steps)
         results[source] = figures
         chain = ", ".join(f"{100 * a:.1f}%" for a in figures["chain_accuracy"])
@@ -315,7 +313,9 @@ def run_bench_command(args) -> int:
     """`launch.py bench`: load, run with a progress line, print the table, write JSON."""
     import json
 
-    from core.bench import format_table, load_prompts, run_bench
+    from app.session import load_draft_head, prepare_costs
+    from core.bench import format_table, load_prompts, parse_mode, run_bench
+    from core.engine import Engine
 
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     prompts = load_prompts(args.prompts, args.limit, args.per_source)
@@ -325,12 +325,13 @@ def run_bench_command(args) -> int:
         if not name or not source or not name.isidentifier():
             raise ValueError(f"--other-head {option!r}: write NAME=HEAD, NAME a plain word (modes eagle2@NAME)")
         others[name] = source
+    planned = any(parse_mode(mode, tree_from(args))[0] == "eagle2" for mode in modes)
     engine = load_engine(args)
-    other_heads = {name: other_engine(engine, source, args.compile) for name, source in others.items()}
-    from app.session import prepare_costs
-
-    for chosen in [engine, *other_heads.values()]:
-        if args.calibrate or any(mode.split(":")[0].split("@")[0] == "eagle2" for mode in modes):
+    other_heads = {
+        name: Engine(engine.base, load_draft_head(engine.base, source), source, args.compile) for name, source in others.items()
+    }
+    if args.calibrate or planned:
+        for chosen in [engine, *other_heads.values()]:
             prepare_costs(chosen, args.calibrate)
 
     def show(done: int, total: int, description: str) -> None:
@@ -344,18 +345,6 @@ def run_bench_command(args) -> int:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json_out}")
     return 0
-
-
-def other_engine(engine, source: str, compile: str):
-    """An engine on `engine`'s base model that drafts with the head at `source`."""
-    from core.engine import Engine
-    from models.head import load_head
-
-    base = engine.base
-    config = base.model.config
-    vocab = base.model.get_output_embeddings().weight.shape[0]
-    head = load_head(source, config.hidden_size, vocab, base.device, base.dtype, config.num_hidden_layers)
-    return Engine(base, head, source, compile)
 
 
 def run_app_bench_command(args) -> int:

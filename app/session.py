@@ -29,12 +29,16 @@ def load_pair(
 ) -> Engine:
     base = load_base(model, quantization, dtype, device)
     head_source = head or default_head(model)
-    draft_head = None
-    if head_source is not None:
-        config = base.model.config
-        vocab = base.model.get_output_embeddings().weight.shape[0]
-        draft_head = load_head(head_source, config.hidden_size, vocab, base.device, base.dtype, config.num_hidden_layers)
+    draft_head = None if head_source is None else load_draft_head(base, head_source)
     return Engine(base, draft_head, head or "bundled", compile)
+
+
+def load_draft_head(base, source, dtype=None):
+    """The head at `source` (any kind), checked against `base` and placed on its
+    device, in `dtype` (default: the base model's)."""
+    config = base.model.config
+    vocab = base.model.get_output_embeddings().weight.shape[0]
+    return load_head(source, config.hidden_size, vocab, base.device, dtype or base.dtype, config.num_hidden_layers)
 
 
 def prepare_costs(engine: Engine, remeasure: bool = False) -> None:

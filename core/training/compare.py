@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from core.training.features import read_shard
-from core.training.trainer import Totals, frozen_of, make_batch, plan_epoch, unrolled_mask
+from core.training.trainer import Totals, count_step, fed_back, frozen_of, make_batch, plan_epoch, unrolled_mask
 from models.eagle3 import Eagle3Head
 from models.head import HeadCache
 
@@ -52,8 +52,7 @@ def _judge(head, batch, lm_head, rows, draft_ids, third: bool, steps: int, total
     cache, chain, prediction = HeadCache(), torch.ones_like(valid0), None
     for step in range(steps):
         if step > 0:
-            first = prediction[:, :1] if third else batch.features[:, :1]
-            inputs = torch.cat([first, prediction[:, :-1]], dim=1)
+            inputs = fed_back(prediction, batch, third)
         prediction = head(batch.next_embeddings, inputs, batch.positions, unrolled_mask(inputs.shape[1], step, inputs.device), cache)
         valid = valid0 & (batch.positions >= step)
         chosen = prediction[valid]
@@ -63,12 +62,6 @@ def _judge(head, batch, lm_head, rows, draft_ids, third: bool, steps: int, total
             tokens = draft_ids[tokens]
         correct = torch.zeros_like(valid)
         correct[valid] = tokens == base_argmax[valid]
-        fed = torch.ones_like(valid) if step == 0 else F.pad((chain & feedable)[:, :-1], (1, 0))
-        considered = valid & fed
-        chain = considered & correct
-        totals.add(step, "positions", float(valid.sum()))
+        chain = count_step(totals, step, valid, correct, chain, feedable)
         totals.add(step, "smooth_l1", 0.0)  # losses are not judged here
         totals.add(step, "cross_entropy", 0.0)
-        totals.add(step, "correct", float(correct.sum()))
-        totals.add(step, "chain_total", float(considered.sum()))
-        totals.add(step, "chain_correct", float(chain.sum()))

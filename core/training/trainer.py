@@ -264,9 +264,8 @@ def forward_losses(
     chain = torch.ones_like(valid0)
     cache, total, prediction = HeadCache(), 0.0, None
     for step in range(params.unroll_steps):
-        if step > 0:  # feed the previous step's prediction of feature_t at position t
-            first = prediction[:, :1] if third else batch.features[:, :1]  # position 0 is never trained past step 0
-            inputs = torch.cat([first, prediction[:, :-1]], dim=1)
+        if step > 0:
+            inputs = fed_back(prediction, batch, third)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=params.bf16):
             mask = unrolled_mask(length, step, device)
             prediction = head(batch.next_embeddings, inputs, batch.positions, mask, cache)
@@ -284,20 +283,34 @@ def forward_losses(
         weight = 1.0 if third else params.ce_weight
         total = total + params.step_decay**step * (smooth_l1.mean() + weight * cross_entropy.mean())
         with torch.no_grad():
-            correct_rows = logits.argmax(-1) == base_argmax[rows]
             correct = torch.zeros_like(valid)
-            correct[valid] = correct_rows
-            previous_fed = torch.ones_like(valid) if step == 0 else F.pad((chain & feedable)[:, :-1], (1, 0))
-            considered = valid & previous_fed
-            chain = considered & correct
-            m = float(valid.sum())
-            totals.add(step, "positions", m)
+            correct[valid] = logits.argmax(-1) == base_argmax[rows]
+            chain = count_step(totals, step, valid, correct, chain, feedable)
             totals.add(step, "smooth_l1", float(smooth_l1.sum()))
             totals.add(step, "cross_entropy", float(cross_entropy.sum()))
-            totals.add(step, "correct", float(correct_rows.sum()))
-            totals.add(step, "chain_total", float(considered.sum()))
-            totals.add(step, "chain_correct", float(chain.sum()))
     return total
+
+
+def fed_back(prediction: torch.Tensor, batch: Batch, third: bool) -> torch.Tensor:
+    """The inputs of an unrolled step after the first: the previous step's
+    outputs, shifted so that position t reads its prediction of feature_t
+    (position 0, never trained past step 0, keeps a placeholder)."""
+    first = prediction[:, :1] if third else batch.features[:, :1]
+    return torch.cat([first, prediction[:, :-1]], dim=1)
+
+
+def count_step(totals: Totals, step: int, valid, correct, chain, feedable) -> torch.Tensor:
+    """Adds one unrolled step's positions, right drafts and greedy-chain counts
+    to `totals` (all (B, T) bool); returns this step's chain: the positions
+    whose drafts so far were all right and fed the data's own tokens."""
+    fed = torch.ones_like(valid) if step == 0 else F.pad((chain & feedable)[:, :-1], (1, 0))
+    considered = valid & fed
+    chain = considered & correct
+    totals.add(step, "positions", float(valid.sum()))
+    totals.add(step, "correct", float(correct.sum()))
+    totals.add(step, "chain_total", float(considered.sum()))
+    totals.add(step, "chain_correct", float(chain.sum()))
+    return chain
 
 
 def shard_lengths(path: Path) -> list[int]:
