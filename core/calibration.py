@@ -46,8 +46,9 @@ class Calibration:
         return int(self.offered.sum())
 
     def _index(self, confidence: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        buckets = torch.bucketize(confidence.double().clamp(0, 1), self.edges, right=True)
-        rows = (depth.long() - 1).clamp(0, DEPTHS - 1)
+        # The counts live on the CPU; drafts on a GPU come here as CUDA tensors.
+        buckets = torch.bucketize(confidence.double().cpu().clamp(0, 1), self.edges, right=True)
+        rows = (depth.long().cpu() - 1).clamp(0, DEPTHS - 1)
         return rows, buckets
 
     def observe(self, confidence: torch.Tensor, depth: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -58,18 +59,18 @@ class Calibration:
         flat = rows * self.offered.shape[1] + buckets
         ones = torch.ones(len(flat), dtype=torch.float64)
         self.offered.view(-1).index_add_(0, flat, ones)
-        self.accepted.view(-1).index_add_(0, flat, accepted.double())
-        self.confidence_sum.view(-1).index_add_(0, flat, confidence.double().clamp(0, 1))
+        self.accepted.view(-1).index_add_(0, flat, accepted.double().cpu())
+        self.confidence_sum.view(-1).index_add_(0, flat, confidence.double().cpu().clamp(0, 1))
 
     def estimate(self, confidence: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         """(n,) acceptance estimates: per-depth rate shrunk to the pooled rate,
         which is shrunk to the confidence itself."""
         rows, buckets = self._index(confidence, depth)
-        raw = confidence.double().clamp(0, 1)
+        raw = confidence.double().cpu().clamp(0, 1)
         pooled_offered, pooled_accepted = self.offered.sum(0)[buckets], self.accepted.sum(0)[buckets]
         pooled = (pooled_accepted + PRIOR * raw) / (pooled_offered + PRIOR)
         offered, accepted = self.offered[rows, buckets], self.accepted[rows, buckets]
-        return (accepted + PRIOR * pooled) / (offered + PRIOR)
+        return (accepted + PRIOR * pooled) / (offered + PRIOR)  # on the CPU, as the planner's bookkeeping
 
     def curve(self) -> list[CurvePoint]:
         """Measured acceptance per confidence bucket (depths pooled), for the calibration plot."""
