@@ -147,7 +147,7 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_f
     out = tmp_path / "head"
     paths = RunPaths(prompts_file, out, tmp_path / "work")
     report = train_head(tiny_base, paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
-    assert (out / REPORT_FILE).is_file() and (out / NOTES_FILE).is_file()
+    assert (out / REPORT_FILE).is_file() and "EAGLE-1/2 head" in (out / NOTES_FILE).read_text()
     assert report["training"]["steps"] == report["training"]["total_steps"]
     config = tiny_base.model.config
     head = load_head(str(out), config.hidden_size, config.vocab_size, tiny_base.device, tiny_base.dtype)
@@ -166,6 +166,8 @@ def test_eagle3_training_lowers_the_loss_and_the_head_decodes_losslessly(tiny_ba
     assert report["arch"] == "eagle3" and len(history) == TRAIN.epochs
     assert history[-1]["train"]["cross_entropy"][0] < history[0]["train"]["cross_entropy"][0]
     assert all(value == 0 for value in history[-1]["train"]["smooth_l1"])  # no feature regression
+    notes = (out / NOTES_FILE).read_text()
+    assert "EAGLE-3 head" in notes and "EAGLE-1/2" not in notes and "SmoothL1" not in notes
     shard = read_shard(next((tmp_path / "work" / "features-eagle3" / "train").glob("*.safetensors")))[0]
     assert shard.aux.shape == (len(shard.input_ids), 3 * tiny_base.model.config.hidden_size)
     config = tiny_base.model.config

@@ -37,10 +37,18 @@ def _numbers(values: list[float]) -> str:
 
 def render_markdown(report: dict) -> str:
     data, training, phases = report["data"], report["training"], report["phases"]
+    third = report.get("arch") == "eagle3"
+    if third:
+        kind = (
+            f"EAGLE-3 head (one decoder layer over three captured layers of the base model, its own lm_head over "
+            f"{report.get('draft_vocab') or 'all'} draft tokens, no feature regression)"
+        )
+    else:
+        kind = "EAGLE-1/2 head (one decoder layer)"
     lines = [
         f"# Draft head for {report['base_model']}",
         "",
-        "Self-distilled EAGLE-1/2 head (one decoder layer), trained by `python3 launch.py train-head`",
+        f"Self-distilled {kind}, trained by `python3 launch.py train-head`",
         "(core/training/). Steps below are the unrolled draft steps 1/2/3 (EAGLE-3's training-time test).",
         "",
         "## Data",
@@ -48,7 +56,8 @@ def render_markdown(report: dict) -> str:
         f"- answers: {data['answers']} ({data['samples_per_prompt']} planned per prompt, sample 0 greedy, the others at "
         f"temperature {data['temperature']}; {100 * data['finished_fraction']:.0f}% ended before {data['max_new_tokens']} tokens)",
         f"- answer tokens: {data['answer_tokens']:,}; feature rows (prompts + answers): {data['feature_rows']:,} "
-        f"in {data['shards']} shards, {data['feature_megabytes']:.1f} MB of bf16",
+        f"in {data['shards']} shards, {data['feature_megabytes']:.1f} MB of bf16"
+        + (" (three layers' inputs per row)" if third else ""),
         "",
         "## Training",
         f"- steps: {training['steps']} of {training['total_steps']} planned ({training['steps_per_epoch']} per epoch, "
@@ -61,14 +70,18 @@ def render_markdown(report: dict) -> str:
         f"{params['unroll_steps']} unrolled steps (weights decay x{params['step_decay']}), "
         f"{'bf16 autocast' if params['bf16'] else 'fp32'}, seed {params['seed']}"
     )
-    lines += ["", "| epoch | step | split | SmoothL1 | CE | top-1 (teacher-forced) | chain step accuracy |", "|---|---|---|---|---|---|---|"]
+    columns = ["epoch", "step", "split", *([] if third else ["SmoothL1"]), "CE", "top-1 (teacher-forced)", "chain step accuracy"]
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for record in training["history"]:
         for split in ("train", "eval"):
             metrics = record[split]
-            lines.append(
-                f"| {record['epoch']} | {record['step']} | {split} | {_numbers(metrics['smooth_l1'])} | "
-                f"{_numbers(metrics['cross_entropy'])} | {_percent(metrics['accuracy'])} | {_percent(metrics['chain_accuracy'])} |"
-            )
+            cells = [str(record["epoch"]), str(record["step"]), split]
+            cells += [] if third else [_numbers(metrics["smooth_l1"])]
+            cells += [_numbers(metrics["cross_entropy"]), _percent(metrics["accuracy"]), _percent(metrics["chain_accuracy"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    if third:
+        lines.append("")
+        lines.append("CE and top-1 are over the draft vocabulary, at positions whose next token is in it.")
     final = report.get("final_eval")
     if final:
         lines += [
