@@ -337,12 +337,18 @@ def run_bench_command(args) -> int:
     def show(done: int, total: int, description: str) -> None:
         print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
 
+    def write(result: dict) -> None:  # whole, or not at all: a file cut mid-write would lose the earlier prompts too
+        partial = Path(args.json_out + ".partial")
+        partial.write_text(json.dumps(result, indent=1))
+        partial.replace(args.json_out)
+
     result = run_bench(
-        engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show, args.llama_python, other_heads
-    )
+        engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show, args.llama_python, other_heads,
+        partial=write if args.json_out else None,
+    )  # fmt: skip
     print(format_table(result))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        write(result)
         print(f"wrote {args.json_out}")
     return 0
 

@@ -204,10 +204,13 @@ def run_bench(
     progress: Callable[[int, int, str], None] | None = None,
     llama_python: str | None = None,
     other_heads: dict[str, Engine] | None = None,
+    partial: Callable[[dict], None] | None = None,
 ) -> dict:
     """Every prompt through every mode, interleaved; -> the JSON-ready result.
     other_heads: engines on the same base model with other heads, which modes
-    labelled "eagle2@NAME" draft with (two heads compared in one run)."""
+    labelled "eagle2@NAME" draft with (two heads compared in one run).
+    partial: called with the result so far after each prompt's last mode
+    ("complete" false), so that a run cut short keeps what it measured."""
     other_heads = other_heads or {}
     engines = {}
     for label in modes:
@@ -233,18 +236,30 @@ def run_bench(
                 result = run_once(engines[mode], ids, mode, sampling, tree, stick)
                 rows.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
                 done += 1
+            if partial is not None and done < total:
+                partial(bench_result(engine, modes, sampling, tree, warmup, other_heads, rows, complete=False))
     finally:
         if stick is not None:
             stick.close()
     if progress:
         progress(total, total, "done")
+    return bench_result(engine, modes, sampling, tree, warmup, other_heads, rows, complete=True)
+
+
+def bench_result(engine, modes, sampling, tree, warmup, other_heads, rows, complete: bool) -> dict:
+    """The JSON-ready result of the rows measured (every mode of each prompt)."""
+    summary = summarize(rows, modes, sampling)
+    # measured drafting time over the cost table's, learned by planned drafts (core/calibration.DraftTiming)
+    scales = {"eagle2": engine, **{f"eagle2@{name}": other for name, other in other_heads.items()}}
+    summary["draft_time_scale"] = {label: chosen.calibrations.timing.scale for label, chosen in scales.items()}
     return {
+        "complete": complete,
         "settings": {
-            **settings_of(engine, modes, sampling, tree, len(prompts), warmup),
+            **settings_of(engine, modes, sampling, tree, len(rows) // len(modes), warmup),
             "head": engine.head_name,
             "other_heads": {name: other.head_name for name, other in other_heads.items()},
         },
-        "summary": summarize(rows, modes, sampling),
+        "summary": summary,
         "modes": {mode: mode_totals([row for row in rows if row["mode"] == mode]) for mode in modes},
         "prompts": rows,
     }

@@ -9,13 +9,14 @@ root has depth 0) enters the head at position n + d - 1."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from core import planner
-from core.calibration import Calibration, Continuation
+from core.calibration import Calibration, Continuation, DraftTiming
 from core.config import TreeParams
 from core.lookup import ContextIndex
 from core.tree import DraftTree, graft, lookup_continuation, make_tree, rerank, subtree
@@ -95,6 +96,7 @@ class Planning:
     head: Calibration  # acceptance of the head's nodes by draft confidence, for this sampling setting
     context: Calibration  # acceptance of the context branch's copied nodes by prior confidence
     continuation: Continuation  # how often an accepted draft path goes one level deeper
+    timing: DraftTiming  # measured drafting time over the table's expansion times
 
 
 @dataclass(frozen=True)
@@ -243,10 +245,12 @@ class Drafter:
         """EAGLE-2's expansion, sized by the planner: deepen while the next level
         could raise the expected tokens per second, then keep the best n nodes
         of head and context-branch candidates by calibrated acceptance."""
+        started = time.perf_counter()
         planning, k = self.planning, self.params.top_k
-        costs = planning.costs
+        costs, scale = planning.costs, planning.timing.scale
         curve = costs.verify_curve(self.cache.length)
-        spent = costs.overhead + costs.expand_seconds(1)  # the head's catch-up on committed tokens, its first step
+        predicted = costs.expand_seconds(1)  # the table's time for the expansions done, unscaled
+        spent = costs.overhead + scale * predicted  # the head's catch-up on committed tokens, its first step
         expander = Expander(self)
         values, ids = self.top(self.last_hidden[None], k)
         tokens, parents = ids[0].tolist(), [-1] * k
@@ -264,9 +268,10 @@ class Drafter:
             known = torch.sort(torch.cat([estimates, copied]), descending=True).values
             width = len(frontier)
             children = estimates[frontier] * planning.continuation.rate(depth - 1)  # one likely child per frontier node
-            if not planner.worth_deepening(known, children, curve, spent, costs.expand_seconds(width)):
+            if not planner.worth_deepening(known, children, curve, spent, scale * costs.expand_seconds(width)):
                 break
-            spent += costs.expand_seconds(width)
+            predicted += costs.expand_seconds(width)
+            spent += scale * costs.expand_seconds(width)
             values, ids = self.top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
             child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,)
             first = len(tokens)
@@ -311,6 +316,7 @@ class Drafter:
             context_confidence=torch.tensor(context_confidence, dtype=torch.float64)[chosen],
             depths=torch.tensor(depths)[chosen],
         )
+        planning.timing.observe(predicted, time.perf_counter() - started)
         return subtree(tokens, parents, chosen)
 
     def _copied_estimates(self, branches) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from core import attention, compiled, costs, kv_cache, rowkernel
 from core.argmax import ScreenedArgmax
 from core.capture import LayerCapture
-from core.calibration import Calibrations, CurvePoint, setting_of
+from core.calibration import Calibrations, CurvePoint, DraftTiming, setting_of
 from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
 from core.drafter import STATIC_PATHS, Drafter, Planning, draft_vocabulary
@@ -123,6 +123,7 @@ class Engine:
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)
         if found is None:
+            self.calibrations.timing = DraftTiming()  # relative to the table about to be measured
             found = costs.measure(self.model, self.argmax, lambda: self._drafter("eagle2", TreeParams(16)), self.context_limit, progress)
             costs.save_cached(folder, key, found)
         self.costs = found
@@ -230,6 +231,7 @@ class Engine:
                 self.calibrations.get("head", setting),
                 self.calibrations.get("context", setting),
                 self.calibrations.continuation(setting),
+                self.calibrations.timing,
             )
         static = STATIC_PATHS if mode == "eagle" else None
         return Drafter(self.draft_head, self.model, tree, static, self.vocabulary, planning)

@@ -60,6 +60,7 @@ def test_bench_in_float64_is_identical_and_complete(tiny_base, tmp_path):
     by_mode = {(row["id"], row["mode"]): row["output_ids"] for row in result["prompts"]}
     assert all(by_mode[(str(i), "generate")] == by_mode[(str(i), "vanilla")] for i in range(3))
     json.dumps(result)  # JSON-ready
+    assert result["complete"] is True and result["settings"]["prompts"] == 3
     assert "eagle2" in format_table(result)
 
 
@@ -144,3 +145,29 @@ def test_two_heads_are_compared_in_one_run(tiny_base, tmp_path):
     from app.cli import main
 
     assert main(["bench", "--prompts", str(path), "--other-head", "no name"]) == 2
+
+
+def test_a_run_cut_short_keeps_the_prompts_it_finished(tiny_base, tmp_path, monkeypatch):
+    """After each prompt's last mode the result so far is handed out ("complete"
+    false); when the third prompt fails, the first two are still there."""
+    from core import bench
+
+    engine = Engine(tiny_base, random_head(tiny_base.model, seed=3))
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": str(i), "turns": [f"w{i} w{i + 1}"]} for i in range(3)])
+    original, calls = bench.run_once, []
+
+    def failing_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 4:  # two prompts x two modes, then the third prompt breaks
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_once", failing_third)
+    saved = []
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), SamplingParams(max_new_tokens=8), warmup=0, partial=saved.append)
+    assert [result["settings"]["prompts"] for result in saved] == [1, 2]
+    last = saved[-1]
+    assert last["complete"] is False and [row["id"] for row in last["prompts"]] == ["0", "0", "1", "1"]
+    assert last["summary"]["identical_fraction"] == 1.0 and last["summary"]["draft_time_scale"]["eagle2"] > 0
+    json.dumps(last)

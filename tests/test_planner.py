@@ -6,7 +6,7 @@ import torch
 
 from core import costs as costs_module
 from core import planner
-from core.calibration import Calibration, Calibrations, Continuation
+from core.calibration import Calibration, Calibrations, Continuation, DraftTiming
 from core.config import SamplingParams, TreeParams
 from core.costs import Costs
 from core.engine import Engine
@@ -158,6 +158,41 @@ def test_planned_steps_skip_the_head_where_drafting_does_not_pay(engine64, monke
     assert len(resting) >= len(steps) // 2 and len(looking) >= 3, (len(resting), len(looking), len(steps))
     assert all(step.tree_size == 1 for step in resting)
     assert tokens_of(steps) == tokens_of(engine64.stream([8, 9, 10, 11], "vanilla", sampling))[1:]
+
+
+def test_draft_timing_follows_the_measured_ratio_within_limits():
+    timing = DraftTiming()
+    timing.observe(0.001, 0.003)  # the first observation counts fully
+    assert timing.scale == pytest.approx(3.0)
+    for _ in range(200):
+        timing.observe(0.002, 0.004)
+    assert timing.scale == pytest.approx(2.0, rel=1e-3)
+    timing.observe(1e-9, 1.0)  # one wild measurement moves it by a tenth of the upper limit's distance at most
+    assert timing.scale == pytest.approx(2.0 + 0.1 * (DraftTiming.LIMITS[1] - 2.0))
+    timing.observe(0.0, 1.0)  # nothing predicted: nothing learned
+    assert timing.observations == 202
+
+
+def test_planned_drafting_learns_its_real_cost_against_the_table(engine64):
+    """A table that counts almost nothing for the head's expansions: the
+    measured drafts take far longer, and the scale goes to its upper limit."""
+    engine64.costs, engine64.calibrations = table(per_node=1e-6, expand=1e-9), Calibrations()
+    list(engine64.stream(prompts(2)[1], "eagle2", SamplingParams(max_new_tokens=12)))
+    timing = engine64.calibrations.timing
+    assert timing.observations > 0 and timing.scale == DraftTiming.LIMITS[1]
+
+
+def test_drafting_that_costs_more_than_the_table_says_gets_shallower_trees(engine64, monkeypatch):
+    """The same cheap-verification table, expansions taken at the table's word
+    or 16 times dearer (the scale held fixed): dearer drafting, shallower trees."""
+    monkeypatch.setattr(DraftTiming, "observe", lambda self, predicted, measured: None)
+    depths = {}
+    for scale in (1.0, 16.0):
+        engine64.costs, engine64.calibrations = table(per_node=1e-6, expand=0.002), Calibrations()
+        engine64.calibrations.timing.scale = scale
+        steps = list(engine64.stream(prompts(2)[1], "eagle2", SamplingParams(max_new_tokens=30)))
+        depths[scale] = steps[-1].stats.mean_tree_depth
+    assert depths[16.0] < depths[1.0], depths
 
 
 def test_context_index_proposes_distinct_branches_longest_match_first():
