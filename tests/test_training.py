@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 import torch
@@ -289,7 +290,6 @@ def test_a_terminated_run_keeps_its_answers_and_its_clock(tiny_dir, prompts_file
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
@@ -311,3 +311,20 @@ def test_a_terminated_run_keeps_its_answers_and_its_clock(tiny_dir, prompts_file
     assert process.returncode == 130 and "interrupted" in err
     assert json.loads((work / "phases.json").read_text())["answers"] > 0
     assert len(read_answers(work / "answers.jsonl")) >= 3
+
+
+def test_a_running_phase_writes_its_time_before_it_ends(tmp_path, monkeypatch):
+    """A run killed outright (no handler runs) keeps the phase time written so
+    far: the clock saves while the phase runs, and adds to earlier runs'."""
+    from core.training.pipeline import PhaseClock
+
+    path = tmp_path / "phases.json"
+    path.write_text(json.dumps({"answers": 100.0}))
+    clock = PhaseClock(path)
+    monkeypatch.setattr(PhaseClock, "SAVE_EVERY", 0.05)
+    with clock.phase("answers"):
+        time.sleep(0.5)
+        during = json.loads(path.read_text())["answers"]
+    after = json.loads(path.read_text())["answers"]
+    assert 100.05 < during <= after and after >= 100.5
+    assert not path.with_name("phases.json.partial").exists()

@@ -5,6 +5,7 @@ of each phase accumulates over runs in work/phases.json."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -38,21 +39,44 @@ class Budget:
 
 
 class PhaseClock:
-    """Seconds per phase, accumulated across resumed runs."""
+    """Seconds per phase, accumulated across resumed runs. A running phase's
+    time is also written every SAVE_EVERY seconds, so a run killed outright
+    (SIGKILL, a power cut) loses at most that much of it."""
+
+    SAVE_EVERY = 60.0
 
     def __init__(self, path: Path):
         self.path = path
         self.seconds = json.loads(path.read_text()) if path.is_file() else {}
+        self.lock = threading.Lock()
 
     @contextmanager
     def phase(self, name: str):
-        started = time.time()
+        before, started, stop = self.seconds.get(name, 0.0), time.time(), threading.Event()
+
+        def save_now() -> None:
+            self._save(name, before + time.time() - started)
+
+        def save_every() -> None:
+            while not stop.wait(self.SAVE_EVERY):
+                save_now()
+
+        saver = threading.Thread(target=save_every, name="phase-clock", daemon=True)
+        saver.start()
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - started
+            stop.set()
+            saver.join()
+            save_now()
+
+    def _save(self, name: str, seconds: float) -> None:
+        with self.lock:
+            self.seconds[name] = seconds
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.seconds, indent=2) + "\n")
+            partial = self.path.with_name(self.path.name + ".partial")  # whole or not at all
+            partial.write_text(json.dumps(self.seconds, indent=2) + "\n")
+            partial.replace(self.path)
 
 
 def train_head(
