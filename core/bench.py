@@ -237,25 +237,42 @@ def run_bench(
                 rows.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
                 done += 1
             if partial is not None and done < total:
-                partial(bench_result(engine, modes, sampling, tree, warmup, other_heads, rows, complete=False))
+                partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False))
     finally:
         if stick is not None:
             stick.close()
     if progress:
         progress(total, total, "done")
-    return bench_result(engine, modes, sampling, tree, warmup, other_heads, rows, complete=True)
+    return bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=True)
 
 
-def bench_result(engine, modes, sampling, tree, warmup, other_heads, rows, complete: bool) -> dict:
-    """The JSON-ready result of the rows measured (every mode of each prompt)."""
+def bench_result(
+    engine: Engine,
+    engines: dict[str, Engine],
+    sampling: SamplingParams,
+    tree: TreeParams,
+    warmup: int,
+    other_heads: dict[str, Engine],
+    rows: list[dict],
+    *,
+    complete: bool,
+) -> dict:
+    """The JSON-ready result of the rows measured (every mode of each finished
+    prompt); engines: the engine of each mode label."""
+    modes = tuple(engines)
     summary = summarize(rows, modes, sampling)
-    # measured drafting time over the cost table's, learned by planned drafts (core/calibration.DraftTiming)
-    scales = {"eagle2": engine, **{f"eagle2@{name}": other for name, other in other_heads.items()}}
-    summary["draft_time_scale"] = {label: chosen.calibrations.timing.scale for label, chosen in scales.items()}
+    # how planned drafts' measured times relate to the cost table's (core/calibration.DraftTiming)
+    summary["draft_timing"] = {}
+    for label in modes:
+        mode, shape = parse_mode(label, tree)
+        if mode == "eagle2" and shape.planned:
+            scale, extra = engines[label].calibrations.timing.fit
+            summary["draft_timing"][label] = {"scale": scale, "extra_ms": 1000 * extra}
+    finished = len(rows) // len(modes) if modes else 0
     return {
         "complete": complete,
         "settings": {
-            **settings_of(engine, modes, sampling, tree, len(rows) // len(modes), warmup),
+            **settings_of(engine, modes, sampling, tree, finished, warmup),
             "head": engine.head_name,
             "other_heads": {name: other.head_name for name, other in other_heads.items()},
         },

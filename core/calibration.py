@@ -45,28 +45,30 @@ class Calibration:
     def observations(self) -> int:
         return int(self.offered.sum())
 
-    def _index(self, confidence: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # The counts live on the CPU; drafts on a GPU come here as CUDA tensors.
-        buckets = torch.bucketize(confidence.double().cpu().clamp(0, 1), self.edges, right=True)
+    def _index(self, confidence: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (depth rows, confidence buckets, confidence clamped to [0, 1]), on
+        the CPU where the counts live: drafts on a GPU come as CUDA tensors,
+        copied here once each."""
+        confidence = confidence.double().cpu().clamp(0, 1)
+        buckets = torch.bucketize(confidence, self.edges, right=True)
         rows = (depth.long().cpu() - 1).clamp(0, DEPTHS - 1)
-        return rows, buckets
+        return rows, buckets, confidence
 
     def observe(self, confidence: torch.Tensor, depth: torch.Tensor, accepted: torch.Tensor) -> None:
         """One verified tree's drafted nodes: confidence (n,) in [0, 1], depth (n,) >= 1, accepted (n,) bool."""
         if len(confidence) == 0:
             return
-        rows, buckets = self._index(confidence, depth)
+        rows, buckets, confidence = self._index(confidence, depth)
         flat = rows * self.offered.shape[1] + buckets
         ones = torch.ones(len(flat), dtype=torch.float64)
         self.offered.view(-1).index_add_(0, flat, ones)
         self.accepted.view(-1).index_add_(0, flat, accepted.double().cpu())
-        self.confidence_sum.view(-1).index_add_(0, flat, confidence.double().cpu().clamp(0, 1))
+        self.confidence_sum.view(-1).index_add_(0, flat, confidence)
 
     def estimate(self, confidence: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         """(n,) acceptance estimates: per-depth rate shrunk to the pooled rate,
         which is shrunk to the confidence itself."""
-        rows, buckets = self._index(confidence, depth)
-        raw = confidence.double().cpu().clamp(0, 1)
+        rows, buckets, raw = self._index(confidence, depth)
         pooled_offered, pooled_accepted = self.offered.sum(0)[buckets], self.accepted.sum(0)[buckets]
         pooled = (pooled_accepted + PRIOR * raw) / (pooled_offered + PRIOR)
         offered, accepted = self.offered[rows, buckets], self.accepted[rows, buckets]
@@ -113,28 +115,43 @@ def setting_of(sampling: SamplingParams) -> tuple:
 
 class DraftTiming:
     """How long drafting really takes against what the measured cost table
-    says. The table times the head's expansions alone; a planned draft also
+    predicts. The table times the head's expansions alone; a planned draft also
     ranks candidates, looks up calibrated estimates and grafts the context
-    branch, host-side work between the head's launches that costs little on
-    a CPU (measured here: 1.51 ms per draft against 1.48 predicted) but can
-    outweigh the expansions on a GPU, where the head's own work is tiny. Each
-    planned draft adds one observation, measured over predicted seconds; the
-    planner multiplies the table's expansion times by their running mean."""
+    branch: host-side work, part of it per level and part of it per draft, that
+    costs little on a CPU but can outweigh the expansions on a GPU, where the
+    head's own work is tiny. Each planned draft adds one observation
+    (predicted, measured seconds), and a least-squares line through the recent
+    ones (older ones fading by DECAY each) gives measured = scale x predicted
+    + extra: the planner multiplies the table's expansion times by `scale`
+    (deeper levels get dearer) and adds `extra` once per draft (every tree pays
+    it). While the drafts' predicted times hardly differ, the slope cannot be
+    told from the intercept: scale stays 1 and extra takes the difference."""
 
-    WEIGHT = 0.1  # of the newest observation in the running mean
-    LIMITS = (0.5, 16.0)  # the scale is kept within these
+    DECAY = 0.95  # weight of an observation per newer one
+    SCALES = (0.5, 16.0)  # the slope is kept within these
 
     def __init__(self):
-        self.scale = 1.0
         self.observations = 0
+        self.sums = [0.0] * 5  # decayed weight, x, y, x^2, x*y
 
     def observe(self, predicted: float, measured: float) -> None:
         if predicted <= 0 or measured <= 0:
             return
-        ratio = min(max(measured / predicted, self.LIMITS[0]), self.LIMITS[1])
-        weight = max(self.WEIGHT, 1 / (self.observations + 1))  # the first observations count fully
-        self.scale += weight * (ratio - self.scale)
+        terms = (1.0, predicted, measured, predicted * predicted, predicted * measured)
+        self.sums = [self.DECAY * total + term for total, term in zip(self.sums, terms)]
         self.observations += 1
+
+    @property
+    def fit(self) -> tuple[float, float]:
+        """(scale, extra seconds per draft); (1, 0) before any observation."""
+        weight, x, y, xx, xy = self.sums
+        if weight == 0:
+            return 1.0, 0.0
+        mean_x, mean_y = x / weight, y / weight
+        variance, covariance = xx / weight - mean_x**2, xy / weight - mean_x * mean_y
+        scale = covariance / variance if variance > (0.05 * mean_x) ** 2 else 1.0
+        scale = min(max(scale, self.SCALES[0]), self.SCALES[1])
+        return scale, max(mean_y - scale * mean_x, 0.0)
 
 
 class Calibrations:

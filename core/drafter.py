@@ -96,7 +96,7 @@ class Planning:
     head: Calibration  # acceptance of the head's nodes by draft confidence, for this sampling setting
     context: Calibration  # acceptance of the context branch's copied nodes by prior confidence
     continuation: Continuation  # how often an accepted draft path goes one level deeper
-    timing: DraftTiming  # measured drafting time over the table's expansion times
+    timing: DraftTiming  # measured drafting time against the table's expansion times
 
 
 @dataclass(frozen=True)
@@ -165,13 +165,14 @@ class Drafter:
         if self.params.planned and self.resting > 0:
             self.resting -= 1
             return make_tree(root, [], [])
+        started = time.perf_counter()  # a planned draft's time, its catch-up included as the table counts it
         self.catch_up()
         committed = self.cache.length
         try:
             if self.static_paths is not None:
                 tokens, parents = self._draft_static()
             elif self.params.planned:
-                return make_tree(root, *self._draft_planned())
+                return make_tree(root, *self._draft_planned(started))
             else:
                 tokens, parents = self._draft_dynamic()
         finally:
@@ -241,16 +242,16 @@ class Drafter:
         chosen = rerank(torch.cat(scores), parents, self.params.total_tokens - 1)
         return subtree(tokens, parents, chosen)
 
-    def _draft_planned(self) -> tuple[list[int], list[int]]:
+    def _draft_planned(self, started: float) -> tuple[list[int], list[int]]:
         """EAGLE-2's expansion, sized by the planner: deepen while the next level
         could raise the expected tokens per second, then keep the best n nodes
         of head and context-branch candidates by calibrated acceptance."""
-        started = time.perf_counter()
         planning, k = self.planning, self.params.top_k
-        costs, scale = planning.costs, planning.timing.scale
+        costs = planning.costs
+        scale, extra = planning.timing.fit
         curve = costs.verify_curve(self.cache.length)
-        predicted = costs.expand_seconds(1)  # the table's time for the expansions done, unscaled
-        spent = costs.overhead + scale * predicted  # the head's catch-up on committed tokens, its first step
+        predicted = costs.expand_seconds(1)  # the table's time for this draft's head work, unscaled
+        spent = costs.overhead + extra + scale * predicted  # the head's catch-up on committed tokens, its first step
         expander = Expander(self)
         values, ids = self.top(self.last_hidden[None], k)
         tokens, parents = ids[0].tolist(), [-1] * k

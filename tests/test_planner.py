@@ -160,36 +160,42 @@ def test_planned_steps_skip_the_head_where_drafting_does_not_pay(engine64, monke
     assert tokens_of(steps) == tokens_of(engine64.stream([8, 9, 10, 11], "vanilla", sampling))[1:]
 
 
-def test_draft_timing_follows_the_measured_ratio_within_limits():
+def test_draft_timing_fits_scale_and_extra_per_draft():
     timing = DraftTiming()
-    timing.observe(0.001, 0.003)  # the first observation counts fully
-    assert timing.scale == pytest.approx(3.0)
-    for _ in range(200):
-        timing.observe(0.002, 0.004)
-    assert timing.scale == pytest.approx(2.0, rel=1e-3)
-    timing.observe(1e-9, 1.0)  # one wild measurement moves it by a tenth of the upper limit's distance at most
-    assert timing.scale == pytest.approx(2.0 + 0.1 * (DraftTiming.LIMITS[1] - 2.0))
-    timing.observe(0.0, 1.0)  # nothing predicted: nothing learned
-    assert timing.observations == 202
+    assert timing.fit == (1.0, 0.0)
+    for depth in range(1, 40):  # drafts of different sizes: measured = 3 x predicted + 2 ms
+        predicted = 0.001 * (1 + depth % 5)
+        timing.observe(predicted, 3 * predicted + 0.002)
+    scale, extra = timing.fit
+    assert scale == pytest.approx(3.0) and extra == pytest.approx(0.002)
+    same = DraftTiming()  # drafts of one size: the slope is unknown, the difference is extra
+    for _ in range(10):
+        same.observe(0.001, 0.004)
+    assert same.fit == (1.0, pytest.approx(0.003))
+    steep = DraftTiming()
+    for depth in range(1, 10):
+        steep.observe(1e-6 * depth, 0.001 * depth)
+    assert steep.fit[0] == DraftTiming.SCALES[1]
+    steep.observe(0.0, 1.0)  # nothing predicted: nothing learned
+    assert steep.observations == 9
 
 
 def test_planned_drafting_learns_its_real_cost_against_the_table(engine64):
     """A table that counts almost nothing for the head's expansions: the
-    measured drafts take far longer, and the scale goes to its upper limit."""
+    measured drafts take longer, which the fit puts on the per-draft extra."""
     engine64.costs, engine64.calibrations = table(per_node=1e-6, expand=1e-9), Calibrations()
     list(engine64.stream(prompts(2)[1], "eagle2", SamplingParams(max_new_tokens=12)))
     timing = engine64.calibrations.timing
-    assert timing.observations > 0 and timing.scale == DraftTiming.LIMITS[1]
+    assert timing.observations > 0 and timing.fit[1] > 1e-5
 
 
 def test_drafting_that_costs_more_than_the_table_says_gets_shallower_trees(engine64, monkeypatch):
     """The same cheap-verification table, expansions taken at the table's word
-    or 16 times dearer (the scale held fixed): dearer drafting, shallower trees."""
-    monkeypatch.setattr(DraftTiming, "observe", lambda self, predicted, measured: None)
+    or 16 times dearer (the fit held fixed): dearer drafting, shallower trees."""
     depths = {}
     for scale in (1.0, 16.0):
+        monkeypatch.setattr(DraftTiming, "fit", property(lambda self, scale=scale: (scale, 0.0)))
         engine64.costs, engine64.calibrations = table(per_node=1e-6, expand=0.002), Calibrations()
-        engine64.calibrations.timing.scale = scale
         steps = list(engine64.stream(prompts(2)[1], "eagle2", SamplingParams(max_new_tokens=30)))
         depths[scale] = steps[-1].stats.mean_tree_depth
     assert depths[16.0] < depths[1.0], depths
@@ -233,7 +239,7 @@ def prompts(count: int) -> list[list[int]]:
 @pytest.mark.parametrize("costs", [GPU_LIKE, CPU_LIKE], ids=["gpu-like", "cpu-like"])
 def test_planned_eagle2_equals_vanilla(engine64, costs):
     """Greedy and seeded sampling: the planner's trees never change the output."""
-    engine64.costs = costs
+    engine64.costs, engine64.calibrations = costs, Calibrations()
     for prompt in prompts(6):
         for sampling in (SamplingParams(max_new_tokens=40), SamplingParams(temperature=0.9, top_k=20, max_new_tokens=40, seed=11)):
             reference = tokens_of(engine64.stream(prompt, "vanilla", sampling))
@@ -241,10 +247,11 @@ def test_planned_eagle2_equals_vanilla(engine64, costs):
                 assert tokens_of(engine64.stream(prompt, "eagle2", sampling, tree)) == reference, (prompt, sampling, tree)
 
 
-def test_the_planner_grows_trees_where_verification_is_cheap(engine64):
+def test_the_planner_grows_trees_where_verification_is_cheap(engine64, monkeypatch):
     """Fed a GPU-like cost table (flat in the node count) the planner picks big
     trees; fed a CPU-like one (steep) it picks small ones or none."""
     sizes = {}
+    monkeypatch.setattr(DraftTiming, "observe", lambda self, predicted, measured: None)  # the tables' costs, as given
     for name, costs in (("gpu", GPU_LIKE), ("cpu", CPU_LIKE)):
         engine64.costs, engine64.calibrations = costs, Calibrations()
         steps = list(engine64.stream(prompts(2)[1], "eagle2", SamplingParams(max_new_tokens=30)))
