@@ -250,8 +250,10 @@ class Drafter:
         costs = planning.costs
         scale, extra = planning.timing.fit
         curve = costs.verify_curve(self.cache.length)
-        predicted = costs.expand_seconds(1)  # the table's time for this draft's head work, unscaled
-        spent = costs.overhead + extra + scale * predicted  # the head's catch-up on committed tokens, its first step
+        # the table's time for this draft so far (the head's catch-up on committed
+        # tokens, its first step), and that corrected by measured drafts: spent = extra + scale * predicted
+        predicted = costs.overhead + costs.expand_seconds(1)
+        spent = extra + scale * predicted
         expander = Expander(self)
         values, ids = self.top(self.last_hidden[None], k)
         tokens, parents = ids[0].tolist(), [-1] * k

@@ -172,3 +172,27 @@ def test_a_run_cut_short_keeps_the_prompts_it_finished(tiny_base, tmp_path, monk
     assert last["summary"]["identical_fraction"] == 1.0 and set(last["summary"]["draft_timing"]) == {"eagle2"}
     assert engine.calibrations.timing.observations > 0  # what draft_timing reports was learned
     json.dumps(last)
+
+
+def test_the_bench_command_leaves_a_json_file_when_stopped(tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C during the second prompt: the command ends as interrupted, and
+    its --json file holds the first prompt, marked incomplete."""
+    from app.cli import main
+    from core import bench
+
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": str(i), "turns": [f"w{i} w{i + 1}"]} for i in range(3)])
+    original, calls = bench.run_once, []
+
+    def stopped_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_once", stopped_second)
+    out = tmp_path / "bench.json"
+    command = ["bench", "--prompts", str(path), "--model", str(tiny_dir), "--dtype", "float64", "--modes", "vanilla"]
+    assert main([*command, "--warmup", "0", "--max-new-tokens", "4", "--json", str(out)]) == 130
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False and [row["id"] for row in saved["prompts"]] == ["0"]
+    assert not out.with_name("bench.json.partial").exists()
