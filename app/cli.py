@@ -314,6 +314,7 @@ def run_bench_command(args) -> int:
     import json
 
     from app.session import load_draft_head, prepare_costs
+    from app.store import write_atomic
     from core.bench import format_table, load_prompts, parse_mode, run_bench
     from core.engine import Engine
 
@@ -338,9 +339,7 @@ def run_bench_command(args) -> int:
         print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
 
     def write(result: dict) -> None:  # whole, or not at all: a file cut mid-write would lose the earlier prompts too
-        partial = Path(args.json_out + ".partial")
-        partial.write_text(json.dumps(result, indent=1))
-        partial.replace(args.json_out)
+        write_atomic(Path(args.json_out), json.dumps(result, indent=1))
 
     result = run_bench(
         engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show, args.llama_python, other_heads,

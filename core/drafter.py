@@ -271,10 +271,11 @@ class Drafter:
             known = torch.sort(torch.cat([estimates, copied]), descending=True).values
             width = len(frontier)
             children = estimates[frontier] * planning.continuation.rate(depth - 1)  # one likely child per frontier node
-            if not planner.worth_deepening(known, children, curve, spent, scale * costs.expand_seconds(width)):
+            level = costs.expand_seconds(width)  # the table's time for this level
+            if not planner.worth_deepening(known, children, curve, spent, scale * level):
                 break
-            predicted += costs.expand_seconds(width)
-            spent += scale * costs.expand_seconds(width)
+            predicted += level
+            spent += scale * level
             values, ids = self.top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
             child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,)
             first = len(tokens)
