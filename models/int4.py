@@ -115,8 +115,165 @@ at::Tensor q4_linear(const at::Tensor& input, const at::Tensor& codes_t, const a
     return result;
 }
 
-TORCH_LIBRARY_FRAGMENT(kestrel_q4, lib) { lib.def("linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor"); }
-TORCH_LIBRARY_IMPL(kestrel_q4, CPU, lib) { lib.impl("linear", &q4_linear); }
+
+// AMX (Intel's tile unit, where the compiler targets it): bf16 activations times the codes
+// themselves, whole numbers 0..15 that bf16 holds exactly, so a tile product of a group is the
+// float32 sum of exact products; d and m come after, in float32: out += d * (x . codes) + m * sum(x).
+// tiles (N/16, G, 256) uint8: a group's codes for 16 columns as one B tile (16 rows of 16 column
+// pairs): byte j of 32-byte chunk c holds row 2c's word j (low nibble) and row 2c+1's (high), word j
+// of row p being the code of element 2p + (j & 1) of column j >> 1. d, m (N/16, G, 16) float32.
+// A row's result does not depend on the other rows of its tile (the unit computes each row alone)
+// nor on how many there are: every row gets the same operations in the same order.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstring>
+#include <vector>
+
+static bool amx_permitted() {  // Linux hands tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return granted;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static inline void configure_tiles(int rows) {  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
+    alignas(64) TileConfig config;
+    std::memset(&config, 0, sizeof config);
+    config.palette = 1;
+    config.rows[0] = config.rows[1] = uint8_t(rows);
+    config.rows[2] = 16;
+    config.colsb[0] = config.colsb[1] = config.colsb[2] = 64;
+    _tile_loadconfig(&config);
+}
+
+static inline void unpack_tile(const uint8_t* src, uint16_t* dst, __m512i bf16_of_code) {
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    for (int c = 0; c < 8; ++c) {
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(src + 32 * c)));
+        _mm512_store_si512(dst + 64 * c, _mm512_permutexvar_epi16(_mm512_and_si512(words, low), bf16_of_code));
+        _mm512_store_si512(dst + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), bf16_of_code));
+    }
+}
+
+constexpr int AHEAD = 3;  // groups unpacked ahead of the tile product: the unit loads B only once its stores land
+constexpr int LAG = 2;    // groups between a tile product and reading its stored result
+constexpr int RING = 4;
+
+// M rows from r0, the column tiles [t0, t1): a software pipeline over the (tile, group) pairs
+template <int M>
+static void amx_rows(int64_t r0, int64_t t0, int64_t t1, const uint16_t* x, int64_t K, const float* sums, const uint8_t* tiles,
+                     const float* d, const float* m, int64_t G, int64_t N, float* out, __m512i bf16_of_code) {
+    alignas(64) uint16_t b[RING][512];
+    alignas(64) float c[RING][16 * 16];
+    const int64_t first = t0 * G, last = t1 * G;
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = first; i < first + AHEAD && i < last; ++i) unpack_tile(tiles + i * 256, b[i % RING], bf16_of_code);
+    for (int64_t i = first; i < last + LAG; ++i) {
+        if (i < last) {
+            const int64_t g = i % G;
+            _tile_loadd(2, b[i % RING], 64);
+            _tile_loadd(1, x + r0 * K + g * 32, K * 2);
+            _tile_zero(0);
+            _tile_dpbf16ps(0, 1, 2);
+            _tile_stored(0, c[i % RING], 64);
+            if (i + AHEAD < last) unpack_tile(tiles + (i + AHEAD) * 256, b[(i + AHEAD) % RING], bf16_of_code);
+        }
+        const int64_t j = i - LAG;
+        if (j >= first) {
+            const int64_t g = j % G;
+            const __m512 scale = _mm512_loadu_ps(d + j * 16), base = _mm512_loadu_ps(m + j * 16);
+            const float* products = c[j % RING];
+            for (int r = 0; r < M; ++r) {
+                acc[r] = _mm512_fmadd_ps(scale, _mm512_load_ps(products + 16 * r), acc[r]);
+                acc[r] = _mm512_fmadd_ps(base, _mm512_set1_ps(sums[(r0 + r) * G + g]), acc[r]);
+            }
+            if (g == G - 1) {
+                const int64_t n = (j / G) * 16;
+                for (int r = 0; r < M; ++r) {
+                    _mm512_storeu_ps(out + (r0 + r) * N + n, acc[r]);
+                    acc[r] = _mm512_setzero_ps();
+                }
+            }
+        }
+    }
+}
+
+template <int M = 1>
+static inline void amx_dispatch(int rows, int64_t r0, int64_t t0, int64_t t1, const uint16_t* x, int64_t K, const float* sums,
+                                const uint8_t* tiles, const float* d, const float* m, int64_t G, int64_t N, float* out, __m512i table) {
+    if constexpr (M <= 16) {
+        if (rows == M) return amx_rows<M>(r0, t0, t1, x, K, sums, tiles, d, m, G, N, out, table);
+        amx_dispatch<M + 1>(rows, r0, t0, t1, x, K, sums, tiles, d, m, G, N, out, table);
+    }
+}
+
+static bool amx_ready() { return amx_permitted(); }
+
+at::Tensor q4_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at::Tensor& d_t, const at::Tensor& m_t) {
+    TORCH_CHECK(amx_permitted(), "q4_tiles: this process may not use AMX tiles");
+    TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "q4_tiles: x (R, K) bf16");
+    TORCH_CHECK(tiles_t.dim() == 3 && tiles_t.size(2) == 256 && tiles_t.scalar_type() == at::kByte && tiles_t.is_contiguous(),
+                "q4_tiles: tiles (N/16, K/32, 256) uint8");
+    TORCH_CHECK(d_t.scalar_type() == at::kFloat && m_t.scalar_type() == at::kFloat && d_t.is_contiguous() && m_t.is_contiguous(),
+                "q4_tiles: d and m float32");
+    const at::Tensor x = input.contiguous();
+    const int64_t R = x.size(0), K = x.size(1), T = tiles_t.size(0), G = tiles_t.size(1), N = T * 16;
+    TORCH_CHECK(K == G * 32 && d_t.size(0) == T && d_t.size(1) == G && d_t.size(2) == 16 && m_t.sizes() == d_t.sizes(), "q4_tiles: shapes");
+    const uint16_t* xp = (const uint16_t*)x.data_ptr();
+    // each row's group sums (float32, one fixed order)
+    std::vector<float> sums(R * G);
+    for (int64_t i = 0; i < R * G; ++i) {
+        const __m512i raw = _mm512_loadu_si512((const void*)(xp + i * 32));
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+    at::Tensor result = at::empty({R, N}, x.options().dtype(at::kFloat));
+    const uint8_t* tiles = tiles_t.data_ptr<uint8_t>();
+    const float *d = d_t.data_ptr<float>(), *m = m_t.data_ptr<float>();
+    float* out = result.data_ptr<float>();
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+        alignas(64) uint16_t table[32];
+        for (int v = 0; v < 32; ++v) {
+            const float f = float(v & 15);
+            uint32_t bits;
+            std::memcpy(&bits, &f, 4);
+            table[v] = uint16_t(bits >> 16);  // exact: whole numbers below 256
+        }
+        const __m512i bf16_of_code = _mm512_load_si512(table);
+        for (int64_t r0 = 0; r0 < R; r0 += 16) {
+            const int rows = int(std::min<int64_t>(16, R - r0));
+            configure_tiles(rows);
+            amx_dispatch(rows, r0, t0, t1, xp, K, sums.data(), tiles, d, m, G, N, out, bf16_of_code);
+        }
+        _tile_release();
+    });
+    return result;
+}
+#else
+static bool amx_ready() { return false; }
+at::Tensor q4_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+    TORCH_CHECK(false, "q4_tiles: built without AMX");
+}
+#endif
+
+bool q4_amx_ready() { return amx_ready(); }
+
+TORCH_LIBRARY_FRAGMENT(kestrel_q4, lib) {
+    lib.def("linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
+    lib.def("tiles(Tensor x, Tensor tiles, Tensor d, Tensor m) -> Tensor");
+    lib.def("amx_ready() -> bool", &q4_amx_ready);  // no tensors to dispatch on: a catch-all
+}
+TORCH_LIBRARY_IMPL(kestrel_q4, CPU, lib) {
+    lib.impl("linear", &q4_linear);
+    lib.impl("tiles", &q4_tiles);
+}
 """
 
 _lock = threading.Lock()
@@ -145,6 +302,10 @@ def _load() -> bool:
         @torch.library.register_fake("kestrel_q4::linear")
         def _(x, codes, d, m):
             return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+        @torch.library.register_fake("kestrel_q4::tiles")
+        def _(x, tiles, d, m):
+            return x.new_empty((x.shape[0], tiles.shape[0] * 16), dtype=torch.float32)
 
     return True
 
@@ -183,20 +344,60 @@ def dequantize_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> 
     return torch.addcmul(m[..., None], d[..., None], values).reshape(codes.shape[0], -1)
 
 
-class Q4Linear(nn.Module):
-    """A frozen nn.Linear whose weights Kestrel's int4 kernel reads (float32 activations)."""
+def tiles_available() -> bool:
+    """Whether Kestrel's AMX product runs here: the kernel built for a CPU with
+    AMX tiles and bf16, and Linux granted this process the tile state."""
+    return os.environ.get("KESTREL_AMX", "1") != "0" and own_kernel() and bool(torch.ops.kestrel_q4.amx_ready())
 
-    def __init__(self, linear: nn.Linear):
+
+def pack_tiles(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (N, G, 16), d, m (N, G)) as `quantize_blocks` gives them -> the
+    AMX layout: (tiles (N/16, G, 256) uint8, d, m (N/16, G, 16) float32)."""
+    rows, groups, _ = codes.shape
+    q = torch.cat([codes & 15, codes >> 4], dim=-1).reshape(rows // 16, 16, groups, 16, 2)  # [t, n, g, p, e]: element 2p + e
+    words = q.permute(0, 2, 3, 1, 4).reshape(rows // 16, groups, 8, 2, 32)  # [t, g, chunk, row 2c + h, word 2n + e]
+    tiles = words[:, :, :, 0] | (words[:, :, :, 1] << 4)
+    per_tile = lambda v: v.reshape(rows // 16, 16, groups).transpose(1, 2).contiguous()  # noqa: E731
+    return tiles.reshape(rows // 16, groups, 256).contiguous(), per_tile(d), per_tile(m)
+
+
+def unpack_tiles(tiles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_tiles` undone: -> (codes (N, G, 16), d, m (N, G))."""
+    count, groups, _ = tiles.shape
+    words = tiles.reshape(count, groups, 8, 1, 32)
+    q = torch.cat([words & 15, words >> 4], dim=3).reshape(count, groups, 16, 16, 2)  # [t, g, p, n, e]
+    q = q.permute(0, 3, 1, 2, 4).reshape(count * 16, groups, 32)
+    per_row = lambda v: v.transpose(1, 2).reshape(count * 16, groups).contiguous()  # noqa: E731
+    return (q[..., :16] | (q[..., 16:] << 4)).contiguous(), per_row(d), per_row(m)
+
+
+class Q4Linear(nn.Module):
+    """A frozen nn.Linear whose weights Kestrel's int4 kernel reads: with AMX
+    tiles (bf16 activations) for a bf16 layer where the CPU has them, else
+    with float32 vectors. One layer always runs one kernel."""
+
+    def __init__(self, linear: nn.Linear, tiles: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.tiles = linear.weight.dtype == torch.bfloat16 and tiles_available() if tiles is None else tiles
         codes, d, m = quantize_blocks(linear.weight)
+        if self.tiles:
+            codes, d, m = pack_tiles(codes, d, m)
         self.register_buffer("codes", codes)
         self.register_buffer("d", d)
         self.register_buffer("m", m)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
 
+    def weight(self) -> torch.Tensor:
+        """The float32 weights (N, K) the kernel multiplies by."""
+        return dequantize_blocks(*(unpack_tiles(self.codes, self.d, self.m) if self.tiles else (self.codes, self.d, self.m)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.kestrel_q4.linear(x.reshape(-1, x.shape[-1]), self.codes, self.d, self.m)
+        flat = x.reshape(-1, x.shape[-1])
+        if self.tiles:
+            out = torch.ops.kestrel_q4.tiles(flat.to(torch.bfloat16), self.codes, self.d, self.m)
+        else:
+            out = torch.ops.kestrel_q4.linear(flat, self.codes, self.d, self.m)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], -1).to(x.dtype)
@@ -227,10 +428,11 @@ class Int4Linear(int8.QuantizedLinear):
 
 
 def kernel_of(model: nn.Module) -> str | None:
-    """Which kernel reads a model's int4 weights: "kestrel", "torch", or None (no int4 layers)."""
+    """Which kernel reads a model's int4 weights: "kestrel-amx", "kestrel",
+    "torch", or None (no int4 layers)."""
     for module in model.modules():
         if isinstance(module, Q4Linear):
-            return "kestrel"
+            return "kestrel-amx" if module.tiles else "kestrel"
         if isinstance(module, Int4Linear):
             return "torch"
     return None
