@@ -35,7 +35,7 @@ GPU_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # and on GPUs, where they can
 CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with context
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
-VERSION = 10  # bump when what is measured changes, so old cache files are ignored
+VERSION = 11  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def device_name(device: torch.device) -> str:
 
 def cache_key(
     device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str,
-    compiled: bool = False, row_kernel: bool = False, int4_kernel: str | None = None,
+    compiled: bool = False, row_kernel: str | None = None, int4_kernel: str | None = None,
 ) -> dict:  # fmt: skip
     return {
         "version": VERSION,

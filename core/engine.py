@@ -106,6 +106,12 @@ class Engine:
         self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
         self.calibrations = Calibrations()  # acceptance by draft confidence, learned over every request
 
+    def _row_kernel(self) -> str | None:
+        """Which row attention this engine runs: "tiles" (AMX, bf16), "vectors", or None (torch's)."""
+        if not (self.exact and rowkernel.covers(self.base.dtype, self.base.device)):
+            return None
+        return "tiles" if self.base.dtype == torch.bfloat16 and rowkernel.tiles() else "vectors"
+
     def prepare_costs(self, progress: costs.Progress | None = None, remeasure: bool = False) -> costs.Costs | None:
         """The step costs the planner sizes trees by: read from the cache for
         this device, model, head, dtype, quantization and thread count, else
@@ -117,7 +123,7 @@ class Engine:
         base = self.base
         key = costs.cache_key(
             base.device, base.name, self.head_name, base.dtype, base.quantization,
-            compiled=self.compiled is not None, row_kernel=self.exact and rowkernel.covers(base.dtype, base.device),
+            compiled=self.compiled is not None, row_kernel=self._row_kernel(),
             int4_kernel=int4.kernel_of(self.model),
         )  # fmt: skip
         folder = costs_folder()

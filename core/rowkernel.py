@@ -294,6 +294,231 @@ static void rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     });
 }
 
+// AMX (Intel's tile unit, where the compiler targets it) for bf16: a tile product gives the scores
+// of 16 keys against up to 16 query vectors (a few rows' heads that share a key/value head), each
+// score the float32 sum of the exact products of bf16 elements, computed for its own key and
+// query whatever else shares the tile. The softmax and the weighted sum of values are then each
+// query's own, in key order and float32, as above. Any key scores the same in the cache or among a
+// row's extra keys, so a tree node still gets bit for bit what a one-token step gets.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdlib>
+
+static bool tiles_permitted() {  // Linux hands tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    static const bool granted = [] {
+        const char* off = std::getenv("KESTREL_AMX");
+        return !(off && std::string(off) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return granted;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static constexpr int64_t TILE = 16;  // keys per tile product, and query vectors per item
+
+// tile 0: scores (16 keys x 16 queries, float32); 1: 16 keys' 32 elements; 2..5: the queries' 32-element chunks
+static void configure_tiles() {
+    alignas(64) TileConfig config;
+    std::memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 6; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+template <int CHUNKS>
+static inline void score_tile(const uint16_t* keys, int64_t stride_bytes, float* c) {  // c[key][query]
+    _tile_zero(0);
+    _tile_loadd(1, keys, stride_bytes);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, keys + 32, stride_bytes);
+    _tile_dpbf16ps(0, 1, 3);
+    if constexpr (CHUNKS > 2) {
+        _tile_loadd(1, keys + 64, stride_bytes);
+        _tile_dpbf16ps(0, 1, 4);
+        _tile_loadd(1, keys + 96, stride_bytes);
+        _tile_dpbf16ps(0, 1, 5);
+    }
+    _tile_stored(0, c, 64);
+}
+
+static inline __m512 widen16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// H heads of one row (their softmax weights `longest` apart): each head's weighted sum of the
+// row's values in key order, divided by the sum of its weights (sixteen partial sums by key
+// index mod 16, then a fixed reduction: an order that depends on the number of keys only).
+// Each value is widened once for the H heads.
+template <int64_t V, int64_t H>
+static inline void weighted_sum(const float* weights, int64_t longest, const uint16_t* values, int64_t kv_pos, int64_t own,
+                                const int64_t* extra, int64_t extras, float* out) {
+    const int64_t count = own + extras;
+    __m512 acc[H][V];
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < H; ++h)
+#pragma GCC unroll 8
+        for (int64_t l = 0; l < V; ++l) acc[h][l] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; ++j) {
+        const uint16_t* value = values + (j < own ? j : extra[j - own]) * kv_pos;
+        __m512 wide[V];
+#pragma GCC unroll 8
+        for (int64_t l = 0; l < V; ++l) wide[l] = widen16(value + 16 * l);
+#pragma GCC unroll 8
+        for (int64_t h = 0; h < H; ++h) {
+            const __m512 w = _mm512_set1_ps(weights[h * longest + j]);
+#pragma GCC unroll 8
+            for (int64_t l = 0; l < V; ++l) acc[h][l] = _mm512_fmadd_ps(w, wide[l], acc[h][l]);
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const float* row = weights + h * longest;
+        __m512 sums = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= count; j += 16) sums = _mm512_add_ps(sums, _mm512_loadu_ps(row + j));
+        sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(__mmask16((1u << (count - j)) - 1), row + j));
+        const __m512 divisor = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
+        for (int64_t l = 0; l < V; ++l) _mm512_storeu_ps(out + h * V * 16 + 16 * l, _mm512_div_ps(acc[h][l], divisor));
+    }
+}
+
+// One item: key/value head kv and rows [r0, r1), whose g heads each are the item's queries.
+template <int CHUNKS>
+static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, int64_t q_row, int64_t q_head,
+                       int64_t kv_head, int64_t kv_pos, int64_t length, int64_t heads, int64_t g, int64_t kv, int64_t r0, int64_t r1,
+                       const int64_t* prefix, const int64_t* offsets, const int64_t* extra, float scale, float* op,
+                       std::vector<float>& scores, std::vector<uint16_t>& pad, float* c) {
+    constexpr int64_t dim = 32 * CHUNKS, V = dim / 16;
+    const int64_t n = (r1 - r0) * g;
+    int64_t lead = 0, longest = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+        lead = std::max(lead, prefix[r]);
+        longest = std::max(longest, prefix[r] + offsets[r + 1] - offsets[r]);
+    }
+    // the queries as B tiles: chunk t, row p, column i = the pair of elements 32t + 2p, +1 of query i
+    alignas(64) uint32_t b[CHUNKS][16][16];
+    for (int64_t i = 0; i < TILE; ++i) {
+        const uint16_t* query = i < n ? qp + (r0 + i / g) * q_row + (kv * g + i % g) * q_head : nullptr;
+        for (int t = 0; t < CHUNKS; ++t)
+            for (int p = 0; p < 16; ++p) {
+                uint32_t pair = 0;
+                if (query) std::memcpy(&pair, query + 32 * t + 2 * p, 4);
+                b[t][p][i] = pair;
+            }
+    }
+    _tile_loadd(2, b[0], 64);
+    _tile_loadd(3, b[1], 64);
+    if constexpr (CHUNKS > 2) {
+        _tile_loadd(4, b[2], 64);
+        _tile_loadd(5, b[3], 64);
+    }
+    scores.resize(TILE * longest + TILE);
+    const __m512i across = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    const uint16_t* keys = kp + kv * kv_head;
+    const uint16_t* values = vp + kv * kv_head;
+    // the cache's leading keys, 16 at a time (a tail past the cache's end through a zero-padded copy)
+    for (int64_t j0 = 0; j0 < lead; j0 += TILE) {
+        if (j0 + TILE <= length) {
+            score_tile<CHUNKS>(keys + j0 * kv_pos, kv_pos * 2, c);
+        } else {
+            std::fill(pad.begin(), pad.end(), 0);
+            for (int64_t j = j0; j < length && j < j0 + TILE; ++j) std::memcpy(&pad[(j - j0) * dim], keys + j * kv_pos, dim * 2);
+            score_tile<CHUNKS>(pad.data(), dim * 2, c);
+        }
+        for (int64_t i = 0; i < n; ++i) {  // column i of the tile: query i's scores for these keys
+            const int64_t own = prefix[r0 + i / g];
+            if (own <= j0) continue;
+            const __m512 column = _mm512_i32gather_ps(_mm512_add_epi32(across, _mm512_set1_epi32(int(i))), c, 4);
+            const __mmask16 keep = own - j0 >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << (own - j0)) - 1);
+            _mm512_mask_storeu_ps(scores.data() + i * longest + j0, keep, _mm512_mul_ps(column, _mm512_set1_ps(scale)));
+        }
+    }
+    // each row's extra keys, through a zero-padded copy
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t first = offsets[r], count = offsets[r + 1] - first;
+        for (int64_t e0 = 0; e0 < count; e0 += TILE) {
+            std::fill(pad.begin(), pad.end(), 0);
+            for (int64_t e = e0; e < count && e < e0 + TILE; ++e) std::memcpy(&pad[(e - e0) * dim], keys + extra[first + e] * kv_pos, dim * 2);
+            score_tile<CHUNKS>(pad.data(), dim * 2, c);
+            for (int64_t i = (r - r0) * g; i < (r - r0 + 1) * g; ++i)
+                for (int64_t e = e0; e < count && e < e0 + TILE; ++e) scores[i * longest + prefix[r] + e] = c[(e - e0) * TILE + i] * scale;
+        }
+    }
+    // each query's softmax, then its weighted sum of values in key order; a row's heads share its
+    // keys, so each value is widened once for up to `together` of them
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = r0 + i / g, count = prefix[r] + offsets[r + 1] - offsets[r];
+        float* row = scores.data() + i * longest;
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 16 <= count; j += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(row + j));
+        float best = _mm512_reduce_max_ps(most);  // exact: the order of a maximum does not matter
+        for (; j < count; ++j) best = row[j] > best ? row[j] : best;
+        exp_shifted(row, count, best);
+    }
+    constexpr int64_t together = 24 / V;
+    for (int64_t i0 = 0; i0 < n; i0 += g) {
+        const int64_t r = r0 + i0 / g;
+        for (int64_t h0 = 0; h0 < g; h0 += together) {
+            const int64_t hn = std::min(together, g - h0);
+            const int64_t item = (r * heads + kv * g + h0) * dim;
+            const float* weights = scores.data() + (i0 + h0) * longest;
+            switch (hn) {
+                case 1: weighted_sum<V, 1>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
+                case 2: weighted_sum<V, 2>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
+                case 3: weighted_sum<V, 3>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
+                case 4: weighted_sum<V, 4>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
+                case 5: weighted_sum<V, 5>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
+                default: weighted_sum<V, (24 / V < 6 ? 24 / V : 6)>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
+            }
+        }
+    }
+}
+
+// Whether the tile path takes these tensors: bf16, head size 64 or 128, up to 16 heads per key/value head.
+static bool tiles_take(const at::Tensor& q, const at::Tensor& k) {
+    const int64_t dim = q.size(3), group = q.size(1) / k.size(1);
+    return q.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128) && group <= TILE && tiles_permitted();
+}
+
+static void rows_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* prefix,
+                       const int64_t* offsets, const int64_t* extra, double scale, at::Tensor& out) {
+    const int64_t n_rows = q.size(2), heads = q.size(1), kv_heads = k.size(1), dim = q.size(3), length = k.size(2);
+    const int64_t g = heads / kv_heads, per_item = TILE / g, blocks = (n_rows + per_item - 1) / per_item;
+    const uint16_t* qp = static_cast<const uint16_t*>(q.data_ptr());
+    const uint16_t* kp = static_cast<const uint16_t*>(k.data_ptr());
+    const uint16_t* vp = static_cast<const uint16_t*>(v.data_ptr());
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+        configure_tiles();
+        std::vector<float> scores;
+        std::vector<uint16_t> pad(TILE * dim);
+        alignas(64) float c[TILE * TILE];
+        for (int64_t item = begin; item < end; ++item) {
+            const int64_t kv = item / blocks, r0 = item % blocks * per_item, r1 = std::min(n_rows, r0 + per_item);
+            if (dim == 64)
+                tiles_item<2>(qp, kp, vp, q.stride(2), q.stride(1), k.stride(1), k.stride(2), length, heads, g, kv, r0, r1,
+                              prefix, offsets, extra, float(scale), op, scores, pad, c);
+            else
+                tiles_item<4>(qp, kp, vp, q.stride(2), q.stride(1), k.stride(1), k.stride(2), length, heads, g, kv, r0, r1,
+                              prefix, offsets, extra, float(scale), op, scores, pad, c);
+        }
+        _tile_release();
+    });
+}
+static bool tiles_ready() { return tiles_permitted(); }
+#else
+static bool tiles_ready() { return false; }
+static bool tiles_take(const at::Tensor&, const at::Tensor&) { return false; }
+static void rows_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int64_t*, const int64_t*, const int64_t*,
+                       double, at::Tensor&) {}
+#endif
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& prefix,
                   const at::Tensor& offsets, const at::Tensor& extra, double scale) {
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1, "rows attention: q, k, v are (1, H, T, D)");
@@ -315,6 +540,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     auto out = at::empty(shape, q.options().dtype(at::kFloat));
     if (q.scalar_type() == at::kFloat)
         rows<float>(q, k, v, p, o, e, scale, out);
+    else if (tiles_take(q, k))
+        rows_tiles(q, k, v, p, o, e, scale, out);
     else if (q.scalar_type() == at::kBFloat16)
         rows<bf16>(q, k, v, p, o, e, scale, out);
     else
@@ -324,6 +551,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 TORCH_LIBRARY_FRAGMENT(kestrel_rows, lib) {
     lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor prefix, Tensor offsets, Tensor extra, float scale) -> Tensor");
+    lib.def("tiles_ready() -> bool", &tiles_ready);  // no tensors to dispatch on: a catch-all
 }
 TORCH_LIBRARY_IMPL(kestrel_rows, CPU, lib) { lib.impl("attend", &attend); }
 """
@@ -354,6 +582,12 @@ def _load():
     if not registered and not native.load_operator("rows", SOURCE, "Row-invariant attention in torch"):
         return None
     return torch.ops.kestrel_rows.attend
+
+
+def tiles() -> bool:
+    """Whether bf16 attention with head size 64 or 128 runs on AMX tiles here
+    (a CPU with them, the kernel built for it, Linux granting the tile state)."""
+    return library() is not None and bool(torch.ops.kestrel_rows.tiles_ready())
 
 
 def covers(dtype: torch.dtype, device: torch.device) -> bool:

@@ -282,3 +282,47 @@ def test_int4_falls_back_to_torchs_kernel_where_kestrels_cannot_be_built(tiny_di
     base = load_base(str(tiny_dir), quantization="int4", dtype="float32")
     layers = list(base.model.get_decoder().layers.modules())
     assert sum(isinstance(m, int4.Int4Linear) for m in layers) == 14 and not any(isinstance(m, int4.Q4Linear) for m in layers)
+
+
+needs_tiles = pytest.mark.skipif(not int4.tiles_available(), reason="no AMX tiles on this CPU")
+
+
+@needs_tiles
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kestrels_int4_tiles_are_row_invariant_and_exact_to_float32_rounding(threads):
+    """The AMX product: a row's result is the same bits in every block of rows
+    (1 to 16 rows a tile, more in several), on 1 or 2 threads, and within
+    float32 rounding of the exact weights times the bf16 input."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(13)
+        for shape in SHAPES:
+            if shape[0] % 16 or shape[1] % int4.GROUP:
+                continue
+            codes, d, m = int4.quantize_blocks(torch.randn(shape, generator=generator))
+            tiles = int4.pack_tiles(codes, d, m)
+            assert all(torch.equal(a, b) for a, b in zip(int4.unpack_tiles(*tiles), (codes, d, m)))
+            x = torch.randn(40, shape[1], generator=generator).bfloat16()
+            full = torch.ops.kestrel_q4.tiles(x, *tiles)
+            for rows in (1, 2, 3, 5, 8, 15, 16, 17, 33):
+                part = torch.ops.kestrel_q4.tiles(x[5 : 5 + rows].contiguous(), *tiles)
+                assert torch.equal(part, full[5 : 5 + rows]), (shape, rows)
+            expected = x.double() @ int4.dequantize_blocks(codes, d, m).double().T
+            assert (full.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_tiles
+def test_a_bf16_int4_layer_runs_on_tiles_and_a_float32_one_does_not():
+    weight = q4_1_blocks(48, 96, 6)
+    linear = torch.nn.Linear(96, 48, bias=True).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    layer = int4.Q4Linear(linear)
+    assert layer.tiles and torch.equal(layer.weight(), weight.bfloat16().float())
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
+    expected = (x.double() @ weight.bfloat16().double().T + linear.bias.double()).bfloat16()
+    assert torch.allclose(layer(x).float(), expected.float(), rtol=1e-2, atol=1e-2)
+    assert not int4.Q4Linear(torch.nn.Linear(96, 48)).tiles  # float32 layers keep the vector kernel

@@ -100,3 +100,35 @@ def test_the_result_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+needs_tiles = pytest.mark.skipif(rowkernel.library() is None or not rowkernel.tiles(), reason="no AMX tiles on this CPU")
+
+
+@needs_tiles
+@pytest.mark.parametrize("dim, heads, kv_heads, prefix", [(64, 9, 3, 300), (128, 8, 2, 37), (64, 16, 1, 5)])
+def test_the_tile_path_keeps_tree_rows_bit_for_bit(dim, heads, kv_heads, prefix):
+    """bf16 with head size 64 or 128 runs on AMX tiles, 16 query vectors at a
+    time: a tree node still gets what a lone row over its keys gets, a causal
+    row what it gets alone, and the result is bf16-rounded float32 attention."""
+    query, keys, values, mask = tree_case(torch.bfloat16, prefix=prefix, heads=heads, kv_heads=kv_heads, dim=dim, seed=11)
+    out, _ = attention.rows_attention(None, query, keys, values, mask[None, None], scaling=0.2)
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), keys.repeat_interleave(group, 1).float(), values.repeat_interleave(group, 1).float(),
+        attn_mask=mask[None, None], scale=0.2,
+    ).transpose(1, 2)  # fmt: skip
+    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1e-5)
+    for row in range(len(PARENTS)):
+        visible = mask[row].nonzero().squeeze(1)
+        lone, _ = attention.rows_attention(None, query[:, :, row : row + 1], keys[:, :, visible], values[:, :, visible], None, scaling=0.2)
+        assert torch.equal(lone[0, 0], out[0, row]), row
+    # causal rows (a prefill), more than one item's worth: each row as it is alone
+    total = keys.shape[2]
+    count = min(21, total)
+    generator = torch.Generator().manual_seed(12)
+    rows_query = torch.randn(1, count, heads, dim, generator=generator).bfloat16().transpose(1, 2)
+    causal = rowkernel.attend(rows_query, keys, values, rowkernel.Rows.of(None, count, total), 0.2)
+    for row in (0, 7, count - 1):
+        lone = rowkernel.attend(rows_query[:, :, row : row + 1], keys, values, rowkernel.Rows.of(None, 1, total - count + 1 + row), 0.2)
+        assert torch.equal(lone[0, 0], causal[0, row]), row
