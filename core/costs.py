@@ -107,7 +107,7 @@ def device_name(device: torch.device) -> str:
 
 def cache_key(
     device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str,
-    compiled: bool = False, row_kernel: str | None = None, int4_kernel: str | None = None,
+    compiled: bool = False, row_kernel: str | None = None, int4_kernel: str | None = None, draft_kernel: str | None = None,
 ) -> dict:  # fmt: skip
     return {
         "version": VERSION,
@@ -120,6 +120,7 @@ def cache_key(
         "compiled": compiled,
         "row_kernel": row_kernel,
         "int4_kernel": int4_kernel,
+        "draft_kernel": draft_kernel,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

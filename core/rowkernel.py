@@ -11,6 +11,16 @@ and a tree node gets bit for bit what a one-token step over the same keys
 gets. It replaces about a dozen small torch operations per row and layer
 with one call per layer.
 
+On CPUs with AMX tiles, bf16 attention with a head size of 64 or 128 scores
+keys on the tile unit: a tile product gives 16 keys' scores against up to 16
+query vectors (a few rows' heads that share a key/value head), each score the
+float32 sum of the exact products of its own key and query, whatever else
+shares the tile, so any key scores the same in the cache and among a row's
+extra keys. The softmax and the weighted sum of values stay each query's own,
+in key order, in float32 (the sum of the weights in sixteen partial sums by
+key index, an order fixed by the number of keys). On the 2-core reference
+Xeon, 9 heads over 3 and 300 keys: 1 row 32 -> 12 us, 16 rows 311 -> 84 us.
+
 The source is compiled once against the installed torch (core/native.py)
 and registered as a torch operator; its (row, head) pairs are shared out
 among torch's threads, each pair computed whole by one thread. Where no

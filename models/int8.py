@@ -281,3 +281,8 @@ def quantize_decoder(model: nn.Module) -> int:
     in place; the embedding and the lm_head keep their precision (greedy
     choices and sampling read the exact lm_head). -> layers replaced."""
     return replace_linears(model.get_decoder().layers)
+
+
+def kernel_of(module: nn.Module) -> str | None:
+    """Which kernel reads a module's int8 linears: "torch", or None (none int8)."""
+    return "torch" if any(isinstance(child, Int8Linear) for child in module.modules()) else None

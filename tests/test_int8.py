@@ -326,3 +326,4 @@ def test_a_bf16_int4_layer_runs_on_tiles_and_a_float32_one_does_not():
     expected = (x.double() @ weight.bfloat16().double().T + linear.bias.double()).bfloat16()
     assert torch.allclose(layer(x).float(), expected.float(), rtol=1e-2, atol=1e-2)
     assert not int4.Q4Linear(torch.nn.Linear(96, 48)).tiles  # float32 layers keep the vector kernel
+
