@@ -62,7 +62,10 @@ class ScreenedArgmax:
         )
         self.exact_dtype = torch.float32 if weight.dtype == torch.bfloat16 else weight.dtype  # what logits are computed in
         if self.enabled:
-            self.rows = int8.PackedRows(weight, self.own)
+            # bf16 weights and features on AMX tiles: exact products summed in float32 as the vector kernel
+            # does, so the bound holds, plus the unit's flushing of values below 2^-126 (`absolute`)
+            tiles = weight.dtype == torch.bfloat16 and self.own and int8.tiles_available()
+            self.rows = int8.PackedRows(weight, self.own, tiles=tiles)
             rounded = self.rows.dequantized().to(torch.float64)
             error_norms = (weight.to(torch.float64) - rounded).norm(dim=1)
             columns = weight.shape[1]
@@ -70,6 +73,8 @@ class ScreenedArgmax:
             # per token: the bound's factor of ||h|| (everything but the output rounding)
             self.row_bounds = (error_norms + relative * rounded.norm(dim=1)).float() * ERROR_SCALE
             self.output_rounding = 0.0 if self.own else 2.0**-7 * ERROR_SCALE  # per |rough_t|
+            largest = float(self.rows.scales.abs().max()) * 127 if tiles else 0.0
+            self.absolute = ERROR_SCALE * (columns + 2) * 2.0**-126 * (1.0 + largest)
 
     def __call__(self, hidden: torch.Tensor) -> list[int]:
         """hidden (m, H) -> the exact argmax token of each row of lm_head(hidden)."""
@@ -83,6 +88,9 @@ class ScreenedArgmax:
     def screen(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (m, H) -> (m, V) float32 int8 logits, to `resolve` rows of
         (only where `enabled`)."""
+        if self.rows.tiles and hidden.dtype != torch.bfloat16:
+            hidden = hidden.float()  # the vector kernel: tiles would round float32 features to bf16
+            return int8.own_matmul(hidden, self.rows.packed, self.rows.scales)
         return self.rows(hidden)
 
     def resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
@@ -95,7 +103,7 @@ class ScreenedArgmax:
         candidates = rough.topk(CANDIDATES).indices  # (k,)
         exact = self._exact(candidates, hidden)  # (k,)
         best = exact.max()
-        ceiling = rough + self.row_bounds * float(hidden.norm())
+        ceiling = rough + self.row_bounds * float(hidden.norm()) + self.absolute
         if self.output_rounding:
             ceiling += self.output_rounding * rough.abs()
         ceiling[candidates] = float("-inf")

@@ -56,7 +56,7 @@ class DraftVocabulary:
         self.packed = self.weight = None
         own = int8.own_kernel_takes(weight)
         if own or int8.available(weight.device):
-            self.packed = int8.PackedRows(weight, own)  # half the bytes of bf16 to read per call
+            self.packed = int8.PackedRows(weight, own, tiles=own and int8.tiles_available())  # half of bf16's bytes
         else:
             if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64) and cpu_has_native_bf16():
                 weight = weight.to(torch.bfloat16)  # such CPUs run bf16 products several times faster

@@ -158,8 +158,115 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const 
     return result;
 }
 
-TORCH_LIBRARY_FRAGMENT(kestrel_int8, lib) { lib.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor"); }
-TORCH_LIBRARY_IMPL(kestrel_int8, CPU, lib) { lib.impl("linear", &int8_linear); }
+
+// AMX (Intel's tile unit, where the compiler targets it): bf16 activations times the int8 codes
+// widened to bf16 (exactly: whole numbers below 128), each product exact and summed in float32
+// inside the unit, then times the row's scale. tiles (N/16, K/32, 512) int8: for 16 output rows
+// and 32 inputs, byte 32p + j holds the code of input 2p + (j & 1) for output row j >> 1 (a B
+// tile's row p). The codes are widened a few chunks ahead of the tile products that read them.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+static bool tiles_permitted() {  // Linux hands tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    static const bool granted = [] {
+        const char* off = std::getenv("KESTREL_AMX");
+        return !(off && std::string(off) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return granted;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static inline void configure_tiles(int rows) {  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
+    alignas(64) TileConfig config;
+    std::memset(&config, 0, sizeof config);
+    config.palette = 1;
+    config.rows[0] = config.rows[1] = uint8_t(rows);
+    config.rows[2] = 16;
+    config.colsb[0] = config.colsb[1] = config.colsb[2] = 64;
+    _tile_loadconfig(&config);
+}
+
+static inline void widen_codes(const int8_t* src, uint16_t* dst) {  // 512 codes -> a B tile of bf16
+    for (int c = 0; c < 16; ++c) {
+        const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 32 * c))));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 32 * c + 16))));
+        _mm512_store_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+
+constexpr int AHEAD = 3, RING = 4;
+
+static void tile_rows(int rows, int64_t r0, int64_t t0, int64_t t1, const uint16_t* x, int64_t K, const int8_t* tiles,
+                      const float* scales, int64_t N, float* out) {
+    const int64_t G = K / 32, first = t0 * G, last = t1 * G;
+    alignas(64) uint16_t b[RING][512];
+    alignas(64) float c[16 * 16];
+    for (int64_t i = first; i < first + AHEAD && i < last; ++i) widen_codes(tiles + i * 512, b[i % RING]);
+    for (int64_t i = first; i < last; ++i) {
+        const int64_t g = i % G;
+        if (g == 0) _tile_zero(0);
+        _tile_loadd(2, b[i % RING], 64);
+        _tile_loadd(1, x + r0 * K + g * 32, K * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        if (i + AHEAD < last) widen_codes(tiles + (i + AHEAD) * 512, b[(i + AHEAD) % RING]);
+        if (g == G - 1) {
+            _tile_stored(0, c, 64);
+            const int64_t n = (i / G) * 16;
+            const __m512 scale = _mm512_loadu_ps(scales + n);
+            for (int r = 0; r < rows; ++r) _mm512_storeu_ps(out + (r0 + r) * N + n, _mm512_mul_ps(scale, _mm512_load_ps(c + 16 * r)));
+        }
+    }
+}
+
+static bool int8_tiles_ready() { return tiles_permitted(); }
+
+at::Tensor int8_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at::Tensor& scales_t) {
+    TORCH_CHECK(tiles_permitted(), "int8_tiles: this process may not use AMX tiles");
+    TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "int8_tiles: x (R, K) bf16");
+    TORCH_CHECK(tiles_t.dim() == 3 && tiles_t.size(2) == 512 && tiles_t.scalar_type() == at::kChar && tiles_t.is_contiguous(),
+                "int8_tiles: tiles (N/16, K/32, 512) int8");
+    const at::Tensor x = input.contiguous();
+    const int64_t R = x.size(0), K = x.size(1), T = tiles_t.size(0), N = T * 16;
+    TORCH_CHECK(K == tiles_t.size(1) * 32 && scales_t.scalar_type() == at::kFloat && scales_t.is_contiguous() && scales_t.numel() == N,
+                "int8_tiles: shapes");
+    at::Tensor result = at::empty({R, N}, x.options().dtype(at::kFloat));
+    const uint16_t* xp = (const uint16_t*)x.data_ptr();
+    const int8_t* tiles = tiles_t.data_ptr<int8_t>();
+    const float* scales = scales_t.data_ptr<float>();
+    float* out = result.data_ptr<float>();
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t r0 = 0; r0 < R; r0 += 16) {
+            const int rows = int(std::min<int64_t>(16, R - r0));
+            configure_tiles(rows);
+            tile_rows(rows, r0, t0, t1, xp, K, tiles, scales, N, out);
+        }
+        _tile_release();
+    });
+    return result;
+}
+#else
+static bool int8_tiles_ready() { return false; }
+at::Tensor int8_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "int8_tiles: built without AMX"); }
+#endif
+
+TORCH_LIBRARY_FRAGMENT(kestrel_int8, lib) {
+    lib.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+    lib.def("tiles(Tensor x, Tensor tiles, Tensor scales) -> Tensor");
+    lib.def("tiles_ready() -> bool", &int8_tiles_ready);  // no tensors to dispatch on: a catch-all
+}
+TORCH_LIBRARY_IMPL(kestrel_int8, CPU, lib) {
+    lib.impl("linear", &int8_linear);
+    lib.impl("tiles", &int8_tiles);
+}
 """
 
 _lock = threading.Lock()
@@ -192,18 +299,38 @@ def own_kernel_takes(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.shape[1] % 16 == 0 and own_kernel()
 
 
+def tiles_available() -> bool:
+    """Whether Kestrel's int8 product runs on AMX tiles here (bf16 activations)."""
+    return own_kernel() and bool(torch.ops.kestrel_int8.tiles_ready())
+
+
 class PackedRows:
     """A weight (N, K) as int8 rows with one scale each, multiplied by
-    Kestrel's kernel (`own`: float32 activations) or else torch's."""
+    Kestrel's kernel (`own`: float32 activations; with `tiles`, on AMX tiles
+    with bf16 activations, output rows padded to 16) or else torch's."""
 
-    def __init__(self, weight: torch.Tensor, own: bool):
-        self.own = own
+    def __init__(self, weight: torch.Tensor, own: bool, tiles: bool = False):
+        self.own, self.tiles, self.rows = own, tiles and weight.shape[1] % 32 == 0, weight.shape[0]
         self.packed, self.scales = quantize_rows(weight)
         if own:
             self.scales = self.scales.float()
+        if self.tiles:
+            padded = -(-self.rows // 16) * 16
+            codes = torch.zeros(padded, weight.shape[1], dtype=torch.int8)
+            codes[: self.rows] = self.packed
+            groups = weight.shape[1] // 32
+            # [tile, output row, group, pair, element] -> [tile, group, pair, output row, element]
+            self.tile_codes = codes.reshape(padded // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(padded // 16, groups, 512).contiguous()
+            self.tile_scales = torch.zeros(padded, dtype=torch.float32)
+            self.tile_scales[: self.rows] = self.scales.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (m, K) -> (m, N) float32."""
+        """x (m, K) -> (m, N) float32. With `tiles`, two rows or more go to the
+        tiles (their cost hardly grows with the rows), one row to the vector
+        kernel (a little faster for one): the callers only rank or screen, and
+        for bf16 x both are float32 sums of the same exact products."""
+        if self.tiles and len(x) >= 2:
+            return torch.ops.kestrel_int8.tiles(x.to(torch.bfloat16), self.tile_codes, self.tile_scales)[:, : self.rows]
         if self.own:
             return own_matmul(x.float(), self.packed, self.scales)
         return matmul(x, self.packed, self.scales).float()

@@ -55,6 +55,8 @@ def test_a_bf16_lm_head_is_screened_against_its_float32_products():
     expected = (hidden.float() @ lm_head.weight.float().T).argmax(dim=-1).tolist()
     assert screen(hidden) == expected
     assert set(expected[:80]) <= {0, 1, 2, 3}
+    assert screen.rows.tiles == int8.tiles_available()  # many rows on AMX tiles where the CPU has them
+    assert [screen(hidden[row : row + 1])[0] for row in range(0, 200, 7)] == expected[::7]  # one row: the vector kernel
 
 
 def test_screen_is_off_for_half_precision_and_biased_heads(monkeypatch):

@@ -327,3 +327,22 @@ def test_a_bf16_int4_layer_runs_on_tiles_and_a_float32_one_does_not():
     assert torch.allclose(layer(x).float(), expected.float(), rtol=1e-2, atol=1e-2)
     assert not int4.Q4Linear(torch.nn.Linear(96, 48)).tiles  # float32 layers keep the vector kernel
 
+
+
+@pytest.mark.skipif(not int8.tiles_available(), reason="no AMX tiles on this CPU")
+def test_int8_rows_on_tiles_match_the_vector_kernel_within_float32_rounding():
+    """The int8 product on AMX tiles (two rows or more): the same exact
+    products summed in float32, each row alone, output rows padded to 16."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(1000, 96, generator=generator).bfloat16()
+    rows = int8.PackedRows(weight, own=True, tiles=True)
+    assert rows.tiles
+    x = torch.randn(40, 96, generator=generator).bfloat16()
+    full = rows(x)
+    assert full.shape == (40, 1000)
+    for count in (2, 3, 16, 17, 33):
+        assert torch.equal(rows(x[4 : 4 + count]), full[4 : 4 + count]), count
+    expected = x.double() @ rows.dequantized().double().T
+    bound = (96 + 2) * 2.0**-24 * rows.dequantized().double().norm(dim=1)[None, :] * x.double().norm(dim=1)[:, None]
+    assert ((full.double() - expected).abs() <= bound).all()
+    assert ((rows(x[:1]).double() - expected[:1]).abs() <= bound[:1]).all()  # one row: the vector kernel
