@@ -371,6 +371,20 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
 
 
+class DraftLinear(QuantizedLinear):
+    """An int8 linear for drafting only, through Kestrel's kernels: the vector
+    one for a single row, AMX tiles (where the CPU has them) for two rows or
+    more. Its rows are not computed alike at every row count, which a draft
+    may afford: it only ranks proposals, which the base model verifies."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        self.rows = PackedRows(linear.weight, own=True, tiles=tiles_available())
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows(x)
+
+
 def replace_linears(module: nn.Module, kind: type[nn.Module] = Int8Linear) -> int:
     """Swap every nn.Linear inside `module` for kind(linear), in place; -> how many."""
     count = 0
@@ -383,11 +397,14 @@ def replace_linears(module: nn.Module, kind: type[nn.Module] = Int8Linear) -> in
 
 
 def with_int8_linears(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose nn.Linear layers are Int8Linear; the original is untouched."""
+    """A copy of `module` (a draft head) whose nn.Linear layers are int8
+    (DraftLinear where Kestrel's kernel is built and takes them, else
+    Int8Linear); the original is untouched."""
     linears = [child for child in module.modules() if isinstance(child, nn.Linear)]
     shared = {id(tensor): tensor for linear in linears for tensor in linear.parameters()}
     module = copy.deepcopy(module, memo=shared)  # linear weights are not copied, only replaced below
-    replace_linears(module)
+    own = own_kernel() and all(linear.in_features % 16 == 0 for linear in linears)
+    replace_linears(module, DraftLinear if own else Int8Linear)
     return module
 
 
@@ -411,5 +428,10 @@ def quantize_decoder(model: nn.Module) -> int:
 
 
 def kernel_of(module: nn.Module) -> str | None:
-    """Which kernel reads a module's int8 linears: "torch", or None (none int8)."""
-    return "torch" if any(isinstance(child, Int8Linear) for child in module.modules()) else None
+    """Which kernel reads a module's int8 linears: "kestrel-amx", "kestrel", "torch", or None (none int8)."""
+    for child in module.modules():
+        if isinstance(child, DraftLinear):
+            return "kestrel-amx" if child.rows.tiles else "kestrel"
+        if isinstance(child, Int8Linear):
+            return "torch"
+    return None

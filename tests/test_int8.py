@@ -182,8 +182,12 @@ def test_with_int8_linears_replaces_every_linear_of_a_copy(tiny_base):
     head = random_head(tiny_base.model)
     packed = int8.with_int8_linears(head)
     assert not any(isinstance(module, torch.nn.Linear) for module in packed.modules())
-    assert sum(isinstance(module, int8.Int8Linear) for module in packed.modules()) == 8  # fc, q, k, v, o, 3 MLP
+    kind = int8.DraftLinear if int8.own_kernel() else int8.Int8Linear  # Kestrel's kernels where they are built
+    assert sum(isinstance(module, kind) for module in packed.modules()) == 8  # fc, q, k, v, o, 3 MLP
     assert isinstance(head.fc, torch.nn.Linear)  # the original is untouched
+    x = torch.randn(9, head.fc.in_features, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for rows in (1, 9):  # one row: the vector kernel; more: tiles where the CPU has them
+        torch.testing.assert_close(packed.fc(x[:rows]), head.fc(x[:rows]), rtol=0.05, atol=0.05)
     assert packed.dtype == head.dtype == torch.float64
 
 
@@ -191,7 +195,7 @@ def test_with_int8_linears_replaces_every_linear_of_a_copy(tiny_base):
 def test_engine_drafts_with_int8_and_the_vocabulary_ranks_alike(tiny_base, monkeypatch):
     monkeypatch.setattr(int8, "pays", lambda dtype: True)  # as where the probe finds it faster
     engine = Engine(tiny_base, random_head(tiny_base.model))
-    assert isinstance(engine.draft_head.fc, int8.Int8Linear)
+    assert isinstance(engine.draft_head.fc, int8.QuantizedLinear)
     assert engine.vocabulary.packed is not None
     lm_head = tiny_base.model.get_output_embeddings()
     hidden = torch.randn(64, lm_head.weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
