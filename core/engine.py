@@ -124,7 +124,7 @@ class Engine:
         key = costs.cache_key(
             base.device, base.name, self.head_name, base.dtype, base.quantization,
             compiled=self.compiled is not None, row_kernel=self._row_kernel(),
-            int4_kernel=int4.kernel_of(self.model), draft_kernel=int8.kernel_of(self.draft_head),
+            int4_kernel=int4.kernel_of(self.model), draft_kernel=f"{int8.kernel_of(self.draft_head)}/{type(self.vocabulary.packed).__name__}",
         )  # fmt: skip
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)

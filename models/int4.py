@@ -412,6 +412,22 @@ class Q4Linear(nn.Module):
         return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
+class TileRows:
+    """A weight (N, K) as 4-bit groups on AMX tiles, for drafting (the draft
+    vocabulary: a quarter of bf16's bytes to read): rows padded to a multiple
+    of 16, any activation dtype (rounded to bf16)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.rows = weight.shape[0]
+        padded = torch.zeros(-(-self.rows // 16) * 16, weight.shape[1], dtype=torch.float32)
+        padded[: self.rows] = weight.detach().float()
+        self.tiles = pack_tiles(*quantize_blocks(padded))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (m, K) -> (m, N) float32."""
+        return torch.ops.kestrel_q4.tiles(x.to(torch.bfloat16).contiguous(), *self.tiles)[:, : self.rows]
+
+
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (N, K) -> (torch's packed codes, bf16 scale_and_zeros (K/32, N, 2)),
     asymmetric per group of 32 along K."""
