@@ -113,6 +113,51 @@ static inline void each_block(int64_t R, int64_t begin, int64_t end, const Run& 
 """
 
 
+# What the AMX kernels share (prepended to the sources of models/int4.py, models/int8.py and
+# core/rowkernel.py): KESTREL_TILES where the compiler targets AMX with bf16, the process's request
+# for the tile state (Linux hands it out once asked: ARCH_REQ_XCOMP_PERM for XTILEDATA; the
+# environment's KESTREL_AMX=0 declines it, so the vector kernels run instead) and a thread's tile
+# configuration. A kernel built without KESTREL_TILES, or refused the state, uses its vector code.
+TILES = r"""
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define KESTREL_TILES 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+
+static bool tiles_permitted() {
+    static const bool granted = [] {
+        const char* off = std::getenv("KESTREL_AMX");
+        return !(off && std::string(off) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return granted;
+}
+
+// this thread's tiles: tile t gets rows[t] rows of 64 bytes (16 float32 or 32 bf16)
+static inline void configure_tiles(std::initializer_list<int> rows) {
+    struct alignas(64) {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config;
+    std::memset(&config, 0, sizeof config);
+    config.palette = 1;
+    int t = 0;
+    for (int count : rows) {
+        config.rows[t] = uint8_t(count);
+        config.colsb[t++] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
+"""
+
+
 def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 

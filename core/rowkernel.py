@@ -36,7 +36,7 @@ import torch
 
 from core import native
 
-SOURCE = r"""
+SOURCE = native.TILES + r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -310,36 +310,8 @@ static void rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // query whatever else shares the tile. The softmax and the weighted sum of values are then each
 // query's own, in key order and float32, as above. Any key scores the same in the cache or among a
 // row's extra keys, so a tree node still gets bit for bit what a one-token step gets.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <cstdlib>
-
-static bool tiles_permitted() {  // Linux hands tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-    static const bool granted = [] {
-        const char* off = std::getenv("KESTREL_AMX");
-        return !(off && std::string(off) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    }();
-    return granted;
-}
-
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
+#ifdef KESTREL_TILES
 static constexpr int64_t TILE = 16;  // keys per tile product, and query vectors per item
-
-// tile 0: scores (16 keys x 16 queries, float32); 1: 16 keys' 32 elements; 2..5: the queries' 32-element chunks
-static void configure_tiles() {
-    alignas(64) TileConfig config;
-    std::memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 6; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-}
 
 template <int CHUNKS>
 static inline void score_tile(const uint16_t* keys, int64_t stride_bytes, float* c) {  // c[key][query]
@@ -505,7 +477,7 @@ static void rows_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     const uint16_t* vp = static_cast<const uint16_t*>(v.data_ptr());
     float* op = out.data_ptr<float>();
     at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-        configure_tiles();
+        configure_tiles({16, 16, 16, 16, 16, 16});  // 0: scores (16 keys x 16 queries); 1: keys; 2..5: the queries' chunks
         std::vector<float> scores;
         std::vector<uint16_t> pad(TILE * dim);
         alignas(64) float c[TILE * TILE];

@@ -49,7 +49,7 @@ GROUP = 32  # weights per scale and zero, along the input dimension (Q4_0/Q4_1's
 GGUF_4BIT_TYPES = {2, 3, 14, 15}  # general.file_type: MOSTLY_Q4_0, MOSTLY_Q4_1, MOSTLY_Q4_K_S, MOSTLY_Q4_K_M
 
 
-SOURCE = native.BLOCKS + r"""
+SOURCE = native.BLOCKS + native.TILES + r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -133,32 +133,8 @@ at::Tensor q4_linear(const at::Tensor& input, const at::Tensor& codes_t, const a
 // of row p being the code of element 2p + (j & 1) of column j >> 1. d, m (N/16, G, 16) float32.
 // A row's result does not depend on the other rows of its tile (the unit computes each row alone)
 // nor on how many there are: every row gets the same operations in the same order.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <cstring>
+#ifdef KESTREL_TILES
 #include <vector>
-
-static bool amx_permitted() {  // Linux hands tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-    static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return granted;
-}
-
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static inline void configure_tiles(int rows) {  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
-    alignas(64) TileConfig config;
-    std::memset(&config, 0, sizeof config);
-    config.palette = 1;
-    config.rows[0] = config.rows[1] = uint8_t(rows);
-    config.rows[2] = 16;
-    config.colsb[0] = config.colsb[1] = config.colsb[2] = 64;
-    _tile_loadconfig(&config);
-}
 
 static inline void unpack_tile(const uint8_t* src, uint16_t* dst, __m512i bf16_of_code) {
     const __m512i low = _mm512_set1_epi16(0x0F);
@@ -222,10 +198,10 @@ static inline void amx_dispatch(int rows, int64_t r0, int64_t t0, int64_t t1, co
     }
 }
 
-static bool amx_ready() { return amx_permitted(); }
+static bool amx_ready() { return tiles_permitted(); }
 
 at::Tensor q4_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at::Tensor& d_t, const at::Tensor& m_t) {
-    TORCH_CHECK(amx_permitted(), "q4_tiles: this process may not use AMX tiles");
+    TORCH_CHECK(tiles_permitted(), "q4_tiles: this process may not use AMX tiles");
     TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "q4_tiles: x (R, K) bf16");
     TORCH_CHECK(tiles_t.dim() == 3 && tiles_t.size(2) == 256 && tiles_t.scalar_type() == at::kByte && tiles_t.is_contiguous(),
                 "q4_tiles: tiles (N/16, K/32, 256) uint8");
@@ -258,7 +234,7 @@ at::Tensor q4_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at
         const __m512i bf16_of_code = _mm512_load_si512(table);
         for (int64_t r0 = 0; r0 < R; r0 += 16) {
             const int rows = int(std::min<int64_t>(16, R - r0));
-            configure_tiles(rows);
+            configure_tiles({rows, rows, 16});  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
             amx_dispatch(rows, r0, t0, t1, xp, K, sums.data(), tiles, d, m, G, N, out, bf16_of_code);
         }
         _tile_release();
@@ -356,7 +332,7 @@ def dequantize_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> 
 def tiles_available() -> bool:
     """Whether Kestrel's AMX product runs here: the kernel built for a CPU with
     AMX tiles and bf16, and Linux granted this process the tile state."""
-    return os.environ.get("KESTREL_AMX", "1") != "0" and own_kernel() and bool(torch.ops.kestrel_q4.amx_ready())
+    return own_kernel() and bool(torch.ops.kestrel_q4.amx_ready())  # KESTREL_AMX=0: no (core/native.py)
 
 
 def pack_tiles(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -100,7 +100,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch
 # (core/drafter.py): float32 activations, so its only rounding is float32 accumulation. Measured on
 # the 2-core AVX2 machine, a 49k x 576 lm_head: 2.4 ms for one row against torch's 3.6, 2.4 against
 # 5.2 for four rows, 9.0 against 20.8 for sixteen.
-SOURCE = native.BLOCKS + r"""
+SOURCE = native.BLOCKS + native.TILES + r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -164,37 +164,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const 
 // inside the unit, then times the row's scale. tiles (N/16, K/32, 512) int8: for 16 output rows
 // and 32 inputs, byte 32p + j holds the code of input 2p + (j & 1) for output row j >> 1 (a B
 // tile's row p). The codes are widened a few chunks ahead of the tile products that read them.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-
-static bool tiles_permitted() {  // Linux hands tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-    static const bool granted = [] {
-        const char* off = std::getenv("KESTREL_AMX");
-        return !(off && std::string(off) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    }();
-    return granted;
-}
-
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static inline void configure_tiles(int rows) {  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
-    alignas(64) TileConfig config;
-    std::memset(&config, 0, sizeof config);
-    config.palette = 1;
-    config.rows[0] = config.rows[1] = uint8_t(rows);
-    config.rows[2] = 16;
-    config.colsb[0] = config.colsb[1] = config.colsb[2] = 64;
-    _tile_loadconfig(&config);
-}
-
+#ifdef KESTREL_TILES
 static inline void widen_codes(const int8_t* src, uint16_t* dst) {  // 512 codes -> a B tile of bf16
     for (int c = 0; c < 16; ++c) {
         const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 32 * c))));
@@ -246,7 +216,7 @@ at::Tensor int8_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const 
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t r0 = 0; r0 < R; r0 += 16) {
             const int rows = int(std::min<int64_t>(16, R - r0));
-            configure_tiles(rows);
+            configure_tiles({rows, rows, 16});  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
             tile_rows(rows, r0, t0, t1, xp, K, tiles, scales, N, out);
         }
         _tile_release();
