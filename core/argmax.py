@@ -72,6 +72,7 @@ class ScreenedArgmax:
             relative = (columns + 2) * 2.0**-24 if self.own else 2.0**-8 + columns * 2.0**-24
             # per token: the bound's factor of ||h|| (everything but the output rounding)
             self.row_bounds = (error_norms + relative * rounded.norm(dim=1)).float() * ERROR_SCALE
+            self.largest_bound = float(self.row_bounds.max())
             self.output_rounding = 0.0 if self.own else 2.0**-7 * ERROR_SCALE  # per |rough_t|
             largest = float(self.rows.scales.abs().max()) * 127 if tiles else 0.0
             self.absolute = ERROR_SCALE * (columns + 2) * 2.0**-126 * (1.0 + largest)
@@ -100,10 +101,16 @@ class ScreenedArgmax:
         logits) is computed exactly too, and the first of the highest wins,
         as in argmax. A token left out is strictly below the best."""
         hidden = hidden.to(self.exact_dtype)
-        candidates = rough.topk(CANDIDATES).indices  # (k,)
+        top = rough.topk(min(CANDIDATES + 1, len(rough)))
+        candidates = top.indices[:CANDIDATES]  # (k,)
         exact = self._exact(candidates, hidden)  # (k,)
         best = exact.max()
-        ceiling = rough + self.row_bounds * float(hidden.norm()) + self.absolute
+        norm = float(hidden.norm())
+        if not self.output_rounding and len(top.indices) > CANDIDATES:
+            # every other token's ceiling is at most the next rough logit plus the largest bound
+            if float(top.values[CANDIDATES]) + self.largest_bound * norm + self.absolute < float(best):
+                return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax
+        ceiling = rough + self.row_bounds * norm + self.absolute
         if self.output_rounding:
             ceiling += self.output_rounding * rough.abs()
         ceiling[candidates] = float("-inf")
