@@ -101,7 +101,8 @@ class ScreenedArgmax:
         logits) is computed exactly too, and the first of the highest wins,
         as in argmax. A token left out is strictly below the best."""
         hidden = hidden.to(self.exact_dtype)
-        top = rough.topk(min(CANDIDATES + 1, len(rough)))
+        values, indices = int8.top_k(rough[None], min(CANDIDATES + 1, len(rough)))
+        top = torch.return_types.topk((values[0], indices[0]))
         candidates = top.indices[:CANDIDATES]  # (k,)
         exact = self._exact(candidates, hidden)  # (k,)
         best = exact.max()

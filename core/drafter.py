@@ -214,8 +214,8 @@ class Drafter:
 
     def top(self, hidden: torch.Tensor, k: int):
         """hidden (m, H) -> the k best next tokens of each row: (log-probs (m, k), target ids (m, k))."""
-        top = self.vocabulary.log_probs(hidden).topk(k, dim=-1)
-        return top.values, self.vocabulary.target_ids(top.indices)
+        values, indices = int8.top_k(self.vocabulary.log_probs(hidden), k)
+        return values, self.vocabulary.target_ids(indices)
 
     def _draft_dynamic(self) -> tuple[list[int], list[int]]:
         """EAGLE-2: expand the top_k frontier nodes by cumulative log-probability

@@ -369,3 +369,19 @@ def test_the_draft_vocabulary_on_tiles_ranks_like_its_float_weights():
     assert logits.shape == (3, 1000)
     assert (logits - exact).abs().max() < 0.1 * exact.abs().max()
     assert torch.equal(vocabulary.log_probs(hidden).argmax(-1), logits.argmax(-1))
+
+
+@needs_kernel
+def test_kestrels_top_k_equals_torch_topk_with_ties_to_the_first_index():
+    generator = torch.Generator().manual_seed(10)
+    for rows, width, k in ((1, 49152, 17), (5, 8192, 8), (2, 5000, 64)):
+        x = torch.randn(rows, width, generator=generator)
+        x[0, 7] = x[0, 3] = x[0].max() + 1  # a tie at the top
+        if rows > 1:
+            x[-1, 100:200] = x[-1].max() + 2  # a hundred equal maxima
+        values, indices = int8.top_k(x, k)
+        expected = x.topk(k, dim=-1)
+        assert torch.equal(values, expected.values) and torch.equal(x.gather(1, indices), values)
+        assert indices[0, :2].tolist() == [3, 7]
+        if rows > 1:
+            assert indices[-1, : min(k, 100)].tolist() == list(range(100, 100 + min(k, 100)))
