@@ -89,9 +89,6 @@ class ScreenedArgmax:
     def screen(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (m, H) -> (m, V) float32 int8 logits, to `resolve` rows of
         (only where `enabled`)."""
-        if self.rows.tiles and hidden.dtype != torch.bfloat16:
-            hidden = hidden.float()  # the vector kernel: tiles would round float32 features to bf16
-            return int8.own_matmul(hidden, self.rows.packed, self.rows.scales)
         return self.rows(hidden)
 
     def resolve(self, hidden: torch.Tensor, rough: torch.Tensor) -> int:
@@ -102,14 +99,13 @@ class ScreenedArgmax:
         as in argmax. A token left out is strictly below the best."""
         hidden = hidden.to(self.exact_dtype)
         values, indices = int8.top_k(rough[None], min(CANDIDATES + 1, len(rough)))
-        top = torch.return_types.topk((values[0], indices[0]))
-        candidates = top.indices[:CANDIDATES]  # (k,)
+        candidates = indices[0, :CANDIDATES]  # (k,)
         exact = self._exact(candidates, hidden)  # (k,)
         best = exact.max()
         norm = float(hidden.norm())
-        if not self.output_rounding and len(top.indices) > CANDIDATES:
+        if not self.output_rounding and values.shape[1] > CANDIDATES:
             # every other token's ceiling is at most the next rough logit plus the largest bound
-            if float(top.values[CANDIDATES]) + self.largest_bound * norm + self.absolute < float(best):
+            if float(values[0, CANDIDATES]) + self.largest_bound * norm + self.absolute < float(best):
                 return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax
         ceiling = rough + self.row_bounds * norm + self.absolute
         if self.output_rounding:

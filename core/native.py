@@ -117,7 +117,8 @@ static inline void each_block(int64_t R, int64_t begin, int64_t end, const Run& 
 # core/rowkernel.py): KESTREL_TILES where the compiler targets AMX with bf16, the process's request
 # for the tile state (Linux hands it out once asked: ARCH_REQ_XCOMP_PERM for XTILEDATA; the
 # environment's KESTREL_AMX=0 declines it, so the vector kernels run instead) and a thread's tile
-# configuration. A kernel built without KESTREL_TILES, or refused the state, uses its vector code.
+# configuration. A kernel built without KESTREL_TILES (where tiles_permitted() is false), or refused
+# the state, uses its vector code.
 TILES = r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KESTREL_TILES 1
@@ -154,6 +155,8 @@ static inline void configure_tiles(std::initializer_list<int> rows) {
     }
     _tile_loadconfig(&config);
 }
+#else
+static bool tiles_permitted() { return false; }
 #endif
 """
 

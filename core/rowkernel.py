@@ -493,9 +493,7 @@ static void rows_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         _tile_release();
     });
 }
-static bool tiles_ready() { return tiles_permitted(); }
 #else
-static bool tiles_ready() { return false; }
 static bool tiles_take(const at::Tensor&, const at::Tensor&) { return false; }
 static void rows_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int64_t*, const int64_t*, const int64_t*,
                        double, at::Tensor&) {}
@@ -533,7 +531,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 TORCH_LIBRARY_FRAGMENT(kestrel_rows, lib) {
     lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor prefix, Tensor offsets, Tensor extra, float scale) -> Tensor");
-    lib.def("tiles_ready() -> bool", &tiles_ready);  // no tensors to dispatch on: a catch-all
+    lib.def("tiles_ready() -> bool", &tiles_permitted);  // no tensors to dispatch on: a catch-all
 }
 TORCH_LIBRARY_IMPL(kestrel_rows, CPU, lib) { lib.impl("attend", &attend); }
 """

@@ -198,8 +198,6 @@ static inline void amx_dispatch(int rows, int64_t r0, int64_t t0, int64_t t1, co
     }
 }
 
-static bool amx_ready() { return tiles_permitted(); }
-
 at::Tensor q4_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at::Tensor& d_t, const at::Tensor& m_t) {
     TORCH_CHECK(tiles_permitted(), "q4_tiles: this process may not use AMX tiles");
     TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "q4_tiles: x (R, K) bf16");
@@ -242,18 +240,15 @@ at::Tensor q4_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at
     return result;
 }
 #else
-static bool amx_ready() { return false; }
 at::Tensor q4_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
     TORCH_CHECK(false, "q4_tiles: built without AMX");
 }
 #endif
 
-bool q4_amx_ready() { return amx_ready(); }
-
 TORCH_LIBRARY_FRAGMENT(kestrel_q4, lib) {
     lib.def("linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
     lib.def("tiles(Tensor x, Tensor tiles, Tensor d, Tensor m) -> Tensor");
-    lib.def("amx_ready() -> bool", &q4_amx_ready);  // no tensors to dispatch on: a catch-all
+    lib.def("tiles_ready() -> bool", &tiles_permitted);  // no tensors to dispatch on: a catch-all
 }
 TORCH_LIBRARY_IMPL(kestrel_q4, CPU, lib) {
     lib.impl("linear", &q4_linear);
@@ -332,7 +327,7 @@ def dequantize_blocks(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> 
 def tiles_available() -> bool:
     """Whether Kestrel's AMX product runs here: the kernel built for a CPU with
     AMX tiles and bf16, and Linux granted this process the tile state."""
-    return own_kernel() and bool(torch.ops.kestrel_q4.amx_ready())  # KESTREL_AMX=0: no (core/native.py)
+    return own_kernel() and bool(torch.ops.kestrel_q4.tiles_ready())  # KESTREL_AMX=0: no (core/native.py)
 
 
 def pack_tiles(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -364,7 +359,7 @@ class Q4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, tiles: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.tiles = linear.weight.dtype == torch.bfloat16 and tiles_available() if tiles is None else tiles
+        self.tiles = (linear.weight.dtype == torch.bfloat16 and tiles_available()) if tiles is None else tiles
         codes, d, m = quantize_blocks(linear.weight)
         if self.tiles:
             codes, d, m = pack_tiles(codes, d, m)

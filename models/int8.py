@@ -197,8 +197,6 @@ static void tile_rows(int rows, int64_t r0, int64_t t0, int64_t t1, const uint16
     }
 }
 
-static bool int8_tiles_ready() { return tiles_permitted(); }
-
 at::Tensor int8_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at::Tensor& scales_t) {
     TORCH_CHECK(tiles_permitted(), "int8_tiles: this process may not use AMX tiles");
     TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "int8_tiles: x (R, K) bf16");
@@ -224,7 +222,6 @@ at::Tensor int8_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const 
     return result;
 }
 #else
-static bool int8_tiles_ready() { return false; }
 at::Tensor int8_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "int8_tiles: built without AMX"); }
 #endif
 
@@ -275,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> top_k(const at::Tensor& input, int64_t k) {
 TORCH_LIBRARY_FRAGMENT(kestrel_int8, lib) {
     lib.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
     lib.def("tiles(Tensor x, Tensor tiles, Tensor scales) -> Tensor");
-    lib.def("tiles_ready() -> bool", &int8_tiles_ready);  // no tensors to dispatch on: a catch-all
+    lib.def("tiles_ready() -> bool", &tiles_permitted);  // no tensors to dispatch on: a catch-all
     lib.def("top_k(Tensor x, int k) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(kestrel_int8, CPU, lib) {
@@ -352,12 +349,13 @@ class PackedRows:
             self.tile_scales[: self.rows] = self.scales.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (m, K) -> (m, N) float32. With `tiles`, two rows or more go to the
-        tiles (their cost hardly grows with the rows), one row to the vector
+        """x (m, K) -> (m, N) float32. With `tiles`, bf16 rows, two or more, go to
+        the tiles (their cost hardly grows with the rows), one row to the vector
         kernel (a little faster for one): the callers only rank or screen, and
-        for bf16 x both are float32 sums of the same exact products."""
-        if self.tiles and len(x) >= 2:
-            return torch.ops.kestrel_int8.tiles(x.to(torch.bfloat16), self.tile_codes, self.tile_scales)[:, : self.rows]
+        for bf16 x both are float32 sums of the same exact products. float32 x
+        stays on the vector kernel, as tiles would round it to bf16."""
+        if self.tiles and len(x) >= 2 and x.dtype == torch.bfloat16:
+            return torch.ops.kestrel_int8.tiles(x, self.tile_codes, self.tile_scales)[:, : self.rows]
         if self.own:
             return own_matmul(x.float(), self.packed, self.scales)
         return matmul(x, self.packed, self.scales).float()

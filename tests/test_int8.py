@@ -2,6 +2,8 @@
 the decoding they run (with row-invariant attention) bit for bit identical
 between vanilla and EAGLE-2."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -61,6 +63,17 @@ def test_the_int8_kernel_is_row_invariant():
                 assert torch.equal(int8.matmul(x[start : start + rows], packed, scales), full[start : start + rows])
 
 
+@contextlib.contextmanager
+def thread_count(threads: int):
+    """torch's thread count set to `threads` for the block, then restored."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 needs_torch_int4 = pytest.mark.skipif(not int4.torch_kernel(torch.device("cpu")), reason="no torch int4 kernel")
 needs_own_int4 = pytest.mark.skipif(not int4.own_kernel(), reason="Kestrel's int4 kernel could not be built here")
 needs_int4 = pytest.mark.skipif(not int4.kernel_available(torch.device("cpu")), reason="no int4 kernel")
@@ -95,9 +108,7 @@ def test_kestrels_int8_kernel_is_row_invariant_and_within_its_stated_bound(threa
     """A row's result is the same bits in every block of rows, on 1 or 2
     threads, and within the rounding bound core/argmax.py relies on:
     |rough - w'.h| <= (K + 2) 2^-24 ||w'|| ||h||."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with thread_count(threads):
         generator = torch.Generator().manual_seed(4)
         for shape in ((48, 64), (1000, 576), (37, 32)):
             packed, scales = int8.quantize_rows(torch.randn(shape, generator=generator))
@@ -110,8 +121,6 @@ def test_kestrels_int8_kernel_is_row_invariant_and_within_its_stated_bound(threa
             weights = int8.dequantize(packed, scales).double()
             bound = (shape[1] + 2) * 2.0**-24 * weights.norm(dim=1)[None, :] * x.double().norm(dim=1)[:, None]
             assert ((full.double() - x.double() @ weights.T).abs() <= bound).all()
-    finally:
-        torch.set_num_threads(saved)
 
 
 @needs_own_int4
@@ -119,9 +128,7 @@ def test_kestrels_int8_kernel_is_row_invariant_and_within_its_stated_bound(threa
 def test_kestrels_int4_kernel_is_row_invariant_and_exact_to_float32_rounding(threads):
     """A row's result is the same bits in every block of rows, on 1 or 2
     threads, and within float32 rounding of the weights times the input."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with thread_count(threads):
         generator = torch.Generator().manual_seed(3)
         for shape in SHAPES:
             codes, d, m = int4.quantize_blocks(torch.randn(shape, generator=generator))
@@ -132,8 +139,6 @@ def test_kestrels_int4_kernel_is_row_invariant_and_exact_to_float32_rounding(thr
                 assert torch.equal(part, full[5 : 5 + rows]), (shape, rows)
             expected = x.double() @ int4.dequantize_blocks(codes, d, m).double().T
             assert (full.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
-    finally:
-        torch.set_num_threads(saved)
 
 
 @needs_own_int4
@@ -298,9 +303,7 @@ def test_kestrels_int4_tiles_are_row_invariant_and_exact_to_float32_rounding(thr
     """The AMX product: a row's result is the same bits in every block of rows
     (1 to 16 rows a tile, more in several), on 1 or 2 threads, and within
     float32 rounding of the exact weights times the bf16 input."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with thread_count(threads):
         generator = torch.Generator().manual_seed(13)
         for shape in SHAPES:
             if shape[0] % 16 or shape[1] % int4.GROUP:
@@ -315,8 +318,6 @@ def test_kestrels_int4_tiles_are_row_invariant_and_exact_to_float32_rounding(thr
                 assert torch.equal(part, full[5 : 5 + rows]), (shape, rows)
             expected = x.double() @ int4.dequantize_blocks(codes, d, m).double().T
             assert (full.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
-    finally:
-        torch.set_num_threads(saved)
 
 
 @needs_tiles
