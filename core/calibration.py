@@ -125,10 +125,18 @@ class DraftTiming:
     + extra: the planner multiplies the table's expansion times by `scale`
     (deeper levels get dearer) and adds `extra` once per draft (every tree pays
     it). While the drafts' predicted times hardly differ, the slope cannot be
-    told from the intercept: scale stays 1 and extra takes the difference."""
+    told from the intercept: scale stays 1 and extra takes the difference.
+    Once the fit has a few observations, a draft measured over OUTLIER times
+    what it predicts counts as that much: one stall (a page fault, a
+    collector pass, another process) would otherwise raise `extra` by tens
+    of milliseconds, and every draft after it would look unprofitable for a
+    hundred steps; a real slowdown still moves the fit, by up to OUTLIER
+    times per draft."""
 
     DECAY = 0.95  # weight of an observation per newer one
     SCALES = (0.5, 16.0)  # the slope is kept within these
+    SETTLED = 4  # observations before measured times are capped
+    OUTLIER = 3.0  # cap on a measured time, in times the fit's prediction
 
     def __init__(self):
         self.observations = 0
@@ -137,6 +145,9 @@ class DraftTiming:
     def observe(self, predicted: float, measured: float) -> None:
         if predicted <= 0 or measured <= 0:
             return
+        if self.observations >= self.SETTLED:
+            scale, extra = self.fit
+            measured = min(measured, self.OUTLIER * (scale * predicted + extra))
         terms = (1.0, predicted, measured, predicted * predicted, predicted * measured)
         self.sums = [self.DECAY * total + term for total, term in zip(self.sums, terms)]
         self.observations += 1

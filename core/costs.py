@@ -11,6 +11,7 @@ thread count."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -59,9 +60,26 @@ class Costs:
         return max(_interpolate(self.contexts, rows, context), 1e-9)
 
     def verify_curve(self, context: int, largest: int | None = None) -> torch.Tensor:
-        """(largest,) float64: verify_seconds(n, context) for n = 1 .. largest (default: the largest measured)."""
-        sizes = range(1, (largest or self.largest_tree) + 1)
-        return torch.tensor([self.verify_seconds(n, context) for n in sizes], dtype=torch.float64)
+        """(largest,) float64: verify_seconds(n, context) for n = 1 .. largest (default: the largest measured).
+        Within the measured sizes, interpolated between the measured contexts' whole curves (every draft asks)."""
+        largest = largest or self.largest_tree
+        if largest > self.largest_tree:
+            return torch.tensor([self.verify_seconds(n, context) for n in range(1, largest + 1)], dtype=torch.float64)
+        curves = self._size_curves
+        if len(self.contexts) == 1:
+            return curves[0, :largest].clamp_min(1e-9)
+        index = 1
+        while index < len(self.contexts) - 1 and context > self.contexts[index]:
+            index += 1
+        x0, x1 = self.contexts[index - 1], self.contexts[index]
+        curve = curves[index - 1] + (curves[index] - curves[index - 1]) * ((context - x0) / (x1 - x0))
+        return curve[:largest].clamp_min(1e-9)
+
+    @functools.cached_property
+    def _size_curves(self) -> torch.Tensor:
+        """(contexts, largest_tree) float64: each measured context's seconds for n = 1 .. largest_tree nodes."""
+        sizes = range(1, self.largest_tree + 1)
+        return torch.tensor([[_interpolate(self.sizes, row, n) for n in sizes] for row in self.verify], dtype=torch.float64)
 
     def expand_seconds(self, width: int) -> float:
         return max(_interpolate(self.widths, self.expand, width), 0.0)

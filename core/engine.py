@@ -79,9 +79,7 @@ class Engine:
         self.argmax = ScreenedArgmax(base.model.get_output_embeddings())
         self.vocabulary = None if head is None else draft_vocabulary(head, base.model)
         # the head as drafting runs it: int8 linears where they pay (models/int8.py)
-        self.draft_head = head
-        if head is not None and int8.available(head.device):
-            self.draft_head = int8.with_int8_linears(head)
+        self.draft_head = head if head is None else int8.drafting_head(head)
         if self.model.config._attn_implementation == attention.NAME:
             attention.use(self.model, False)  # sdpa until _make_exact shows the row-invariant attention exact here
         self.compiled = compiled.of(self.model)  # an engine made again for the same model keeps its compiled layers
@@ -90,6 +88,9 @@ class Engine:
             self.compiled = None
         if self.compiled is None and (compile == "on" or (compile == "auto" and compiled.worth_trying(base.device, base.dtype))):
             self.compiled = compiled.compile_model(self.model, lambda line: log.info(line))
+        if self.compiled is not None and self.draft_head is not None:  # the compiler works here: the head too
+            embed = head.embed_tokens if head.embed_tokens is not None else self.model.get_input_embeddings()
+            self.draft_head = compiled.compile_head(self.draft_head, embed, lambda line: log.info(line)) or self.draft_head
         # whether this model honours tree masks, asked of the model itself (core/tree_check.py)
         self._tree_problem = tree_problem(self.model) if head is not None and self._setup_problem() is None else None
         # whether tree passes compute every node bit for bit as a vanilla step would (core/attention.py);
@@ -112,6 +113,11 @@ class Engine:
             return None
         return "tiles" if self.base.dtype == torch.bfloat16 and rowkernel.tiles() else "vectors"
 
+    def _draft_kernel(self) -> str:
+        """What drafting runs on: the head's linears' kernel, compiled or not, and the vocabulary's."""
+        compiled_head = "compiled" if isinstance(self.draft_head, compiled.CompiledHead) else "eager"
+        return f"{int8.kernel_of(self.draft_head)}/{compiled_head}/{type(self.vocabulary.packed).__name__}"
+
     def prepare_costs(self, progress: costs.Progress | None = None, remeasure: bool = False) -> costs.Costs | None:
         """The step costs the planner sizes trees by: read from the cache for
         this device, model, head, dtype, quantization and thread count, else
@@ -124,7 +130,7 @@ class Engine:
         key = costs.cache_key(
             base.device, base.name, self.head_name, base.dtype, base.quantization,
             compiled=self.compiled is not None, row_kernel=self._row_kernel(),
-            int4_kernel=int4.kernel_of(self.model), draft_kernel=f"{int8.kernel_of(self.draft_head)}/{type(self.vocabulary.packed).__name__}",
+            int4_kernel=int4.kernel_of(self.model), draft_kernel=self._draft_kernel(),
         )  # fmt: skip
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)

@@ -25,11 +25,11 @@ def closed_estimates(estimates: torch.Tensor, parents: list[int]) -> torch.Tenso
     that ranking by estimate, earlier candidates first among equals, keeps
     every chosen node's parent in the tree: a child is never more likely to
     be accepted than its parent."""
-    capped = estimates.double().clone()
+    capped = estimates.double().tolist()
     for node, parent in enumerate(parents):
         if parent >= 0 and capped[node] > capped[parent]:
             capped[node] = capped[parent]
-    return capped
+    return torch.tensor(capped, dtype=torch.float64)
 
 
 def ranked(estimates: torch.Tensor) -> torch.Tensor:

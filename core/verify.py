@@ -68,26 +68,32 @@ class NodeArgmax:
     """The base model's greedy token at the tree nodes acceptance visits: all
     nodes with children in one product, a leaf when the walk reaches it (the
     lm_head rows cost about as much as a decoder layer each here, and most
-    leaves are never visited). Where Kestrel's int8 kernel screens and the
-    tree is small, every node's screen row comes from one product (up to
-    SCREEN_ALL rows read its weights once, as one row does) and only the
-    visited nodes are resolved: a reached leaf then costs no second product."""
+    leaves are never visited). Where Kestrel's int8 kernel screens, the
+    screen's rows come from one product and only the visited nodes are
+    resolved: every node's row where the tree is small enough that its rows
+    cost what the internal nodes' do (up to SCREEN_ALL rows read the weights
+    once, as one row does; on AMX tiles, a block of SCREEN_TILES rows costs
+    what one row does), so a reached leaf costs no second product; else the
+    internal nodes' rows."""
 
     SCREEN_ALL = 7
+    SCREEN_TILES = 16
 
     def __init__(self, argmax: ScreenedArgmax, features: torch.Tensor, tree: DraftTree):
         self.argmax, self.features = argmax, features
-        self.rough = None
-        if argmax.enabled and argmax.own and tree.size <= self.SCREEN_ALL:  # torch's kernel pays per row
-            self.rough = argmax.screen(features)  # (N, V)
-            self.tokens = {}
-            return
+        self.rough: dict[int, torch.Tensor] = {}
+        self.tokens: dict[int, int] = {}
         internal = tree.internal() or [0]  # the root alone: acceptance still asks it
+        if argmax.enabled and argmax.own:  # torch's kernel pays per row: no screen then
+            limit = self.SCREEN_TILES if argmax.rows.tiles else self.SCREEN_ALL
+            screened = list(range(tree.size)) if tree.size <= limit else internal
+            self.rough = dict(zip(screened, argmax.screen(features if len(screened) == tree.size else features[screened])))
+            return
         self.tokens = dict(zip(internal, argmax(features[internal])))
 
     def __call__(self, node: int) -> int:
         if node not in self.tokens:
-            if self.rough is not None:
+            if node in self.rough:
                 self.tokens[node] = self.argmax.resolve(self.features[node], self.rough[node])
             else:
                 self.tokens[node] = self.argmax(self.features[node : node + 1])[0]

@@ -115,6 +115,15 @@ class HeadCache:
             self.keys = self.keys[:, :, :length]
             self.values = self.values[:, :, :length]
 
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Append this call's keys and values (B, kv_heads, T, D), then attend:
+        query (B, heads, T, D) -> (B, heads, T, D). mask None: plain causal
+        attention over an empty cache (a prefill)."""
+        keys, values = self.append(keys, values)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=keys.shape[1] != query.shape[1]
+        )
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -145,11 +154,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rotary)
-        k, v = cache.append(k, v)  # (B, nkv, past + T, hd)
-        # mask None: plain causal attention over an empty cache (a prefill)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.kv_heads != self.heads
-        )
+        out = cache.attend(q, k, v, mask)  # (B, nh, T, hd), this call's keys and values appended first
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 

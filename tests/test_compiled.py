@@ -37,6 +37,7 @@ def test_compiled_engines_decode_exactly_as_vanilla(tiny_folder, kind):
     head = random_head(base.model, seed=1) if kind == "eagle2" else random_eagle3_head(base.model, seed=1)
     engine = Engine(base, head, compile="on")
     assert engine.compiled is not None and compiled.of(base.model) is engine.compiled
+    assert isinstance(engine.draft_head, compiled.CompiledHead)  # drafting runs the compiled head too
     assert base.model.config._attn_implementation == compiled.NAME
     accepted = 0
     for seed in range(3):
@@ -104,6 +105,7 @@ def test_auto_leaves_float64_and_compilerless_machines_eager(tiny_folder, monkey
     monkeypatch.setattr(compiled, "compiler_available", lambda: False)
     engine = Engine(float32, random_head(float32.model), compile="auto")
     assert engine.compiled is None and float32.model.config._attn_implementation in ("sdpa", "kestrel_rows")
+    assert not isinstance(engine.draft_head, compiled.CompiledHead)
     with pytest.raises(ValueError, match="compile"):
         Engine(float32, compile="sometimes")
 
@@ -182,3 +184,40 @@ def test_a_decoder_whose_forward_the_loop_does_not_match_stays_eager(tiny_folder
     assert engine.compiled is None and compiled.of(base.model) is None
     assert "differs from LlamaModel's forward" in caplog.text
     assert base.model.config._attn_implementation != compiled.NAME
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_the_compiled_head_drafts_as_the_eager_one(tiny_folder, kind):
+    """One call after another, as drafting makes them (a catch-up over
+    several rows, a tree level of siblings, one row): the compiled head's
+    outputs and cache entries equal the eager head's in float64, up to the
+    float32 casts of its norm, which Inductor may fuse away (1e-6 here)."""
+    from models.head import HeadCache
+
+    base = load_base(str(tiny_folder), dtype="float64")
+    head = random_head(base.model, seed=5) if kind == "eagle2" else random_eagle3_head(base.model, seed=5)
+    embed = base.model.get_input_embeddings()
+    fast = compiled.compile_head(head, embed)
+    assert fast is not None and fast.feature_size == head.feature_size  # otherwise the head itself
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 48, (1, 9), generator=generator)
+    features = torch.randn(1, 9, head.feature_size, generator=generator, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 6, 7]])
+    tree = torch.ones(1, 1, 2, 9, dtype=torch.bool)
+    tree[0, 0, :, 7:] = torch.tensor([[True, False], [False, True]])
+    calls = [(slice(0, 5), None), (slice(5, 7), torch.ones(1, 1, 2, 7, dtype=torch.bool).tril(5)), (slice(7, 9), tree)]
+    caches = HeadCache(), HeadCache()
+    with torch.inference_mode():
+        for part, mask in calls:
+            eager, quick = (run(embed(tokens[:, part]), features[:, part], positions[:, part], mask, cache) for run, cache in zip((head, fast), caches))
+            torch.testing.assert_close(quick, eager, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(caches[1].keys, caches[0].keys, rtol=1e-4, atol=1e-5)
+        assert caches[1].length == 9
+
+
+@needs_compiler
+def test_a_compiled_head_that_computes_something_else_stays_eager(tiny_folder, monkeypatch):
+    base = load_base(str(tiny_folder), dtype="float32")
+    monkeypatch.setattr(compiled._OpaqueCache, "attend", lambda self, query, key, value, mask: torch.zeros_like(query))
+    assert compiled.compile_head(random_head(base.model, seed=2), base.model.get_input_embeddings()) is None

@@ -180,6 +180,21 @@ def test_draft_timing_fits_scale_and_extra_per_draft():
     assert steep.observations == 9
 
 
+def test_one_stalled_draft_hardly_moves_the_timing_fit_and_a_slowdown_still_does():
+    timing = DraftTiming()
+    for depth in range(1, 40):
+        predicted = 0.001 * (1 + depth % 5)
+        timing.observe(predicted, 1.5 * predicted + 0.0005)
+    before = timing.fit
+    timing.observe(0.002, 0.3)  # a 300 ms stall
+    assert timing.fit[1] < before[1] + 0.002  # uncapped, extra would jump by some 15 ms
+    for depth in range(1, 100):  # the machine really gets twice as slow
+        predicted = 0.001 * (1 + depth % 5)
+        timing.observe(predicted, 2 * (1.5 * predicted + 0.0005))
+    scale, extra = timing.fit
+    assert scale == pytest.approx(3.0, rel=0.05) and extra == pytest.approx(0.001, abs=2e-4)
+
+
 def test_planned_drafting_learns_its_real_cost_against_the_table(engine64):
     """A table that counts almost nothing for the head's expansions: the
     measured drafts take longer, which the fit puts on the per-draft extra."""
