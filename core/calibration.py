@@ -126,16 +126,16 @@ class DraftTiming:
     (deeper levels get dearer) and adds `extra` once per draft (every tree pays
     it). While the drafts' predicted times hardly differ, the slope cannot be
     told from the intercept: scale stays 1 and extra takes the difference.
-    Once the fit has a few observations, a draft measured over OUTLIER times
-    what it predicts counts as that much: one stall (a page fault, a
-    collector pass, another process) would otherwise raise `extra` by tens
-    of milliseconds, and every draft after it would look unprofitable for a
-    hundred steps; a real slowdown still moves the fit, by up to OUTLIER
-    times per draft."""
+    A draft measured over OUTLIER times what the fit predicts (the table's
+    time before any observation) counts as that much: one stall (a page
+    fault, a first call's allocations, another process) would otherwise
+    raise `extra` by tens of milliseconds, and every draft after it would
+    look unprofitable for a hundred steps, which then draft too rarely to
+    correct it. Drafting that really costs more still moves the fit, by up to
+    OUTLIER times per draft."""
 
     DECAY = 0.95  # weight of an observation per newer one
     SCALES = (0.5, 16.0)  # the slope is kept within these
-    SETTLED = 4  # observations before measured times are capped
     OUTLIER = 3.0  # cap on a measured time, in times the fit's prediction
 
     def __init__(self):
@@ -145,9 +145,8 @@ class DraftTiming:
     def observe(self, predicted: float, measured: float) -> None:
         if predicted <= 0 or measured <= 0:
             return
-        if self.observations >= self.SETTLED:
-            scale, extra = self.fit
-            measured = min(measured, self.OUTLIER * (scale * predicted + extra))
+        scale, extra = self.fit
+        measured = min(measured, self.OUTLIER * (scale * predicted + extra))
         terms = (1.0, predicted, measured, predicted * predicted, predicted * measured)
         self.sums = [self.DECAY * total + term for total, term in zip(self.sums, terms)]
         self.observations += 1

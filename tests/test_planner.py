@@ -163,15 +163,15 @@ def test_planned_steps_skip_the_head_where_drafting_does_not_pay(engine64, monke
 def test_draft_timing_fits_scale_and_extra_per_draft():
     timing = DraftTiming()
     assert timing.fit == (1.0, 0.0)
-    for depth in range(1, 40):  # drafts of different sizes: measured = 3 x predicted + 2 ms
+    for depth in range(1, 120):  # drafts of different sizes: measured = 3 x predicted + 2 ms
         predicted = 0.001 * (1 + depth % 5)
         timing.observe(predicted, 3 * predicted + 0.002)
-    scale, extra = timing.fit
-    assert scale == pytest.approx(3.0) and extra == pytest.approx(0.002)
+    scale, extra = timing.fit  # the first drafts, capped at 3x the fit so far, have faded
+    assert scale == pytest.approx(3.0, rel=1e-3) and extra == pytest.approx(0.002, rel=1e-3)
     same = DraftTiming()  # drafts of one size: the slope is unknown, the difference is extra
-    for _ in range(10):
+    for _ in range(100):
         same.observe(0.001, 0.004)
-    assert same.fit == (1.0, pytest.approx(0.003))
+    assert same.fit == (1.0, pytest.approx(0.003, rel=1e-3))
     steep = DraftTiming()
     for depth in range(1, 10):
         steep.observe(1e-6 * depth, 0.001 * depth)
@@ -187,6 +187,9 @@ def test_one_stalled_draft_hardly_moves_the_timing_fit_and_a_slowdown_still_does
         timing.observe(predicted, 1.5 * predicted + 0.0005)
     before = timing.fit
     timing.observe(0.002, 0.3)  # a 300 ms stall
+    first = DraftTiming()
+    first.observe(0.002, 0.3)  # a stall at the very first draft (the table predicted 2 ms)
+    assert first.fit[1] <= 0.0041
     assert timing.fit[1] < before[1] + 0.002  # uncapped, extra would jump by some 15 ms
     for depth in range(1, 100):  # the machine really gets twice as slow
         predicted = 0.001 * (1 + depth % 5)
