@@ -27,7 +27,10 @@ Vanilla steps, tree passes and prefill all run the compiled layers, so the
 comparison between them is of one model; whether its tree passes compute
 each node bit for bit as a one-token step would is still checked at load
 (core/tree_check.rows_differing). Where compiling fails (no compiler, an
-operation Inductor cannot handle) the model stays eager."""
+operation Inductor cannot handle) the model stays eager.
+
+The draft head runs compiled alongside (`CompiledHead`, at the end of this
+file), its attention likewise one opaque op (`kestrel::head_attend`)."""
 
 from __future__ import annotations
 
