@@ -444,21 +444,28 @@ def drafting_head(head: nn.Module) -> nn.Module:
     else torch's int8 kernel where its probe finds it faster (`available`),
     else the head itself. Decided by the kernels built, not by a timing, so
     every process of a machine drafts alike."""
-    linears = [child for child in head.modules() if isinstance(child, nn.Linear)]
-    own = bool(linears) and all(own_kernel_takes(linear.weight) for linear in linears)
-    if own or (linears and available(linears[0].weight.device)):
+    linears = _linears(head)
+    if linears and (_own_takes_all(linears) or available(linears[0].weight.device)):
         return with_int8_linears(head)
     return head
+
+
+def _linears(module: nn.Module) -> list[nn.Linear]:
+    return [child for child in module.modules() if isinstance(child, nn.Linear)]
+
+
+def _own_takes_all(linears: list[nn.Linear]) -> bool:
+    return all(own_kernel_takes(linear.weight) for linear in linears)
 
 
 def with_int8_linears(module: nn.Module) -> nn.Module:
     """A copy of `module` (a draft head) whose nn.Linear layers are int8
     (DraftLinear where Kestrel's kernel is built and takes them, else
     Int8Linear); the original is untouched."""
-    linears = [child for child in module.modules() if isinstance(child, nn.Linear)]
+    linears = _linears(module)
     shared = {id(tensor): tensor for linear in linears for tensor in linear.parameters()}
+    own = _own_takes_all(linears)
     module = copy.deepcopy(module, memo=shared)  # linear weights are not copied, only replaced below
-    own = own_kernel() and all(linear.in_features % 16 == 0 for linear in linears)
     replace_linears(module, DraftLinear if own else Int8Linear)
     return module
 
