@@ -36,7 +36,7 @@ GPU_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # and on GPUs, where they can
 CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with context
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
-VERSION = 12  # bump when what is measured changes, so old cache files are ignored
+VERSION = 13  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)

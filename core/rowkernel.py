@@ -16,10 +16,16 @@ keys on the tile unit: a tile product gives 16 keys' scores against up to 16
 query vectors (a few rows' heads that share a key/value head), each score the
 float32 sum of the exact products of its own key and query, whatever else
 shares the tile, so any key scores the same in the cache and among a row's
-extra keys. The softmax and the weighted sum of values stay each query's own,
-in key order, in float32 (the sum of the weights in sixteen partial sums by
-key index, an order fixed by the number of keys). On the 2-core reference
-Xeon, 9 heads over 3 and 300 keys: 1 row 32 -> 12 us, 16 rows 311 -> 84 us.
+extra keys. The softmax stays each query's own, in float32. The weighted sum
+of values runs on the tile unit too, as torch's own bf16 attention computes
+it: the weights rounded to bf16 once, 32 positions of a query's key sequence
+per tile product (positions 0, 32, 64, ... whatever keys the row sees there),
+summed in float32, then divided by the sum of the float32 weights (sixteen
+partial sums by position, an order fixed by the number of keys). A query's
+sums so take the same steps whatever shares its tiles. On the 2-core
+reference Xeon, 9 heads over 3, a layer: 300 keys, 1 / 8 / 16 rows in
+13 / 35 / 60 us (16 / 54 / 100 with the sums in float32 vectors, key by
+key); 600 keys, 8 rows in 53 us (93).
 
 The source is compiled once against the installed torch (core/native.py)
 and registered as a torch operator; its (row, head) pairs are shared out
@@ -307,9 +313,11 @@ static void rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // AMX (Intel's tile unit, where the compiler targets it) for bf16: a tile product gives the scores
 // of 16 keys against up to 16 query vectors (a few rows' heads that share a key/value head), each
 // score the float32 sum of the exact products of bf16 elements, computed for its own key and
-// query whatever else shares the tile. The softmax and the weighted sum of values are then each
-// query's own, in key order and float32, as above. Any key scores the same in the cache or among a
-// row's extra keys, so a tree node still gets bit for bit what a one-token step gets.
+// query whatever else shares the tile. The softmax is then each query's own, in float32; the
+// weighted sum of values is a tile product per 32 positions of a query's key sequence
+// (weighted_sums). Any key scores the same in the cache or among a row's extra keys, and a
+// query's sums take the same steps whatever shares its tiles, so a tree node still gets bit for
+// bit what a one-token step gets.
 #ifdef KESTREL_TILES
 static constexpr int64_t TILE = 16;  // keys per tile product, and query vectors per item
 
@@ -333,39 +341,124 @@ static inline __m512 widen16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// H heads of one row (their softmax weights `longest` apart): each head's weighted sum of the
-// row's values in key order, divided by the sum of its weights (sixteen partial sums by key
-// index mod 16, then a fixed reduction: an order that depends on the number of keys only).
-// Each value is widened once for the H heads.
-template <int64_t V, int64_t H>
-static inline void weighted_sum(const float* weights, int64_t longest, const uint16_t* values, int64_t kv_pos, int64_t own,
-                                const int64_t* extra, int64_t extras, float* out) {
-    const int64_t count = own + extras;
-    __m512 acc[H][V];
-#pragma GCC unroll 8
-    for (int64_t h = 0; h < H; ++h)
-#pragma GCC unroll 8
-        for (int64_t l = 0; l < V; ++l) acc[h][l] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < count; ++j) {
-        const uint16_t* value = values + (j < own ? j : extra[j - own]) * kv_pos;
-        __m512 wide[V];
-#pragma GCC unroll 8
-        for (int64_t l = 0; l < V; ++l) wide[l] = widen16(value + 16 * l);
-#pragma GCC unroll 8
-        for (int64_t h = 0; h < H; ++h) {
-            const __m512 w = _mm512_set1_ps(weights[h * longest + j]);
-#pragma GCC unroll 8
-            for (int64_t l = 0; l < V; ++l) acc[h][l] = _mm512_fmadd_ps(w, wide[l], acc[h][l]);
+// Values as B tiles for the weighted sum: 32 positions of the row's key sequence (position p is
+// row p of `value_rows`, a null row a zero) in the tile unit's pair layout, 16 columns of the head
+// dimension per tile: tile t, row p holds (position 2p, position 2p + 1) for columns 16t .. 16t + 15.
+template <int BLOCKS>
+static inline void pair_values(const uint16_t* const* value_rows, uint16_t* b) {
+    alignas(64) static const uint16_t order[64] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                   8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
+                                                   16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i low = _mm512_load_si512((const void*)order), high = _mm512_load_si512((const void*)(order + 32));
+    for (int p = 0; p < 16; ++p) {
+        const uint16_t* even = value_rows[2 * p];
+        const uint16_t* odd = value_rows[2 * p + 1];
+        for (int half = 0; half < BLOCKS / 2; ++half) {
+            const __m512i a = even ? _mm512_loadu_si512((const void*)(even + 32 * half)) : _mm512_setzero_si512();
+            const __m512i o = odd ? _mm512_loadu_si512((const void*)(odd + 32 * half)) : _mm512_setzero_si512();
+            _mm512_store_si512(b + (2 * half) * 512 + 32 * p, _mm512_permutex2var_epi16(a, low, o));
+            _mm512_store_si512(b + (2 * half + 1) * 512 + 32 * p, _mm512_permutex2var_epi16(a, high, o));
         }
     }
-    for (int64_t h = 0; h < H; ++h) {
-        const float* row = weights + h * longest;
+}
+
+// C tiles 0..3 += A tile 4 (weights) times the value tiles b[0..3], B through tile 5
+static inline void weigh_values(const uint16_t* a, int64_t a_stride, const uint16_t* b) {
+    _tile_loadd(4, a, a_stride);
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, b + 512, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, b + 1024, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, b + 1536, 64);
+    _tile_dpbf16ps(3, 4, 5);
+}
+
+// The weighted sums of values for the item's n queries (rows r0..r1, g queries each), on the tile
+// unit: each query's softmax weights rounded to bf16 once, times the values, 32 positions of its
+// key sequence per tile product, positions 0, 32, 64, ... whatever the row's keys are, so a
+// query's float32 sums take the same steps in the same order as the same keys alone would. A
+// chunk of positions that every row takes from the cache is one product for all n queries; a
+// chunk where a row's own extra keys begin is a product for that row's queries alone, the others'
+// weights zero (adding exact zeros). Then each sum is divided by the sum of the float32 weights
+// (sixteen partial sums by position, a fixed order). `out` points at the item's first head of row
+// 0, rows `row_stride` apart.
+template <int CHUNKS>
+static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64_t g, int64_t r0, int64_t r1,
+                          const uint16_t* values, int64_t kv_pos, int64_t length, const int64_t* prefix,
+                          const int64_t* offsets, const int64_t* extra, float* out, int64_t row_stride, float* c) {
+    constexpr int64_t dim = 32 * CHUNKS, BLOCKS = dim / 16;
+    const int64_t spans = (longest + 31) / 32, padded = spans * 32;
+    // the weights as A tiles: query i's bf16 weights at positions 0 .. padded, zero past its count
+    std::vector<uint16_t> weights(TILE * padded, 0);
+    alignas(64) float divisor[TILE];
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = r0 + i / g, count = prefix[r] + offsets[r + 1] - offsets[r];
+        const float* row = scores + i * longest;
+        uint16_t* to = weights.data() + i * padded;
         __m512 sums = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= count; j += 16) sums = _mm512_add_ps(sums, _mm512_loadu_ps(row + j));
-        sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(__mmask16((1u << (count - j)) - 1), row + j));
-        const __m512 divisor = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
-        for (int64_t l = 0; l < V; ++l) _mm512_storeu_ps(out + h * V * 16 + 16 * l, _mm512_div_ps(acc[h][l], divisor));
+        for (int64_t j = 0; j < count; j += 32) {
+            const int64_t left = count - j;
+            const __mmask16 first = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+            const __mmask16 second = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0) : __mmask16((1u << (left - 16)) - 1);
+            const __m512 lo = _mm512_maskz_loadu_ps(first, row + j), hi = _mm512_maskz_loadu_ps(second, row + j + 16);
+            sums = _mm512_add_ps(sums, lo);
+            sums = _mm512_add_ps(sums, hi);
+            _mm512_storeu_si512((void*)(to + j), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        divisor[i] = _mm512_reduce_add_ps(sums);
+    }
+    // where each row's own keys begin: a chunk ending at or before every row's cache run is shared
+    int64_t shared_end = INT64_MAX;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t count = prefix[r] + offsets[r + 1] - offsets[r];
+        if (count > prefix[r]) shared_end = std::min(shared_end, prefix[r] / 32 * 32);
+    }
+    alignas(64) uint16_t b[BLOCKS * 512];
+    alignas(64) uint16_t lone[TILE * 32];
+    const uint16_t* rows_of[32];
+    for (int half = 0; half < BLOCKS / 4; ++half) {
+        const uint16_t* base = values + 64 * half;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < spans; ++s) {
+            const int64_t j0 = s * 32;
+            if (j0 + 32 <= shared_end) {
+                for (int p = 0; p < 32; ++p) rows_of[p] = j0 + p < length ? base + (j0 + p) * kv_pos : nullptr;
+                pair_values<4>(rows_of, b);
+                weigh_values(weights.data() + j0, padded * 2, b);
+                continue;
+            }
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t own = prefix[r], count = own + offsets[r + 1] - offsets[r];
+                if (count <= j0) continue;
+                for (int p = 0; p < 32; ++p) {
+                    const int64_t j = j0 + p;
+                    rows_of[p] = j >= count ? nullptr : base + (j < own ? j : extra[offsets[r] + j - own]) * kv_pos;
+                }
+                pair_values<4>(rows_of, b);
+                std::memset(lone, 0, sizeof lone);
+                const int64_t i0 = (r - r0) * g;
+                for (int64_t i = i0; i < i0 + g; ++i) std::memcpy(lone + i * 32, weights.data() + i * padded + j0, 64);
+                weigh_values(lone, 64, b);
+            }
+        }
+        for (int t = 0; t < 4; ++t) {
+            switch (t) {
+                case 0: _tile_stored(0, c, 64); break;
+                case 1: _tile_stored(1, c, 64); break;
+                case 2: _tile_stored(2, c, 64); break;
+                default: _tile_stored(3, c, 64); break;
+            }
+            for (int64_t i = 0; i < n; ++i) {
+                float* to = out + (r0 + i / g) * row_stride + (i % g) * dim + 64 * half + 16 * t;
+                _mm512_storeu_ps(to, _mm512_div_ps(_mm512_load_ps(c + 16 * i), _mm512_set1_ps(divisor[i])));
+            }
+        }
     }
 }
 
@@ -443,23 +536,8 @@ static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* v
         for (; j < count; ++j) best = row[j] > best ? row[j] : best;
         exp_shifted(row, count, best);
     }
-    constexpr int64_t together = 24 / V;
-    for (int64_t i0 = 0; i0 < n; i0 += g) {
-        const int64_t r = r0 + i0 / g;
-        for (int64_t h0 = 0; h0 < g; h0 += together) {
-            const int64_t hn = std::min(together, g - h0);
-            const int64_t item = (r * heads + kv * g + h0) * dim;
-            const float* weights = scores.data() + (i0 + h0) * longest;
-            switch (hn) {
-                case 1: weighted_sum<V, 1>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
-                case 2: weighted_sum<V, 2>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
-                case 3: weighted_sum<V, 3>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
-                case 4: weighted_sum<V, 4>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
-                case 5: weighted_sum<V, 5>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
-                default: weighted_sum<V, (24 / V < 6 ? 24 / V : 6)>(weights, longest, values, kv_pos, prefix[r], extra + offsets[r], offsets[r + 1] - offsets[r], op + item); break;
-            }
-        }
-    }
+    weighted_sums<CHUNKS>(scores.data(), longest, n, g, r0, r1, values, kv_pos, length, prefix, offsets, extra,
+                          op + (kv * g) * dim, heads * dim, c);
 }
 
 // Whether the tile path takes these tensors: bf16, head size 64 or 128, up to 16 heads per key/value head.

@@ -110,15 +110,18 @@ needs_tiles = pytest.mark.skipif(rowkernel.library() is None or not rowkernel.ti
 def test_the_tile_path_keeps_tree_rows_bit_for_bit(dim, heads, kv_heads, prefix):
     """bf16 with head size 64 or 128 runs on AMX tiles, 16 query vectors at a
     time: a tree node still gets what a lone row over its keys gets, a causal
-    row what it gets alone, and the result is bf16-rounded float32 attention."""
+    row what it gets alone, and the result is as close to float32 attention
+    as torch's own bf16 attention is (both weigh the values with bf16 weights)."""
     query, keys, values, mask = tree_case(torch.bfloat16, prefix=prefix, heads=heads, kv_heads=kv_heads, dim=dim, seed=11)
     out, _ = attention.rows_attention(None, query, keys, values, mask[None, None], scaling=0.2)
     group = heads // kv_heads
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query.float(), keys.repeat_interleave(group, 1).float(), values.repeat_interleave(group, 1).float(),
-        attn_mask=mask[None, None], scale=0.2,
-    ).transpose(1, 2)  # fmt: skip
-    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1e-5)
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    expected = sdpa(query.float(), keys.float(), values.float(), attn_mask=mask[None, None], scale=0.2).transpose(1, 2)
+    torch_bf16 = sdpa(query, keys, values, attn_mask=mask[None, None], scale=0.2).transpose(1, 2)
+    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=2e-3)
+    assert (out.float() - expected).abs().max() <= 1.25 * (torch_bf16.float() - expected).abs().max()
+    keys, values = keys[:, ::group], values[:, ::group]
     for row in range(len(PARENTS)):
         visible = mask[row].nonzero().squeeze(1)
         lone, _ = attention.rows_attention(None, query[:, :, row : row + 1], keys[:, :, visible], values[:, :, visible], None, scaling=0.2)
