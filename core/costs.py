@@ -36,7 +36,8 @@ GPU_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # and on GPUs, where they can
 CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with context
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
-VERSION = 13  # bump when what is measured changes, so old cache files are ignored
+ROUNDS = 5  # rounds over every tree size, each size once a round; the median of each size's rounds is kept
+VERSION = 14  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def measure(model, argmax, drafter_for: Callable[[], object], context_limit: int
     device = model.get_input_embeddings().weight.device
     sizes = GPU_SIZES if device.type == "cuda" else CPU_SIZES
     contexts = tuple(c for c in CONTEXTS if c + sizes[-1] < context_limit) or (min(CONTEXTS[0], context_limit // 2),)
-    total, done = len(contexts) * (len(sizes) + 1) + 1, 0
+    total, done = len(contexts) * (len(sizes) * ROUNDS + 1) + 1, 0
     vocabulary = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     verify, expand, features = [], [], None
@@ -189,13 +190,19 @@ def measure(model, argmax, drafter_for: Callable[[], object], context_limit: int
         cache = kv_cache.new_cache(model)
         features = base_forward(model, tokens, torch.arange(context, device=device), None, cache)
         done += 1
-        row = []
-        for size in sizes:
-            _report(progress, done, total, f"tree pass of {size} nodes")
-            tree = _bushy_tree(size, vocabulary, generator)
-            row.append(_median(lambda tree=tree: _verify_once(model, argmax, tree, context, cache), device, size == sizes[0]))
-            done += 1
-        verify.append(tuple(row))
+        trees = [_bushy_tree(size, vocabulary, generator) for size in sizes]
+        runs = [lambda tree=tree: _verify_once(model, argmax, tree, context, cache) for tree in trees]
+        for run in runs:
+            run()  # first calls allocate
+        # every size timed once per round, rounds repeated: a slow spell of the machine (they last
+        # seconds here) then lands on one round of every size, not on all timings of one size
+        rounds: list[list[float]] = [[] for _ in sizes]
+        for _ in range(ROUNDS):
+            for index, (size, run) in enumerate(zip(sizes, runs)):
+                _report(progress, done, total, f"tree pass of {size} nodes")
+                rounds[index].append(_median(run, device, repeats=1))
+                done += 1
+        verify.append(monotone([statistics.median(times) for times in rounds]))
     _report(progress, done, total, "draft head")
     drafter = drafter_for()
     if drafter is not None:
@@ -245,11 +252,21 @@ def _commit_once(drafter, features: torch.Tensor) -> None:
     drafter.cache.crop(committed)
 
 
-def _median(run: Callable[[], None], device: torch.device, warm_up: bool = False) -> float:
+def monotone(seconds: list[float]) -> tuple[float, ...]:
+    """Measured seconds by ascending tree size, each no more than any larger
+    tree's: a pass over more nodes does the same work and more, so a smaller
+    tree measured dearer met a slow moment of the machine."""
+    result = list(seconds)
+    for index in range(len(result) - 2, -1, -1):
+        result[index] = min(result[index], result[index + 1])
+    return tuple(result)
+
+
+def _median(run: Callable[[], None], device: torch.device, warm_up: bool = False, repeats: int = REPEATS) -> float:
     if warm_up:
         run()  # first calls allocate
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()

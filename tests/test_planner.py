@@ -300,6 +300,7 @@ def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir,
     base = load_base(str(tiny_dir), dtype="float64")
     first = Engine(base, random_head(base.model)).prepare_costs()
     assert len(measured) == 1 and first.sizes[0] == 1 and all(t > 0 for row in first.verify for t in row)
+    assert all(list(row) == sorted(row) for row in first.verify)  # a bigger tree never measures cheaper
     again = Engine(base, random_head(base.model)).prepare_costs()  # a new session: read from disk
     assert len(measured) == 1 and again == first
     threads = torch.get_num_threads()
@@ -315,3 +316,10 @@ def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir,
     Engine(base, random_head(base.model)).prepare_costs(remeasure=True)  # bench --calibrate
     assert len(measured) == 4
     assert Engine(base, None).prepare_costs() is None  # nothing to plan without a head
+
+
+def test_a_slow_moment_on_a_small_tree_does_not_make_it_dearer_than_bigger_ones():
+    """A pass over more nodes does the same work and more: a smaller tree
+    measured dearer (the machine slowed while it ran) takes the bigger one's time."""
+    assert costs_module.monotone([0.0197, 0.0161, 0.0167, 0.0171, 0.0207]) == (0.0161, 0.0161, 0.0167, 0.0171, 0.0207)
+    assert costs_module.monotone([1.0, 2.0, 3.0]) == (1.0, 2.0, 3.0)
