@@ -337,14 +337,9 @@ static inline void score_tile(const uint16_t* keys, int64_t stride_bytes, float*
     _tile_stored(0, c, 64);
 }
 
-static inline __m512 widen16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// Values as B tiles for the weighted sum: 32 positions of the row's key sequence (position p is
-// row p of `value_rows`, a null row a zero) in the tile unit's pair layout, 16 columns of the head
-// dimension per tile: tile t, row p holds (position 2p, position 2p + 1) for columns 16t .. 16t + 15.
-template <int BLOCKS>
+// Values as four B tiles for the weighted sum: 32 positions of the row's key sequence (position p
+// is row p of `value_rows`, a null row a zero), 64 columns of the head dimension, in the tile
+// unit's pair layout: tile t, row p holds (position 2p, position 2p + 1) for columns 16t .. 16t + 15.
 static inline void pair_values(const uint16_t* const* value_rows, uint16_t* b) {
     alignas(64) static const uint16_t order[64] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                    8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
@@ -354,7 +349,7 @@ static inline void pair_values(const uint16_t* const* value_rows, uint16_t* b) {
     for (int p = 0; p < 16; ++p) {
         const uint16_t* even = value_rows[2 * p];
         const uint16_t* odd = value_rows[2 * p + 1];
-        for (int half = 0; half < BLOCKS / 2; ++half) {
+        for (int half = 0; half < 2; ++half) {
             const __m512i a = even ? _mm512_loadu_si512((const void*)(even + 32 * half)) : _mm512_setzero_si512();
             const __m512i o = odd ? _mm512_loadu_si512((const void*)(odd + 32 * half)) : _mm512_setzero_si512();
             _mm512_store_si512(b + (2 * half) * 512 + 32 * p, _mm512_permutex2var_epi16(a, low, o));
@@ -388,11 +383,12 @@ static inline void weigh_values(const uint16_t* a, int64_t a_stride, const uint1
 template <int CHUNKS>
 static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64_t g, int64_t r0, int64_t r1,
                           const uint16_t* values, int64_t kv_pos, int64_t length, const int64_t* prefix,
-                          const int64_t* offsets, const int64_t* extra, float* out, int64_t row_stride, float* c) {
-    constexpr int64_t dim = 32 * CHUNKS, BLOCKS = dim / 16;
+                          const int64_t* offsets, const int64_t* extra, float* out, int64_t row_stride, float* c,
+                          std::vector<uint16_t>& weights) {
+    constexpr int64_t dim = 32 * CHUNKS;
     const int64_t spans = (longest + 31) / 32, padded = spans * 32;
     // the weights as A tiles: query i's bf16 weights at positions 0 .. padded, zero past its count
-    std::vector<uint16_t> weights(TILE * padded, 0);
+    weights.assign(TILE * padded, 0);
     alignas(64) float divisor[TILE];
     for (int64_t i = 0; i < n; ++i) {
         const int64_t r = r0 + i / g, count = prefix[r] + offsets[r + 1] - offsets[r];
@@ -416,10 +412,10 @@ static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64
         const int64_t count = prefix[r] + offsets[r + 1] - offsets[r];
         if (count > prefix[r]) shared_end = std::min(shared_end, prefix[r] / 32 * 32);
     }
-    alignas(64) uint16_t b[BLOCKS * 512];
+    alignas(64) uint16_t b[4 * 512];
     alignas(64) uint16_t lone[TILE * 32];
     const uint16_t* rows_of[32];
-    for (int half = 0; half < BLOCKS / 4; ++half) {
+    for (int half = 0; half < dim / 64; ++half) {  // 64 columns of the head dimension at a time
         const uint16_t* base = values + 64 * half;
         _tile_zero(0);
         _tile_zero(1);
@@ -429,7 +425,7 @@ static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64
             const int64_t j0 = s * 32;
             if (j0 + 32 <= shared_end) {
                 for (int p = 0; p < 32; ++p) rows_of[p] = j0 + p < length ? base + (j0 + p) * kv_pos : nullptr;
-                pair_values<4>(rows_of, b);
+                pair_values(rows_of, b);
                 weigh_values(weights.data() + j0, padded * 2, b);
                 continue;
             }
@@ -440,7 +436,7 @@ static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64
                     const int64_t j = j0 + p;
                     rows_of[p] = j >= count ? nullptr : base + (j < own ? j : extra[offsets[r] + j - own]) * kv_pos;
                 }
-                pair_values<4>(rows_of, b);
+                pair_values(rows_of, b);
                 std::memset(lone, 0, sizeof lone);
                 const int64_t i0 = (r - r0) * g;
                 for (int64_t i = i0; i < i0 + g; ++i) std::memcpy(lone + i * 32, weights.data() + i * padded + j0, 64);
@@ -467,8 +463,8 @@ template <int CHUNKS>
 static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, int64_t q_row, int64_t q_head,
                        int64_t kv_head, int64_t kv_pos, int64_t length, int64_t heads, int64_t g, int64_t kv, int64_t r0, int64_t r1,
                        const int64_t* prefix, const int64_t* offsets, const int64_t* extra, float scale, float* op,
-                       std::vector<float>& scores, std::vector<uint16_t>& pad, float* c) {
-    constexpr int64_t dim = 32 * CHUNKS, V = dim / 16;
+                       std::vector<float>& scores, std::vector<uint16_t>& pad, std::vector<uint16_t>& weights, float* c) {
+    constexpr int64_t dim = 32 * CHUNKS;
     const int64_t n = (r1 - r0) * g;
     int64_t lead = 0, longest = 0;
     for (int64_t r = r0; r < r1; ++r) {
@@ -537,7 +533,7 @@ static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* v
         exp_shifted(row, count, best);
     }
     weighted_sums<CHUNKS>(scores.data(), longest, n, g, r0, r1, values, kv_pos, length, prefix, offsets, extra,
-                          op + (kv * g) * dim, heads * dim, c);
+                          op + (kv * g) * dim, heads * dim, c, weights);
 }
 
 // Whether the tile path takes these tensors: bf16, head size 64 or 128, up to 16 heads per key/value head.
@@ -557,16 +553,16 @@ static void rows_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
         configure_tiles({16, 16, 16, 16, 16, 16});  // 0: scores (16 keys x 16 queries); 1: keys; 2..5: the queries' chunks
         std::vector<float> scores;
-        std::vector<uint16_t> pad(TILE * dim);
+        std::vector<uint16_t> pad(TILE * dim), weights;  // weights: the weighted sums' A tiles, reused item to item
         alignas(64) float c[TILE * TILE];
         for (int64_t item = begin; item < end; ++item) {
             const int64_t kv = item / blocks, r0 = item % blocks * per_item, r1 = std::min(n_rows, r0 + per_item);
             if (dim == 64)
                 tiles_item<2>(qp, kp, vp, q.stride(2), q.stride(1), k.stride(1), k.stride(2), length, heads, g, kv, r0, r1,
-                              prefix, offsets, extra, float(scale), op, scores, pad, c);
+                              prefix, offsets, extra, float(scale), op, scores, pad, weights, c);
             else
                 tiles_item<4>(qp, kp, vp, q.stride(2), q.stride(1), k.stride(1), k.stride(2), length, heads, g, kv, r0, r1,
-                              prefix, offsets, extra, float(scale), op, scores, pad, c);
+                              prefix, offsets, extra, float(scale), op, scores, pad, weights, c);
         }
         _tile_release();
     });

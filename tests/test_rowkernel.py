@@ -115,13 +115,12 @@ def test_the_tile_path_keeps_tree_rows_bit_for_bit(dim, heads, kv_heads, prefix)
     query, keys, values, mask = tree_case(torch.bfloat16, prefix=prefix, heads=heads, kv_heads=kv_heads, dim=dim, seed=11)
     out, _ = attention.rows_attention(None, query, keys, values, mask[None, None], scaling=0.2)
     group = heads // kv_heads
-    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    every_head = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # sdpa's layout
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    expected = sdpa(query.float(), keys.float(), values.float(), attn_mask=mask[None, None], scale=0.2).transpose(1, 2)
-    torch_bf16 = sdpa(query, keys, values, attn_mask=mask[None, None], scale=0.2).transpose(1, 2)
+    expected = sdpa(query.float(), *(t.float() for t in every_head), attn_mask=mask[None, None], scale=0.2).transpose(1, 2)
+    torch_bf16 = sdpa(query, *every_head, attn_mask=mask[None, None], scale=0.2).transpose(1, 2)
     torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=2e-3)
     assert (out.float() - expected).abs().max() <= 1.25 * (torch_bf16.float() - expected).abs().max()
-    keys, values = keys[:, ::group], values[:, ::group]
     for row in range(len(PARENTS)):
         visible = mask[row].nonzero().squeeze(1)
         lone, _ = attention.rows_attention(None, query[:, :, row : row + 1], keys[:, :, visible], values[:, :, visible], None, scaling=0.2)
