@@ -313,13 +313,16 @@ def run_bench_command(args) -> int:
     """`launch.py bench`: load, run with a progress line, print the table, write JSON."""
     import json
 
+    from core.prompt import load_prompts
+
+    prompts = load_prompts(args.prompts, args.limit, args.per_source)  # before the engine's imports: a bad file fails at once
+
     from app.session import load_draft_head, prepare_costs
     from app.store import write_atomic
-    from core.bench import format_table, load_prompts, parse_mode, run_bench
+    from core.bench import format_table, parse_mode, run_bench
     from core.engine import Engine
 
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
-    prompts = load_prompts(args.prompts, args.limit, args.per_source)
     others = {}
     for option in args.other_head:
         name, _, source = option.partition("=")

@@ -163,7 +163,8 @@ class CompareHandlers:
     def benchmark(self, upload, limit: int, *values, progress=gr.Progress()) -> tuple:
         """Outputs: summary table, tokens/s bar chart, full result (JSON), notice."""
         try:
-            from core.bench import load_prompts, run_bench
+            from core.bench import run_bench
+            from core.prompt import load_prompts
 
             options = Options.from_values(values)
             engine = self.runtime.require()

@@ -182,6 +182,12 @@ def calm_queue(demo: gr.Blocks) -> None:
     demo._queue.progress_update_sleep_when_free = PROGRESS_POLL_SECONDS
 
 
+# How long a stopping server waits for open connections. Every open page and
+# Gradio client holds a heartbeat stream that never ends by itself, so this
+# is how long quitting takes whenever one is open.
+GRACE_SECONDS = 0.5
+
+
 class Server:
     """Serves the page and the API (on `port`, or the next free one) until
     closed; `start` returns once it is up, `wait` blocks until it stops."""
@@ -191,7 +197,7 @@ class Server:
         self.access, self.port, self.runtime = access, port, runtime
         config = uvicorn.Config(
             build_http_app(demo, runtime, access, port), host=access.host, port=port, log_level="warning",
-            timeout_graceful_shutdown=2, ws="none",
+            timeout_graceful_shutdown=GRACE_SECONDS, ws="none",
         )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

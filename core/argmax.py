@@ -44,6 +44,20 @@ def exact_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _norms(weight: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, in float64: the norm of the quantization error weight - rounded
+    (rounded = the int8 rows times their scales) and the norm of rounded. A
+    slice of rows at a time: float64 copies of a whole vocabulary's weights
+    are hundreds of MB, and allocating them was most of the screen's load time."""
+    errors = torch.empty(len(weight), dtype=torch.float64, device=weight.device)
+    norms = torch.empty_like(errors)
+    for start in range(0, len(weight), chunk):
+        wide = int8.dequantize(packed[start : start + chunk], scales[start : start + chunk]).to(torch.float64)
+        errors[start : start + chunk] = (weight[start : start + chunk].to(torch.float64) - wide).norm(dim=1)
+        norms[start : start + chunk] = wide.norm(dim=1)
+    return errors, norms
+
+
 class ScreenedArgmax:
     def __init__(self, lm_head: torch.nn.Module):
         weight = lm_head.weight.detach()
@@ -66,12 +80,11 @@ class ScreenedArgmax:
             # does, so the bound holds, plus the unit's flushing of values below 2^-126 (`absolute`)
             tiles = weight.dtype == torch.bfloat16 and self.own and int8.tiles_available()
             self.rows = int8.PackedRows(weight, self.own, tiles=tiles)
-            rounded = self.rows.dequantized().to(torch.float64)
-            error_norms = (weight.to(torch.float64) - rounded).norm(dim=1)
+            error_norms, rounded_norms = _norms(weight, self.rows.packed, self.rows.scales)
             columns = weight.shape[1]
             relative = (columns + 2) * 2.0**-24 if self.own else 2.0**-8 + columns * 2.0**-24
             # per token: the bound's factor of ||h|| (everything but the output rounding)
-            self.row_bounds = (error_norms + relative * rounded.norm(dim=1)).float() * ERROR_SCALE
+            self.row_bounds = (error_norms + relative * rounded_norms).float() * ERROR_SCALE
             self.largest_bound = float(self.row_bounds.max())
             self.output_rounding = 0.0 if self.own else 2.0**-7 * ERROR_SCALE  # per |rough_t|
             largest = float(self.rows.scales.abs().max()) * 127 if tiles else 0.0

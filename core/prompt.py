@@ -1,6 +1,12 @@
-"""Chat messages -> prompt token ids, and the tokens that end a reply."""
+"""Chat messages -> prompt token ids, the tokens that end a reply, and prompt
+files (JSONL) as `bench` and the Compare tab read them. Nothing here imports
+torch or transformers, so a bad prompt file is refused before the engine loads."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "</s>")
 
@@ -29,3 +35,41 @@ def stop_token_ids(model, tokenizer) -> frozenset[int]:
     vocab = tokenizer.get_vocab()
     ids.update(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
     return frozenset(ids)
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    text: str  # the first user turn
+    source: str  # e.g. fastchat/vicuna_bench; the summary splits tau by it
+
+
+class PromptFileError(ValueError):
+    """A prompt file that cannot be used, naming the file and line."""
+
+
+def load_prompts(path: str | Path, limit: int | None = None, per_source: int | None = None) -> list[BenchPrompt]:
+    """JSONL lines with a `turns` list (the first turn is the prompt) and optional `id`, `source`.
+    per_source keeps the first N prompts of every source (e.g. chat and code halves)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"{path}: no such prompt file")
+    prompts, seen = [], {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise PromptFileError(f"{path}:{number}: not valid JSON ({error.msg})") from error
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
+            raise PromptFileError(f"{path}:{number}: needs a 'turns' list whose first item is the prompt")
+        source = str(row.get("source", "prompts"))
+        seen[source] = seen.get(source, 0) + 1
+        if per_source is not None and seen[source] > per_source:
+            continue
+        prompts.append(BenchPrompt(str(row.get("id", f"line-{number}")), turns[0], source))
+    if not prompts:
+        raise PromptFileError(f"{path}: no prompts")
+    return prompts[:limit] if limit else prompts

@@ -97,11 +97,12 @@ def rows_differing(model) -> int:
         cache = kv_cache.new_cache(model)
         base_forward(model, torch.tensor(prompt, device=device), torch.arange(length, device=device), None, cache)
         tree_features = verify_tree(model, tree, length, cache)
-        kv_cache.commit(cache, length, [])
-        for node, path in enumerate(paths(TREE_PARENTS)):
-            for position, index in enumerate(path, start=length):
-                one = torch.tensor([tokens[index]], device=device)
-                features = base_forward(model, one, torch.tensor([position], device=device), None, cache)
+        # depth first (paths in lexicographic order), so the cache already holds each node's
+        # parent path, decoded one token at a time: one step per node
+        for node, path in sorted(enumerate(paths(TREE_PARENTS)), key=lambda item: item[1]):
+            position = length + len(path) - 1
+            kv_cache.commit(cache, position, [])  # back to the parent's path
+            one = torch.tensor([tokens[path[-1]]], device=device)
+            features = base_forward(model, one, torch.tensor([position], device=device), None, cache)
             differing += not torch.equal(features[0], tree_features[node])
-            kv_cache.commit(cache, length, [])
     return differing

@@ -73,17 +73,24 @@ def _best_time(run, repeats: int = 12) -> float:
     return best
 
 
+CHUNK_ROWS = 2048  # rows per slice when quantizing large weights
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (N, K) -> (int8 (N, K), bf16 scales (N,)), symmetric per row.
     Each scale is rounded up to bf16 so that no weight clips: every weight is
     then within half a scale of its int8 value times the scale."""
-    weight = weight.detach().float()
-    needed = weight.abs().amax(dim=1).clamp_min(1e-30) / 127
+    weight = weight.detach()
+    needed = weight.abs().amax(dim=1).float().clamp_min(1e-30) / 127
     scales = needed.to(torch.bfloat16)
     short = scales.float() < needed
     scales[short] = torch.nextafter(scales[short], torch.full_like(scales[short], float("inf")))
-    packed = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return packed.contiguous(), scales
+    packed = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    divisors = scales.float()[:, None]
+    for start in range(0, len(weight), CHUNK_ROWS):  # a slice at a time: no vocabulary-sized float32 temporaries
+        rows = slice(start, start + CHUNK_ROWS)
+        packed[rows] = (weight[rows].float() / divisors[rows]).round().clamp(-127, 127).to(torch.int8)
+    return packed, scales
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

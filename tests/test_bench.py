@@ -3,7 +3,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.bench import LlamaStick, PromptFileError, format_table, load_prompts, run_bench
+from core.bench import LlamaStick, format_table, run_bench
+from core.prompt import PromptFileError, load_prompts
 from core.config import SamplingParams, TreeParams
 from core.engine import Engine
 from tests.factory import random_head

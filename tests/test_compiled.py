@@ -83,7 +83,8 @@ def test_the_bundled_pair_compiled_keeps_bit_for_bit_trees(dtype):
 
 @needs_compiler
 def test_the_bench_baselines_run_transformers_own_code_on_a_compiled_engine(tiny_folder, tmp_path):
-    from core.bench import load_prompts, run_bench
+    from core.bench import run_bench
+    from core.prompt import load_prompts
     from tests.test_bench import write_prompts
 
     base = load_base(str(tiny_folder), dtype="float64")
