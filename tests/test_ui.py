@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from app import chat as chat_module
+from app import compare as compare_module
 from app import render
 from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context
 from app.compare import CompareHandlers, first_difference
@@ -204,7 +205,8 @@ def test_oldest_turns_dropped_to_fit_context(engine):
     assert len(engine.encode(fitted)) + 32 <= engine.context_limit
 
 
-def test_compare_streams_both_panes_then_verdict(engine):
+def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
+    monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
     updates = list(CompareHandlers(Runtime(engine)).compare("w3 w4", True, new_chat(), *values(max_new_tokens=20)))
     assert any(u[0] and not u[2] for u in updates), "vanilla streams before EAGLE-2 starts"
     vanilla, eagle, eagle2, verdict = updates[-1]
