@@ -19,10 +19,10 @@ from app import render
 from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context
 from app.compare import CompareHandlers, first_difference
 from app.library import LibraryHandlers, catalog_frame, trained_heads
-from app.reply import Reply
+from app.reply import Reply, follow_reply
 from app.runtime import Runtime
 from app.store import Store, new_chat
-from core.config import SamplingParams
+from core.config import SamplingParams, TreeParams
 from core.engine import Engine, Step
 from core.stats import Snapshot
 from models import catalog
@@ -213,6 +213,25 @@ def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
     assert vanilla and eagle and eagle2
     assert "identical to vanilla" in verdict and "verdict-eagle2-tps" in verdict
     assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1], [1]) is None
+
+
+def test_a_finished_reply_leaves_the_shared_cancel_signal_alone(engine):
+    """A browser session's decodings share one cancel event: a reply that ended
+    by itself must not set it on the way out, or the next decoding starts cancelled."""
+    runtime = Runtime(engine)
+    cancel = runtime.cancel_event(None)
+    cancel.clear()
+    messages = [{"role": "user", "content": "w3 w4"}]
+    sampling = SamplingParams(max_new_tokens=6)
+    for mode in ("vanilla", "eagle2"):
+        replies = list(follow_reply(runtime.queue, engine, messages, mode, sampling, TreeParams(), cancel))
+        assert replies[-1].finish_reason in ("stop", "length") and not cancel.is_set()
+    replies = follow_reply(runtime.queue, engine, messages, "vanilla", SamplingParams(max_new_tokens=200), TreeParams(), cancel)
+    assert next(replies).finish_reason is None
+    replies.close()  # a reader that goes away mid-reply still cancels it
+    assert cancel.is_set()
+    with runtime.queue.turn():  # the cancelled decoding has left the model
+        pass
 
 
 def test_benchmark_button(engine):
