@@ -154,7 +154,13 @@ class Decoding:
             return self._finished and cursor >= len(self._steps)
 
     def stop(self) -> None:
-        """Cancel: the decoding ends within one step (or leaves the queue)."""
+        """Cancel: the decoding ends within one step (or leaves the queue). Once
+        its final step is made there is nothing to cancel, and `cancel` is left
+        alone: a browser session's decodings share it, so setting it would cancel
+        the next one (its thread may still be leaving the queue here)."""
+        with self._condition:
+            if self._steps and self._steps[-1].finish_reason is not None:
+                return
         self.cancel.set()
         self._queue.wake()
 

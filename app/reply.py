@@ -86,9 +86,7 @@ def follow_reply(
                 return
             time.sleep(max(0.0, interval - (time.monotonic() - shown)))
     finally:
-        # a reply that ended itself is not cancelled: its thread may still be
-        # leaving the queue, and `cancel` may be shared with the next decoding
-        if reply.finish_reason is None and not decoding.finished:
+        if not decoding.finished:
             decoding.stop()
 
 
