@@ -36,6 +36,44 @@ def test_screened_argmax_equals_full_argmax_including_near_ties(own, monkeypatch
         assert screen(hidden) == expected
 
 
+@pytest.mark.skipif(not int8.integer_screen(), reason="the integer screen is built for AVX2 CPUs without AVX-512")
+def test_one_and_two_row_screens_multiply_integers_and_still_find_the_exact_argmax(monkeypatch):
+    """A vanilla step's screen (one row) and a small tree's (two) round the
+    features to int8 and multiply integers: the bound grows by what that
+    rounding can change, and the argmax stays the float32 one, near-ties
+    included; more rows screen in float32."""
+    calls = []
+    integer = int8.screen
+    monkeypatch.setattr(int8, "screen", lambda *args: calls.append(len(args[0])) or integer(*args))
+    generator = torch.Generator().manual_seed(2)
+    # features with one large value per group of 32, so the others round coarsely
+    features = torch.randn(96, generator=generator)
+    features[::32] *= 40
+    # weights that int8 holds exactly (whole multiples of 2^-7, up to 127 of them): the screen's error is
+    # then all in the rounded features, and only the bound's term for that covers it
+    codes = torch.randint(-100, 101, (900, 96), generator=generator)
+    codes[:, 0] = 127
+    target = float((codes.double() @ features.double()).max()) + 20
+    for row in range(40):  # tokens 0-39: logits within about 0.01 of each other, weights far apart
+        for column in [column for column in features.abs().argsort(descending=True).tolist() if column]:
+            gap = target - float(codes[row].double() @ features.double())
+            codes[row, column] = int((codes[row, column] + round(gap / float(features[column]))).clamp(-126, 126))
+    lm_head = torch.nn.Linear(96, 900, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(codes * 2.0**-7)
+    screen = ScreenedArgmax(lm_head)
+    assert screen.enabled and screen.integer
+    hidden = features + 0.01 * torch.randn(120, 96, generator=generator)  # which of the near-ties wins varies
+    hidden[60:70] *= 1e-4  # small features
+    expected = (hidden @ lm_head.weight.T).argmax(dim=-1).tolist()
+    assert [screen(hidden[row : row + 1])[0] for row in range(120)] == expected
+    assert [token for row in range(0, 120, 2) for token in screen(hidden[row : row + 2])] == expected
+    assert calls == [1] * 120 + [2] * 60
+    assert screen(hidden) == expected and len(calls) == 180  # 120 rows at once: the float32 screen
+    ranks = [int((screen.screen(hidden[row : row + 1])[0].logits > (hidden[row] @ lm_head.weight[token])).sum()) for row, token in enumerate(expected)]
+    assert set(expected[:60]) <= set(range(40)) and max(ranks) > 16  # the winner was often outside the screen's candidates
+
+
 @pytest.mark.skipif(not int8.own_kernel(), reason="Kestrel's int8 kernel is not built here")
 def test_a_bf16_lm_head_is_screened_against_its_float32_products():
     """bf16 weights and features, widened exactly: the screened argmax is the

@@ -123,6 +123,40 @@ def test_kestrels_int8_kernel_is_row_invariant_and_within_its_stated_bound(threa
             assert ((full.double() - x.double() @ weights.T).abs() <= bound).all()
 
 
+@pytest.mark.skipif(not int8.integer_screen(), reason="the integer screen is built for AVX2 CPUs without AVX-512")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_integer_screen_is_row_invariant_and_within_the_bound_the_screen_adds(threads):
+    """The lm_head screen's integer product: a row's result is the same bits
+    in every block of rows; the rounding it reports is ||h - a p|| for h
+    rounded per group of 32 to int8 (checked against the same rounding done
+    here in float64); and the products are within ||w'|| r plus float32
+    accumulation over ||h|| + r of the exact w'.h."""
+    with thread_count(threads):
+        generator = torch.Generator().manual_seed(5)
+        for shape in ((48, 64), (1000, 576), (37, 32)):
+            packed, scales = int8.quantize_rows(torch.randn(shape, generator=generator))
+            scales = scales.float()
+            x = torch.randn(40, shape[1], generator=generator) * 10
+            x[0, :32] = 0.0  # a group of zeros: nothing to round
+            x[1] *= 1e-3
+            full, rounding = int8.screen(x, packed, scales)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 16, 33):
+                part, part_rounding = int8.screen(x[5 : 5 + rows].contiguous(), packed, scales)
+                assert torch.equal(part, full[5 : 5 + rows]) and torch.equal(part_rounding, rounding[5 : 5 + rows]), (shape, rows)
+            groups = x.double().reshape(len(x), -1, 32)
+            largest = groups.abs().amax(dim=2, keepdim=True)
+            step = (largest.float() / 127).double()
+            codes = torch.where(largest > 0, groups * (127 / largest.float()).double(), 0.0).float().round().clamp(-127, 127).double()
+            expected = (groups - codes * step).reshape(len(x), -1).norm(dim=1)
+            assert torch.allclose(rounding, expected, rtol=1e-6, atol=1e-12)
+            assert float(rounding[0]) < float(rounding[2]) and 0 < float(rounding[1]) < float(rounding[2]) * 1e-2
+            weights = int8.dequantize(packed, scales).double()
+            norms = weights.norm(dim=1)[None, :]
+            accumulation = (shape[1] + 2) * 2.0**-24 * norms * (x.double().norm(dim=1) + rounding)[:, None]
+            assert ((full.double() - x.double() @ weights.T).abs() <= norms * rounding[:, None] + accumulation).all()
+            assert (full.double() - x.double() @ weights.T).abs().max() > accumulation.max()  # the activations were rounded
+
+
 @needs_own_int4
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kestrels_int4_kernel_is_row_invariant_and_exact_to_float32_rounding(threads):
