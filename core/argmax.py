@@ -44,6 +44,7 @@ from models import int8
 ERROR_SCALE = 2.0  # margin on the bound above
 CANDIDATES = 16  # tokens recomputed exactly per row (proved the argmax for every row measured)
 INTEGER_ROWS = 2  # screens of at most this many rows use the integer product where it is built (more: no faster)
+INTEGER_CONTENDERS = 1024  # more tokens than this left by an integer screen's bound (flat logits): screen in float32
 
 
 class Rough(NamedTuple):
@@ -158,7 +159,12 @@ class ScreenedArgmax:
         ceiling[candidates] = float("-inf")
         if float(ceiling.max()) < float(best):
             return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax
-        contenders = torch.cat([candidates, (ceiling >= best).nonzero().squeeze(1)])
+        others = (ceiling >= best).nonzero().squeeze(1)
+        if rounding and len(others) > INTEGER_CONTENDERS:
+            # flat logits, where the rounded features' bound leaves thousands of tokens (a random
+            # context's do): the float32 screen's tighter bound leaves few, for one more product
+            return self.resolve(hidden, Rough(self.rows(hidden[None])[0], 0.0))
+        contenders = torch.cat([candidates, others])
         exact = torch.cat([exact, self._exact(contenders[len(candidates) :], hidden)])
         return int(contenders[exact == exact.max()].min())
 

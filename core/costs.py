@@ -37,7 +37,7 @@ CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
 ROUNDS = 5  # rounds over every tree size, each size once a round; the median of each size's rounds is kept
-VERSION = 15  # bump when what is measured changes, so old cache files are ignored
+VERSION = 16  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)
@@ -173,10 +173,18 @@ Progress = Callable[[int, int, str], None]
 
 
 @torch.inference_mode()
-def measure(model, argmax, drafter_for: Callable[[], object], context_limit: int, progress: Progress | None = None) -> Costs:
+def measure(
+    model, argmax, drafter_for: Callable[[], object], context_limit: int, progress: Progress | None = None,
+    text: list[int] | None = None,
+) -> Costs:  # fmt: skip
     """Time tree passes of every size at every context length, head
     expansions of every width, and a step's fixed overhead, on `model` as it
-    runs. `drafter_for()` makes a fresh Drafter; `argmax` is the engine's."""
+    runs. `drafter_for()` makes a fresh Drafter; `argmax` is the engine's.
+    `text`: token ids of ordinary text, repeated as the context and giving
+    each tree its root. The greedy argmax's screen costs what the logits'
+    shape makes it cost, and after random tokens the logits are flat as a
+    reply's seldom are (an integer screen then costs twice a reply's), so
+    random tokens stand in only where no text is given."""
     device = model.get_input_embeddings().weight.device
     sizes = GPU_SIZES if device.type == "cuda" else CPU_SIZES
     contexts = tuple(c for c in CONTEXTS if c + sizes[-1] < context_limit) or (min(CONTEXTS[0], context_limit // 2),)
@@ -186,11 +194,16 @@ def measure(model, argmax, drafter_for: Callable[[], object], context_limit: int
     verify, expand, features = [], [], None
     for context in contexts:
         _report(progress, done, total, f"base model, {context}-token context")
-        tokens = torch.randint(0, vocabulary, (context,), generator=generator).to(device)
+        if text:
+            repeated = torch.tensor(text * (context // len(text) + 1), dtype=torch.long)
+            tokens, root = repeated[:context].to(device), int(repeated[context])
+        else:
+            tokens = torch.randint(0, vocabulary, (context,), generator=generator).to(device)
+            root = None
         cache = kv_cache.new_cache(model)
         features = base_forward(model, tokens, torch.arange(context, device=device), None, cache)
         done += 1
-        trees = [_bushy_tree(size, vocabulary, generator) for size in sizes]
+        trees = [_bushy_tree(size, vocabulary, generator, root) for size in sizes]
         runs = [lambda tree=tree: _verify_once(model, argmax, tree, context, cache) for tree in trees]
         for run in runs:
             run()  # first calls allocate
@@ -224,11 +237,12 @@ def _report(progress: Progress | None, done: int, total: int, what: str) -> None
         progress(done, total, what)
 
 
-def _bushy_tree(size: int, vocabulary: int, generator: torch.Generator):
-    """A tree of `size` nodes shaped like EAGLE-2's: a few children per node, depth about 5."""
+def _bushy_tree(size: int, vocabulary: int, generator: torch.Generator, root: int | None = None):
+    """A tree of `size` nodes shaped like EAGLE-2's: a few children per node, depth about 5,
+    at `root` (default: a random token)."""
     parents = [(node - 1) // 3 - 1 if node > 0 else -1 for node in range(size - 1)]
     tokens = torch.randint(0, vocabulary, (size,), generator=generator).tolist()
-    return make_tree(tokens[0], tokens[1:], parents)
+    return make_tree(tokens[0] if root is None else root, tokens[1:], parents)
 
 
 def _verify_once(model, argmax, tree, context: int, cache) -> None:

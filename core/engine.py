@@ -6,6 +6,7 @@ so its single verified node yields exactly the next token."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -38,6 +39,8 @@ from models.head import DraftHead
 
 COMPILE_CHOICES = ("auto", "on", "off")
 log = logging.getLogger("kestrel")
+
+SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "tasks.jsonl"  # ordinary text for measuring costs
 
 
 def costs_folder() -> Path:
@@ -136,10 +139,23 @@ class Engine:
         found = None if remeasure else costs.load_cached(folder, key)
         if found is None:
             self.calibrations.timing = DraftTiming()  # relative to the table about to be measured
-            found = costs.measure(self.model, self.argmax, lambda: self._drafter("eagle2", TreeParams(16)), self.context_limit, progress)
+            found = costs.measure(
+                self.model, self.argmax, lambda: self._drafter("eagle2", TreeParams(16)), self.context_limit, progress, self._sample_text()
+            )
             costs.save_cached(folder, key, found)
         self.costs = found
         return found
+
+    def _sample_text(self) -> list[int] | None:
+        """Token ids of ordinary text for measuring step costs: the passages of
+        the bundled task prompts (assets/prompts/tasks.jsonl), as this model's
+        tokenizer reads them; None where the file is missing or unreadable."""
+        try:
+            lines = SAMPLE_TEXT.read_text(encoding="utf-8").splitlines()
+            passages = [json.loads(line)["turns"][0] for line in lines if line.strip()]
+            return self.base.tokenizer("\n\n".join(passages), add_special_tokens=False)["input_ids"] or None
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
 
     def _make_exact(self) -> bool:
         """Switch to row-invariant attention when, with it, the whole forward is

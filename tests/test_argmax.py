@@ -74,6 +74,29 @@ def test_one_and_two_row_screens_multiply_integers_and_still_find_the_exact_argm
     assert set(expected[:60]) <= set(range(40)) and max(ranks) > 16  # the winner was often outside the screen's candidates
 
 
+@pytest.mark.skipif(not int8.integer_screen(), reason="the integer screen is built for AVX2 CPUs without AVX-512")
+def test_an_integer_screen_that_leaves_too_many_tokens_screens_again_in_float32(monkeypatch):
+    """Flat logits (thousands of tokens within the rounded features' bound)
+    would cost thousands of exact logits: the row is screened again with
+    float32 features, whose bound leaves few, and the argmax is still exact."""
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(64, generator=generator)
+    lm_head = torch.nn.Linear(64, 3000, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(3000, 64, generator=generator))
+        lm_head.weight[:2000] = base + 1e-3 * torch.randn(2000, 64, generator=generator)  # 2,000 near-ties
+    screen = ScreenedArgmax(lm_head)
+    assert screen.integer
+    products = []
+    float_product = int8.own_matmul
+    monkeypatch.setattr(int8, "own_matmul", lambda x, *weights: products.append(len(x)) or float_product(x, *weights))
+    hidden = base * 3 + 0.05 * torch.randn(20, 64, generator=generator)
+    hidden[:, ::32] *= 30  # coarse rounding of the other features
+    expected = (hidden @ lm_head.weight.T).argmax(dim=-1).tolist()
+    assert [screen(hidden[row : row + 1])[0] for row in range(20)] == expected
+    assert products == [1] * 20  # every row left more than INTEGER_CONTENDERS tokens and went to float32
+
+
 @pytest.mark.skipif(not int8.own_kernel(), reason="Kestrel's int8 kernel is not built here")
 def test_a_bf16_lm_head_is_screened_against_its_float32_products():
     """bf16 weights and features, widened exactly: the screened argmax is the
