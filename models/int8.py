@@ -436,9 +436,10 @@ def own_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> t
 def integer_screen() -> bool:
     """Whether the lm_head screen's integer product (`screen`) is built here:
     Kestrel's kernels on a CPU with AVX2 but not AVX-512, where it is about
-    twice as fast as the float32 one (a 49k x 576 lm_head, one row, on the
-    2-core AMD EPYC: see `screen`). AVX-512 builds keep the float32 kernel,
-    whose speed there this was not measured against."""
+    1.5x as fast as the float32 one for one row (a 49k x 576 lm_head on the
+    2-core AMD EPYC: 2.3 against 3.5 ms) and no faster for three or more.
+    AVX-512 builds keep the float32 kernel, whose speed there this was not
+    measured against."""
     return own_kernel() and bool(torch.ops.kestrel_int8.screen_ready())
 
 
