@@ -194,7 +194,7 @@ def measure(
     verify, expand, features = [], [], None
     for context in contexts:
         _report(progress, done, total, f"base model, {context}-token context")
-        if text:
+        if text and max(text) < vocabulary:  # ids the embedding holds (a tokenizer may know more)
             repeated = torch.tensor(text * (context // len(text) + 1), dtype=torch.long)
             tokens, root = repeated[:context].to(device), int(repeated[context])
         else:

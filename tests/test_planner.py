@@ -323,3 +323,29 @@ def test_a_slow_moment_on_a_small_tree_does_not_make_it_dearer_than_bigger_ones(
     measured dearer (the machine slowed while it ran) takes the bigger one's time."""
     assert costs_module.monotone([0.0197, 0.0161, 0.0167, 0.0171, 0.0207]) == (0.0161, 0.0161, 0.0167, 0.0171, 0.0207)
     assert costs_module.monotone([1.0, 2.0, 3.0]) == (1.0, 2.0, 3.0)
+
+
+def test_costs_are_measured_over_ordinary_text(tiny_dir, monkeypatch, tmp_path):
+    """Tree passes are timed after the bundled task prompts' passages (as the
+    model's tokenizer reads them), each tree rooted at the text's next token:
+    after random tokens the logits are flat, which makes the greedy screen
+    dearer than in replies. Without that file, random tokens stand in."""
+    from core import engine as engine_module
+
+    monkeypatch.setenv("KESTREL_COSTS_DIR", str(tmp_path))
+    contexts, roots = [], []
+    real_forward, real_tree = costs_module.base_forward, costs_module._bushy_tree
+    monkeypatch.setattr(costs_module, "base_forward", lambda model, tokens, *rest: contexts.append(tokens.tolist()) or real_forward(model, tokens, *rest))
+    monkeypatch.setattr(costs_module, "_bushy_tree", lambda *args: roots.append(args[3]) or real_tree(*args))
+    base = load_base(str(tiny_dir), dtype="float64")
+    engine = Engine(base, random_head(base.model))
+    text = engine._sample_text()
+    assert text and max(text) < base.model.get_input_embeddings().weight.shape[0]
+    engine.prepare_costs()
+    measured = [tokens for tokens in contexts if len(tokens) in costs_module.CONTEXTS]
+    assert measured and all(tokens == (text * 10)[: len(tokens)] for tokens in measured)
+    assert roots and set(roots) <= {(text * 10)[len(tokens)] for tokens in measured}
+    contexts.clear(), roots.clear()
+    monkeypatch.setattr(engine_module, "SAMPLE_TEXT", tmp_path / "missing.jsonl")
+    Engine(base, random_head(base.model)).prepare_costs(remeasure=True)
+    assert set(roots) == {None} and all(tokens != (text * 10)[: len(tokens)] for tokens in contexts if len(tokens) in costs_module.CONTEXTS)
