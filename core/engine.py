@@ -6,7 +6,6 @@ so its single verified node yields exactly the next token."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -24,7 +23,7 @@ from core.calibration import Calibrations, CurvePoint, DraftTiming, setting_of
 from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
 from core.drafter import STATIC_PATHS, Drafter, Planning, draft_vocabulary
-from core.prompt import encode_chat, stop_token_ids
+from core.prompt import encode_chat, load_prompts, stop_token_ids
 from core.sampling import Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
@@ -151,11 +150,10 @@ class Engine:
         the bundled task prompts (assets/prompts/tasks.jsonl), as this model's
         tokenizer reads them; None where the file is missing or unreadable."""
         try:
-            lines = SAMPLE_TEXT.read_text(encoding="utf-8").splitlines()
-            passages = [json.loads(line)["turns"][0] for line in lines if line.strip()]
-            return self.base.tokenizer("\n\n".join(passages), add_special_tokens=False)["input_ids"] or None
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            passages = [prompt.text for prompt in load_prompts(SAMPLE_TEXT)]
+        except (OSError, ValueError):  # PromptFileError names what is wrong; the costs then use random tokens
             return None
+        return self.base.tokenizer("\n\n".join(passages), add_special_tokens=False)["input_ids"] or None
 
     def _make_exact(self) -> bool:
         """Switch to row-invariant attention when, with it, the whole forward is

@@ -102,6 +102,14 @@ def test_the_torch_int4_kernel_is_row_invariant():
             assert torch.equal(part, full[5 : 5 + rows])
 
 
+def int8_cases(seed: int):
+    """(shape, int8 rows, float32 scales, 40 input rows) for Kestrel's int8 kernels, at three shapes."""
+    generator = torch.Generator().manual_seed(seed)
+    for shape in ((48, 64), (1000, 576), (37, 32)):
+        packed, scales = int8.quantize_rows(torch.randn(shape, generator=generator))
+        yield shape, packed, scales.float(), torch.randn(40, shape[1], generator=generator) * 10
+
+
 @pytest.mark.skipif(not int8.own_kernel(), reason="Kestrel's int8 kernel is not built here")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kestrels_int8_kernel_is_row_invariant_and_within_its_stated_bound(threads):
@@ -109,11 +117,7 @@ def test_kestrels_int8_kernel_is_row_invariant_and_within_its_stated_bound(threa
     threads, and within the rounding bound core/argmax.py relies on:
     |rough - w'.h| <= (K + 2) 2^-24 ||w'|| ||h||."""
     with thread_count(threads):
-        generator = torch.Generator().manual_seed(4)
-        for shape in ((48, 64), (1000, 576), (37, 32)):
-            packed, scales = int8.quantize_rows(torch.randn(shape, generator=generator))
-            scales = scales.float()
-            x = torch.randn(40, shape[1], generator=generator) * 10
+        for shape, packed, scales, x in int8_cases(seed=4):
             full = int8.own_matmul(x, packed, scales)
             for rows in (1, 2, 3, 4, 5, 7, 8, 16, 33):
                 part = int8.own_matmul(x[5 : 5 + rows].contiguous(), packed, scales)
@@ -132,11 +136,7 @@ def test_the_integer_screen_is_row_invariant_and_within_the_bound_the_screen_add
     here in float64); and the products are within ||w'|| r plus float32
     accumulation over ||h|| + r of the exact w'.h."""
     with thread_count(threads):
-        generator = torch.Generator().manual_seed(5)
-        for shape in ((48, 64), (1000, 576), (37, 32)):
-            packed, scales = int8.quantize_rows(torch.randn(shape, generator=generator))
-            scales = scales.float()
-            x = torch.randn(40, shape[1], generator=generator) * 10
+        for shape, packed, scales, x in int8_cases(seed=5):
             x[0, :32] = 0.0  # a group of zeros: nothing to round
             x[1] *= 1e-3
             full, rounding = int8.screen(x, packed, scales)
