@@ -46,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from core import attention, native, rowkernel
+from core import attention, kv_cache, native, rowkernel
 from core.kv_cache import new_cache
 from models.bundled import use_compile_cache
 
@@ -98,11 +98,21 @@ def _(query, key, value):
 
 
 def compiled_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The attention interface entry inside a compiled layer: the opaque op."""
+    """The attention interface entry inside a compiled layer: the opaque op
+    (the C++ one where Compiled runs the row kernel's pass ops, see PASS_OPS)."""
     unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
     if unsupported:
         raise NotImplementedError(f"compiled decoding does not model {', '.join(unsupported)}")
+    if getattr(module, PASS_OPS, False):
+        return torch.ops.kestrel_rows.pass_attend(query, key, value), None
     return torch.ops.kestrel.attend(query, key, value), None  # the op reads the module's scaling
+
+
+# On an attention module: whether its compiled layer calls kestrel_rows::pass_attend, which for a
+# forward with the row kernel appends to the cache and attends in C++ (core/rowkernel.py), and
+# otherwise calls kestrel::attend. The Python op costs about 60 us a layer here (the cache's
+# update, the pass state), a twentieth of a one-token step.
+PASS_OPS = "_kestrel_pass_ops"
 
 
 def _no_mask(*args, **kwargs):
@@ -178,19 +188,43 @@ class Compiled:
         self.suspended = False  # inside eager(): the model is plain transformers code
         self.runner = _compiled_runner()
         self._segments: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        # the row kernel's pass ops (PASS_OPS), where it is built for this device
+        self.pass_ops = model.device.type == "cpu" and rowkernel.library() is not None
+        self.scales = [float(module.scaling) for module in self.modules]
+        for module in self.modules:
+            setattr(module, PASS_OPS, self.pass_ops)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
         if self.suspended:
             raise RuntimeError("the model is running as plain transformers code (compiled.eager); decode after it ends")
+        rows = self._rows(mask, len(tokens), cache)
         outer = getattr(_local, "state", None)
-        state = _local.state = _Pass(cache, None if mask is None else mask[None, None], self.exact, self.modules, self._rows(mask, len(tokens), cache))
+        state = _local.state = _Pass(cache, None if mask is None else mask[None, None], self.exact, self.modules, rows)
+        held = kv_cache.buffers(cache, len(tokens)) if self.pass_ops and rows is not None else None
+        if self.pass_ops:
+            self._begin_pass(held, rows)
         try:
             hidden = self.decoder_forward(tokens[None], positions[None])
         finally:
             _local.state = outer
-        if state.layer != len(self.modules):  # every layer's attention must have run through the op, once
+            length = torch.ops.kestrel_rows.end_pass() if self.pass_ops else None
+        if held is not None:  # the C++ op appended to the cache's buffers
+            if length != held[0] + len(tokens):
+                raise RuntimeError(f"the attention op did not run once for each of the {len(self.modules)} layers")
+            kv_cache.advance(cache, length)
+        elif state.layer != len(self.modules):  # every layer's attention must have run through the op, once
             raise RuntimeError(f"the attention op ran {state.layer} times for {len(self.modules)} layers")
         return hidden[0]
+
+    def _begin_pass(self, held, rows: rowkernel.Rows | None) -> None:
+        """Push this forward's state for kestrel_rows::pass_attend: the cache's
+        buffers and the row lists, or nothing (each layer then calls kestrel::attend)."""
+        if held is None:
+            nothing = torch.empty(0, dtype=torch.int64)
+            torch.ops.kestrel_rows.begin_pass([], [], 0, nothing, nothing, nothing, [])
+            return
+        length, keys, values = held
+        torch.ops.kestrel_rows.begin_pass(keys, values, length, rows.prefix, rows.offsets, rows.extra, self.scales)
 
     def _rows(self, mask: torch.Tensor | None, count: int, cache) -> rowkernel.Rows | None:
         """The row kernel's key lists for this pass, where the row-invariant
@@ -299,6 +333,7 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
     # each model's runner holds its own variants (_compiled_runner); the default limit of 8 would drop
     # to eager once a few segment lengths (EAGLE-3's captured layers split segments) are compiled
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    _constant_floats()
     compiled = None
     try:
         compiled = Compiled(model)
@@ -321,6 +356,14 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
         log.warning(f"Decoding eagerly: {problem}")
         return None
     return compiled
+
+
+def _constant_floats() -> None:
+    """Floats that modules hold (an RMSNorm's epsilon) become constants of the
+    compiled code instead of inputs that each call turns into tensors again (12
+    a segment call, about 5 us each). Layers that share compiled code must then
+    hold the same floats (_layout)."""
+    torch._dynamo.config.specialize_float = True
 
 
 def _layout_problem(model) -> str | None:
@@ -346,9 +389,11 @@ def _layout_problem(model) -> str | None:
 
 
 def _layout(layer) -> tuple:
-    """What compiled code shared between layers relies on: classes, tensor names, shapes, dtypes."""
+    """What compiled code shared between layers relies on: classes, tensor
+    names, shapes, dtypes, and the floats the modules hold (_constant_floats)."""
     tensors = tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in layer.state_dict().items())
-    return tuple(type(module) for module in layer.modules()), tensors
+    floats = tuple((name, value) for module in layer.modules() for name, value in vars(module).items() if type(value) is float)
+    return tuple(type(module) for module in layer.modules()), tensors, floats
 
 
 # how far the compiled loop's hidden states may lie from the transformers decoder's, relative to
@@ -381,6 +426,8 @@ def _loop_problem(compiled: Compiled) -> str | None:
 
 def uncompile(compiled: Compiled) -> None:
     compiled.model.__dict__.pop(ATTRIBUTE, None)
+    for module in compiled.modules:
+        module.__dict__.pop(PASS_OPS, None)
     compiled.model.set_attn_implementation(compiled.previous)
 
 
@@ -498,6 +545,7 @@ def compile_head(head, embed, progress: Callable[[str], None] | None = None) -> 
     """The draft head compiled and checked against its eager forward, or None
     (the head stays eager) where that fails."""
     use_compile_cache()
+    _constant_floats()
     try:
         compiled = CompiledHead(head)
         start = time.perf_counter()

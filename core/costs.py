@@ -37,7 +37,7 @@ CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
 ROUNDS = 5  # rounds over every tree size, each size once a round; the median of each size's rounds is kept
-VERSION = 16  # bump when what is measured changes, so old cache files are ignored
+VERSION = 17  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)

@@ -11,33 +11,86 @@ GROWTH = 256  # positions added at a time when a buffer is full (at least; doubl
 
 
 class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values are views of buffers with room to
-    spare: a step writes its rows in place instead of copying the whole cache
-    (transformers' layer concatenates, an O(context) copy per layer and step)."""
+    """A DynamicLayer whose keys and values are the first `length` positions of
+    buffers with room to spare: a step writes its rows in place instead of
+    copying the whole cache (transformers' layer concatenates, an O(context)
+    copy per layer and step), and a commit or crop only moves `length`.
+    `keys` and `values` are views made when read; a tensor assigned to them
+    that is not such a view becomes the buffer."""
+
+    key_buffer: torch.Tensor | None = None  # (1, H_kv, capacity, D)
+    value_buffer: torch.Tensor | None = None
+    key_length = value_length = 0  # positions held (apart only between two assignments, as in a crop)
+
+    @property
+    def length(self) -> int:
+        return self.key_length
+
+    @length.setter
+    def length(self, length: int) -> None:
+        self.key_length = self.value_length = length
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self.key_buffer is None else self.key_buffer[..., : self.key_length, :]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self.key_buffer, self.key_length = _adopt(tensor, self.key_buffer)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.value_buffer is None else self.value_buffer[..., : self.value_length, :]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self.value_buffer, self.value_length = _adopt(tensor, self.value_buffer)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.dtype, self.device = key_states.dtype, key_states.device
             self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
-            self.key_buffer = self.value_buffer = None
             self.is_initialized = True
-        length = self.keys.shape[-2]
-        end = length + key_states.shape[-2]
-        if self.key_buffer is None or end > self.key_buffer.shape[-2]:
-            self._grow(end)
-        self.key_buffer[..., length:end, :] = key_states
-        self.value_buffer[..., length:end, :] = value_states
-        self.keys, self.values = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
+        start = self.length
+        end = start + key_states.shape[-2]
+        self.reserve(end)
+        self.key_buffer[..., start:end, :] = key_states
+        self.value_buffer[..., start:end, :] = value_states
+        self.length = end
         return self.keys, self.values
 
-    def _grow(self, needed: int) -> None:
-        old = 0 if self.key_buffer is None else self.key_buffer.shape[-2]
-        capacity = max(needed + GROWTH, 2 * old)
-        for name, current in (("key_buffer", self.keys), ("value_buffer", self.values)):
-            shape = (*current.shape[:-2], capacity, current.shape[-1])
-            buffer = current.new_empty(shape)
-            buffer[..., : current.shape[-2], :] = current
-            setattr(self, name, buffer)
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reserve(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, with room for positions up to `end` (they move when they grow)."""
+        if end > self.key_buffer.shape[-2] or end > self.value_buffer.shape[-2]:
+            capacity = max(end + GROWTH, 2 * self.key_buffer.shape[-2])
+            keys, values = self.keys, self.values
+            self.key_buffer, self.value_buffer = _larger(keys, capacity), _larger(values, capacity)
+        return self.key_buffer, self.value_buffer
+
+
+def _adopt(tensor: torch.Tensor | None, buffer: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """-> (buffer, length) holding `tensor`: the same buffer where `tensor` is its start."""
+    if tensor is None:
+        return None, 0
+    start_of_buffer = (
+        buffer is not None
+        and tensor.data_ptr() == buffer.data_ptr()
+        and tensor.stride() == buffer.stride()
+        and tensor.shape[:-2] == buffer.shape[:-2]
+        and tensor.shape[-1] == buffer.shape[-1]
+        and tensor.shape[-2] <= buffer.shape[-2]
+    )
+    return (buffer if start_of_buffer else tensor), tensor.shape[-2]
+
+
+def _larger(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A buffer of `capacity` positions starting with `tensor`'s."""
+    buffer = tensor.new_empty((*tensor.shape[:-2], capacity, tensor.shape[-1]))
+    buffer[..., : tensor.shape[-2], :] = tensor
+    return buffer
 
 
 def new_cache(model) -> DynamicCache:
@@ -45,6 +98,28 @@ def new_cache(model) -> DynamicCache:
     if all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
+
+
+def buffers(cache: DynamicCache, rows: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
+    """For code that appends `rows` positions to every layer in place (the row
+    kernel's pass ops, core/rowkernel.py), then calls `advance`: the positions
+    held, and each layer's key and value buffers (1, H_kv, capacity, D) with
+    room for the rows; None where the cache's layers are not GrowingLayers
+    holding the same number of positions."""
+    layers = cache.layers
+    if not all(type(layer) is GrowingLayer and layer.is_initialized for layer in layers):
+        return None
+    length = layers[0].length
+    if any(layer.key_length != length or layer.value_length != length for layer in layers):
+        return None
+    keys, values = zip(*(layer.reserve(length + rows) for layer in layers))
+    return length, list(keys), list(values)
+
+
+def advance(cache: DynamicCache, length: int) -> None:
+    """After such appends: every layer holds `length` positions."""
+    for layer in cache.layers:
+        layer.length = length
 
 
 def has_sliding_window(config) -> bool:
@@ -56,16 +131,16 @@ def has_sliding_window(config) -> bool:
 def commit(cache: DynamicCache, prefix: int, path: list[int]) -> None:
     """Keep the prefix and the tree nodes on `path` (tree indices, root first),
     moved to consecutive positions after the prefix; drop the rest of the tree."""
-    if path == list(range(len(path))):  # a chain along node order: just crop
-        for layer in cache.layers:
-            layer.keys = layer.keys[..., : prefix + len(path), :]
-            layer.values = layer.values[..., : prefix + len(path), :]
-        return
-    rows = torch.tensor(path, device=cache.layers[0].keys.device) + prefix
     end = prefix + len(path)
+    chain = path == list(range(len(path)))  # a chain along node order: just crop
+    rows = None if chain else torch.tensor(path, device=cache.layers[0].keys.device) + prefix
     for layer in cache.layers:
-        # gather (a copy) then write in place: only the accepted rows move
-        layer.keys[..., prefix:end, :] = layer.keys[..., rows, :]
-        layer.values[..., prefix:end, :] = layer.values[..., rows, :]
-        layer.keys = layer.keys[..., :end, :]
-        layer.values = layer.values[..., :end, :]
+        growing = type(layer) is GrowingLayer
+        keys, values = (layer.key_buffer, layer.value_buffer) if growing else (layer.keys, layer.values)
+        if rows is not None:  # gather (a copy) then write in place: only the accepted rows move
+            keys[..., prefix:end, :] = keys[..., rows, :]
+            values[..., prefix:end, :] = values[..., rows, :]
+        if growing:
+            layer.length = end
+        else:
+            layer.keys, layer.values = keys[..., :end, :], values[..., :end, :]

@@ -46,6 +46,7 @@ SOURCE = native.TILES + r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -603,11 +604,97 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());  // bf16: each element rounded once
 }
 
+// The compiled layers' attention (core/compiled.py): one forward's state, pushed by
+// begin_pass and popped by end_pass, read by pass_attend once per layer. A forward with
+// the cache's buffers appends each layer's keys and values in place and attends with the
+// row kernel, without Python; one pushed without buffers leaves every layer to kestrel::attend
+// (the Python op: sdpa, prefill). Forwards may nest, so the states are a stack.
+struct CachePass {
+    std::vector<at::Tensor> keys, values;  // per layer (1, H_kv, capacity, D): the cache's buffers
+    std::vector<double> scales;            // per layer
+    at::Tensor prefix, offsets, extra;     // the row kernel's key lists for this forward
+    int64_t length = 0;                    // positions the cache held before this forward
+    int64_t added = -1;                    // rows this forward appends (from its first layer)
+    int64_t layer = 0;                     // the next layer to attend
+};
+static thread_local std::vector<CachePass> passes;
+
+void begin_pass(at::TensorList keys, at::TensorList values, int64_t length, const at::Tensor& prefix,
+                const at::Tensor& offsets, const at::Tensor& extra, at::ArrayRef<double> scales) {
+    TORCH_CHECK(keys.size() == values.size() && (keys.empty() || keys.size() == scales.size()),
+                "begin_pass: one key buffer, value buffer and scale per layer");
+    CachePass pass;
+    pass.keys.assign(keys.begin(), keys.end());
+    pass.values.assign(values.begin(), values.end());
+    pass.scales.assign(scales.begin(), scales.end());
+    pass.prefix = prefix;
+    pass.offsets = offsets;
+    pass.extra = extra;
+    pass.length = length;
+    passes.push_back(std::move(pass));
+}
+
+// -> the positions the cache's buffers hold after the forward; -1 where it did not append
+// through pass_attend at every layer
+int64_t end_pass() {
+    TORCH_CHECK(!passes.empty(), "end_pass without begin_pass");
+    const CachePass& pass = passes.back();
+    const int64_t layers = pass.keys.size();
+    const int64_t held = layers > 0 && pass.layer == layers ? pass.length + pass.added : -1;
+    passes.pop_back();
+    return held;
+}
+
+// x (1, H_kv, T, D) into buffer (1, H_kv, capacity, D) from position `at` (a copy of each row's bytes)
+static void append_rows(at::Tensor& buffer, const at::Tensor& x, int64_t at) {
+    TORCH_CHECK(x.dim() == 4 && x.scalar_type() == buffer.scalar_type() && x.size(1) == buffer.size(1) &&
+                    x.size(3) == buffer.size(3) && x.stride(3) == 1 && buffer.stride(3) == 1,
+                "pass_attend: keys and values must match the cache's buffers");
+    const int64_t size = x.element_size(), bytes = x.size(3) * size;
+    char* to = static_cast<char*>(buffer.data_ptr());
+    const char* from = static_cast<const char*>(x.data_ptr());
+    for (int64_t h = 0; h < x.size(1); ++h)
+        for (int64_t r = 0; r < x.size(2); ++r)
+            std::memcpy(to + (h * buffer.stride(1) + (at + r) * buffer.stride(2)) * size,
+                        from + (h * x.stride(1) + r * x.stride(2)) * size, bytes);
+}
+
+// query (1, H, T, D), this layer's key/value (1, H_kv, T, D) -> (1, T, H, D)
+at::Tensor pass_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    if (passes.empty() || passes.back().keys.empty()) {
+        static const auto python = c10::Dispatcher::singleton()
+            .findSchemaOrThrow("kestrel::attend", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+        return python.call(q, k, v);
+    }
+    CachePass& pass = passes.back();
+    TORCH_CHECK(pass.layer < (int64_t)pass.keys.size(), "pass_attend: more attention calls than layers");
+    const int64_t index = pass.layer, rows = k.size(2);
+    TORCH_CHECK(pass.added < 0 || rows == pass.added, "pass_attend: layers append different row counts");
+    at::Tensor& key_buffer = pass.keys[index];
+    at::Tensor& value_buffer = pass.values[index];
+    TORCH_CHECK(pass.length + rows <= key_buffer.size(2), "pass_attend: the cache's buffers have no room for this forward");
+    append_rows(key_buffer, k, pass.length);
+    append_rows(value_buffer, v, pass.length);
+    pass.added = rows;
+    pass.layer = index + 1;
+    const int64_t end = pass.length + rows;
+    return attend(q, key_buffer.narrow(2, 0, end), value_buffer.narrow(2, 0, end), pass.prefix, pass.offsets, pass.extra,
+                  pass.scales[index]);
+}
+
 TORCH_LIBRARY_FRAGMENT(kestrel_rows, lib) {
     lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor prefix, Tensor offsets, Tensor extra, float scale) -> Tensor");
     lib.def("tiles_ready() -> bool", &tiles_permitted);  // no tensors to dispatch on: a catch-all
+    lib.def("begin_pass(Tensor[] keys, Tensor[] values, int length, Tensor prefix, Tensor offsets, Tensor extra, float[] scales) -> ()",
+            &begin_pass);
+    lib.def("end_pass() -> int", &end_pass);
+    lib.def("pass_attend(Tensor q, Tensor k, Tensor v) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(kestrel_rows, CPU, lib) { lib.impl("attend", &attend); }
+TORCH_LIBRARY_IMPL(kestrel_rows, CPU, lib) {
+    lib.impl("attend", &attend);
+    lib.impl("pass_attend", &pass_attend);
+}
 """
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
@@ -633,9 +720,15 @@ def _load():
     if os.environ.get("KESTREL_ROW_KERNEL", "1") == "0":
         return None
     registered = hasattr(torch.ops.kestrel_rows, "attend")  # by an earlier load in this process
-    if not registered and not native.load_operator("rows", SOURCE, "Row-invariant attention in torch"):
-        return None
+    if not registered:
+        if not native.load_operator("rows", SOURCE, "Row-invariant attention in torch"):
+            return None
+        torch.library.register_fake("kestrel_rows::pass_attend", _pass_attend_shape)
     return torch.ops.kestrel_rows.attend
+
+
+def _pass_attend_shape(query, key, value):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
 def tiles() -> bool:

@@ -222,3 +222,81 @@ def test_a_compiled_head_that_computes_something_else_stays_eager(tiny_folder, m
     base = load_base(str(tiny_folder), dtype="float32")
     monkeypatch.setattr(compiled._OpaqueCache, "attend", lambda self, query, key, value, mask: torch.zeros_like(query))
     assert compiled.compile_head(random_head(base.model, seed=2), base.model.get_input_embeddings()) is None
+
+
+@needs_compiler
+def test_the_cpp_pass_op_appends_and_attends_as_the_python_op(tiny_folder, monkeypatch):
+    """Where the row kernel runs a forward, the compiled layers' attention op
+    appends to the cache's buffers and attends in C++: the same bits as the
+    Python op (prefill, tree passes and commits in between), every decoded
+    token the same, and the Python op's pass state left alone."""
+    from core import kv_cache, rowkernel
+    from core.tree import ancestor_mask
+    from core.verify import base_forward
+
+    if rowkernel.library() is None:
+        pytest.skip("the row kernel is not built here")
+    base = load_base(str(tiny_folder), dtype="float64")
+    engine = Engine(base, random_head(base.model, seed=3), compile="on")
+    assert engine.exact and engine.compiled.pass_ops
+    advanced, advance = [], kv_cache.advance  # the C++ op's forwards end by advancing the cache
+
+    def counted(cache, length):
+        advanced.append(length)
+        advance(cache, length)
+
+    monkeypatch.setattr(kv_cache, "advance", counted)
+    model, generator = base.model, torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 48, (11,), generator=generator)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])
+    mask = ancestor_mask(parents)  # (6, 6)
+    results = []
+    for pass_ops in (True, False):
+        engine.compiled.pass_ops = pass_ops
+        cache, hidden = kv_cache.new_cache(model), []
+        with torch.inference_mode():
+            hidden.append(base_forward(model, prompt, torch.arange(11), None, cache))
+            for step in range(3):
+                length = cache.get_seq_length()
+                tree_tokens = torch.randint(0, 48, (6,), generator=torch.Generator().manual_seed(step))
+                visible = torch.cat([torch.ones(6, length, dtype=torch.bool), mask], dim=1)
+                positions = length + torch.tensor([0, 1, 1, 2, 2, 3])
+                hidden.append(base_forward(model, tree_tokens, positions, visible, cache))
+                kv_cache.commit(cache, length, [0, 2, 4] if step % 2 else [0, 1, 3, 5])
+                hidden.append(base_forward(model, torch.tensor([7]), torch.tensor([cache.get_seq_length()]), None, cache))
+        results.append((hidden, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]))
+    assert advanced == [17, 16, 22, 20, 26, 25]  # the C++ op ran every tree pass and one-token step of the first run
+    (hidden, layers), (reference, reference_layers) = results
+    assert all(torch.equal(a, b) for a, b in zip(hidden, reference))
+    assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(layers, reference_layers))
+    engine.compiled.pass_ops = True
+    sampling = SamplingParams(max_new_tokens=24)
+    assert tokens_of(engine.stream(prompt.tolist(), "eagle2", sampling, TreeParams(12, 4, 3))) == tokens_of(engine.stream(prompt.tolist(), "vanilla", sampling))
+
+
+@needs_compiler
+def test_a_failed_forward_leaves_no_pass_state_behind(tiny_folder):
+    """A forward that raises inside the compiled layers still pops its state:
+    the next forward decodes, and nothing is left on the pass stack."""
+    from core import kv_cache, rowkernel
+
+    if rowkernel.library() is None:
+        pytest.skip("the row kernel is not built here")
+    base = load_base(str(tiny_folder), dtype="float64")
+    engine = Engine(base, random_head(base.model, seed=3), compile="on")
+    layer = base.model.get_decoder().layers[1]
+
+    def fail(module, args):
+        raise ValueError("a failing hook")
+
+    reference = tokens_of(engine.stream([9, 10, 11], "eagle2", SamplingParams(max_new_tokens=8)))
+    handle = layer.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(ValueError, match="a failing hook"):
+            list(engine.stream([9, 10, 11], "eagle2", SamplingParams(max_new_tokens=8)))
+    finally:
+        handle.remove()
+    with pytest.raises(RuntimeError, match="end_pass without begin_pass"):
+        torch.ops.kestrel_rows.end_pass()
+    assert tokens_of(engine.stream([9, 10, 11], "eagle2", SamplingParams(max_new_tokens=8))) == reference
+    assert kv_cache.buffers(kv_cache.new_cache(base.model), 1) is None  # nothing held: the Python op appends

@@ -287,3 +287,12 @@ def test_growing_cache_layers_hold_what_concatenation_would(engine64):
     assert torch.equal(layer.keys, expected) and layer.get_seq_length() == 309
     layer.update(*torch.randn(2, 1, 2, 1, 4, generator=generator, dtype=torch.float64))
     assert layer.keys.shape[-2] == 310 and torch.equal(layer.keys[..., :309, :], expected)
+    layer.crop(-4)  # transformers' own crop: a view of the start of the buffer, so only the length moves
+    buffer = layer.key_buffer
+    assert layer.get_seq_length() == 306 and layer.key_buffer is buffer and torch.equal(layer.keys, expected[..., :306, :])
+    foreign = torch.randn(1, 2, 3, 4, generator=generator, dtype=torch.float64)
+    layer.keys, layer.values = foreign, foreign.clone()  # another tensor becomes the buffer, and appends go on from it
+    assert layer.get_seq_length() == 3 and layer.key_buffer is foreign
+    more = torch.randn(1, 2, 2, 4, generator=generator, dtype=torch.float64)
+    keys, _ = layer.update(more, more)
+    assert torch.equal(keys, torch.cat([foreign, more], dim=-2)) and layer.key_buffer is not foreign
