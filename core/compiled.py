@@ -11,9 +11,11 @@ supported architectures run them), so that one compiled call runs a run of
 SEGMENT layers: every compiled call costs its guards and wrappers, and 30
 calls a step cost more than the layers' own elementwise work. Everything
 that has state or depends on a tree's shape stays outside the compiled code,
-in one opaque op per layer (`kestrel::attend`): appending the step's keys and
-values to the KV cache and the attention itself (core/attention.py's
-row-invariant one, or sdpa). A segment then compiles once for one-token
+in one opaque op per layer: appending the step's keys and values to the KV
+cache and the attention itself (core/attention.py's row-invariant one, or
+sdpa). Where the row kernel runs a forward, the op is C++ throughout
+(`kestrel_rows::pass_attend`, PASS_OPS); otherwise it is a Python op
+(`kestrel::attend`). A segment then compiles once for one-token
 steps and once for any other row count (dynamic), whatever the cache length
 or tree shape, and every segment of the same length shares that code.
 
