@@ -58,7 +58,7 @@ class DraftVocabulary:
         self.packed = self.weight = None
         own = int8.own_kernel_takes(weight)
         if weight.device.type == "cpu" and weight.shape[1] % int4.GROUP == 0 and int4.tiles_available():
-            self.packed = int4.TileRows(weight)  # 4-bit groups on AMX tiles: a quarter of bf16's bytes per call
+            self.packed = int4.TileRows(weight)  # 4-bit groups in the tile layout: a quarter of bf16's bytes per call
         elif own or int8.available(weight.device):
             self.packed = int8.PackedRows(weight, own, tiles=own and int8.tiles_available())  # half of bf16's bytes
         else:

@@ -120,6 +120,12 @@ static inline void each_block(int64_t R, int64_t begin, int64_t end, const Run& 
 # configuration. A kernel built without KESTREL_TILES (where tiles_permitted() is false), or refused
 # the state, uses its vector code.
 TILES = r"""
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define KESTREL_DOTS 1  // vdpbf16ps: pairs of bf16 products added to float32 lanes
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KESTREL_TILES 1
 #include <immintrin.h>

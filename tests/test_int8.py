@@ -241,7 +241,7 @@ def test_engine_drafts_with_int8_and_the_vocabulary_ranks_alike(tiny_base, monke
     exact = torch.log_softmax(lm_head(hidden), dim=-1)
     rough = DraftVocabulary(lm_head.weight, None).log_probs(hidden)
     assert (rough.argmax(dim=-1) == exact.argmax(dim=-1)).float().mean() >= 0.9
-    four_bit = isinstance(engine.vocabulary.packed, int4.TileRows)  # where the CPU has AMX tiles
+    four_bit = isinstance(engine.vocabulary.packed, int4.TileRows)  # where the CPU has AVX512-BF16
     assert (rough - exact).abs().max() < (0.08 if four_bit else 0.02) * exact.abs().max()  # int8: about 1% of the scale, as above
 
 
@@ -328,14 +328,15 @@ def test_int4_falls_back_to_torchs_kernel_where_kestrels_cannot_be_built(tiny_di
     assert sum(isinstance(m, int4.Int4Linear) for m in layers) == 14 and not any(isinstance(m, int4.Q4Linear) for m in layers)
 
 
-needs_tiles = pytest.mark.skipif(not int4.tiles_available(), reason="no AMX tiles on this CPU")
+needs_tiles = pytest.mark.skipif(not int4.tiles_available(), reason="no AVX512-BF16 on this CPU (nor AMX tiles)")
 
 
 @needs_tiles
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kestrels_int4_tiles_are_row_invariant_and_exact_to_float32_rounding(threads):
-    """The AMX product: a row's result is the same bits in every block of rows
-    (1 to 16 rows a tile, more in several), on 1 or 2 threads, and within
+    """The tile layout's product (AMX or vdpbf16ps): a row's result is the
+    same bits in every block of rows (1 to 16 rows a tile, more in several),
+    on 1 or 2 threads, and within
     float32 rounding of the exact weights times the bf16 input."""
     with thread_count(threads):
         generator = torch.Generator().manual_seed(13)
@@ -390,7 +391,7 @@ def test_int8_rows_on_tiles_match_the_vector_kernel_within_float32_rounding():
 
 @needs_tiles
 def test_the_draft_vocabulary_on_tiles_ranks_like_its_float_weights():
-    """Where the CPU has AMX tiles the draft vocabulary is 4-bit groups on them
+    """Where the CPU has AVX512-BF16 the draft vocabulary is 4-bit groups in the tile layout
     (rows padded to 16); its logits stay close to the float ones."""
     from core.drafter import DraftVocabulary
 
