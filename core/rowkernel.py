@@ -27,6 +27,14 @@ reference Xeon, 9 heads over 3, a layer: 300 keys, 1 / 8 / 16 rows in
 13 / 35 / 60 us (16 / 54 / 100 with the sums in float32 vectors, key by
 key); 600 keys, 8 rows in 53 us (93).
 
+On CPUs with AVX512-BF16 but no AMX (AMD's since Zen 4), the same products
+run as vdpbf16ps chains (`Dots`): each score and each query's sums one
+chain over its element pairs in order, in the tiles' layout, so a query's
+result again does not depend on what shares its product. On the 2-core
+AVX-512 EPYC, 9 heads over 3, a step's 30 layers: 300 keys, 1 / 4 / 8 / 16
+rows in 0.43 / 0.69 / 0.99 / 1.84 ms (0.67 / 1.49 / 2.95 / 5.74 with the
+float32 vectors); 600 keys, 8 rows in 1.72 ms (6.94).
+
 The source is compiled once against the installed torch (core/native.py)
 and registered as a torch operator; its (row, head) pairs are shared out
 among torch's threads, each pair computed whole by one thread. Where no
@@ -319,11 +327,49 @@ static void rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // (weighted_sums). Any key scores the same in the cache or among a row's extra keys, and a
 // query's sums take the same steps whatever shares its tiles, so a tree node still gets bit for
 // bit what a one-token step gets.
-#ifdef KESTREL_TILES
+#ifdef KESTREL_DOTS
 static constexpr int64_t TILE = 16;  // keys per tile product, and query vectors per item
 
+// The tile products below run on one of two units with the same interface:
+// - Amx: the tile unit. The queries wait in tiles 2..5, the weighted sums accumulate in tiles 0..3.
+// - Dots: vdpbf16ps (AVX512-BF16 without AMX, or refused the tile state). Each element of a
+//   product is one chain of vdpbf16ps over its pairs in order (a pair's two exact products added
+//   to the lane), so a key's score for a query and a query's sums take the same operations
+//   whatever else shares the product, as on the tile unit (whose bits may differ from these).
+#ifdef KESTREL_TILES
+struct Amx {
+    static constexpr bool unit = true;
+    template <int CHUNKS>
+    void queries(const uint32_t (*b)[16][16]) {  // chunk t, pair row p, column i: tiles 2 .. 2 + CHUNKS
+        _tile_loadd(2, b[0], 64);
+        _tile_loadd(3, b[1], 64);
+        if constexpr (CHUNKS > 2) {
+            _tile_loadd(4, b[2], 64);
+            _tile_loadd(5, b[3], 64);
+        }
+    }
+    template <int CHUNKS>
+    void score(const uint16_t* keys, int64_t stride, float* c);  // 16 keys `stride` elements apart -> c[key][query]
+    void clear_sums() {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    void weigh(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t, int64_t);
+    void sums(int t, float* c) {  // C tile t (queries x 16 columns) -> c
+        switch (t) {
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64); break;
+        }
+    }
+};
+
 template <int CHUNKS>
-static inline void score_tile(const uint16_t* keys, int64_t stride_bytes, float* c) {  // c[key][query]
+inline void Amx::score(const uint16_t* keys, int64_t stride, float* c) {  // c[key][query]
+    const int64_t stride_bytes = stride * 2;
     _tile_zero(0);
     _tile_loadd(1, keys, stride_bytes);
     _tile_dpbf16ps(0, 1, 2);
@@ -337,6 +383,49 @@ static inline void score_tile(const uint16_t* keys, int64_t stride_bytes, float*
     }
     _tile_stored(0, c, 64);
 }
+#endif
+
+struct Dots {
+    static constexpr bool unit = false;
+    const uint32_t (*b)[16][16] = nullptr;
+    alignas(64) float acc[4][TILE * 16];  // the weighted sums: C tile t, query row i, 16 columns
+    template <int CHUNKS>
+    void queries(const uint32_t (*chunks)[16][16]) { b = chunks; }
+    template <int CHUNKS>
+    void score(const uint16_t* keys, int64_t stride, float* c) {  // c[key][query]: a chain per key, 16 keys side by side
+        __m512 lanes[TILE];
+        for (int m = 0; m < TILE; ++m) lanes[m] = _mm512_setzero_ps();
+        for (int t = 0; t < CHUNKS; ++t)
+            for (int p = 0; p < 16; ++p) {
+                const __m512bh pairs = (__m512bh)_mm512_load_si512((const void*)b[t][p]);
+                for (int m = 0; m < TILE; ++m) {
+                    const int32_t* key = (const int32_t*)(keys + m * stride + 32 * t);
+                    lanes[m] = _mm512_dpbf16_ps(lanes[m], (__m512bh)_mm512_set1_epi32(key[p]), pairs);
+                }
+            }
+        for (int m = 0; m < TILE; ++m) _mm512_store_ps(c + 16 * m, lanes[m]);
+    }
+    void clear_sums() { std::memset(acc, 0, sizeof acc); }
+    void weigh(const uint16_t* a, int64_t a_stride, const uint16_t* v, int64_t first, int64_t end) {  // rows [first, end) of A
+        for (int64_t i = first; i < end; ++i) {
+            const int32_t* weights = (const int32_t*)((const char*)a + i * a_stride);
+            __m512 c0 = _mm512_load_ps(acc[0] + 16 * i), c1 = _mm512_load_ps(acc[1] + 16 * i);
+            __m512 c2 = _mm512_load_ps(acc[2] + 16 * i), c3 = _mm512_load_ps(acc[3] + 16 * i);
+            for (int p = 0; p < 16; ++p) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[p]);
+                c0 = _mm512_dpbf16_ps(c0, w, (__m512bh)_mm512_load_si512((const void*)(v + 32 * p)));
+                c1 = _mm512_dpbf16_ps(c1, w, (__m512bh)_mm512_load_si512((const void*)(v + 512 + 32 * p)));
+                c2 = _mm512_dpbf16_ps(c2, w, (__m512bh)_mm512_load_si512((const void*)(v + 1024 + 32 * p)));
+                c3 = _mm512_dpbf16_ps(c3, w, (__m512bh)_mm512_load_si512((const void*)(v + 1536 + 32 * p)));
+            }
+            _mm512_store_ps(acc[0] + 16 * i, c0);
+            _mm512_store_ps(acc[1] + 16 * i, c1);
+            _mm512_store_ps(acc[2] + 16 * i, c2);
+            _mm512_store_ps(acc[3] + 16 * i, c3);
+        }
+    }
+    void sums(int t, float* c) { std::memcpy(c, acc[t], sizeof acc[t]); }
+};
 
 // Values as four B tiles for the weighted sum: 32 positions of the row's key sequence (position p
 // is row p of `value_rows`, a null row a zero), 64 columns of the head dimension, in the tile
@@ -360,7 +449,8 @@ static inline void pair_values(const uint16_t* const* value_rows, uint16_t* b) {
 }
 
 // C tiles 0..3 += A tile 4 (weights) times the value tiles b[0..3], B through tile 5
-static inline void weigh_values(const uint16_t* a, int64_t a_stride, const uint16_t* b) {
+#ifdef KESTREL_TILES
+inline void Amx::weigh(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t, int64_t) {
     _tile_loadd(4, a, a_stride);
     _tile_loadd(5, b, 64);
     _tile_dpbf16ps(0, 4, 5);
@@ -371,6 +461,7 @@ static inline void weigh_values(const uint16_t* a, int64_t a_stride, const uint1
     _tile_loadd(5, b + 1536, 64);
     _tile_dpbf16ps(3, 4, 5);
 }
+#endif
 
 // The weighted sums of values for the item's n queries (rows r0..r1, g queries each), on the tile
 // unit: each query's softmax weights rounded to bf16 once, times the values, 32 positions of its
@@ -381,8 +472,8 @@ static inline void weigh_values(const uint16_t* a, int64_t a_stride, const uint1
 // weights zero (adding exact zeros). Then each sum is divided by the sum of the float32 weights
 // (sixteen partial sums by position, a fixed order). `out` points at the item's first head of row
 // 0, rows `row_stride` apart.
-template <int CHUNKS>
-static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64_t g, int64_t r0, int64_t r1,
+template <int CHUNKS, typename Unit>
+static void weighted_sums(Unit& unit, const float* scores, int64_t longest, int64_t n, int64_t g, int64_t r0, int64_t r1,
                           const uint16_t* values, int64_t kv_pos, int64_t length, const int64_t* prefix,
                           const int64_t* offsets, const int64_t* extra, float* out, int64_t row_stride, float* c,
                           std::vector<uint16_t>& weights) {
@@ -418,16 +509,13 @@ static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64
     const uint16_t* rows_of[32];
     for (int half = 0; half < dim / 64; ++half) {  // 64 columns of the head dimension at a time
         const uint16_t* base = values + 64 * half;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        unit.clear_sums();
         for (int64_t s = 0; s < spans; ++s) {
             const int64_t j0 = s * 32;
             if (j0 + 32 <= shared_end) {
                 for (int p = 0; p < 32; ++p) rows_of[p] = j0 + p < length ? base + (j0 + p) * kv_pos : nullptr;
                 pair_values(rows_of, b);
-                weigh_values(weights.data() + j0, padded * 2, b);
+                unit.weigh(weights.data() + j0, padded * 2, b, 0, n);
                 continue;
             }
             for (int64_t r = r0; r < r1; ++r) {
@@ -441,16 +529,11 @@ static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64
                 std::memset(lone, 0, sizeof lone);
                 const int64_t i0 = (r - r0) * g;
                 for (int64_t i = i0; i < i0 + g; ++i) std::memcpy(lone + i * 32, weights.data() + i * padded + j0, 64);
-                weigh_values(lone, 64, b);
+                unit.weigh(lone, 64, b, i0, i0 + g);
             }
         }
         for (int t = 0; t < 4; ++t) {
-            switch (t) {
-                case 0: _tile_stored(0, c, 64); break;
-                case 1: _tile_stored(1, c, 64); break;
-                case 2: _tile_stored(2, c, 64); break;
-                default: _tile_stored(3, c, 64); break;
-            }
+            unit.sums(t, c);
             for (int64_t i = 0; i < n; ++i) {
                 float* to = out + (r0 + i / g) * row_stride + (i % g) * dim + 64 * half + 16 * t;
                 _mm512_storeu_ps(to, _mm512_div_ps(_mm512_load_ps(c + 16 * i), _mm512_set1_ps(divisor[i])));
@@ -460,8 +543,8 @@ static void weighted_sums(const float* scores, int64_t longest, int64_t n, int64
 }
 
 // One item: key/value head kv and rows [r0, r1), whose g heads each are the item's queries.
-template <int CHUNKS>
-static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, int64_t q_row, int64_t q_head,
+template <int CHUNKS, typename Unit>
+static void tiles_item(Unit& unit, const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, int64_t q_row, int64_t q_head,
                        int64_t kv_head, int64_t kv_pos, int64_t length, int64_t heads, int64_t g, int64_t kv, int64_t r0, int64_t r1,
                        const int64_t* prefix, const int64_t* offsets, const int64_t* extra, float scale, float* op,
                        std::vector<float>& scores, std::vector<uint16_t>& pad, std::vector<uint16_t>& weights, float* c) {
@@ -483,12 +566,7 @@ static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* v
                 b[t][p][i] = pair;
             }
     }
-    _tile_loadd(2, b[0], 64);
-    _tile_loadd(3, b[1], 64);
-    if constexpr (CHUNKS > 2) {
-        _tile_loadd(4, b[2], 64);
-        _tile_loadd(5, b[3], 64);
-    }
+    unit.template queries<CHUNKS>(b);
     scores.resize(TILE * longest + TILE);
     const __m512i across = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     const uint16_t* keys = kp + kv * kv_head;
@@ -496,11 +574,11 @@ static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* v
     // the cache's leading keys, 16 at a time (a tail past the cache's end through a zero-padded copy)
     for (int64_t j0 = 0; j0 < lead; j0 += TILE) {
         if (j0 + TILE <= length) {
-            score_tile<CHUNKS>(keys + j0 * kv_pos, kv_pos * 2, c);
+            unit.template score<CHUNKS>(keys + j0 * kv_pos, kv_pos, c);
         } else {
             std::fill(pad.begin(), pad.end(), 0);
             for (int64_t j = j0; j < length && j < j0 + TILE; ++j) std::memcpy(&pad[(j - j0) * dim], keys + j * kv_pos, dim * 2);
-            score_tile<CHUNKS>(pad.data(), dim * 2, c);
+            unit.template score<CHUNKS>(pad.data(), dim, c);
         }
         for (int64_t i = 0; i < n; ++i) {  // column i of the tile: query i's scores for these keys
             const int64_t own = prefix[r0 + i / g];
@@ -516,7 +594,7 @@ static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* v
         for (int64_t e0 = 0; e0 < count; e0 += TILE) {
             std::fill(pad.begin(), pad.end(), 0);
             for (int64_t e = e0; e < count && e < e0 + TILE; ++e) std::memcpy(&pad[(e - e0) * dim], keys + extra[first + e] * kv_pos, dim * 2);
-            score_tile<CHUNKS>(pad.data(), dim * 2, c);
+            unit.template score<CHUNKS>(pad.data(), dim, c);
             for (int64_t i = (r - r0) * g; i < (r - r0 + 1) * g; ++i)
                 for (int64_t e = e0; e < count && e < e0 + TILE; ++e) scores[i * longest + prefix[r] + e] = c[(e - e0) * TILE + i] * scale;
         }
@@ -533,18 +611,19 @@ static void tiles_item(const uint16_t* qp, const uint16_t* kp, const uint16_t* v
         for (; j < count; ++j) best = row[j] > best ? row[j] : best;
         exp_shifted(row, count, best);
     }
-    weighted_sums<CHUNKS>(scores.data(), longest, n, g, r0, r1, values, kv_pos, length, prefix, offsets, extra,
+    weighted_sums<CHUNKS>(unit, scores.data(), longest, n, g, r0, r1, values, kv_pos, length, prefix, offsets, extra,
                           op + (kv * g) * dim, heads * dim, c, weights);
 }
 
 // Whether the tile path takes these tensors: bf16, head size 64 or 128, up to 16 heads per key/value head.
 static bool tiles_take(const at::Tensor& q, const at::Tensor& k) {
     const int64_t dim = q.size(3), group = q.size(1) / k.size(1);
-    return q.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128) && group <= TILE && tiles_permitted();
+    return q.scalar_type() == at::kBFloat16 && (dim == 64 || dim == 128) && group <= TILE;
 }
 
-static void rows_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* prefix,
-                       const int64_t* offsets, const int64_t* extra, double scale, at::Tensor& out) {
+template <typename Unit>
+static void rows_on(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* prefix,
+                    const int64_t* offsets, const int64_t* extra, double scale, at::Tensor& out) {
     const int64_t n_rows = q.size(2), heads = q.size(1), kv_heads = k.size(1), dim = q.size(3), length = k.size(2);
     const int64_t g = heads / kv_heads, per_item = TILE / g, blocks = (n_rows + per_item - 1) / per_item;
     const uint16_t* qp = static_cast<const uint16_t*>(q.data_ptr());
@@ -552,23 +631,40 @@ static void rows_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     const uint16_t* vp = static_cast<const uint16_t*>(v.data_ptr());
     float* op = out.data_ptr<float>();
     at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-        configure_tiles({16, 16, 16, 16, 16, 16});  // 0: scores (16 keys x 16 queries); 1: keys; 2..5: the queries' chunks
+#ifdef KESTREL_TILES
+        if constexpr (Unit::unit) configure_tiles({16, 16, 16, 16, 16, 16});  // 0: scores (16 keys x 16 queries); 1: keys; 2..5: the queries' chunks
+#endif
+        Unit unit;
         std::vector<float> scores;
         std::vector<uint16_t> pad(TILE * dim), weights;  // weights: the weighted sums' A tiles, reused item to item
         alignas(64) float c[TILE * TILE];
         for (int64_t item = begin; item < end; ++item) {
             const int64_t kv = item / blocks, r0 = item % blocks * per_item, r1 = std::min(n_rows, r0 + per_item);
             if (dim == 64)
-                tiles_item<2>(qp, kp, vp, q.stride(2), q.stride(1), k.stride(1), k.stride(2), length, heads, g, kv, r0, r1,
+                tiles_item<2>(unit, qp, kp, vp, q.stride(2), q.stride(1), k.stride(1), k.stride(2), length, heads, g, kv, r0, r1,
                               prefix, offsets, extra, float(scale), op, scores, pad, weights, c);
             else
-                tiles_item<4>(qp, kp, vp, q.stride(2), q.stride(1), k.stride(1), k.stride(2), length, heads, g, kv, r0, r1,
+                tiles_item<4>(unit, qp, kp, vp, q.stride(2), q.stride(1), k.stride(1), k.stride(2), length, heads, g, kv, r0, r1,
                               prefix, offsets, extra, float(scale), op, scores, pad, weights, c);
         }
-        _tile_release();
+#ifdef KESTREL_TILES
+        if constexpr (Unit::unit) _tile_release();
+#endif
     });
 }
+
+static bool tiles_ready() { return true; }  // the tile path runs here: on the unit or with vdpbf16ps
+
+// on the tile unit where this process may use it, else with vdpbf16ps
+static void rows_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* prefix,
+                       const int64_t* offsets, const int64_t* extra, double scale, at::Tensor& out) {
+#ifdef KESTREL_TILES
+    if (tiles_permitted()) return rows_on<Amx>(q, k, v, prefix, offsets, extra, scale, out);
+#endif
+    rows_on<Dots>(q, k, v, prefix, offsets, extra, scale, out);
+}
 #else
+static bool tiles_ready() { return false; }
 static bool tiles_take(const at::Tensor&, const at::Tensor&) { return false; }
 static void rows_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int64_t*, const int64_t*, const int64_t*,
                        double, at::Tensor&) {}
@@ -685,7 +781,7 @@ at::Tensor pass_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(kestrel_rows, lib) {
     lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor prefix, Tensor offsets, Tensor extra, float scale) -> Tensor");
-    lib.def("tiles_ready() -> bool", &tiles_permitted);  // no tensors to dispatch on: a catch-all
+    lib.def("tiles_ready() -> bool", &tiles_ready);  // no tensors to dispatch on: a catch-all
     lib.def("begin_pass(Tensor[] keys, Tensor[] values, int length, Tensor prefix, Tensor offsets, Tensor extra, float[] scales) -> ()",
             &begin_pass);
     lib.def("end_pass() -> int", &end_pass);
@@ -732,8 +828,9 @@ def _pass_attend_shape(query, key, value):
 
 
 def tiles() -> bool:
-    """Whether bf16 attention with head size 64 or 128 runs on AMX tiles here
-    (a CPU with them, the kernel built for it, Linux granting the tile state)."""
+    """Whether bf16 attention with head size 64 or 128 runs as tile products
+    here: on AMX tiles (a CPU with them, Linux granting the tile state) or
+    with vdpbf16ps (a CPU with AVX512-BF16), the kernel built for it."""
     return library() is not None and bool(torch.ops.kestrel_rows.tiles_ready())
 
 

@@ -102,14 +102,14 @@ def test_the_result_does_not_depend_on_the_thread_count():
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
-needs_tiles = pytest.mark.skipif(rowkernel.library() is None or not rowkernel.tiles(), reason="no AMX tiles on this CPU")
+needs_tiles = pytest.mark.skipif(rowkernel.library() is None or not rowkernel.tiles(), reason="no AVX512-BF16 on this CPU (nor AMX tiles)")
 
 
 @needs_tiles
 @pytest.mark.parametrize("dim, heads, kv_heads, prefix", [(64, 9, 3, 300), (128, 8, 2, 37), (64, 16, 1, 5)])
 def test_the_tile_path_keeps_tree_rows_bit_for_bit(dim, heads, kv_heads, prefix):
-    """bf16 with head size 64 or 128 runs on AMX tiles, 16 query vectors at a
-    time: a tree node still gets what a lone row over its keys gets, a causal
+    """bf16 with head size 64 or 128 runs as tile products (AMX or vdpbf16ps),
+    16 query vectors at a time: a tree node still gets what a lone row over its keys gets, a causal
     row what it gets alone, and the result is as close to float32 attention
     as torch's own bf16 attention is (both weigh the values with bf16 weights)."""
     query, keys, values, mask = tree_case(torch.bfloat16, prefix=prefix, heads=heads, kv_heads=kv_heads, dim=dim, seed=11)
