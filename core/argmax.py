@@ -98,8 +98,8 @@ class ScreenedArgmax:
         )
         self.exact_dtype = torch.float32 if weight.dtype == torch.bfloat16 else weight.dtype  # what logits are computed in
         if self.enabled:
-            # bf16 weights and features on AMX tiles: exact products summed in float32 as the vector kernel
-            # does, so the bound holds, plus the unit's flushing of values below 2^-126 (`absolute`)
+            # bf16 weights and features in the tile layout (AMX or vdpbf16ps): exact products summed in float32
+            # as the vector kernel does, so the bound holds, plus the flushing of values below 2^-126 (`absolute`)
             tiles = weight.dtype == torch.bfloat16 and self.own and int8.tiles_available()
             self.rows = int8.PackedRows(weight, self.own, tiles=tiles)
             error_norms, rounded_norms = _norms(weight, self.rows.packed, self.rows.scales)

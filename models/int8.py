@@ -113,6 +113,7 @@ SOURCE = native.BLOCKS + native.TILES + r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 // Weight rows are read in order, a block of C at a time; on AVX2 builds the rows AHEAD_ROWS further
 // on are asked into the cache meanwhile (the hardware's own prefetching left the 2-core AMD EPYC
@@ -186,7 +187,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const 
 // inside the unit, then times the row's scale. tiles (N/16, K/32, 512) int8: for 16 output rows
 // and 32 inputs, byte 32p + j holds the code of input 2p + (j & 1) for output row j >> 1 (a B
 // tile's row p). The codes are widened a few chunks ahead of the tile products that read them.
-#ifdef KESTREL_TILES
+#ifdef KESTREL_DOTS
 static inline void widen_codes(const int8_t* src, uint16_t* dst) {  // 512 codes -> a B tile of bf16
     for (int c = 0; c < 16; ++c) {
         const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 32 * c))));
@@ -195,6 +196,31 @@ static inline void widen_codes(const int8_t* src, uint16_t* dst) {  // 512 codes
     }
 }
 
+// Without the tile unit (AVX512-BF16 CPUs without AMX, or refused the tile state): the same
+// widened codes, each row's products with them one chain of vdpbf16ps per 16 output rows over the
+// pairs of every group in order, then times the row's scale.
+static void dot_rows(int64_t R, int64_t t, const uint16_t* x, int64_t K, const int8_t* tiles, const float* scales,
+                     int64_t N, float* out, float* acc) {
+    const int64_t G = K / 32;
+    alignas(64) uint16_t b[512];
+    for (int64_t r = 0; r < R; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
+    for (int64_t g = 0; g < G; ++g) {
+        widen_codes(tiles + (t * G + g) * 512, b);
+        __m512i w[16];
+        for (int p = 0; p < 16; ++p) w[p] = _mm512_load_si512(b + 32 * p);
+        for (int64_t r = 0; r < R; ++r) {
+            const int32_t* pairs = (const int32_t*)(x + r * K + g * 32);
+            __m512 a = _mm512_load_ps(acc + 16 * r);
+            for (int p = 0; p < 16; ++p) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32(pairs[p]), (__m512bh)w[p]);
+            _mm512_store_ps(acc + 16 * r, a);
+        }
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + t * 16);
+    for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(out + r * N + t * 16, _mm512_mul_ps(scale, _mm512_load_ps(acc + 16 * r)));
+}
+#endif
+
+#ifdef KESTREL_TILES
 constexpr int AHEAD = 3, RING = 4;
 
 static void tile_rows(int rows, int64_t r0, int64_t t0, int64_t t1, const uint16_t* x, int64_t K, const int8_t* tiles,
@@ -219,8 +245,12 @@ static void tile_rows(int rows, int64_t r0, int64_t t0, int64_t t1, const uint16
     }
 }
 
+#endif
+
+#ifdef KESTREL_DOTS
+static bool tiles_ready() { return true; }  // the tile layout runs here: on the tile unit or with vdpbf16ps
+
 at::Tensor int8_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at::Tensor& scales_t) {
-    TORCH_CHECK(tiles_permitted(), "int8_tiles: this process may not use AMX tiles");
     TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "int8_tiles: x (R, K) bf16");
     TORCH_CHECK(tiles_t.dim() == 3 && tiles_t.size(2) == 512 && tiles_t.scalar_type() == at::kChar && tiles_t.is_contiguous(),
                 "int8_tiles: tiles (N/16, K/32, 512) int8");
@@ -233,18 +263,29 @@ at::Tensor int8_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const 
     const int8_t* tiles = tiles_t.data_ptr<int8_t>();
     const float* scales = scales_t.data_ptr<float>();
     float* out = result.data_ptr<float>();
+#ifdef KESTREL_TILES
+    if (tiles_permitted()) {
+        at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+            for (int64_t r0 = 0; r0 < R; r0 += 16) {
+                const int rows = int(std::min<int64_t>(16, R - r0));
+                configure_tiles({rows, rows, 16});  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
+                tile_rows(rows, r0, t0, t1, xp, K, tiles, scales, N, out);
+            }
+            _tile_release();
+        });
+        return result;
+    }
+#endif
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t r0 = 0; r0 < R; r0 += 16) {
-            const int rows = int(std::min<int64_t>(16, R - r0));
-            configure_tiles({rows, rows, 16});  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
-            tile_rows(rows, r0, t0, t1, xp, K, tiles, scales, N, out);
-        }
-        _tile_release();
+        std::vector<float> acc(R * 16 + 16);  // each row's 16 sums, 64-byte aligned below
+        float* aligned = (float*)(((uintptr_t)acc.data() + 63) & ~(uintptr_t)63);
+        for (int64_t t = t0; t < t1; ++t) dot_rows(R, t, xp, K, tiles, scales, N, out, aligned);
     });
     return result;
 }
 #else
-at::Tensor int8_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "int8_tiles: built without AMX"); }
+static bool tiles_ready() { return false; }
+at::Tensor int8_tiles(const at::Tensor&, const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "int8_tiles: built without AVX512-BF16"); }
 #endif
 
 // The lm_head screen's integer product, where the CPU has AVX2 but not AVX-512 (there the float
@@ -381,7 +422,8 @@ std::tuple<at::Tensor, at::Tensor> top_k(const at::Tensor& input, int64_t k) {
 TORCH_LIBRARY_FRAGMENT(kestrel_int8, lib) {
     lib.def("linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
     lib.def("tiles(Tensor x, Tensor tiles, Tensor scales) -> Tensor");
-    lib.def("tiles_ready() -> bool", &tiles_permitted);  // no tensors to dispatch on: a catch-all
+    lib.def("tiles_ready() -> bool", &tiles_ready);  // no tensors to dispatch on: a catch-all
+    lib.def("tile_unit() -> bool", &tiles_permitted);
     lib.def("top_k(Tensor x, int k) -> (Tensor, Tensor)");
     lib.def("screen(Tensor x, Tensor weight, Tensor scales) -> (Tensor, Tensor)");
     lib.def("screen_ready() -> bool", &integer_screen);  // no tensors to dispatch on: a catch-all
@@ -470,8 +512,14 @@ def own_kernel_takes(weight: torch.Tensor) -> bool:
 
 
 def tiles_available() -> bool:
-    """Whether Kestrel's int8 product runs on AMX tiles here (bf16 activations)."""
+    """Whether Kestrel's int8 product in the tile layout runs here (bf16
+    activations): on AMX tiles, or with vdpbf16ps on AVX512-BF16 CPUs."""
     return own_kernel() and bool(torch.ops.kestrel_int8.tiles_ready())
+
+
+def tile_unit() -> bool:
+    """Whether that product runs on the AMX tile unit."""
+    return own_kernel() and bool(torch.ops.kestrel_int8.tile_unit())
 
 
 class PackedRows:
@@ -621,10 +669,11 @@ def quantize_decoder(model: nn.Module) -> int:
 
 
 def kernel_of(module: nn.Module) -> str | None:
-    """Which kernel reads a module's int8 linears: "kestrel-amx", "kestrel", "torch", or None (none int8)."""
+    """Which kernel reads a module's int8 linears: "kestrel-amx", "kestrel-bf16" (the tile layout with
+    vdpbf16ps), "kestrel", "torch", or None (none int8)."""
     for child in module.modules():
         if isinstance(child, DraftLinear):
-            return "kestrel-amx" if child.rows.tiles else "kestrel"
+            return ("kestrel-amx" if tile_unit() else "kestrel-bf16") if child.rows.tiles else "kestrel"
         if isinstance(child, Int8Linear):
             return "torch"
     return None

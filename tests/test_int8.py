@@ -370,9 +370,9 @@ def test_a_bf16_int4_layer_runs_on_tiles_and_a_float32_one_does_not():
 
 
 
-@pytest.mark.skipif(not int8.tiles_available(), reason="no AMX tiles on this CPU")
+@pytest.mark.skipif(not int8.tiles_available(), reason="no AVX512-BF16 on this CPU (nor AMX tiles)")
 def test_int8_rows_on_tiles_match_the_vector_kernel_within_float32_rounding():
-    """The int8 product on AMX tiles (two rows or more): the same exact
+    """The int8 product in the tile layout (AMX or vdpbf16ps; two rows or more): the same exact
     products summed in float32, each row alone, output rows padded to 16."""
     generator = torch.Generator().manual_seed(9)
     weight = torch.randn(1000, 96, generator=generator).bfloat16()
