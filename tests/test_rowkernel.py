@@ -134,3 +134,46 @@ def test_the_tile_path_keeps_tree_rows_bit_for_bit(dim, heads, kv_heads, prefix)
     for row in (0, 7, count - 1):
         lone = rowkernel.attend(rows_query[:, :, row : row + 1], keys, values, rowkernel.Rows.of(None, 1, total - count + 1 + row), 0.2)
         assert torch.equal(lone[0, 0], causal[0, row]), row
+
+
+DOTS_CHECK = r"""
+import torch
+from core import rowkernel
+from models import int4, int8
+assert not int4.tile_unit() and not int8.tile_unit(), "KESTREL_AMX=0 leaves the tile unit alone"
+assert int4.tiles_available() and int8.tiles_available() and rowkernel.tiles()
+generator = torch.Generator().manual_seed(3)
+x = torch.randn(20, 96, generator=generator).bfloat16()
+tiles = int4.pack_tiles(*int4.quantize_blocks(torch.randn(48, 96, generator=generator)))
+full = torch.ops.kestrel_q4.tiles(x, *tiles)
+rows = int8.PackedRows(torch.randn(40, 96, generator=generator).bfloat16(), own=True, tiles=True)
+whole = rows(x)
+for count in (2, 3, 7, 17):
+    assert torch.equal(torch.ops.kestrel_q4.tiles(x[1 : 1 + count].contiguous(), *tiles), full[1 : 1 + count]), count
+    assert torch.equal(rows(x[1 : 1 + count].contiguous()), whole[1 : 1 + count]), count
+keys = torch.randn(1, 2, 45, 64, generator=generator).bfloat16()
+values = torch.randn(1, 2, 45, 64, generator=generator).bfloat16()
+query = torch.randn(1, 6, 5, 64, generator=generator).bfloat16()
+causal = rowkernel.attend(query, keys, values, rowkernel.Rows.of(None, 5, 45), 0.125)
+for row in range(5):
+    lone = rowkernel.attend(query[:, :, row : row + 1], keys, values, rowkernel.Rows.of(None, 1, 41 + row), 0.125)
+    assert torch.equal(lone[0, 0], causal[0, row]), row
+print("dots ok")
+"""
+
+
+@pytest.mark.skipif(rowkernel.library() is None or not rowkernel.tiles(), reason="no AVX512-BF16 on this CPU (nor AMX tiles)")
+def test_the_vdpbf16ps_paths_run_where_the_tile_unit_is_declined():
+    """With KESTREL_AMX=0 (or on AVX512-BF16 CPUs without AMX) the int4, int8
+    and attention tile paths run as vdpbf16ps chains, each row alone: a row
+    gets the same bits in any block of rows (on AMX machines this is the
+    only test of that path)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    environment = {**os.environ, "KESTREL_AMX": "0", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", DOTS_CHECK], cwd=root, env=environment, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "dots ok" in done.stdout, done.stderr[-2000:]
