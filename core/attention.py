@@ -75,7 +75,8 @@ def _per_forward(kind: str, mask: torch.Tensor | None, rows: int, total: int, bu
 def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query (1, H, T, D), key/value (1, H_kv, S, D) -> ((1, T, H, D), None)."""
     batch, heads, rows, dim = query.shape
-    if batch != 1 or (attention_mask is None and rows > 1):  # a prefill: causal, shared by every mode
+    prefill = attention_mask is None and rows > 1  # causal, shared by every mode
+    if batch != 1 or (prefill and not rowkernel.prefills(query.dtype, query.device)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
     if unsupported:  # the load-time check then keeps sdpa for this model

@@ -231,9 +231,12 @@ class Compiled:
     def _rows(self, mask: torch.Tensor | None, count: int, cache) -> rowkernel.Rows | None:
         """The row kernel's key lists for this pass, where the row-invariant
         attention runs it: tree passes and one-token steps (a prefill, causal
-        over several rows, goes to sdpa: core/attention.py)."""
+        over several rows, goes to sdpa, core/attention.py, except where the
+        kernel is the faster: rowkernel.prefills)."""
         dtype, device = self.decoder.embed_tokens.weight.dtype, self.decoder.embed_tokens.weight.device
-        if not self.exact or (mask is None and count > 1) or not rowkernel.covers(dtype, device):
+        if not self.exact or not rowkernel.covers(dtype, device):
+            return None
+        if mask is None and count > 1 and not rowkernel.prefills(dtype, device):
             return None
         total = cache.get_seq_length() + count
         if mask is not None and mask.shape != (count, total):

@@ -43,6 +43,7 @@ core/attention.py is used."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -782,6 +783,7 @@ at::Tensor pass_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(kestrel_rows, lib) {
     lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor prefix, Tensor offsets, Tensor extra, float scale) -> Tensor");
     lib.def("tiles_ready() -> bool", &tiles_ready);  // no tensors to dispatch on: a catch-all
+    lib.def("tile_unit() -> bool", &tiles_permitted);
     lib.def("begin_pass(Tensor[] keys, Tensor[] values, int length, Tensor prefix, Tensor offsets, Tensor extra, float[] scales) -> ()",
             &begin_pass);
     lib.def("end_pass() -> int", &end_pass);
@@ -837,6 +839,21 @@ def tiles() -> bool:
 def covers(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel computes attention in this dtype on this device (and is built)."""
     return dtype in DTYPES and device.type == "cpu" and library() is not None
+
+
+def prefills(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a prefill (causal rows) runs on the kernel rather than sdpa:
+    bf16 on CPUs whose tile products run as vdpbf16ps, where it is the faster.
+    On the 2-core AVX-512 EPYC, 30 layers of 9 heads over 3: 64 / 258 / 600
+    rows in 1.1 / 10.6 / 50.2 ms against sdpa's 2.8 / 30.9 / 131.5. (Not
+    measured against sdpa where the tile unit runs them: there sdpa stays.)"""
+    return dtype == torch.bfloat16 and covers(dtype, device) and _vector_tiles()
+
+
+@functools.cache
+def _vector_tiles() -> bool:
+    """The tile products run here, and not on the tile unit (fixed for the process)."""
+    return tiles() and not bool(torch.ops.kestrel_rows.tile_unit())
 
 
 class Rows:

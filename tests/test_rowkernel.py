@@ -177,3 +177,26 @@ def test_the_vdpbf16ps_paths_run_where_the_tile_unit_is_declined():
     environment = {**os.environ, "KESTREL_AMX": "0", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", DOTS_CHECK], cwd=root, env=environment, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "dots ok" in done.stdout, done.stderr[-2000:]
+
+
+@needs_kernel
+def test_a_bf16_prefill_runs_on_the_kernel_where_it_is_the_faster():
+    """Causal rows (a prefill) go to the row kernel where rowkernel.prefills
+    (bf16 tile products as vdpbf16ps), else to sdpa; either way every mode
+    shares the prefill, and on the kernel each row is what it is alone."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(21)
+    keys = torch.randn(1, 2, 40, 64, generator=generator).bfloat16()
+    values = torch.randn(1, 2, 40, 64, generator=generator).bfloat16()
+    query = torch.randn(1, 6, 40, 64, generator=generator).bfloat16()
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 3, True, False
+    out, _ = attention.rows_attention(module, query, keys, values, None, scaling=0.125)
+    kernel = rowkernel.attend(query, keys, values, rowkernel.Rows.of(None, 40, 40), 0.125)
+    sdpa, _ = sdpa_attention_forward(module, query, keys, values, None, scaling=0.125)
+    assert torch.equal(out, kernel.to(out.dtype) if rowkernel.prefills(torch.bfloat16, torch.device("cpu")) else sdpa)
+    assert not rowkernel.prefills(torch.float32, torch.device("cpu"))  # float32 prefills stay on sdpa
+    for row in (0, 17, 39):
+        lone = rowkernel.attend(query[:, :, row : row + 1], keys[:, :, : row + 1], values[:, :, : row + 1], rowkernel.Rows.of(None, 1, row + 1), 0.125)
+        assert torch.equal(lone[0, 0], kernel[0, row]), row
