@@ -88,8 +88,9 @@ def test_the_kernel_leaves_dtypes_it_does_not_cover_to_torch():
 
 
 @needs_kernel
-def test_the_result_does_not_depend_on_the_thread_count():
-    query, keys, values, mask = tree_case(torch.float32, prefix=300, heads=9, kv_heads=3, dim=64, seed=7)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the tile path where the CPU has one
+def test_the_result_does_not_depend_on_the_thread_count(dtype):
+    query, keys, values, mask = tree_case(dtype, prefix=300, heads=9, kv_heads=3, dim=64, seed=7)
     rows = rowkernel.Rows.of(mask, len(PARENTS), mask.shape[1])
     threads = torch.get_num_threads()
     try:
