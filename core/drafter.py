@@ -42,7 +42,7 @@ STATIC_PATHS = (
 
 class DraftVocabulary:
     """The drafter's lm_head over its draft tokens, kept in a fast form (4-bit
-    groups on AMX tiles where the CPU has them: on the reference Xeon's dev
+    groups in the tile layout where the CPU has AVX512-BF16: on the reference Xeon's dev
     set eagle2 ran 116.8 against 114.2 tokens/s with int8, tau 2.68 against
     2.71 for the fixed 16-node tree; else int8 through Kestrel's kernel, or
     torch's where `int8.available`, else bf16 on CPUs with native bf16). It only

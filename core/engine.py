@@ -110,7 +110,7 @@ class Engine:
         self.calibrations = Calibrations()  # acceptance by draft confidence, learned over every request
 
     def _row_kernel(self) -> str | None:
-        """Which row attention this engine runs: "tiles" (AMX, bf16), "vectors", or None (torch's)."""
+        """Which row attention this engine runs: "tiles" (bf16 on AMX or as vdpbf16ps), "vectors", or None (torch's)."""
         if not (self.exact and rowkernel.covers(self.base.dtype, self.base.device)):
             return None
         return "tiles" if self.base.dtype == torch.bfloat16 and rowkernel.tiles() else "vectors"

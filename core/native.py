@@ -118,7 +118,8 @@ static inline void each_block(int64_t R, int64_t begin, int64_t end, const Run& 
 # for the tile state (Linux hands it out once asked: ARCH_REQ_XCOMP_PERM for XTILEDATA; the
 # environment's KESTREL_AMX=0 declines it, so the vector kernels run instead) and a thread's tile
 # configuration. A kernel built without KESTREL_TILES (where tiles_permitted() is false), or refused
-# the state, uses its vector code.
+# the state, uses its vector code, or where the compiler targets AVX512-BF16 (KESTREL_DOTS), the
+# same tile layouts as vdpbf16ps chains.
 TILES = r"""
 #if defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KESTREL_DOTS 1  // vdpbf16ps: pairs of bf16 products added to float32 lanes

@@ -633,7 +633,8 @@ static void rows_on(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     float* op = out.data_ptr<float>();
     at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
 #ifdef KESTREL_TILES
-        if constexpr (Unit::unit) configure_tiles({16, 16, 16, 16, 16, 16});  // 0: scores (16 keys x 16 queries); 1: keys; 2..5: the queries' chunks
+        // 0: scores (16 keys x 16 queries); 1: keys; 2..5: the queries' chunks
+        if constexpr (Unit::unit) configure_tiles({16, 16, 16, 16, 16, 16});
 #endif
         Unit unit;
         std::vector<float> scores;

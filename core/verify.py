@@ -15,6 +15,7 @@ from core.config import SamplingParams
 from core.kv_cache import new_cache
 from core.sampling import Noise, probabilities, sample
 from core.tree import DraftTree, ancestor_mask
+from models import int8
 
 
 def base_forward(model, tokens, positions, mask, cache):
@@ -72,9 +73,9 @@ class NodeArgmax:
     screen's rows come from one product and only the visited nodes are
     resolved: every node's row where the tree is small enough that its rows
     cost what the internal nodes' do (up to SCREEN_ALL rows read the weights
-    once, as one row does; on AMX tiles, a block of SCREEN_TILES rows costs
-    what one row does), so a reached leaf costs no second product; else the
-    internal nodes' rows."""
+    once, as one row does; on the AMX tile unit, a block of SCREEN_TILES rows
+    costs what one row does, while as vdpbf16ps 16 rows cost about twice one),
+    so a reached leaf costs no second product; else the internal nodes' rows."""
 
     SCREEN_ALL = 7
     SCREEN_TILES = 16
@@ -85,7 +86,7 @@ class NodeArgmax:
         self.tokens: dict[int, int] = {}
         internal = tree.internal() or [0]  # the root alone: acceptance still asks it
         if argmax.enabled and argmax.own:  # torch's kernel pays per row: no screen then
-            limit = self.SCREEN_TILES if argmax.rows.tiles else self.SCREEN_ALL
+            limit = self.SCREEN_TILES if argmax.rows.tiles and int8.tile_unit() else self.SCREEN_ALL
             screened = list(range(tree.size)) if tree.size <= limit else internal
             self.rough = dict(zip(screened, argmax.screen(features if len(screened) == tree.size else features[screened])))
             return

@@ -517,15 +517,16 @@ def tiles_available() -> bool:
     return own_kernel() and bool(torch.ops.kestrel_int8.tiles_ready())
 
 
+@functools.cache
 def tile_unit() -> bool:
-    """Whether that product runs on the AMX tile unit."""
+    """Whether that product runs on the AMX tile unit (fixed for the process)."""
     return own_kernel() and bool(torch.ops.kestrel_int8.tile_unit())
 
 
 class PackedRows:
     """A weight (N, K) as int8 rows with one scale each, multiplied by
-    Kestrel's kernel (`own`: float32 activations; with `tiles`, on AMX tiles
-    with bf16 activations, output rows padded to 16) or else torch's."""
+    Kestrel's kernel (`own`: float32 activations; with `tiles`, in the tile
+    layout with bf16 activations, output rows padded to 16) or else torch's."""
 
     def __init__(self, weight: torch.Tensor, own: bool, tiles: bool = False):
         self.own, self.tiles, self.rows = own, tiles and weight.shape[1] % 32 == 0, weight.shape[0]
@@ -592,8 +593,8 @@ class Int8Linear(QuantizedLinear):
 
 class DraftLinear(QuantizedLinear):
     """An int8 linear for drafting only, through Kestrel's kernels: the vector
-    one for a single row, AMX tiles (where the CPU has them) for two rows or
-    more. Its rows are not computed alike at every row count, which a draft
+    one for a single row, the tile layout (AMX, or vdpbf16ps on AVX512-BF16
+    CPUs) for two rows or more. Its rows are not computed alike at every row count, which a draft
     may afford: it only ranks proposals, which the base model verifies."""
 
     def __init__(self, linear: nn.Linear):
