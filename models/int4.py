@@ -266,7 +266,6 @@ static inline void amx_dispatch(int rows, int64_t r0, int64_t t0, int64_t t1, co
 static bool tiles_ready() { return true; }  // the tile layout runs here: on the tile unit or with vdpbf16ps
 
 // on the tile unit where this process may use it, else with vdpbf16ps (dot_columns)
-
 at::Tensor q4_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at::Tensor& d_t, const at::Tensor& m_t) {
     TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "q4_tiles: x (R, K) bf16");
     TORCH_CHECK(tiles_t.dim() == 3 && tiles_t.size(2) == 256 && tiles_t.scalar_type() == at::kByte && tiles_t.is_contiguous(),
@@ -284,30 +283,25 @@ at::Tensor q4_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at
     const float *d = d_t.data_ptr<float>(), *m = m_t.data_ptr<float>();
     float* out = result.data_ptr<float>();
 #ifdef KESTREL_TILES
-    const bool unit = tiles_permitted();
-#else
-    const bool unit = false;
-#endif
-    if (!unit) {
+    if (tiles_permitted()) {
         at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
             const __m512i bf16_of_code = code_table();
-            std::vector<float> acc(R * 16 + 16);  // each row's 16 accumulators, 64-byte aligned below
-            float* aligned = (float*)(((uintptr_t)acc.data() + 63) & ~(uintptr_t)63);
-            for (int64_t t = t0; t < t1; ++t) dot_columns(t, R, xp, K, sums.data(), tiles, d, m, G, N, out, aligned, bf16_of_code);
+            for (int64_t r0 = 0; r0 < R; r0 += 16) {
+                const int rows = int(std::min<int64_t>(16, R - r0));
+                configure_tiles({rows, rows, 16});  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
+                amx_dispatch(rows, r0, t0, t1, xp, K, sums.data(), tiles, d, m, G, N, out, bf16_of_code);
+            }
+            _tile_release();
         });
         return result;
     }
-#ifdef KESTREL_TILES
+#endif
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
         const __m512i bf16_of_code = code_table();
-        for (int64_t r0 = 0; r0 < R; r0 += 16) {
-            const int rows = int(std::min<int64_t>(16, R - r0));
-            configure_tiles({rows, rows, 16});  // 0: C (rows x 16 float), 1: A (rows x 32 bf16), 2: B (16 x 32 bf16)
-            amx_dispatch(rows, r0, t0, t1, xp, K, sums.data(), tiles, d, m, G, N, out, bf16_of_code);
-        }
-        _tile_release();
+        std::vector<float> acc(R * 16 + 16);  // each row's 16 accumulators, 64-byte aligned below
+        float* aligned = (float*)(((uintptr_t)acc.data() + 63) & ~(uintptr_t)63);
+        for (int64_t t = t0; t < t1; ++t) dot_columns(t, R, xp, K, sums.data(), tiles, d, m, G, N, out, aligned, bf16_of_code);
     });
-#endif
     return result;
 }
 #else
