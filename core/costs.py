@@ -142,7 +142,19 @@ def cache_key(
         "draft_kernel": draft_kernel,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "kernels": kernel_sources(),
     }
+
+
+@functools.cache
+def kernel_sources() -> str:
+    """A digest of the sources of Kestrel's C++ kernels: a change to them (a
+    faster loop, another layout) changes what a pass costs, so the table is
+    measured again."""
+    from core import rowkernel
+    from models import int4, int8
+
+    return hashlib.sha256((int4.SOURCE + int8.SOURCE + rowkernel.SOURCE).encode()).hexdigest()[:16]
 
 
 def cache_file(folder: Path, key: dict) -> Path:

@@ -174,6 +174,17 @@ static inline void group_sums(const uint16_t* xp, int64_t count, float* sums) {
     }
 }
 
+// Groups ahead of the one in use whose codes, d and m dot_columns asks the caches for. The hardware
+// prefetcher alone leaves the loads waiting: on the 2-core AVX-512 EPYC a step's products took 2.9
+// -> 2.4 ms for one row and 5.7 -> 4.3 for eight with it (4 and 8 groups ahead gained less).
+constexpr int64_t PREFETCH = 16;
+
+static inline void prefetch_group(const uint8_t* tiles, const float* d, const float* m, int64_t i) {
+    for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(tiles + i * 256 + 64 * line), _MM_HINT_T0);
+    _mm_prefetch((const char*)(d + i * 16), _MM_HINT_T0);
+    _mm_prefetch((const char*)(m + i * 16), _MM_HINT_T0);
+}
+
 // The same product without the tile unit (AVX512-BF16 CPUs without AMX, or refused the tile
 // state): a group's codes for 16 columns are unpacked to bf16 once for all R rows; each row's
 // product with them is two chains of vdpbf16ps over the group's 16 element pairs (even pairs,
@@ -185,6 +196,7 @@ static void dot_columns(int64_t t, int64_t R, const uint16_t* x, int64_t K, cons
     for (int64_t r = 0; r < R; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; ++g) {
         const int64_t i = t * G + g;
+        if (i + PREFETCH < N / 16 * G) prefetch_group(tiles, d, m, i + PREFETCH);
         unpack_tile(tiles + i * 256, b, bf16_of_code);
         __m512i w[16];
         for (int p = 0; p < 16; ++p) w[p] = _mm512_load_si512(b + 32 * p);

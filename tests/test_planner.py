@@ -315,6 +315,9 @@ def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir,
     assert len(measured) == 3
     Engine(base, random_head(base.model)).prepare_costs(remeasure=True)  # bench --calibrate
     assert len(measured) == 4
+    monkeypatch.setattr(costs_module, "kernel_sources", lambda: "changed")  # an update changed Kestrel's kernels
+    Engine(base, random_head(base.model)).prepare_costs()
+    assert len(measured) == 5
     assert Engine(base, None).prepare_costs() is None  # nothing to plan without a head
 
 
