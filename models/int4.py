@@ -141,8 +141,6 @@ at::Tensor q4_linear(const at::Tensor& input, const at::Tensor& codes_t, const a
 // A row's result does not depend on the other rows of its tile (the unit computes each row alone)
 // nor on how many there are: every row gets the same operations in the same order.
 #ifdef KESTREL_DOTS
-#include <vector>
-
 // a group's codes for 16 columns (256 bytes of the tile layout) -> the B tile's 16 rows of bf16 words
 static inline void unpack_tile(const uint8_t* src, uint16_t* dst, __m512i bf16_of_code) {
     const __m512i low = _mm512_set1_epi16(0x0F);
@@ -175,17 +173,6 @@ static inline void group_sums(const uint16_t* xp, int64_t count, float* sums) {
     }
 }
 
-// Groups ahead of the one in use whose codes, d and m dot_columns asks the caches for. The hardware
-// prefetcher alone leaves the loads waiting: on the 2-core AVX-512 EPYC a step's products took 2.9
-// -> 2.4 ms for one row and 5.7 -> 4.3 for eight with it (4 and 8 groups ahead gained less).
-constexpr int64_t PREFETCH = 16;
-
-static inline void prefetch_group(const uint8_t* tiles, const float* d, const float* m, int64_t i) {
-    for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(tiles + i * 256 + 64 * line), _MM_HINT_T0);
-    _mm_prefetch((const char*)(d + i * 16), _MM_HINT_T0);
-    _mm_prefetch((const char*)(m + i * 16), _MM_HINT_T0);
-}
-
 // The same product without the tile unit (AVX512-BF16 CPUs without AMX, or refused the tile
 // state): a group's codes for 16 columns are unpacked to bf16 once for all R rows; each row's
 // product with them is two chains of vdpbf16ps over the group's 16 element pairs (even pairs,
@@ -197,7 +184,11 @@ static void dot_columns(int64_t t, int64_t R, const uint16_t* x, int64_t K, cons
     for (int64_t r = 0; r < R; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; ++g) {
         const int64_t i = t * G + g;
-        if (i + PREFETCH < N / 16 * G) prefetch_group(tiles, d, m, i + PREFETCH);
+        if (i + PREFETCH < N / 16 * G) {  // codes, d and m of a group further on (core/native.py)
+            prefetch_lines(tiles + (i + PREFETCH) * 256, 4);
+            prefetch_lines(d + (i + PREFETCH) * 16, 1);
+            prefetch_lines(m + (i + PREFETCH) * 16, 1);
+        }
         unpack_tile(tiles + i * 256, b, bf16_of_code);
         __m512i w[16];
         for (int p = 0; p < 16; ++p) w[p] = _mm512_load_si512(b + 32 * p);
@@ -311,9 +302,9 @@ at::Tensor q4_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const at
 #endif
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
         const __m512i bf16_of_code = code_table();
-        std::vector<float> acc(R * 16 + 16);  // each row's 16 accumulators, 64-byte aligned below
-        float* aligned = (float*)(((uintptr_t)acc.data() + 63) & ~(uintptr_t)63);
-        for (int64_t t = t0; t < t1; ++t) dot_columns(t, R, xp, K, sums.data(), tiles, d, m, G, N, out, aligned, bf16_of_code);
+        std::vector<float> storage;
+        float* acc = row_accumulators(storage, R);
+        for (int64_t t = t0; t < t1; ++t) dot_columns(t, R, xp, K, sums.data(), tiles, d, m, G, N, out, acc, bf16_of_code);
     });
     return result;
 }

@@ -199,20 +199,13 @@ static inline void widen_codes(const int8_t* src, uint16_t* dst) {  // 512 codes
 // Without the tile unit (AVX512-BF16 CPUs without AMX, or refused the tile state): the same
 // widened codes, each row's products with them one chain of vdpbf16ps per 16 output rows over the
 // pairs of every group in order, then times the row's scale.
-// PREFETCH: groups ahead whose codes dot_rows asks the caches for, as models/int4.py's products do
-// (on the 2-core AVX-512 EPYC, after a step's int4 products, the lm_head screen of 8 rows took
-// 1.17 -> 1.02 ms with it; 2 and 4 rows were unchanged).
-constexpr int64_t PREFETCH = 16;
-
 static void dot_rows(int64_t R, int64_t t, const uint16_t* x, int64_t K, const int8_t* tiles, const float* scales,
                      int64_t N, float* out, float* acc) {
     const int64_t G = K / 32;
     alignas(64) uint16_t b[512];
     for (int64_t r = 0; r < R; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; ++g) {
-        const int64_t ahead = t * G + g + PREFETCH;
-        if (ahead < N / 16 * G)
-            for (int line = 0; line < 8; ++line) _mm_prefetch((const char*)(tiles + ahead * 512 + 64 * line), _MM_HINT_T0);
+        if (t * G + g + PREFETCH < N / 16 * G) prefetch_lines(tiles + (t * G + g + PREFETCH) * 512, 8);  // core/native.py
         widen_codes(tiles + (t * G + g) * 512, b);
         __m512i w[16];
         for (int p = 0; p < 16; ++p) w[p] = _mm512_load_si512(b + 32 * p);
@@ -285,9 +278,9 @@ at::Tensor int8_tiles(const at::Tensor& input, const at::Tensor& tiles_t, const 
     }
 #endif
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-        std::vector<float> acc(R * 16 + 16);  // each row's 16 sums, 64-byte aligned below
-        float* aligned = (float*)(((uintptr_t)acc.data() + 63) & ~(uintptr_t)63);
-        for (int64_t t = t0; t < t1; ++t) dot_rows(R, t, xp, K, tiles, scales, N, out, aligned);
+        std::vector<float> storage;
+        float* acc = row_accumulators(storage, R);
+        for (int64_t t = t0; t < t1; ++t) dot_rows(R, t, xp, K, tiles, scales, N, out, acc);
     });
     return result;
 }
