@@ -102,13 +102,6 @@ class Continuation:
             self.offered[depth - 1] += 1
             self.accepted[depth - 1] += accepted_depth > depth
 
-    def observe_children(self, depths: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Nodes whose parents were accepted: depths (n,) >= 2, accepted (n,) bool.
-        A node at depth d tells whether a path accepted down to d - 1 went on."""
-        rows = (depths.long().cpu() - 2).clamp(0, DEPTHS - 1)
-        self.offered.index_add_(0, rows, torch.ones(len(rows), dtype=torch.float64))
-        self.accepted.index_add_(0, rows, accepted.double().cpu())
-
     def rate(self, depth: int) -> float:
         """P(the path goes on to depth + 1 | accepted down to depth), depth >= 1."""
         row = min(max(depth, 1), DEPTHS) - 1
@@ -188,9 +181,7 @@ class Calibrations:
             self.tables[key] = Calibration()
         return self.tables[key]
 
-    def continuation(self, setting: tuple, kind: str = "head") -> Continuation:
-        """How paths go deeper: the head's drafts ("head") or copied continuations ("context")."""
-        key = (kind, setting)
-        if key not in self.continuations:
-            self.continuations[key] = Continuation()
-        return self.continuations[key]
+    def continuation(self, setting: tuple) -> Continuation:
+        if setting not in self.continuations:
+            self.continuations[setting] = Continuation()
+        return self.continuations[setting]

@@ -100,7 +100,6 @@ class Planning:
     head: Calibration  # acceptance of the head's nodes by draft confidence, for this sampling setting
     context: Calibration  # acceptance of the context branch's copied nodes by prior confidence
     continuation: Continuation  # how often an accepted draft path goes one level deeper
-    copying: Continuation  # how often an accepted copied path goes on being copied
     timing: DraftTiming  # measured drafting time against the table's expansion times
 
 
@@ -111,42 +110,6 @@ class Drafted:
     head_confidence: torch.Tensor  # (N-1,) draft path probability; NaN for nodes only the context branch proposed
     context_confidence: torch.Tensor  # (N-1,) the context branch's prior; NaN for nodes it did not propose
     depths: torch.Tensor  # (N-1,) depth in the tree, from 1
-    parents: torch.Tensor  # (N-1,) tree index of each node's parent (0: the root)
-
-
-class _Candidates:
-    """A planned draft's candidate nodes, in order, before the planner picks
-    some: parallel lists, one entry per node (parents index this order, -1
-    the root)."""
-
-    def __init__(self, tokens: list[int], parents: list[int], depths: list[int], estimates: list[float], head_confidence: list[float]):
-        self.tokens, self.parents, self.depths, self.estimates = tokens, parents, depths, estimates
-        self.head_confidence = head_confidence  # NaN for nodes only the context branch proposed
-        self.context_confidence = [math.nan] * len(tokens)  # the context branch's prior; NaN where it did not propose
-
-    def graft(self, branches, copied: torch.Tensor) -> None:
-        """Add the context branch's copied continuations, sharing nodes with
-        the same token under the same parent; copied: each copied token's
-        calibrated acceptance, branch by branch (Drafter._copied_estimates)."""
-        child = {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens))}
-        copied_estimates = iter(copied.tolist())  # in the order of the branches' tokens
-        for branch in branches:
-            node = -1
-            for offset, token in enumerate(branch.tokens, start=1):
-                match = child.get((node, token))
-                if match is None:
-                    match = child[(node, token)] = len(self.tokens)
-                    self.tokens.append(token)
-                    self.parents.append(node)
-                    self.depths.append(offset)
-                    self.estimates.append(0.0)
-                    self.context_confidence.append(math.nan)
-                    self.head_confidence.append(math.nan)
-                prior = branch.confidence(offset)
-                if math.isnan(self.context_confidence[match]) or prior > self.context_confidence[match]:
-                    self.context_confidence[match] = prior
-                self.estimates[match] = max(self.estimates[match], next(copied_estimates))
-                node = match
 
 
 class Drafter:
@@ -205,7 +168,7 @@ class Drafter:
         self.drafted = None
         if self.params.planned and self.resting > 0:
             self.resting -= 1
-            return make_tree(root, *self._draft_copied())
+            return make_tree(root, [], [])
         started = time.perf_counter()  # a planned draft's time, its catch-up included as the table counts it
         self.catch_up()
         committed = self.cache.length
@@ -240,11 +203,8 @@ class Drafter:
             return
         accepted = torch.zeros(len(self.drafted.depths), dtype=torch.bool)
         accepted[[node - 1 for node in path[1:]]] = True
-        on_path = torch.cat([torch.ones(1, dtype=torch.bool), accepted])  # by tree index, the root first
-        copied = ~self.drafted.context_confidence.isnan() & (self.drafted.depths >= 2) & on_path[self.drafted.parents]
-        self.planning.copying.observe_children(self.drafted.depths[copied], accepted[copied])
-        if not self.drafted.head_confidence.isnan().all():  # how the head's paths go deeper: trees with head nodes
-            self.planning.continuation.observe(len(path) - 1, int(self.drafted.depths.max()))
+        tree_depth = int(self.drafted.depths.max()) if len(self.drafted.depths) else 0
+        self.planning.continuation.observe(len(path) - 1, tree_depth)
         for confidence, table in (
             (self.drafted.head_confidence, self.planning.head),
             (self.drafted.context_confidence, self.planning.context),
@@ -333,60 +293,47 @@ class Drafter:
             frontier = (best + first).tolist()
             frontier_scores = child_scores[best]
         head_confidence = torch.cat(scores).double().exp().tolist()
-        nodes = _Candidates(tokens, parents, torch.cat(depths).tolist(), torch.cat(levels).tolist(), head_confidence)
-        nodes.graft(branches, copied)
-        chosen, rate = self._choose(nodes, curve, spent)
-        self._rest_after(rate, curve)
-        planning.timing.observe(predicted, time.perf_counter() - started)
-        return subtree(nodes.tokens, nodes.parents, chosen)
-
-    def _draft_copied(self) -> tuple[list[int], list[int]]:
-        """While resting: no head work, only the context branch's copied
-        continuations, sized by the planner as any tree (copying costs a
-        dictionary look-up, so where a reply quotes its context, resting steps
-        still verify the copies)."""
-        if self.planning is None or not self.params.lookup_tokens:
-            return [], []
-        branches = self.index.branches(self.params.context_branches, self.params.lookup_tokens)
-        if not branches:
-            return [], []
-        nodes = _Candidates([], [], [], [], [])
-        nodes.graft(branches, self._copied_estimates(branches))
-        chosen, _ = self._choose(nodes, self.planning.costs.verify_curve(self.cache.length + sum(len(t) for _, t in self.pending)), 0.0)
-        return subtree(nodes.tokens, nodes.parents, chosen)
-
-    def _choose(self, nodes: _Candidates, curve: torch.Tensor, spent: float) -> tuple[list[int], float]:
-        """The planner's best candidates (their indices, ascending) and the
-        tree's expected rate; remembers them for calibration (`observe`)."""
-        closed = planner.closed_estimates(torch.tensor(nodes.estimates, dtype=torch.float64), nodes.parents)
+        estimates, depths = torch.cat(levels).tolist(), torch.cat(depths).tolist()
+        context_confidence = [math.nan] * len(tokens)
+        child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+        copied_estimates = iter(copied.tolist())  # in the order of the branches' tokens
+        for branch in branches:
+            node = -1
+            for offset, token in enumerate(branch.tokens, start=1):
+                match = child.get((node, token))
+                if match is None:
+                    match = child[(node, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(node)
+                    depths.append(offset)
+                    estimates.append(0.0)
+                    context_confidence.append(math.nan)
+                    head_confidence.append(math.nan)
+                prior = branch.confidence(offset)
+                if math.isnan(context_confidence[match]) or prior > context_confidence[match]:
+                    context_confidence[match] = prior
+                estimates[match] = max(estimates[match], next(copied_estimates))
+                node = match
+        closed = planner.closed_estimates(torch.tensor(estimates), parents)
         order = planner.ranked(closed)
         size, rate = planner.best_size(closed[order], curve, spent)
+        self._rest_after(rate, curve)
         chosen = sorted(order[: size - 1].tolist())
-        tree_index = {node: position + 1 for position, node in enumerate(chosen)}
         self.drafted = Drafted(
-            head_confidence=torch.tensor(nodes.head_confidence, dtype=torch.float64)[chosen],
-            context_confidence=torch.tensor(nodes.context_confidence, dtype=torch.float64)[chosen],
-            depths=torch.tensor(nodes.depths, dtype=torch.long)[chosen],
-            parents=torch.tensor([tree_index.get(nodes.parents[node], 0) for node in chosen], dtype=torch.long),
+            head_confidence=torch.tensor(head_confidence, dtype=torch.float64)[chosen],
+            context_confidence=torch.tensor(context_confidence, dtype=torch.float64)[chosen],
+            depths=torch.tensor(depths)[chosen],
         )
-        return chosen, rate
+        planning.timing.observe(predicted, time.perf_counter() - started)
+        return subtree(tokens, parents, chosen)
 
     def _copied_estimates(self, branches) -> torch.Tensor:
-        """Acceptance estimates of every copied node, branch by branch, token by
-        token: the calibrated rate for its prior, or, where higher, its parent's
-        estimate times how often accepted copies measurably go on being copied
-        (a copy that has held for a few tokens tends to hold: the table alone
-        would leave the deeper nodes of a short match unexplored, hence unlearned)."""
+        """Calibrated acceptance of every copied node, branch by branch, token by token."""
         priors = [branch.confidence(offset) for branch in branches for offset in range(1, len(branch.tokens) + 1)]
         offsets = [offset for branch in branches for offset in range(1, len(branch.tokens) + 1)]
         if not priors:
             return torch.zeros(0, dtype=torch.float64)
-        calibrated = self.planning.context.estimate(torch.tensor(priors), torch.tensor(offsets)).tolist()
-        going_on = [self.planning.copying.rate(depth) for depth in range(1, max(offsets))]
-        for node, offset in enumerate(offsets):
-            if offset > 1:
-                calibrated[node] = max(calibrated[node], calibrated[node - 1] * going_on[offset - 2])
-        return torch.tensor(calibrated, dtype=torch.float64)
+        return self.planning.context.estimate(torch.tensor(priors), torch.tensor(offsets))
 
     def _draft_static(self) -> tuple[list[int], list[int]]:
         """EAGLE-1: the fixed tree of STATIC_PATHS, filled with the head's ranked choices."""

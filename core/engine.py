@@ -257,7 +257,6 @@ class Engine:
                 self.calibrations.get("head", setting),
                 self.calibrations.get("context", setting),
                 self.calibrations.continuation(setting),
-                self.calibrations.continuation(setting, "context"),
                 self.calibrations.timing,
             )
         static = STATIC_PATHS if mode == "eagle" else None

@@ -9,7 +9,6 @@ from core import planner
 from core.calibration import Calibration, Calibrations, Continuation, DraftTiming
 from core.config import SamplingParams, TreeParams
 from core.costs import Costs
-from core.drafter import Planning
 from core.engine import Engine
 from core.lookup import ContextIndex
 from models.base import load_base
@@ -134,60 +133,6 @@ def test_continuation_learns_how_often_accepted_paths_go_deeper():
             accepted += 1
         continuation.observe(accepted, 4)
     assert [continuation.rate(depth) for depth in (1, 2, 3)] == pytest.approx([0.5, 0.5, 0.5], abs=0.05)
-
-
-def test_copy_continuation_learns_how_often_accepted_copies_go_on():
-    """Copied nodes whose parents were accepted, accepted with 0.9 at depth 2 and 0.6 deeper."""
-    copying = Continuation()
-    generator = torch.Generator().manual_seed(6)
-    depths = torch.randint(2, 9, (6000,), generator=generator)
-    accepted = torch.rand(6000, generator=generator) < torch.where(depths == 2, 0.9, 0.6)
-    copying.observe_children(depths, accepted)
-    assert copying.rate(1) == pytest.approx(0.9, abs=0.03)
-    assert [copying.rate(depth) for depth in (2, 4, 7)] == pytest.approx([0.6, 0.6, 0.6], abs=0.05)
-
-
-def test_copies_of_a_short_match_reach_as_deep_as_copies_measurably_go_on(engine64):
-    """With no acceptance measured for copied nodes yet, a two-token match's
-    prior decays fast (2/3 a token); once copies are seen to go on 95% of the
-    time, each deeper copied node keeps 95% of its parent's estimate."""
-    copying = Continuation()
-    drafter = engine64._drafter("eagle2", TreeParams(), SamplingParams())
-    drafter.planning = Planning(CPU_LIKE, Calibration(), Calibration(), Continuation(), copying, DraftTiming())
-    drafter.index.extend([1, 2, 7, 8, 30, 31, 32, 33, 34, 35, 9, 7, 8])
-    branch = drafter.index.branches(1, 16)[0]
-    assert branch.match == 2 and branch.tokens[:4] == (30, 31, 32, 33)
-    before = drafter._copied_estimates([branch])
-    assert float(before[3]) < 0.5 * float(before[0])
-    generator = torch.Generator().manual_seed(7)
-    copying.observe_children(torch.arange(2, 18).repeat(400), torch.rand(6400, generator=generator) < 0.95)
-    after = drafter._copied_estimates([branch])
-    assert float(after[0]) == pytest.approx(float(before[0]))
-    assert all(float(after[k]) >= 0.9 * float(after[k - 1]) for k in range(1, len(after)))
-
-
-def test_resting_steps_still_verify_what_the_context_repeats(engine64, monkeypatch):
-    """Where the head's work never pays (a draft costs ten one-node passes) but
-    nodes are cheap, steps rest from the head yet verify copied
-    continuations: no head forward, more than one node; the output is vanilla's."""
-    engine64.costs, engine64.calibrations = table(per_node=1e-4, expand=0.05, overhead=0.05), Calibrations()
-    head, forwards = engine64.draft_head, [0]
-    original = head.forward
-
-    def counted(*args, **kwargs):
-        forwards[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(head, "forward", counted)
-    sampling = SamplingParams(max_new_tokens=60)
-    prompt = [8, 9, 10, 11, 12, 13, 14, 15, 16, 17] * 3
-    steps, head_work = [], []
-    for step in engine64.stream(prompt, "eagle2", sampling):
-        head_work.append(forwards[0] - sum(head_work))
-        steps.append(step)
-    copied = [step for step, work in zip(steps[1:], head_work[1:]) if work == 0 and step.tree_size > 1]
-    assert copied and any(step.accepted > 0 for step in copied), [(step.tree_size, step.accepted) for step in steps]
-    assert tokens_of(steps) == tokens_of(engine64.stream(prompt, "vanilla", sampling))
 
 
 def test_planned_steps_skip_the_head_where_drafting_does_not_pay(engine64, monkeypatch):
