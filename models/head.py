@@ -91,6 +91,9 @@ class HeadConfig:
         )
 
 
+FOLDED_ROWS = 16  # query rows up to which HeadCache.attend folds grouped heads into rows
+
+
 class HeadCache:
     """Keys and values of the head's single layer: committed positions first,
     then (during drafting) drafted ones, which `crop` discards."""
@@ -120,9 +123,18 @@ class HeadCache:
         query (B, heads, T, D) -> (B, heads, T, D). mask None: plain causal
         attention over an empty cache (a prefill)."""
         keys, values = self.append(keys, values)
-        return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=keys.shape[1] != query.shape[1]
-        )
+        batch, heads, rows, size = query.shape
+        group = heads // keys.shape[1]
+        if mask is None or rows > FOLDED_ROWS:
+            return F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1
+            )
+        # drafting's few rows: the query heads that share a key head as rows of one query, the
+        # same attention, on CPUs several times faster than sdpa's grouped path for one row (over
+        # 300 keys in bf16: 41 against 135 us; 3 rows 55 against 65, 6 rows 75 against 75)
+        folded = query.reshape(batch, heads // group, group * rows, size)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.expand(batch, -1, -1, -1).repeat(1, 1, group, 1))
+        return out.reshape(batch, heads, rows, size)
 
 
 class RMSNorm(nn.Module):
