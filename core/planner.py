@@ -53,10 +53,20 @@ def rates(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent: flo
 
 def best_size(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent: float) -> tuple[int, float]:
     """-> (n, rate): the node count (root included) of the highest expected
-    rate, the smallest such n among equals."""
-    curve = rates(sorted_estimates, verify_curve, spent)
-    best = int(torch.argmax(curve))  # argmax returns the first maximum
-    return best + 1, float(curve[best])
+    rate, the smallest such n among equals (`rates`, in Python floats: a
+    draft asks this a few times, over a few dozen values, where each torch
+    call on so small a tensor costs more than the arithmetic)."""
+    return _best(sorted_estimates.tolist(), verify_curve.tolist(), spent)
+
+
+def _best(estimates: list[float], curve: list[float], spent: float) -> tuple[int, float]:
+    best, best_rate, expected = 1, 1.0 / (spent + curve[0]), 1.0
+    for n in range(2, min(len(curve), len(estimates) + 1) + 1):
+        expected += estimates[n - 2]
+        rate = expected / (spent + curve[n - 1])
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best, best_rate
 
 
 def worth_deepening(
@@ -74,7 +84,7 @@ def worth_deepening(
     this is an upper bound: if that does not pay, no real level can."""
     if len(child_estimates) == 0:
         return False
-    _, now = best_size(sorted_estimates, verify_curve, spent)
-    hoped = torch.sort(torch.cat([sorted_estimates.double(), child_estimates.double()]), descending=True).values
-    _, deeper = best_size(hoped, verify_curve, spent + expand_seconds)
+    have, curve = sorted_estimates.tolist(), verify_curve.tolist()
+    _, now = _best(have, curve, spent)
+    _, deeper = _best(sorted(have + child_estimates.tolist(), reverse=True), curve, spent + expand_seconds)
     return deeper > now
