@@ -37,25 +37,14 @@ def ranked(estimates: torch.Tensor) -> torch.Tensor:
     return torch.sort(-estimates.double(), stable=True).indices
 
 
-def rates(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent: float) -> torch.Tensor:
-    """rate(n) for n = 1 .. len(verify_curve): expected committed tokens per
-    second with the root and the best n - 1 candidates. verify_curve[n-1] is
-    the seconds of an n-node pass; sorted_estimates are descending."""
-    largest = len(verify_curve)
-    gains = torch.zeros(largest, dtype=torch.float64)
-    count = min(largest - 1, len(sorted_estimates))
-    gains[1 : count + 1] = sorted_estimates[:count].double()
-    expected = 1 + gains.cumsum(0)
-    if count + 1 < largest:  # no candidates for bigger trees: they cannot be chosen
-        expected[count + 1 :] = 0
-    return expected / (spent + verify_curve.double())
-
-
 def best_size(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent: float) -> tuple[int, float]:
     """-> (n, rate): the node count (root included) of the highest expected
-    rate, the smallest such n among equals (`rates`, in Python floats: a
-    draft asks this a few times, over a few dozen values, where each torch
-    call on so small a tensor costs more than the arithmetic)."""
+    rate(n) = E[tokens](n) / (spent + verify_curve[n-1]), the smallest such n
+    among equals, with the root and the best n - 1 candidates (sorted_estimates
+    are descending; n runs up to len(verify_curve), and no further than the
+    candidates go). In Python floats: a draft asks this a few times, over a few
+    dozen values, where each torch call on so small a tensor costs more than
+    the arithmetic."""
     return _best(sorted_estimates.tolist(), verify_curve.tolist(), spent)
 
 
