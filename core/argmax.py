@@ -133,29 +133,42 @@ class ScreenedArgmax:
             return [Rough(row, float(error)) for row, error in zip(logits, rounding.tolist())]
         return [Rough(row, 0.0) for row in self.rows(hidden)]
 
-    def resolve(self, hidden: torch.Tensor, screened: Rough) -> int:
-        """The exact argmax for one row: hidden (H,) and its screen.
-        The best CANDIDATES by rough logit are computed exactly; every other
+    def resolve(self, hidden: torch.Tensor, screened: Rough, gumbel: torch.Tensor | None = None, temperature: float = 1.0) -> int:
+        """The exact argmax for one row: hidden (H,) and its screen. With
+        `gumbel` (V,) float64 noise, the exact argmax of logits / temperature
+        + gumbel instead: a sample of softmax(logits / temperature) (the
+        Gumbel-max trick), screened the same way, since dividing by the
+        temperature divides the bound and the noise is known exactly.
+        The best CANDIDATES by rough score are computed exactly; every other
         token whose bound still reaches their best (a near-tie, or flat
         logits) is computed exactly too, and the first of the highest wins,
         as in argmax. A token left out is strictly below the best."""
         rough, rounding = screened
         hidden = hidden.to(self.exact_dtype)
-        values, indices = int8.top_k(rough[None], min(CANDIDATES + 1, len(rough)))
+        scale = 1.0 if gumbel is None else 1.0 / temperature
+        # the rough scores in float64 where noise is added; ranked in float32, whose rounding
+        # (at most 2^-24 of a value) the early exit below allows for
+        scores = rough if gumbel is None else rough.double() * scale + gumbel[: len(rough)]
+        ranked = scores.float()
+        values, indices = int8.top_k(ranked[None], min(CANDIDATES + 1, len(rough)))
         candidates = indices[0, :CANDIDATES]  # (k,)
-        exact = self._exact(candidates, hidden)  # (k,)
+        exact = self._scores(candidates, hidden, gumbel, scale)  # (k,)
         best = exact.max()
         norm = float(hidden.norm())
         if not self.output_rounding and values.shape[1] > CANDIDATES:
-            # every other token's ceiling is at most the next rough logit plus the largest bound
-            largest = self.largest_bound * norm + self.largest_rounding_bound * rounding + self.absolute
-            if float(values[0, CANDIDATES]) + largest < float(best):
+            # every other token's ceiling is at most the next rough score plus the largest bound
+            largest = (self.largest_bound * norm + self.largest_rounding_bound * rounding + self.absolute) * scale
+            following = float(values[0, CANDIDATES])
+            if gumbel is not None:
+                following += abs(following) * 2.0**-22
+            if following + largest < float(best):
                 return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax
-        ceiling = rough + self.row_bounds * norm + self.absolute
+        bound = self.row_bounds * norm + self.absolute
         if rounding:
-            ceiling += self.rounding_bounds * rounding
+            bound += self.rounding_bounds * rounding
         if self.output_rounding:
-            ceiling += self.output_rounding * rough.abs()
+            bound += self.output_rounding * rough.abs()
+        ceiling = scores + bound if gumbel is None else scores + bound.double() * scale
         ceiling[candidates] = float("-inf")
         if float(ceiling.max()) < float(best):
             return int(candidates[exact == best].min())  # exact ties go to the first index, as in argmax
@@ -163,10 +176,22 @@ class ScreenedArgmax:
         if rounding and len(others) > INTEGER_CONTENDERS:
             # flat logits, where the rounded features' bound leaves thousands of tokens (a random
             # context's do): the float32 screen's tighter bound leaves few, for one more product
-            return self.resolve(hidden, Rough(self.rows(hidden[None])[0], 0.0))
+            return self.resolve(hidden, Rough(self.rows(hidden[None])[0], 0.0), gumbel, temperature)
         contenders = torch.cat([candidates, others])
-        exact = torch.cat([exact, self._exact(contenders[len(candidates) :], hidden)])
+        exact = torch.cat([exact, self._scores(contenders[len(candidates) :], hidden, gumbel, scale)])
         return int(contenders[exact == exact.max()].min())
+
+    def sample(self, hidden: torch.Tensor, gumbels: list[torch.Tensor], temperature: float) -> list[int]:
+        """hidden (m, H), one (V,) float64 noise per row -> each row's exact
+        argmax(logits / temperature + noise): a sample of softmax(logits /
+        temperature) (only where `enabled`)."""
+        rough = self.screen(hidden)
+        return [self.resolve(row, screened, noise, temperature) for row, screened, noise in zip(hidden, rough, gumbels)]
+
+    def _scores(self, tokens: torch.Tensor, hidden: torch.Tensor, gumbel: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """The exact logits of `tokens`, or with `gumbel` their exact scores logits * scale + noise in float64."""
+        exact = self._exact(tokens, hidden)
+        return exact if gumbel is None else exact.double() * scale + gumbel[tokens]
 
     def _exact(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of `tokens` in the model's precision (float32 for bf16 weights), a slice at a time."""

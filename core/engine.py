@@ -28,7 +28,7 @@ from core.sampling import Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
 from core.tree_check import rows_differing, tree_problem
-from core.verify import NodeArgmax, NodeLogits, NodeSample, accept, base_forward, logits_of, next_logits, verify_tree
+from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logits_of, next_logits, verify_tree
 from models import int4, int8
 from models.base import LoadedModel
 from models.bundled import cache_root
@@ -278,7 +278,11 @@ class _Run:
         self.cache = kv_cache.new_cache(self.model)
         self.device = self.model.get_input_embeddings().weight.device
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
-        self.noise = Noise(seed, engine.model.get_output_embeddings().weight.shape[0], self.device)
+        vocabulary = engine.model.get_output_embeddings().weight.shape[0]
+        self.noise = Noise(seed, vocabulary, self.device)
+        # sampling over the whole vocabulary from the screened lm_head (verify.NodeGumbel)
+        whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary
+        self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled
         self.recorder = Recorder()
         self.detokenizer = Detokenizer(engine.base.tokenizer)
         self.committed = 0  # tokens in the base cache
@@ -293,6 +297,8 @@ class _Run:
         features, head_features = self._forward(lambda: base_forward(self.model, tokens, positions, None, self.cache))
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]
+        elif self.screened_sampling:
+            self.root = self.engine.argmax.sample(features[-1:], [self.noise.at(len(tokens))], self.sampling.temperature)[0]
         else:
             logits = logits_of(self.model, features[-1:])[0]
             self.root = sample(probabilities(logits, self.sampling), self.noise.at(len(tokens)))
@@ -311,6 +317,9 @@ class _Run:
         features, head_features = self._forward(lambda: verify_tree(self.model, tree, self.committed, self.cache))
         if self.sampling.greedy:
             path, bonus = accept(tree, NodeArgmax(self.engine.argmax, features, tree))
+        elif self.screened_sampling:
+            choice = NodeGumbel(self.engine.argmax, features, tree, self.sampling.temperature, self.noise, self.committed)
+            path, bonus = accept(tree, choice)
         else:
             logits = NodeLogits(self.model, features, tree)
             path, bonus = accept(tree, NodeSample(logits, tree, self.sampling, self.noise, self.committed))

@@ -137,3 +137,37 @@ def test_exact_argmax_of_half_precision_keeps_the_first_of_tied_maxima():
         rows = logits.to(dtype)
         assert exact_argmax(rows).tolist() == [300] * 16
         assert exact_argmax(rows).tolist() == rows.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-kernel", "torch-kernel"])
+def test_screened_sampling_is_the_gumbel_argmax_of_the_exact_logits(own, monkeypatch):
+    """argmax(logits / T + g) from the screen equals the one from the whole
+    product, at low and high temperatures, with noise that makes every token
+    a near-tie (the bound then leaves them all to be computed exactly)."""
+    if own and not int8.own_kernel():
+        pytest.skip("Kestrel's int8 kernel is not built here")
+    if not own and not int8.kernel_available(torch.device("cpu")):
+        pytest.skip("torch's int8 kernel is missing here")
+    monkeypatch.setattr(int8, "own_kernel", lambda: own)
+    monkeypatch.setattr(int8, "available", int8.kernel_available)
+    generator = torch.Generator().manual_seed(3)
+    dtypes = (torch.float32, torch.bfloat16) if own else (torch.float32,)
+    for dtype in dtypes:
+        lm_head = torch.nn.Linear(64, 600, bias=False).to(dtype)
+        with torch.no_grad():
+            lm_head.weight.copy_(torch.randn(600, 64, generator=generator))
+        screen = ScreenedArgmax(lm_head)
+        assert screen.enabled and screen.own == own
+        hidden = torch.randn(40, 64, generator=generator).to(dtype)
+        # the logits resolve computes exactly (float32 products of the stored values), for every token
+        exact = torch.stack([screen._exact(torch.arange(600), row.to(screen.exact_dtype)) for row in hidden])
+        assert torch.allclose(exact, hidden.float() @ lm_head.weight.float().T, rtol=1e-5, atol=1e-5)
+        for temperature in (0.3, 1.0, 1.7):
+            gumbels = [-torch.log(-torch.log(torch.rand(600, generator=generator, dtype=torch.float64))) for _ in hidden]
+            expected = [int(torch.argmax(row.double() / temperature + g)) for row, g in zip(exact, gumbels)]
+            assert screen.sample(hidden, gumbels, temperature) == expected
+            assert len(set(expected)) > 10  # the noise moved the choice off the argmax
+        # every token within 1e-9 of the best score: all of them go to the exact product
+        flat = [-(row.double() / 1.0) + 1e-9 * torch.rand(600, generator=generator, dtype=torch.float64) for row in exact]
+        expected = [int(torch.argmax(row.double() + g)) for row, g in zip(exact, flat)]
+        assert screen.sample(hidden, flat, 1.0) == expected

@@ -421,3 +421,19 @@ def test_kestrels_top_k_equals_torch_topk_with_ties_to_the_first_index():
         assert indices[0, :2].tolist() == [3, 7]
         if rows > 1:
             assert indices[-1, : min(k, 100)].tolist() == list(range(100, 100 + min(k, 100)))
+
+
+@needs_kernel
+def test_sampled_eagle2_equals_vanilla_for_one_seed_through_the_screened_lm_head(bundled_auto):
+    """Sampling over the whole vocabulary takes the screened lm_head (no full
+    product per node); with one seed every mode writes the same reply, and
+    another seed another reply."""
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    replies = {}
+    for seed in (3, 4):
+        sampling = SamplingParams(temperature=0.8, max_new_tokens=48, seed=seed)
+        for mode in ("vanilla", "eagle2"):
+            replies[(mode, seed)] = [t for step in bundled_auto.chat(messages, mode, sampling) for t in step.token_ids]
+    assert replies[("vanilla", 3)] == replies[("eagle2", 3)] and len(replies[("vanilla", 3)]) > 20
+    assert replies[("vanilla", 4)] == replies[("eagle2", 4)]
+    assert replies[("vanilla", 3)] != replies[("vanilla", 4)]
