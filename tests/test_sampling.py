@@ -67,3 +67,23 @@ def test_invalid_params_are_named():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05], ids=["peaked", "flat"])
+def test_top_p_over_the_largest_probabilities_equals_the_rule_over_a_full_sort(scale):
+    """The nucleus ranks only as many of the largest probabilities as it needs
+    (a flat distribution makes it rank more, up to the whole vocabulary); it
+    keeps and renormalises the same tokens as a full descending sort."""
+    generator = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        logits = (torch.randn(3, 5000, generator=generator) * scale).to(dtype)
+        for top_p in (0.3, 0.9, 0.999):
+            probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p))
+            full = torch.softmax(logits, dim=-1)
+            ranked, order = torch.sort(full, dim=-1, descending=True)
+            before = torch.cumsum(ranked, dim=-1) - ranked
+            expected = torch.zeros_like(full).scatter(-1, order, ranked.masked_fill(before >= top_p, 0.0))
+            expected = expected / expected.sum(dim=-1, keepdim=True)
+            assert torch.equal(probs > 0, expected > 0)
+            assert torch.allclose(probs, expected, rtol=1e-5, atol=0)
+            assert torch.allclose(probabilities(logits[1], SamplingParams(temperature=1.0, top_p=top_p)), probs[1])
