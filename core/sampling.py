@@ -37,7 +37,8 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     largest probabilities are ranked, as many as it takes: the first token
     that is dropped is among them once their mass before the last reaches
     top_p, and every token after it is dropped too (sorting a whole 49k
-    vocabulary took 3.1 ms on the reference CPU, the 64 largest a few us)."""
+    vocabulary took 3.1 ms on the AVX512-BF16 EPYC, ranking the 64 largest
+    about a tenth of that)."""
     vocabulary = probs.shape[-1]
     count = min(NUCLEUS_FIRST, vocabulary)
     while True:
