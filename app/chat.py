@@ -131,6 +131,7 @@ class ChatHandlers:
     def __init__(self, runtime: Runtime, store: Store):
         self.runtime = runtime
         self.store = store
+        self.exports: tempfile.TemporaryDirectory | None = None  # one folder for every export, removed at exit
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
         """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot, calibration plot."""
@@ -287,10 +288,14 @@ class ChatHandlers:
         return [], new_chat(chat.get("system", "")), gr.update(choices=chat_choices(self.store), value=None)
 
     def export(self, chat: dict) -> list[str] | None:
-        """The chat as Markdown and JSON files, for download."""
+        """The chat as Markdown and JSON files, for download. Gradio serves a
+        copy of them from its own cache, so one folder holds every export
+        (a chat exported again replaces its files) and goes when the app ends."""
         if not chat or not chat["messages"]:
             return None
-        folder = Path(tempfile.mkdtemp(prefix="kestrel-export-"))
+        if self.exports is None or not Path(self.exports.name).is_dir():  # a temp cleaner may remove it while the app runs
+            self.exports = tempfile.TemporaryDirectory(prefix="kestrel-export-")
+        folder = Path(self.exports.name)
         markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
         markdown.write_text(to_markdown(chat), encoding="utf-8")
         data.write_text(to_json(chat), encoding="utf-8")

@@ -59,9 +59,9 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
                         with gr.Accordion("Saved chats", open=False):
                             chats = gr.Dropdown(label="Open a saved chat", choices=[], elem_id="chats")
                             with gr.Row():
-                                export = gr.Button("Export (Markdown + JSON)", size="sm")
+                                export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
                                 delete = gr.Button("Delete this chat", size="sm", variant="stop")
-                            exported = gr.File(label="Exported files", file_count="multiple", interactive=False)
+                            exported = gr.File(label="Exported files", file_count="multiple", interactive=False, elem_id="exported")
                     with gr.Column(scale=2):
                         stats = gr.HTML(render.stats_html(None, 0, None), elem_id="stats")
                         depth_plot = gr.BarPlot(

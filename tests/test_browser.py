@@ -3,6 +3,7 @@ Compare, HTML escaping, and a screenshot of each tab in test-artifacts/."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -125,6 +126,26 @@ def test_user_and_model_text_is_escaped(page):
     page.locator("#chatbot").get_by_text("<script>window.kestrelInjected", exact=False).wait_for(timeout=15_000)
     assert page.evaluate("window.kestrelInjected") is None
     assert page.locator("#chatbot b:has-text('not bold')").count() == 0
+
+
+def test_export_downloads_markdown_and_json(page):
+    settings(page, 4)
+    page.locator("#new-chat").click()
+    page.wait_for_function("!document.querySelector('#chatbot').innerText.includes('w1')")
+    send(page, "w4 w5")
+    page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+    page.get_by_text("Saved chats").click()
+    page.locator("#export").click()
+    links = page.locator("#exported a[href]")
+    links.nth(1).wait_for(timeout=15_000)
+    bodies = {}
+    for index in range(links.count()):
+        href = links.nth(index).get_attribute("href")
+        response = page.request.get(href if href.startswith("http") else page.url.rstrip("/") + "/" + href.lstrip("/"))
+        assert response.ok, f"{href}: {response.status}"
+        bodies[href.rsplit(".", 1)[-1]] = response.text()
+    assert "**User:**\n\nw4 w5" in bodies["md"]
+    assert [message["content"] for message in json.loads(bodies["json"])["messages"]][0] == "w4 w5"
 
 
 def test_compare_shows_both_panes_and_verdict(page):

@@ -8,6 +8,7 @@ import os
 import stat
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -247,6 +248,14 @@ def test_export_markdown_and_json(handlers):
     chat = list(handlers.send("w1", new_chat(), "w2", *values(max_new_tokens=4)))[-1][2]
     markdown, data = handlers.export(chat)
     assert "**User:**" in open(markdown).read()
+    assert json.loads(open(data).read())["messages"] == chat["messages"]
+    other = list(handlers.send("w3", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    again = handlers.export(other)
+    assert Path(again[0]).parent == Path(markdown).parent and Path(again[0]).name != Path(markdown).name
+    folder = Path(markdown).parent
+    handlers.exports.cleanup()  # what happens when the app ends
+    assert not folder.exists()
+    markdown, data = handlers.export(chat)  # a folder removed under a running app is made again
     assert json.loads(open(data).read())["messages"] == chat["messages"]
 
 
