@@ -35,7 +35,8 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
     library = LibraryHandlers(runtime, Path(store_dir) / "heads")
     defaults, tree = default_settings(), TreeParams()
 
-    with gr.Blocks(title="Kestrel", analytics_enabled=False) as demo:
+    # Gradio's copies of exported files: those a day old go daily, all of them when the app restarts
+    with gr.Blocks(title="Kestrel", analytics_enabled=False, delete_cache=(86400, 86400)) as demo:
         chat_state = gr.State(None)
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
