@@ -1,5 +1,6 @@
 """The app in a real headless Chromium: chat streaming with live stats,
-Compare, HTML escaping, and a screenshot of each tab in test-artifacts/."""
+exports downloaded through the page, Compare, HTML escaping, and a
+screenshot of each tab in test-artifacts/."""
 
 from __future__ import annotations
 
