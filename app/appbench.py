@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,9 @@ def run_app_bench(
     """One row per (way, mode, round): tokens, the tokens/s that way reports
     and its ratio to the chat command of the same round. Each round runs every
     way right after the chat command, so that the machine's drift over minutes
-    touches the ratio little; the server idles while the chat command runs."""
+    touches the ratio little; the server idles while the chat command runs.
+    The server's data folder (its chats and log) is removed after a run that
+    finished, and kept, with its log, after one that failed."""
     environment = {**os.environ, "KESTREL_DATA_DIR": tempfile.mkdtemp(prefix="kestrel-bench-app-")}
     log = Path(environment["KESTREL_DATA_DIR"]) / "server.log"
     with open(log, "w") as output:
@@ -66,6 +69,7 @@ def run_app_bench(
     finally:
         server.terminate()
         server.wait(30)
+    shutil.rmtree(environment["KESTREL_DATA_DIR"], ignore_errors=True)
     return rows
 
 
