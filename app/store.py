@@ -82,7 +82,7 @@ class Store:
         write_atomic(self.chat_path(chat["id"]), json.dumps(chat, indent=1, ensure_ascii=False))
 
     def load_chat(self, chat_id: str) -> dict | None:
-        return self._read(self.chat_path(chat_id))
+        return as_chat(self._read(self.chat_path(chat_id)), chat_id)
 
     def delete_chat(self, chat_id: str) -> None:
         self.chat_path(chat_id).unlink(missing_ok=True)
@@ -91,9 +91,9 @@ class Store:
         """(id, title, updated) of every readable chat, newest first."""
         chats = []
         for path in (self.folder / CHATS_FOLDER).glob("*.json"):
-            chat = self._read(path)
-            if chat and "messages" in chat:
-                chats.append({"id": chat["id"], "title": chat.get("title") or "New chat", "updated": chat["updated"]})
+            chat = as_chat(self._read(path), path.stem)
+            if chat is not None:
+                chats.append({"id": chat["id"], "title": chat["title"] or "New chat", "updated": chat["updated"]})
         return sorted(chats, key=lambda chat: chat["updated"], reverse=True)
 
     @staticmethod
@@ -105,6 +105,28 @@ class Store:
         except (OSError, ValueError):
             return None
         return value if isinstance(value, dict) else None
+
+
+def as_chat(value: dict | None, chat_id: str) -> dict | None:
+    """A stored chat with every field the app reads, or None when its messages
+    are not a list of {role, content} strings. The file's name is its id;
+    fields it lacks (a file edited by hand, or from an older version) get
+    new_chat's defaults, and a missing time sorts it last."""
+    if value is None:
+        return None
+    messages = value.get("messages")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        return None
+    chat = {**new_chat(), "created": 0.0, "updated": 0.0, **value, "id": chat_id}
+    for key, kind, default in (("title", str, ""), ("system", str, ""), ("updated", (int, float), 0.0), ("created", (int, float), 0.0)):
+        if not isinstance(chat[key], kind):
+            chat[key] = default
+    session = chat["session"]
+    if not (isinstance(session, dict) and all(isinstance(session.get(k), int) for k in ("tokens", "forwards"))):
+        chat["session"] = {"tokens": 0, "forwards": 0}
+    return chat
 
 
 def to_markdown(chat: dict) -> str:

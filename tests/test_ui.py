@@ -165,6 +165,20 @@ def test_damaged_chat_file_is_skipped(store):
     store.chat_path("broken").parent.mkdir(parents=True)
     store.chat_path("broken").write_text("{not json")
     assert store.list_chats() == [] and store.load_chat("broken") is None
+    store.chat_path("odd").write_text(json.dumps({"messages": [{"role": "user"}]}))  # a message without content
+    assert store.list_chats() == [] and store.load_chat("odd") is None
+
+
+def test_chat_file_lacking_fields_loads_with_defaults(store, handlers):
+    store.chat_path("by-hand").parent.mkdir(parents=True, exist_ok=True)
+    store.chat_path("by-hand").write_text(json.dumps({"messages": [{"role": "user", "content": "Hello"}], "session": None}))
+    assert store.list_chats() == [{"id": "by-hand", "title": "New chat", "updated": 0.0}]
+    chat = store.load_chat("by-hand")
+    assert chat["id"] == "by-hand" and chat["system"] == "" and chat["session"] == {"tokens": 0, "forwards": 0}
+    shown, opened, system, _ = handlers.open("by-hand", new_chat(), True)
+    assert opened["id"] == "by-hand" and system == "" and "Hello" in str(shown)
+    store.save_chat(chat)  # saved back whole, under the same name
+    assert store.load_chat("by-hand")["title"] == "Hello"
 
 
 def test_model_text_is_html_escaped():
