@@ -4,6 +4,7 @@ directly); app/ui.py wires them to components."""
 from __future__ import annotations
 
 import copy
+import math
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,24 @@ def default_settings() -> dict:
         "max_new_tokens": sampling.max_new_tokens, "seed": -1, "total_tokens": tree.total_tokens,
         "depth": tree.depth, "tree_top_k": tree.top_k, "colour": True, "system": "",
     }  # fmt: skip
+
+
+def restored_settings(saved: dict) -> dict:
+    """The defaults, with each saved value of its setting's kind (a number for
+    a number, a bool for a switch, text for text): a settings file edited by
+    hand or from another version cannot put text into a slider."""
+    settings = default_settings()
+    for name, default in settings.items():
+        value = saved.get(name)
+        if isinstance(default, bool):
+            fits = isinstance(value, bool)
+        elif isinstance(default, (int, float)):
+            fits = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else:
+            fits = isinstance(value, type(default))
+        if fits:
+            settings[name] = value
+    return settings
 
 
 @dataclass(frozen=True)
@@ -319,7 +338,7 @@ class ChatHandlers:
     def restore(self) -> tuple:
         """At page load: saved settings and the latest chat.
         Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats."""
-        settings = {**default_settings(), **self.store.load_settings()}
+        settings = restored_settings(self.store.load_settings())
         modes = self.runtime.modes or ("vanilla",)
         mode = settings["mode"] if settings["mode"] in modes else modes[-1]
         latest = next(iter(self.store.list_chats()), None)

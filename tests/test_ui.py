@@ -133,6 +133,21 @@ def test_history_and_settings_survive_a_restart(engine, store, handlers):
     assert chatbot[0]["content"] == "w7 w8"
 
 
+def test_saved_settings_of_the_wrong_kind_fall_back_to_defaults(engine, store):
+    store.folder.mkdir(parents=True, exist_ok=True)
+    (store.folder / "settings.json").write_text(
+        '{"temperature": "hot", "top_p": NaN, "colour": 1, "seed": true, "max_new_tokens": 64, "system": 5}'
+    )
+    restored = ChatHandlers(Runtime(engine), Store(store.folder)).restore()
+    controls = dict(zip(SETTINGS, restored[: len(SETTINGS)]))
+    defaults = default_settings()
+    assert controls["max_new_tokens"] == 64
+    assert [controls[name] for name in ("temperature", "top_p", "colour", "seed")] == [
+        defaults[name] for name in ("temperature", "top_p", "colour", "seed")
+    ]
+    assert restored[len(SETTINGS)] == ""  # the system prompt
+
+
 def test_settings_saved_when_changed(handlers, store):
     handlers.remember("w3", *values(temperature=1.2, depth=3))
     assert store.load_settings()["temperature"] == 1.2 and store.load_settings()["system"] == "w3"
