@@ -280,9 +280,10 @@ class _Run:
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
         vocabulary = engine.model.get_output_embeddings().weight.shape[0]
         self.noise = Noise(seed, vocabulary, self.device)
-        # sampling over the whole vocabulary from the screened lm_head (verify.NodeGumbel)
+        # sampling over the whole vocabulary from the screened lm_head (verify.NodeGumbel); a
+        # temperature so small that logits / temperature leave float32's range takes the full product
         whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary
-        self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled
+        self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and sampling.temperature >= 1e-30
         self.recorder = Recorder()
         self.detokenizer = Detokenizer(engine.base.tokenizer)
         self.committed = 0  # tokens in the base cache
@@ -366,13 +367,13 @@ class _Run:
     def _emit(self, tokens: list[int], accepted: int, tree_size: int, tree_depth: int, times) -> Step:
         """Cut `tokens` at a stop token or the token budget and make the Step."""
         budget = self.sampling.max_new_tokens - self.recorder.tokens
+        tokens = tokens[:budget]  # first: a stop token past the budget ends no reply (vanilla never reaches it)
         for index, token in enumerate(tokens):
             if token in self.engine.stop_ids:
                 tokens, self.finish_reason = tokens[: index + 1], "stop"
                 break
-        if len(tokens) >= budget:
-            tokens = tokens[:budget]
-            self.finish_reason = self.finish_reason or "length"
+        if self.finish_reason is None and len(tokens) >= budget:
+            self.finish_reason = "length"
         if self.finish_reason is None and self.committed + 1 >= self.engine.context_limit:
             self.finish_reason = "context"
         accepted = min(accepted, len(tokens))

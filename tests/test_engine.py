@@ -65,6 +65,21 @@ def test_speculative_greedy_equals_vanilla(engine64, tree):
     assert accepted > 0  # drafts were accepted, so acceptance paths were exercised
 
 
+def test_a_stop_token_past_the_token_budget_does_not_end_the_reply_as_stopped(engine64):
+    """A tree step can accept more tokens than the budget has left; a stop token
+    among the cut-off ones must not turn "length" into "stop" (vanilla would
+    not reach it)."""
+    from core.engine import _Run
+
+    stop = next(iter(engine64.stop_ids))
+    run = _Run(engine64, [8, 9, 10], None, SamplingParams(max_new_tokens=2))
+    step = run._emit([20, 21, stop], accepted=2, tree_size=4, tree_depth=2, times=(0.0, 0.0))
+    assert step.token_ids == (20, 21) and step.finish_reason == "length"
+    run = _Run(engine64, [8, 9, 10], None, SamplingParams(max_new_tokens=2))
+    step = run._emit([20, stop, 21], accepted=2, tree_size=4, tree_depth=2, times=(0.0, 0.0))
+    assert step.token_ids == (20, stop) and step.finish_reason == "stop"
+
+
 def test_self_check_accepts_each_tested_architecture(engine64):
     from core.tree_check import tree_mismatch
 
