@@ -17,8 +17,11 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits (..., V) -> probabilities (..., V) in float32 or wider.
 
     Temperature first, then top-k, then top-p over what is left."""
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits = logits.to(dtype) / params.temperature
+    # float64 where the temperature is below float32's range; the largest logit
+    # is subtracted first, so a tiny temperature sends the others to -inf, not to inf - inf
+    wide = logits.dtype == torch.float64 or params.temperature < 1e-30
+    logits = logits.to(torch.float64 if wide else torch.float32)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -50,7 +53,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         if count == vocabulary or bool((before[..., -1] >= top_p).all()):
             break
         count = min(count * 4, vocabulary)
-    kept = ranked.masked_fill(before >= top_p, 0.0)
+    dropped = before >= top_p
+    dropped[..., 0] = False  # the first stays, however small top_p is (it may round to 0 here)
+    kept = ranked.masked_fill(dropped, 0.0)
     probs = torch.zeros_like(probs).scatter(-1, order, kept)
     return probs / probs.sum(dim=-1, keepdim=True)
 

@@ -33,6 +33,20 @@ def test_top_p_always_keeps_the_first_token():
     assert probs[0] == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1e-40), SamplingParams(temperature=5e-324, top_k=3), SamplingParams(temperature=1.0, top_p=1e-46),
+     SamplingParams(temperature=1e-40, top_p=0.9)],
+)  # fmt: skip
+def test_a_vanishing_temperature_or_top_p_keeps_the_most_likely_token(params, dtype):
+    """Values that underflow (a temperature or top-p below float32's range)
+    still give the argmax, not NaN probabilities."""
+    logits = torch.tensor([[30.0, 31.5, -2.0, 31.0], [-5.0, -4.0, -9.0, -4.5]]).to(dtype)
+    probs = probabilities(logits, params)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=probs.dtype))
+
+
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.3, top_p=0.8)],
