@@ -44,8 +44,10 @@ class ApiError(Exception):
         kind = ERROR_TYPES.get(self.status, "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> Response:
+        """JSON with non-ASCII characters escaped: a message may quote the
+        request's own text, which can hold what UTF-8 cannot encode."""
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json")
 
 
 class StopScanner:
@@ -132,9 +134,9 @@ class Api:
 
     def router(self) -> APIRouter:
         router = APIRouter()
-        router.add_api_route("/health", self.health, methods=["GET"])
-        router.add_api_route("/v1/models", self.models, methods=["GET"])
-        router.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+        router.add_api_route("/health", self.health, methods=["GET", "HEAD"])  # HEAD: health checks such as wget --spider
+        router.add_api_route("/v1/models", self.models, methods=["GET", "HEAD"])
+        router.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET", "HEAD"])
         router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         router.add_api_route("/v1/completions", self.completions, methods=["POST"])
         return router
@@ -150,14 +152,14 @@ class Api:
             return JSONResponse({"status": "no_model", "queue": queue}, status_code=503)
         return JSONResponse({"status": "ok", "model": engine.base.name, "queue": queue})
 
-    async def models(self) -> JSONResponse:
+    async def models(self) -> Response:
         try:
             engine = self._engine()
         except ApiError as error:
             return error.response()
         return JSONResponse({"object": "list", "data": [model_card(engine)]})
 
-    async def model(self, model_id: str) -> JSONResponse:
+    async def model(self, model_id: str) -> Response:
         try:
             engine = self._engine()
             self._check_model(engine, model_id, None)
@@ -175,9 +177,9 @@ class Api:
 
     async def _create(self, request: Request, chat: bool) -> Response:
         try:
-            body = await read_json(request)
-            generation = parse_chat(body) if chat else parse_completion(body)
-            prepared = self._prepare(generation)
+            raw = await read_body(request)
+            # parsing and tokenizing a large body takes seconds: off the event loop, which serves every other client
+            generation, prepared = await asyncio.to_thread(self._parse_and_prepare, raw, chat)
             changed = asyncio.Event()
             decoding = self._start(prepared, wake_up(changed))
         except RequestError as error:
@@ -199,6 +201,11 @@ class Api:
         except ApiError as error:
             return error.response()
         return JSONResponse(shape.whole(text, outcome))
+
+    def _parse_and_prepare(self, raw: bytes, chat: bool) -> tuple[Generation, Prepared]:
+        body = parse_json(raw)
+        generation = parse_chat(body) if chat else parse_completion(body)
+        return generation, self._prepare(generation)
 
     def _engine(self) -> Engine:
         try:
@@ -372,7 +379,7 @@ async def stream_events(pieces: AsyncIterator[str], shape: Shape, outcome: Outco
         if include_usage:
             yield shape.usage_chunk(outcome)
     except ApiError as error:
-        yield event(error.body())
+        yield f"data: {json.dumps(error.body())}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -395,8 +402,8 @@ def model_card(engine: Engine) -> dict:
     }
 
 
-async def read_json(request: Request) -> dict:
-    """The request body as a JSON object, at most MAX_BODY_BYTES."""
+async def read_body(request: Request) -> bytes:
+    """The request body, at most MAX_BODY_BYTES."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is {int(declared)} bytes; at most {MAX_BODY_BYTES} are accepted")
@@ -406,8 +413,13 @@ async def read_json(request: Request) -> dict:
         if size > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object."""
     try:
-        body = json.loads(b"".join(chunks), parse_constant=reject_constant)
+        body = json.loads(raw, parse_constant=reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from error
     if not isinstance(body, dict):

@@ -21,7 +21,7 @@ REFUSED = {
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "audio": (None,),
     "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
     "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "suffix": (None, ""), "echo": (None, False),
-    "best_of": (None, 1),
+    "best_of": (None, 1, 1.0),
 }  # fmt: skip
 TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest)
     "total_tokens": ("total_tokens", 0, 256),  # 0 = sized by the planner (1 is refused by name below)
@@ -130,7 +130,7 @@ def _messages(value) -> list[dict]:
         if not isinstance(message, dict):
             raise RequestError(f"{where} must be an object with role and content", where)
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise RequestError(f"{where}.role must be one of system, developer, user, assistant; got {role!r}", f"{where}.role")
         if message.get("tool_calls") or message.get("function_call"):
             raise RequestError(f"{where}: tool calls are not supported by Kestrel", f"{where}.tool_calls")
@@ -141,28 +141,43 @@ def _messages(value) -> list[dict]:
 def _content(value, where: str) -> str:
     """A string, or the list-of-parts form with text parts only."""
     if isinstance(value, str):
-        return value
+        return _unicode(value, where)
     if not isinstance(value, list):
         raise RequestError(f"{where} must be a string or a list of text parts", where)
     texts = []
     for index, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise RequestError(f"{where}[{index}]: only text parts are supported, got {kind!r}", f"{where}[{index}]")
-        texts.append(part["text"])
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{index}].text must be a string", f"{where}[{index}].text")
+        texts.append(_unicode(part["text"], f"{where}[{index}].text"))
     return "\n".join(texts)
 
 
+def _unicode(text: str, where: str) -> str:
+    """`text`, if it is valid Unicode: JSON's \\u escapes can carry half of a
+    surrogate pair (a character cut in two), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(
+            f"{where} is not valid Unicode: a lone surrogate {text[error.start]!r} at character {error.start}"
+            " (half of a character that was cut in two)", where,
+        ) from error  # fmt: skip
+    return text
+
+
 def _prompt(value) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # one prompt in a list, as text or token ids
     if isinstance(value, str):
         if not value:
             raise RequestError("prompt is empty", "prompt")
-        return value
+        return _unicode(value, "prompt")
     if isinstance(value, list) and value and all(type(token) is int and token >= 0 for token in value):
         return value
-    raise RequestError("prompt must be a non-empty string, a list of one string, or a list of token ids", "prompt")
+    raise RequestError("prompt must be a non-empty string or list of token ids, or a list of one of these", "prompt")
 
 
 def _max_tokens(body: dict) -> int | None:
@@ -194,7 +209,7 @@ def _stops(value) -> tuple[str, ...]:
         raise RequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
     if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
         raise RequestError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
-    return tuple(stops)
+    return tuple(_unicode(stop, "stop") for stop in stops)
 
 
 def _include_usage(body: dict) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from app import render
@@ -81,7 +81,7 @@ class Guard:
             send = with_cors(send, origin)
         return await self.app(scope, receive, send)
 
-    def _refusal(self, scope, headers: dict) -> JSONResponse | None:
+    def _refusal(self, scope, headers: dict) -> Response | None:
         if self.access.loopback and host_name(headers.get("host", "")) not in LOOPBACK_NAMES:
             shown = headers.get("host", "(none)")
             return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers only to 127.0.0.1 and localhost").response()
@@ -111,7 +111,9 @@ class Guard:
 
 
 def host_name(host: str) -> str:
-    """The name part of a Host header: 'localhost:7860' -> 'localhost', '[::1]:80' -> '::1'."""
+    """The name part of a Host header, in lower case (names are case-insensitive):
+    'LocalHost:7860' -> 'localhost', '[::1]:80' -> '::1'."""
+    host = host.lower()
     if host.startswith("["):
         return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
@@ -133,17 +135,26 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.include_router(Api(runtime).router())
 
-    async def unknown(request: Request) -> JSONResponse:
-        return ApiError(404, f"no such API endpoint: {request.method} {request.url.path}", code="unknown_url").response()
+    async def unknown(request: Request) -> Response:
+        path = request.url.path
+        allowed = allowed_methods(path)
+        if allowed:
+            error = ApiError(405, f"{request.method} is not allowed on {path}; use {' or '.join(allowed)}", code="method_not_allowed")
+            response = error.response()
+            response.headers["Allow"] = ", ".join(allowed)
+            return response
+        return ApiError(404, f"no such API endpoint: {request.method} {path}", code="unknown_url").response()
 
-    app.add_api_route("/v1/{rest:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    every = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    for path in ("/v1", "/v1/{rest:path}", "/health"):
+        app.add_api_route(path, unknown, methods=every)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, error: HTTPException) -> Response:
         return ApiError(error.status_code, str(error.detail)).response()
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+    async def unexpected(request: Request, error: Exception) -> Response:
         log.exception("request failed")
         return ApiError(500, f"internal error: {type(error).__name__}").response()
 
@@ -154,6 +165,15 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
         css=render.CSS, favicon_path=str(ICON),
     )  # fmt: skip
     return Guard(app, access, port)
+
+
+def allowed_methods(path: str) -> tuple[str, ...]:
+    """The methods the API answers on `path`; () for a path it does not serve."""
+    if path in ("/health", "/v1/models") or path.startswith("/v1/models/"):
+        return ("GET", "HEAD")
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        return ("POST",)
+    return ()
 
 
 def free_port(host: str, start: int, tries: int = 100) -> int:

@@ -389,6 +389,37 @@ def test_bad_input_fuzz_is_always_a_4xx_json_error(server, client, engine):
     assert chat(client, engine.base.name, max_tokens=3).choices[0].message.content
 
 
+def test_odd_requests_get_named_errors_or_sound_answers(server, client, engine):
+    url, name = f"{server.url}v1", engine.base.name
+
+    def post(path: str, raw: str) -> httpx.Response:
+        return httpx.post(f"{url}/{path}", content=raw.encode(), headers={"Content-Type": "application/json"}, timeout=60)
+
+    def named(response: httpx.Response, status: int, param: str | None) -> None:
+        assert response.status_code == status, response.text[:200]
+        assert response.json()["error"]["param"] == param
+
+    named(post("chat/completions", json.dumps({"model": name, "messages": [{"role": ["user"], "content": "w1"}]})), 400, "messages[0].role")
+    # a lone surrogate: half of a character cut in two, as JSON's \u escapes can carry
+    surrogate = '"w1 \\ud800 w2"'
+    named(post("chat/completions", f'{{"model": "{name}", "messages": [{{"role": "user", "content": {surrogate}}}]}}'), 400, "messages[0].content")
+    named(post("completions", f'{{"model": "{name}", "prompt": {surrogate}}}'), 400, "prompt")
+    named(post("chat/completions", f'{{"model": "{name}", "messages": [{{"role": "user", "content": "w1"}}], "stop": {surrogate}}}'), 400, "stop")
+    unknown_key = post("chat/completions", f'{{"model": "{name}", "messages": [{{"role": "user", "content": "w1"}}], "kestrel": {{{surrogate}: 1}}}}')
+    assert unknown_key.status_code == 400 and "not a Kestrel setting" in unknown_key.json()["error"]["message"]
+    # a top_p or temperature too small for float32 samples the most likely token: the greedy reply
+    greedy = chat(client, name, max_tokens=12).choices[0].message.content
+    assert greedy
+    for changes in ({"temperature": 1.0, "top_p": 1e-46}, {"temperature": 1e-40, "top_p": 0.9}):
+        assert chat(client, name, max_tokens=12, **changes).choices[0].message.content == greedy
+    # methods: HEAD where GET is served, 405 naming the method where the path exists
+    assert httpx.head(f"{server.url}health").status_code == 200 and httpx.head(f"{url}/models").status_code == 200
+    wrong = httpx.get(f"{url}/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.post(f"{server.url}health").status_code == 405
+    assert httpx.get(f"{url}/models", headers={"Host": "LocalHost"}).status_code == 200
+
+
 def test_the_page_queue_is_calmed_where_gradio_polls():
     import gradio as gr
 
