@@ -3,11 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "eval-heads", "test")
+
+
+def integer(low: int, high: int | None = None):
+    """An argparse type: an integer from `low` (to `high`), refused by the option's name."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {f'from {low} to {high}' if high is not None else f'at least {low}'}, got {value}")
+        return value
+
+    return parse
+
+
+def number(low: float, high: float | None = None, low_open: bool = False):
+    """An argparse type: a finite number from `low` (above it where low_open) up to `high`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or (high is not None and value > high):
+            interval = f"{'above' if low_open else 'at least'} {low:g}" + (f" and at most {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"must be a number {interval}, got {text}")
+        return value
+
+    return parse
+
+
+PORT = integer(1, 65535)
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -18,16 +53,16 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=("auto", "float64", "float32", "bfloat16", "float16"), help="compute dtype (default auto: bf16/fp16 on GPUs; bf16 on CPUs with native bf16, else float32)")
     group.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="torch.compile the base model's decoder layers: auto (default) = on CPUs with a C++ compiler (the first run compiles for about a minute, later runs read the cache in seconds), on, or off (eager)")
     group.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
-    group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    group.add_argument("--threads", type=integer(1), help="CPU threads for torch (default: torch's choice)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
-    group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
-    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
-    group.add_argument("--seed", type=int, help="random seed for sampling (default: fresh each run)")
+    group.add_argument("--temperature", type=number(0.0), default=0.0, help="0 = greedy (default); higher = more random")
+    group.add_argument("--top-p", type=number(0.0, 1.0, low_open=True), default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    group.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely tokens (default 0 = off)")
+    group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
+    group.add_argument("--seed", type=integer(0), help="random seed for sampling (default: fresh each run)")
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
@@ -35,12 +70,12 @@ def add_tree_options(parser: argparse.ArgumentParser) -> None:
 
     defaults = TreeParams()
     group = parser.add_argument_group("draft tree (EAGLE-2)")
-    group.add_argument("--total-tokens", type=int, default=defaults.total_tokens, help="tree nodes verified per step; 0 = sized every step from this device's measured costs (default 0)")
-    group.add_argument("--depth", type=int, default=defaults.depth, help=f"deepest draft (default {defaults.depth})")
-    group.add_argument("--tree-top-k", type=int, default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
-    group.add_argument("--min-path-prob", type=float, default=defaults.min_path_prob, help=f"stop deepening the tree when its best path is less likely than this, 0 = never (default {defaults.min_path_prob})")
-    group.add_argument("--lookup-tokens", type=int, default=defaults.lookup_tokens, help=f"longest tree branch copied from the context after a repeated n-gram, 0 = off (default {defaults.lookup_tokens})")
-    group.add_argument("--context-branches", type=int, default=defaults.context_branches, help=f"copied branches from different earlier matches when trees are sized automatically (default {defaults.context_branches})")
+    group.add_argument("--total-tokens", type=integer(0), default=defaults.total_tokens, help="tree nodes verified per step; 0 = sized every step from this device's measured costs (default 0)")
+    group.add_argument("--depth", type=integer(1), default=defaults.depth, help=f"deepest draft (default {defaults.depth})")
+    group.add_argument("--tree-top-k", type=integer(1), default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
+    group.add_argument("--min-path-prob", type=number(0.0, 0.999), default=defaults.min_path_prob, help=f"stop deepening the tree when its best path is less likely than this, 0 = never (default {defaults.min_path_prob})")
+    group.add_argument("--lookup-tokens", type=integer(0), default=defaults.lookup_tokens, help=f"longest tree branch copied from the context after a repeated n-gram, 0 = off (default {defaults.lookup_tokens})")
+    group.add_argument("--context-branches", type=integer(1), default=defaults.context_branches, help=f"copied branches from different earlier matches when trees are sized automatically (default {defaults.context_branches})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ui = commands.add_parser("ui", help="start the chat in the browser (the default command)")
     add_model_options(ui)
-    ui.add_argument("--port", type=int, default=7860, help="port on 127.0.0.1 (default 7860; the next free one if taken)")
+    ui.add_argument("--port", type=PORT, default=7860, help="port on 127.0.0.1 (default 7860; the next free one if taken)")
     ui.add_argument("--no-browser", action="store_true", help="do not open the browser")
     ui.add_argument("--listen", action="store_true", help="serve on all network interfaces (requires --auth and --api-key)")
     ui.add_argument("--auth", help="USER:PASS for the page, required by --listen")
     ui.add_argument("--api-key", help="require this key as 'Authorization: Bearer KEY' on the /v1 API; auto = generate one and print it (required by --listen)")
     ui.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let web pages from ORIGIN (e.g. http://localhost:3000) call the /v1 API (CORS); repeatable")
-    ui.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model; more are refused with 429 (default 16)")
+    ui.add_argument("--max-queue", type=integer(0), default=16, help="requests that may wait for the model; more are refused with 429 (default 16)")
     ui.add_argument("--install-shortcut", action="store_true", help="create a desktop/menu shortcut and exit")
 
     chat = commands.add_parser("chat", help="answer one prompt in the terminal")
@@ -68,11 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmark decoding modes on a prompt file")
     bench.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and optionally 'id'")
-    bench.add_argument("--limit", type=int, help="use only the first N prompts")
-    bench.add_argument("--per-source", type=int, help="use the first N prompts of each source (e.g. chat and code)")
+    bench.add_argument("--limit", type=integer(1), help="use only the first N prompts")
+    bench.add_argument("--per-source", type=integer(1), help="use the first N prompts of each source (e.g. chat and code)")
     bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated from vanilla, eagle, eagle2, generate, prompt-lookup, llama.cpp; eagle2:T/D/K[/L] sets a tree shape (default vanilla,eagle2)")
     bench.add_argument("--json", dest="json_out", help="write the full results to this JSON file")
-    bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts (default 1)")
+    bench.add_argument("--warmup", type=integer(0), default=1, help="untimed warm-up prompts (default 1)")
     bench.add_argument("--llama-python", help="for mode llama.cpp: a Python with llama-cpp-python installed (llama.cpp as a measuring stick on the same GGUF)")
     bench.add_argument("--other-head", action="append", default=[], metavar="NAME=HEAD", help="another head (folder or repo id) on the same base model, for modes eagle2@NAME: two heads in one run (repeatable)")
     bench.add_argument("--calibrate", action="store_true", help="measure this device's step costs again (they are cached per device, model, dtype and threads)")
@@ -83,10 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     app_bench = commands.add_parser("bench-app", help="tokens/s of one prompt through the chat command, the API, the page's endpoint and the page in Chromium")
     app_bench.add_argument("--prompt", default="Write a Python function that checks whether a number is prime, and explain it.", help="the user message (default: a prime-check request)")
     app_bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated decoding modes (default vanilla,eagle2)")
-    app_bench.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply (default 256)")
-    app_bench.add_argument("--threads", type=int, default=2, help="CPU threads of the chat command and the server (default 2)")
-    app_bench.add_argument("--rounds", type=int, default=2, help="rounds of every way and mode; the table shows medians (default 2)")
-    app_bench.add_argument("--port", type=int, default=7877, help="port of the server it starts (default 7877)")
+    app_bench.add_argument("--max-new-tokens", type=integer(1), default=256, help="most tokens per reply (default 256)")
+    app_bench.add_argument("--threads", type=integer(1), default=2, help="CPU threads of the chat command and the server (default 2)")
+    app_bench.add_argument("--rounds", type=integer(1), default=2, help="rounds of every way and mode; the table shows medians (default 2)")
+    app_bench.add_argument("--port", type=PORT, default=7877, help="port of the server it starts (default 7877)")
     app_bench.add_argument("--root", default=str(ROOT), help="the Kestrel folder whose launch.py to measure (default: this one)")
     app_bench.add_argument("--json", dest="json_out", help="write the rows to this JSON file")
 
@@ -95,27 +130,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="folder for the trained head (config.json, model.safetensors, report)")
     train.add_argument("--work", help="folder for the resumable caches: answers, features, checkpoints (default: OUT/work)")
     add_model_options(train)
-    train.add_argument("--samples-per-prompt", type=int, default=2, help="answers per prompt: the first greedy, the others sampled (default 2)")
-    train.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
-    train.add_argument("--answer-temperature", type=float, default=0.7, help="temperature of the sampled answers (default 0.7)")
-    train.add_argument("--answer-batch", type=int, default=32, help="prompts per generate call (default 32)")
-    train.add_argument("--epochs", type=int, default=2, help="passes over the training features (default 2)")
-    train.add_argument("--learning-rate", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
-    train.add_argument("--batch-tokens", type=int, default=2048, help="padded positions per training step (default 2048)")
-    train.add_argument("--draft-vocab", type=int, default=8192, help="the head drafts among this many most frequent answer tokens; 0 = the whole vocabulary (default 8192)")
+    train.add_argument("--samples-per-prompt", type=integer(1), default=2, help="answers per prompt: the first greedy, the others sampled (default 2)")
+    train.add_argument("--max-new-tokens", type=integer(1), default=256, help="longest answer in tokens (default 256)")
+    train.add_argument("--answer-temperature", type=number(0.0), default=0.7, help="temperature of the sampled answers (default 0.7)")
+    train.add_argument("--answer-batch", type=integer(1), default=32, help="prompts per generate call (default 32)")
+    train.add_argument("--epochs", type=integer(1), default=2, help="passes over the training features (default 2)")
+    train.add_argument("--learning-rate", type=number(0.0, low_open=True), default=1e-3, help="peak AdamW learning rate (default 1e-3)")
+    train.add_argument("--batch-tokens", type=integer(1), default=2048, help="padded positions per training step (default 2048)")
+    train.add_argument("--draft-vocab", type=integer(0), default=8192, help="the head drafts among this many most frequent answer tokens; 0 = the whole vocabulary (default 8192)")
     train.add_argument("--arch", default="eagle2", choices=("eagle2", "eagle3"), help="eagle2: an EAGLE-1/2 head on the final features; eagle3: an EAGLE-3 head on three captured layers, its own lm_head over the draft vocabulary, no feature loss (default eagle2)")
-    train.add_argument("--unroll-steps", type=int, default=3, help="draft steps trained per position, 1 = plain EAGLE (default 3)")
+    train.add_argument("--unroll-steps", type=integer(1), default=3, help="draft steps trained per position, 1 = plain EAGLE (default 3)")
     train.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="training compute: bf16 autocast or fp32 (default bf16)")
-    train.add_argument("--time-budget-minutes", type=float, help="stop (resumably) after this long; answers get --answer-share of it")
-    train.add_argument("--answer-share", type=float, default=0.4, help="share of the time budget for generating answers (default 0.4)")
+    train.add_argument("--time-budget-minutes", type=number(0.0, low_open=True), help="stop (resumably) after this long; answers get --answer-share of it")
+    train.add_argument("--answer-share", type=number(0.0, 1.0), default=0.4, help="share of the time budget for generating answers (default 0.4)")
     train.add_argument("--init-head", help="start from this head folder's weights (continue training it or fine-tune it on new prompts)")
     train.add_argument("--resume", action="store_true", help="continue from the caches in the work folder")
-    train.add_argument("--seed", type=int, default=0, help="seed of sampling, noise, init and batch order (default 0)")
+    train.add_argument("--seed", type=integer(0), default=0, help="seed of sampling, noise, init and batch order (default 0)")
 
     judge = commands.add_parser("eval-heads", help="held-out top-1 of draft heads (any kind) on the same stored features")
     judge.add_argument("--features", required=True, help="a features folder of train-head (WORK/features-eagle3 serves every kind of head)")
     judge.add_argument("--split", default="eval", choices=("eval", "train"), help="which shards to judge on (default eval: the held-out prompts)")
-    judge.add_argument("--steps", type=int, default=3, help="draft steps, each fed the head's own earlier output (default 3)")
+    judge.add_argument("--steps", type=integer(1), default=3, help="draft steps, each fed the head's own earlier output (default 3)")
     judge.add_argument("--json", dest="json_out", help="write the figures to this JSON file")
     add_model_options(judge)
     judge.add_argument("heads", nargs="*", metavar="HEAD", help="more head folders or Hugging Face repo ids")
@@ -126,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(f"error: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} (see launch.py --help)", file=sys.stderr)
+        return 2
     if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv = ["ui", *argv]
     if argv[0] == "test":  # pytest owns every later argument
@@ -172,14 +210,45 @@ def main(argv: list[str]) -> int:
     except ValueError as error:  # bad option values and prompt files, named by their messages
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a port in use, a file that cannot be written
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        resume = " (its work is kept: run the same command with --resume to continue)" if args.command == "train-head" else ""
+        print(f"\ninterrupted{resume}", file=sys.stderr)
         return 130
     return 0
 
 
 def _interrupted(signum, frame):
     raise KeyboardInterrupt
+
+
+def check_writable(path: str, option: str) -> None:
+    """Refuse an output file that cannot be written, before any work is done
+    (a long run would otherwise end in a traceback and lose its results)."""
+    import tempfile
+
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a folder; name a file")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", suffix=".check"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{option} {path}: cannot write there ({error.strerror or error})") from error
+
+
+def bench_modes(text: str) -> tuple[str, ...]:
+    """--modes: each mode once, at least one."""
+    modes = tuple(mode.strip() for mode in text.split(",") if mode.strip())
+    if not modes:
+        raise ValueError("--modes: name at least one mode, e.g. vanilla,eagle2")
+    repeated = sorted({mode for mode in modes if modes.count(mode) > 1})
+    if repeated:
+        raise ValueError(f"--modes names {', '.join(repeated)} more than once; each mode runs once per prompt")
+    return modes
 
 
 def set_threads(threads: int | None) -> None:
@@ -214,8 +283,9 @@ def tree_from(args):
 
 
 def run_chat(args) -> int:
+    sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     engine = load_engine(args)
-    if tree_from(args).planned and args.mode in (None, "eagle2"):
+    if tree.planned and args.mode in (None, "eagle2"):
         from app.session import prepare_costs
 
         prepare_costs(engine)
@@ -224,7 +294,7 @@ def run_chat(args) -> int:
         {"role": "user", "content": args.prompt}
     ]
     step = None
-    for step in engine.chat(messages, mode=mode, sampling=sampling_from(args), tree=tree_from(args)):
+    for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree):
         print(step.text, end="", flush=True)
     stats = step.stats
     print(
@@ -245,8 +315,14 @@ def run_train_head(args) -> int:
     from core.training.trainer import TrainParams
     from models.base import load_base
 
+    from core.prompt import PromptFileError, prompt_rows
+
     set_threads(args.threads)
     out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out}: is a file; name a folder for the head")
+    if not any(True for _ in prompt_rows(Path(args.prompts).expanduser())):  # every line checked before the model loads
+        raise PromptFileError(f"{args.prompts}: no prompts")
     work = Path(args.work).expanduser() if args.work else out / "work"
     if work.is_dir() and any(work.iterdir()) and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
@@ -270,6 +346,12 @@ def run_train_head(args) -> int:
         draft_vocab=args.draft_vocab or None,
     )
     training = report["training"]
+    if training["total_steps"] < 1:
+        print(
+            f"error: no training step was possible: the training split of {args.prompts} gave too few positions"
+            f" (the head in {out} is untrained); add prompts or lower --batch-tokens", file=sys.stderr,
+        )  # fmt: skip
+        return 2
     final = report["final_eval"]
     print(
         f"head written to {out}: {training['steps']}/{training['total_steps']} steps, held-out top-1 "
@@ -290,6 +372,8 @@ def run_eval_heads(args) -> int:
     from models.base import load_base
 
     set_threads(args.threads)
+    if args.json_out:
+        check_writable(args.json_out, "--json")
     sources = ([args.head] if args.head else []) + args.heads
     if not sources:
         raise ValueError("name at least one head to judge (--head or HEAD ...)")
@@ -305,7 +389,7 @@ def run_eval_heads(args) -> int:
         chain = ", ".join(f"{100 * a:.1f}%" for a in figures["chain_accuracy"])
         print(f"{source}: top-1 {', '.join(f'{100 * a:.1f}%' for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
+        Path(args.json_out).expanduser().write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
@@ -322,13 +406,18 @@ def run_bench_command(args) -> int:
     from core.bench import format_table, parse_mode, run_bench
     from core.engine import Engine
 
-    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    modes = bench_modes(args.modes)
     others = {}
     for option in args.other_head:
         name, _, source = option.partition("=")
         if not name or not source or not name.isidentifier():
             raise ValueError(f"--other-head {option!r}: write NAME=HEAD, NAME a plain word (modes eagle2@NAME)")
+        if name in others:
+            raise ValueError(f"--other-head names {name} twice ({others[name]} and {source})")
         others[name] = source
+    if args.json_out:
+        check_writable(args.json_out, "--json")
+    sampling_from(args)  # a bad value fails before the model loads
     planned = any(parse_mode(mode, tree_from(args))[0] == "eagle2" for mode in modes)
     engine = load_engine(args)
     other_heads = {
@@ -342,7 +431,7 @@ def run_bench_command(args) -> int:
         print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
 
     def write(result: dict) -> None:  # whole, or not at all: a file cut mid-write would lose the earlier prompts too
-        write_atomic(Path(args.json_out), json.dumps(result, indent=1))
+        write_atomic(Path(args.json_out).expanduser(), json.dumps(result, indent=1))
 
     result = run_bench(
         engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show, args.llama_python, other_heads,
@@ -360,12 +449,14 @@ def run_app_bench_command(args) -> int:
 
     from app.appbench import format_rows, run_app_bench
 
-    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    modes = list(bench_modes(args.modes))
+    if args.json_out:
+        check_writable(args.json_out, "--json")
     rows = run_app_bench(
         args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root), args.rounds,
         show=lambda what: print(f"measuring: {what}", flush=True),
     )  # fmt: skip
     print(format_rows(rows))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=1))
+        Path(args.json_out).expanduser().write_text(json.dumps(rows, indent=1))
     return 0

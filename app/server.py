@@ -178,7 +178,8 @@ def allowed_methods(path: str) -> tuple[str, ...]:
 
 def free_port(host: str, start: int, tries: int = 100) -> int:
     """`start`, or the next port that can be bound on `host`."""
-    for port in range(start, start + tries):
+    last = min(start + tries - 1, 65535)
+    for port in range(start, last + 1):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: a port in TIME_WAIT is free
             try:
@@ -186,7 +187,7 @@ def free_port(host: str, start: int, tries: int = 100) -> int:
             except OSError:
                 continue
             return port
-    raise OSError(f"no free port in {start}-{start + tries - 1} on {host}; pass --port")
+    raise OSError(f"no free port in {start}-{last} on {host}; pass --port")
 
 
 # Gradio's queue looks for new page events every 1 ms and for progress every

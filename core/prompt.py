@@ -48,23 +48,36 @@ class PromptFileError(ValueError):
     """A prompt file that cannot be used, naming the file and line."""
 
 
-def load_prompts(path: str | Path, limit: int | None = None, per_source: int | None = None) -> list[BenchPrompt]:
-    """JSONL lines with a `turns` list (the first turn is the prompt) and optional `id`, `source`.
-    per_source keeps the first N prompts of every source (e.g. chat and code halves)."""
-    path = Path(path)
+def prompt_rows(path: Path):
+    """(line number from 1, the row, its line index from 0) of every prompt line in a JSONL file,
+    each checked: a JSON object whose 'turns' list starts with the prompt as text.
+    Raises PromptFileError naming the file and line."""
     if not path.is_file():
-        raise PromptFileError(f"{path}: no such prompt file")
-    prompts, seen = [], {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        raise PromptFileError(f"{path}: {'is a folder, not a prompt file' if path.is_dir() else 'no such prompt file'}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise PromptFileError(f"{path}: not UTF-8 text (byte {error.start})") from error
+    for index, line in enumerate(text.split("\n")):  # not splitlines: JSON text may hold U+2028 and the like
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise PromptFileError(f"{path}:{number}: not valid JSON ({error.msg})") from error
+            raise PromptFileError(f"{path}:{index + 1}: not valid JSON ({error.msg})") from error
         turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
-            raise PromptFileError(f"{path}:{number}: needs a 'turns' list whose first item is the prompt")
+            raise PromptFileError(f"{path}:{index + 1}: needs a 'turns' list whose first item is the prompt")
+        yield index + 1, row, index
+
+
+def load_prompts(path: str | Path, limit: int | None = None, per_source: int | None = None) -> list[BenchPrompt]:
+    """JSONL lines with a `turns` list (the first turn is the prompt) and optional `id`, `source`.
+    per_source keeps the first N prompts of every source (e.g. chat and code halves)."""
+    path = Path(path)
+    prompts, seen = [], {}
+    for number, row, _ in prompt_rows(path):
+        turns = row["turns"]
         source = str(row.get("source", "prompts"))
         seen[source] = seen.get(source, 0) + 1
         if per_source is not None and seen[source] > per_source:

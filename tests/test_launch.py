@@ -56,3 +56,42 @@ def test_bad_prompt_file_is_a_one_line_error(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such prompt file"
+
+
+def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """Each bad invocation ends with exit code 2 and one line naming the option
+    or file; none loads a model (load_base would fail the test)."""
+    from app import cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("app.session.load_pair", no_model)
+    monkeypatch.setattr("models.base.load_base", no_model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w1 w2"]}\n')
+    (tmp_path / "string-turns.jsonl").write_text('{"turns": "w1 w2"}\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    cases = [
+        (["chta", "hi"], "unknown command 'chta'"),
+        (["ui", "--port", "70000"], "--port: must be from 1 to 65535"),
+        (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be at least 1"),
+        (["chat", "hi", "--temperature", "nan"], "--temperature: must be a number"),
+        (["bench", "--prompts", str(prompts), "--modes", "vanilla,vanilla"], "--modes names vanilla more than once"),
+        (["bench", "--prompts", str(prompts), "--limit", "0"], "--limit: must be at least 1"),
+        (["bench", "--prompts", str(prompts), "--json", str(tmp_path)], "is a folder; name a file"),
+        (["bench", "--prompts", str(tmp_path)], "is a folder, not a prompt file"),
+        (["train-head", "--prompts", str(prompts), "--out", str(prompts)], "--out"),
+        (["train-head", "--prompts", str(tmp_path / "string-turns.jsonl"), "--out", str(tmp_path / "o")], "string-turns.jsonl:1: needs a 'turns' list"),
+        (["train-head", "--prompts", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "o")], "empty.jsonl: no prompts"),
+        (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--epochs", "0"], "--epochs: must be at least 1"),
+        (["eval-heads", "--features", str(tmp_path), "--steps", "0"], "--steps: must be at least 1"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit_info:  # argparse's own refusals
+            code = exit_info.code
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "o").exists()  # a refused training run leaves no work folder behind

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from core.prompt import encode_chat, stop_token_ids
+from core.prompt import encode_chat, prompt_rows, stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -46,17 +46,15 @@ class Answer:
 
 
 def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512) -> list[Prompt]:
-    """JSONL lines {"id", "turns": [first turn = the user prompt, ...]}."""
+    """JSONL lines {"id", "turns": [first turn = the user prompt, ...]}, checked
+    as bench's are (PromptFileError names the file and line). A prompt without
+    an id is known by its line index from 0."""
     prompts = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            messages = [{"role": "user", "content": record["turns"][0]}]
-            ids = encode_chat(tokenizer, messages)
-            if len(ids) <= max_prompt_tokens:
-                prompts.append(Prompt(str(record.get("id", number)), tuple(ids)))
+    for _, record, index in prompt_rows(Path(path)):
+        messages = [{"role": "user", "content": record["turns"][0]}]
+        ids = encode_chat(tokenizer, messages)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(Prompt(str(record.get("id", index)), tuple(ids)))
     return prompts
 
 
