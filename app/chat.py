@@ -74,6 +74,8 @@ class Options:
         sampling = SamplingParams(
             float(v["temperature"]), float(v["top_p"]), int(v["top_k"]), int(v["max_new_tokens"]), seed
         )
+        if int(v["total_tokens"]) == 1:  # the slider reaches it; a tree of the root alone is vanilla decoding
+            raise ValueError("Tree: tokens verified per step must be 0 (sized automatically) or at least 2")
         tree = TreeParams(int(v["total_tokens"]), int(v["depth"]), int(v["tree_top_k"]))
         return cls(v["mode"], sampling, tree, bool(v["colour"]))
 
@@ -139,6 +141,9 @@ def notice_html(text: str) -> str:
     return f'<div class="kestrel-notice">{render.escape(text)}</div>' if text else ""
 
 
+BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
+
+
 def chat_choices(store: Store) -> list[tuple[str, str]]:
     return [
         (f"{chat['title']} ({time.strftime('%Y-%m-%d %H:%M', time.localtime(chat['updated']))})", chat["id"])
@@ -151,12 +156,35 @@ class ChatHandlers:
         self.runtime = runtime
         self.store = store
         self.exports: tempfile.TemporaryDirectory | None = None  # one folder for every export, removed at exit
+        self.replying: set[str] = set()  # ids of the chats whose reply is being written
+
+    def accept(self, message: str, chat: dict | None, colour: bool) -> tuple:
+        """At once on Send, before the reply waits for the model: the message
+        leaves the box for the chat (saved, so a reload keeps it), the chat's
+        Stop signal is reset (a Stop from now on stops this reply, even while it
+        waits for its turn), and the text goes on to `send` through a State.
+        Outputs: message box, pending message, chatbot, notice."""
+        text = (message or "").strip()
+        if not text or (chat and chat["id"] in self.replying):
+            return message, text, gr.skip(), gr.skip()  # send then explains
+        chat = copy.deepcopy(chat) if chat else new_chat()
+        self.runtime.cancel_event(chat["id"]).clear()
+        chat["messages"].append({"role": "user", "content": text})
+        try:
+            self.store.save_chat(chat)
+        except OSError:
+            pass  # saved with the reply, or reported then
+        waiting = notice_html("Waiting for the model...") if self.runtime.queue.waiting or self.replying else ""
+        return "", text, [*display(chat, colour), shown({"role": "assistant", "content": ""}, colour)], waiting
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
         """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot, calibration plot."""
         message = (message or "").strip()
         if not message:
-            yield "", gr.skip(), chat, notice_html("Type a message first."), *SKIP_PANEL
+            yield gr.skip(), gr.skip(), chat, notice_html("Type a message first."), *SKIP_PANEL
+            return
+        if chat and chat["id"] in self.replying:
+            yield message, gr.skip(), chat, notice_html(BUSY_TEXT), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
         chat["system"] = system or ""
@@ -164,7 +192,11 @@ class ChatHandlers:
         yield from self._respond(chat, values, message)
 
     def regenerate(self, chat: dict | None, system: str, *values) -> Iterator[tuple]:
+        if chat and chat["id"] in self.replying:
+            yield gr.skip(), gr.skip(), chat, notice_html(BUSY_TEXT), *SKIP_PANEL
+            return
         chat = copy.deepcopy(chat) if chat else new_chat()
+        self.runtime.cancel_event(chat["id"]).clear()
         chat["system"] = system or ""
         if chat["messages"] and chat["messages"][-1]["role"] == "assistant":
             chat["messages"].pop()
@@ -187,11 +219,14 @@ class ChatHandlers:
         messages, dropped = fit_context(engine, engine_messages(chat), room=min(options.sampling.max_new_tokens, 64))
         if dropped:
             note = f"{note} Dropped the {dropped} oldest messages to fit the context window.".strip()
-        cancel = self.runtime.cancel_event(chat["id"])
-        cancel.clear()
+        cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
+        if cancel.is_set():  # Stop was pressed while this waited for its turn in the page's queue
+            yield from self._failed(chat, message, colour, "Stopped before the reply started.")
+            return
         stats_throttle, plot_throttle = Throttle(PANEL_INTERVAL), Throttle(PLOT_INTERVAL)
         history = display(chat, colour)  # rendered once; each update renders only the growing reply
         reply = None
+        self.replying.add(chat["id"])
         try:
             yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *SKIP_PANEL
             replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL)
@@ -209,8 +244,11 @@ class ChatHandlers:
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
             if isinstance(error, ContextOverflowError):
                 error = f"{error}. Start a new chat or shorten the message."
+            self.replying.discard(chat["id"])
             yield from self._failed(chat, message, colour, str(error))
             return
+        finally:
+            self.replying.discard(chat["id"])
         if reply is None:  # stopped while waiting for its turn
             yield from self._failed(chat, message, colour, "Stopped before the reply started.")
             return
@@ -249,6 +287,10 @@ class ChatHandlers:
         """Show the error; a just-sent message goes back into the message box."""
         if message is not None:
             chat["messages"].pop()
+            try:  # as saved when it was sent (accept)
+                self.store.save_chat(chat) if chat["messages"] else self.store.delete_chat(chat["id"])
+            except OSError:
+                pass
         yield message or "", display(chat, colour), chat, notice_html(error), *SKIP_PANEL
 
     def _stats(self, chat: dict, reply: Reply, finished: bool = False) -> str:
@@ -266,32 +308,38 @@ class ChatHandlers:
 
     def edit_last(self, chat: dict | None, colour: bool) -> tuple:
         """Take back the last user message (and the reply to it) for editing.
-        Outputs: message box, chatbot, chat state."""
+        Outputs: message box, chatbot, chat state, notice."""
+        if chat and chat["id"] in self.replying:
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = copy.deepcopy(chat) if chat else new_chat()
         users = [i for i, m in enumerate(chat["messages"]) if m["role"] == "user"]
         if not users:
-            return gr.skip(), display(chat, colour), chat
+            return gr.skip(), display(chat, colour), chat, ""
         text = chat["messages"][users[-1]]["content"]
         del chat["messages"][users[-1] :]
         if chat["messages"]:
             self.store.save_chat(chat)
         else:
             self.store.delete_chat(chat["id"])
-        return text, display(chat, colour), chat
+        return text, display(chat, colour), chat, ""
 
     def clear(self, chat: dict) -> tuple:
-        """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats."""
+        """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats, notice."""
+        if chat and chat["id"] in self.replying:
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = chat or new_chat()
         self.store.delete_chat(chat["id"])
         cleared = new_chat(chat.get("system", ""))
         cleared["id"] = chat["id"]
-        return [], cleared, render.stats_html(None, 0, None)
+        return [], cleared, render.stats_html(None, 0, None), ""
 
     def new(self, chat: dict, system: str) -> tuple:
         """Keep the current chat on disk and start another.
-        Outputs: chatbot, chat, stats, chat list."""
+        Outputs: chatbot, chat, stats, chat list, notice."""
+        if chat and chat["id"] in self.replying:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = new_chat(system or "")
-        return [], chat, render.stats_html(None, 0, None), gr.update(choices=chat_choices(self.store), value=None)
+        return [], chat, render.stats_html(None, 0, None), gr.update(choices=chat_choices(self.store), value=None), ""
 
     def open(self, chat_id: str | None, chat: dict, colour: bool) -> tuple:
         """Outputs: chatbot, chat, system prompt, stats."""

@@ -15,8 +15,9 @@ from core.calibration import CurvePoint
 from core.stats import Snapshot
 
 DRAFT, BASE = "draft", "base"  # token origins: drafted-and-accepted, or sampled by the base model
-# Markdown code: fenced blocks (to the end while still streaming) and inline spans.
-CODE = re.compile(r"```.*?(?:```|\Z)|`[^`\n]+`", re.DOTALL)
+# Markdown code: fenced blocks (to the end while still streaming; ~~~ fences only
+# where a line starts, as markdown reads them) and inline spans.
+CODE = re.compile(r"```.*?(?:```|\Z)|(?<![^\n]) {0,3}~~~.*?(?:\n {0,3}~~~|\Z)|`[^`\n]+`", re.DOTALL)
 # Gradio 6.31's chatbot loads Prism's C++ grammar without the C one it extends, and
 # the whole message then renders empty: C++ fences are highlighted as C instead.
 CPP_FENCE = re.compile(r"^```(?:cpp|c\+\+|cxx|cc)(?=\s)", re.IGNORECASE)
@@ -138,7 +139,8 @@ def _seconds(value: float | None) -> str:
 def stats_html(snapshot: Snapshot | None, tree_size: int, session_tau: float | None, note: str = "") -> str:
     """The side panel: each value has an id so that tests and eyes can find it."""
     if snapshot is None:
-        rows = [("tokens/s", "-", "tps"), ("tau (this reply)", "-", "tau"), ("tau (session)", "-", "tau-session")]
+        session = "-" if session_tau is None else f"{session_tau:.2f}"
+        rows = [("tokens/s", "-", "tps"), ("tau (this reply)", "-", "tau"), ("tau (session)", session, "tau-session")]
     else:
         busy = snapshot.draft_seconds + snapshot.verify_seconds
         share = f"{100 * snapshot.draft_seconds / busy:.0f}% / {100 * snapshot.verify_seconds / busy:.0f}%" if busy else "-"

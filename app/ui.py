@@ -150,13 +150,20 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
 
         chat_outputs = [message, chatbot, chat_state, notice, stats, depth_plot, rate_plot, calibration_plot]
         refresh = {"fn": lambda: gr.update(choices=chat_choices(store)), "outputs": chats}
+        # the sent message, on its way from accept to send: a hidden box rather than a State, so
+        # that the page's /send endpoint (gradio_client) still takes the message as its first input
+        pending = gr.Textbox(visible=False)
         for trigger, api_name in ((send.click, "send"), (message.submit, False)):
-            trigger(chat.send, [message, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)
+            # accept at once (the message leaves the box and is saved; Stop applies from here), then wait for the model
+            trigger(
+                chat.accept, [message, chat_state, colour], [message, pending, chatbot, notice],
+                concurrency_limit=None, show_progress="hidden", api_name=False,
+            ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)  # fmt: skip
         regenerate.click(chat.regenerate, [chat_state, system, *controls], chat_outputs, **STREAM).then(**refresh)
         stop.click(chat.stop, chat_state, None, concurrency_limit=None)
-        edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state]).then(**refresh)
-        clear.click(chat.clear, chat_state, [chatbot, chat_state, stats]).then(**refresh)
-        new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, chats])
+        edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice]).then(**refresh)
+        clear.click(chat.clear, chat_state, [chatbot, chat_state, stats, notice]).then(**refresh)
+        new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, chats, notice])
         chats.input(chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats])
         delete.click(chat.delete, chat_state, [chatbot, chat_state, chats])
         export.click(chat.export, chat_state, exported)

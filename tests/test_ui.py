@@ -116,9 +116,9 @@ def test_regenerate_edit_and_clear(handlers):
     chat = list(handlers.send("w1 w2", new_chat(), "", *values(temperature=0.9, seed=-1)))[-1][2]
     regenerated = list(handlers.regenerate(chat, "", *values()))[-1][2]
     assert len(regenerated["messages"]) == 2
-    text, chatbot, edited = handlers.edit_last(regenerated, True)
+    text, chatbot, edited, _ = handlers.edit_last(regenerated, True)
     assert text == "w1 w2" and edited["messages"] == [] and chatbot == []
-    chatbot, cleared, _ = handlers.clear(chat)
+    chatbot, cleared, _, _ = handlers.clear(chat)
     assert cleared["messages"] == [] and cleared["id"] == chat["id"]
 
 
@@ -411,6 +411,8 @@ def test_code_in_markdown_stays_raw_and_prose_is_escaped():
     assert "a &lt;b</span>&gt; &amp; b" in shown and "&lt;script&gt;" in shown and "<script>" not in shown
     plain = render.message_html({"role": "user", "content": "```\n<i>"}, False)
     assert plain == "```\n<i>"
+    tildes = render.message_html({"role": "user", "content": "x < y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ <b>"}, False)
+    assert tildes == "x &lt; y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ &lt;b&gt;"  # a ~~~ fence opens a line
 
 
 def test_message_longer_than_the_context_is_refused(handlers):
@@ -471,3 +473,41 @@ def test_stop_while_waiting_for_the_model_gives_the_message_back(handlers):
         final = list(updates)[-1]
     assert "Stopped before the reply started" in final[3] and final[0] == "w1 w2" and final[2]["messages"] == []
     assert handlers.runtime.queue.waiting == 0
+
+
+def test_send_accepts_at_once_and_a_stop_before_its_turn_holds(handlers, store):
+    """Send's first step (accept) saves the message and resets Stop, so a Stop
+    pressed while the reply waits for the model stops it, and an old Stop does not."""
+    chat = new_chat()
+    handlers.stop(chat)  # pressed earlier, with nothing running
+    box, pending, shown_chat, _ = handlers.accept(" w1 w2 ", chat, True)
+    assert box == "" and pending == "w1 w2" and [m["content"] for m in store.load_chat(chat["id"])["messages"]] == ["w1 w2"]
+    assert "w1 w2" in str(shown_chat)
+    final = list(handlers.send(pending, chat, "", *values(max_new_tokens=8)))[-1]
+    assert final[2]["messages"][-1]["role"] == "assistant"  # the old Stop did not cancel it
+
+    chat = new_chat()
+    _, pending, _, _ = handlers.accept("w3", chat, True)
+    handlers.stop(chat)  # while it waits for its turn
+    final = list(handlers.send(pending, chat, "", *values(max_new_tokens=8)))[-1]
+    assert final[0] == "w3" and "Stopped before the reply started" in final[3]
+    assert store.load_chat(chat["id"]) is None  # the message went back to the box, not left saved alone
+
+
+def test_clear_new_and_edit_wait_for_the_reply_being_written(handlers):
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=8)))[-1][2]
+    stream = handlers.send("w2", chat, "", *values(max_new_tokens=200, mode="vanilla"))
+    writing = next(stream)[2]
+    for outcome in (handlers.clear(writing), handlers.new(writing, ""), handlers.edit_last(writing, True)):
+        assert "A reply is being written" in outcome[-1]
+    assert "A reply is being written" in list(handlers.send("w3", writing, "", *values()))[-1][3]
+    handlers.stop(writing)
+    final = list(stream)[-1][2]
+    assert [m["content"] for m in final["messages"]][:3] == ["w1", final["messages"][1]["content"], "w2"]
+    assert handlers.clear(final)[-1] == ""  # once it is written
+
+
+def test_session_tau_shows_before_a_reply_and_the_tree_slider_at_1_is_named(handlers):
+    assert 'id="stat-tau-session">2.50<' in render.stats_html(None, 0, 2.5)
+    final = list(handlers.send("w1", new_chat(), "", *values(total_tokens=1)))[-1]
+    assert "Tree: tokens verified per step" in final[3] and final[0] == "w1"
