@@ -142,6 +142,7 @@ def notice_html(text: str) -> str:
 
 
 BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
+EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
 
 
 def chat_choices(store: Store) -> list[tuple[str, str]]:
@@ -324,29 +325,31 @@ class ChatHandlers:
         return text, display(chat, colour), chat, ""
 
     def clear(self, chat: dict) -> tuple:
-        """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats, notice."""
+        """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
         if chat and chat["id"] in self.replying:
-            return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = chat or new_chat()
         self.store.delete_chat(chat["id"])
         cleared = new_chat(chat.get("system", ""))
         cleared["id"] = chat["id"]
-        return [], cleared, render.stats_html(None, 0, None), ""
+        return [], cleared, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""
 
     def new(self, chat: dict, system: str) -> tuple:
         """Keep the current chat on disk and start another.
-        Outputs: chatbot, chat, stats, chat list, notice."""
+        Outputs: chatbot, chat, stats, depth plot, rate plot, chat list, notice."""
         if chat and chat["id"] in self.replying:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = new_chat(system or "")
-        return [], chat, render.stats_html(None, 0, None), gr.update(choices=chat_choices(self.store), value=None), ""
+        choices = gr.update(choices=chat_choices(self.store), value=None)
+        return [], chat, render.stats_html(None, 0, None), *EMPTY_PLOTS, choices, ""
 
     def open(self, chat_id: str | None, chat: dict, colour: bool) -> tuple:
-        """Outputs: chatbot, chat, system prompt, stats."""
+        """Outputs: chatbot, chat, system prompt, stats, depth plot, rate plot."""
         loaded = self.store.load_chat(chat_id) if chat_id else None
         if loaded is None:
-            return gr.skip(), chat, gr.skip(), gr.skip()
-        return display(loaded, colour), loaded, loaded.get("system", ""), render.stats_html(None, 0, session_tau(loaded))
+            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        stats = render.stats_html(None, 0, session_tau(loaded))
+        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS
 
     def delete(self, chat: dict) -> tuple:
         """Delete the current chat. Outputs: chatbot, chat, chat list."""

@@ -118,7 +118,7 @@ def test_regenerate_edit_and_clear(handlers):
     assert len(regenerated["messages"]) == 2
     text, chatbot, edited, _ = handlers.edit_last(regenerated, True)
     assert text == "w1 w2" and edited["messages"] == [] and chatbot == []
-    chatbot, cleared, _, _ = handlers.clear(chat)
+    chatbot, cleared, *_ = handlers.clear(chat)
     assert cleared["messages"] == [] and cleared["id"] == chat["id"]
 
 
@@ -190,7 +190,7 @@ def test_chat_file_lacking_fields_loads_with_defaults(store, handlers):
     assert store.list_chats() == [{"id": "by-hand", "title": "New chat", "updated": 0.0}]
     chat = store.load_chat("by-hand")
     assert chat["id"] == "by-hand" and chat["system"] == "" and chat["session"] == {"tokens": 0, "forwards": 0}
-    shown, opened, system, _ = handlers.open("by-hand", new_chat(), True)
+    shown, opened, system, *_ = handlers.open("by-hand", new_chat(), True)
     assert opened["id"] == "by-hand" and system == "" and "Hello" in str(shown)
     store.save_chat(chat)  # saved back whole, under the same name
     assert store.load_chat("by-hand")["title"] == "Hello"
