@@ -4,6 +4,7 @@ directly); app/ui.py wires them to components."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import tempfile
 import time
@@ -163,20 +164,31 @@ class ChatHandlers:
         """At once on Send, before the reply waits for the model: the message
         leaves the box for the chat (saved, so a reload keeps it), the chat's
         Stop signal is reset (a Stop from now on stops this reply, even while it
-        waits for its turn), and the text goes on to `send` through a State.
-        Outputs: message box, pending message, chatbot, notice."""
+        waits for its turn), and the text goes on to `send` through a hidden box.
+        A chat that another browser tab has changed on disk since this tab
+        showed it goes on as a copy under a new id: neither tab's messages
+        overwrite the other's, and each has its own Stop.
+        Outputs: message box, pending message, chatbot, chat state, notice."""
         text = (message or "").strip()
         if not text or (chat and chat["id"] in self.replying):
-            return message, text, gr.skip(), gr.skip()  # send then explains
+            return message, text, gr.skip(), gr.skip(), gr.skip()  # send then explains
         chat = copy.deepcopy(chat) if chat else new_chat()
+        notes = []
+        saved = self.store.load_chat(chat["id"]) if chat["messages"] else None
+        if saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"])):  # as stored: lists, not tuples
+            chat["id"] = new_chat()["id"]
+            notes.append("This chat was changed in another tab: your message continues it as a new chat.")
+        if self.runtime.queue.waiting or self.replying:
+            notes.append("Waiting for the model...")
         self.runtime.cancel_event(chat["id"]).clear()
-        chat["messages"].append({"role": "user", "content": text})
+        sent = copy.deepcopy(chat)
+        sent["messages"].append({"role": "user", "content": text})
         try:
-            self.store.save_chat(chat)
+            self.store.save_chat(sent)
         except OSError:
             pass  # saved with the reply, or reported then
-        waiting = notice_html("Waiting for the model...") if self.runtime.queue.waiting or self.replying else ""
-        return "", text, [*display(chat, colour), shown({"role": "assistant", "content": ""}, colour)], waiting
+        shown_chat = [*display(sent, colour), shown({"role": "assistant", "content": ""}, colour)]
+        return "", text, shown_chat, chat, notice_html(" ".join(notes))
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
         """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot, calibration plot."""
@@ -199,21 +211,20 @@ class ChatHandlers:
         chat = copy.deepcopy(chat) if chat else new_chat()
         self.runtime.cancel_event(chat["id"]).clear()
         chat["system"] = system or ""
-        if chat["messages"] and chat["messages"][-1]["role"] == "assistant":
-            chat["messages"].pop()
+        kept = chat["messages"].pop() if chat["messages"] and chat["messages"][-1]["role"] == "assistant" else None
         if not chat["messages"]:
             yield "", gr.skip(), chat, notice_html("Nothing to regenerate."), *SKIP_PANEL
             return
-        yield from self._respond(chat, values, None)
+        yield from self._respond(chat, values, None, kept)
 
-    def _respond(self, chat: dict, values: Sequence, message: str | None) -> Iterator[tuple]:
+    def _respond(self, chat: dict, values: Sequence, message: str | None, kept: dict | None = None) -> Iterator[tuple]:
         """Stream the assistant's reply to the chat's last user message."""
         colour = bool(dict(zip(SETTINGS, values)).get("colour", True))
         try:
             options = Options.from_values(values)
             engine = self.runtime.require()
         except (KestrelError, ValueError) as error:
-            yield from self._failed(chat, message, colour, str(error))
+            yield from self._failed(chat, message, colour, str(error), kept)
             return
         self.save_settings(values, chat["system"])
         mode, note = mode_for(engine, options.mode)
@@ -222,7 +233,7 @@ class ChatHandlers:
             note = f"{note} Dropped the {dropped} oldest messages to fit the context window.".strip()
         cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
         if cancel.is_set():  # Stop was pressed while this waited for its turn in the page's queue
-            yield from self._failed(chat, message, colour, "Stopped before the reply started.")
+            yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
         stats_throttle, plot_throttle = Throttle(PANEL_INTERVAL), Throttle(PLOT_INTERVAL)
         history = display(chat, colour)  # rendered once; each update renders only the growing reply
@@ -246,12 +257,12 @@ class ChatHandlers:
             if isinstance(error, ContextOverflowError):
                 error = f"{error}. Start a new chat or shorten the message."
             self.replying.discard(chat["id"])
-            yield from self._failed(chat, message, colour, str(error))
+            yield from self._failed(chat, message, colour, str(error), kept)
             return
         finally:
             self.replying.discard(chat["id"])
         if reply is None:  # stopped while waiting for its turn
-            yield from self._failed(chat, message, colour, "Stopped before the reply started.")
+            yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
         note = self._finish(chat, reply, mode, note)
         panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
@@ -284,8 +295,11 @@ class ChatHandlers:
         except OSError:
             pass  # no page to report it on; the message is what is lost, as when the disk is full
 
-    def _failed(self, chat: dict, message: str | None, colour: bool, error: str) -> Iterator[tuple]:
-        """Show the error; a just-sent message goes back into the message box."""
+    def _failed(self, chat: dict, message: str | None, colour: bool, error: str, kept: dict | None = None) -> Iterator[tuple]:
+        """Show the error; a just-sent message goes back into the message box,
+        and the reply that a regeneration replaced (`kept`) back into the chat."""
+        if kept is not None:
+            chat["messages"].append(kept)
         if message is not None:
             chat["messages"].pop()
             try:  # as saved when it was sent (accept)

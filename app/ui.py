@@ -156,7 +156,7 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
         for trigger, api_name in ((send.click, "send"), (message.submit, False)):
             # accept at once (the message leaves the box and is saved; Stop applies from here), then wait for the model
             trigger(
-                chat.accept, [message, chat_state, colour], [message, pending, chatbot, notice],
+                chat.accept, [message, chat_state, colour], [message, pending, chatbot, chat_state, notice],
                 concurrency_limit=None, show_progress="hidden", api_name=False,
             ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)  # fmt: skip
         regenerate.click(chat.regenerate, [chat_state, system, *controls], chat_outputs, **STREAM).then(**refresh)

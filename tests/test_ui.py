@@ -480,14 +480,14 @@ def test_send_accepts_at_once_and_a_stop_before_its_turn_holds(handlers, store):
     pressed while the reply waits for the model stops it, and an old Stop does not."""
     chat = new_chat()
     handlers.stop(chat)  # pressed earlier, with nothing running
-    box, pending, shown_chat, _ = handlers.accept(" w1 w2 ", chat, True)
+    box, pending, shown_chat, chat, _ = handlers.accept(" w1 w2 ", chat, True)
     assert box == "" and pending == "w1 w2" and [m["content"] for m in store.load_chat(chat["id"])["messages"]] == ["w1 w2"]
     assert "w1 w2" in str(shown_chat)
     final = list(handlers.send(pending, chat, "", *values(max_new_tokens=8)))[-1]
     assert final[2]["messages"][-1]["role"] == "assistant"  # the old Stop did not cancel it
 
     chat = new_chat()
-    _, pending, _, _ = handlers.accept("w3", chat, True)
+    _, pending, _, chat, _ = handlers.accept("w3", chat, True)
     handlers.stop(chat)  # while it waits for its turn
     final = list(handlers.send(pending, chat, "", *values(max_new_tokens=8)))[-1]
     assert final[0] == "w3" and "Stopped before the reply started" in final[3]
@@ -511,3 +511,28 @@ def test_session_tau_shows_before_a_reply_and_the_tree_slider_at_1_is_named(hand
     assert 'id="stat-tau-session">2.50<' in render.stats_html(None, 0, 2.5)
     final = list(handlers.send("w1", new_chat(), "", *values(total_tokens=1)))[-1]
     assert "Tree: tokens verified per step" in final[3] and final[0] == "w1"
+
+
+def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
+    """Two tabs show the same saved chat; one sends. When the other sends next,
+    its view is out of date: it continues as a new chat, and the first tab's
+    messages stay as they were on disk."""
+    first = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=6)))[-1][2]
+    tab_a = tab_b = first  # both tabs restored the latest chat
+    _, pending, _, tab_a, notice = handlers.accept("w2", tab_a, True)
+    assert tab_a["id"] == first["id"] and "another tab" not in notice
+    tab_a = list(handlers.send(pending, tab_a, "", *values(max_new_tokens=6)))[-1][2]
+    _, pending, _, tab_b, notice = handlers.accept("w3", tab_b, True)
+    assert tab_b["id"] != first["id"] and "changed in another tab" in notice
+    tab_b = list(handlers.send(pending, tab_b, "", *values(max_new_tokens=6)))[-1][2]
+    assert [m["content"] for m in store.load_chat(first["id"])["messages"] if m["role"] == "user"] == ["w1", "w2"]
+    assert [m["content"] for m in store.load_chat(tab_b["id"])["messages"] if m["role"] == "user"] == ["w1", "w3"]
+    _, _, _, same, notice = handlers.accept("w4", tab_a, True)  # tab A's view is what is saved: no copy
+    assert same["id"] == first["id"] and notice == ""
+
+
+def test_a_failed_regeneration_keeps_the_reply_it_would_replace(handlers, store):
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=6)))[-1][2]
+    final = list(handlers.regenerate(chat, "", *values(total_tokens=1)))[-1]  # a setting that is refused
+    assert final[2]["messages"] == chat["messages"] and "Tree: tokens verified per step" in final[3]
+    assert handlers.accept("w2", final[2], True)[3]["id"] == chat["id"]  # the view matches the disk: no copy
