@@ -143,6 +143,7 @@ def notice_html(text: str) -> str:
 
 
 BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
+FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
 EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
 
 
@@ -159,6 +160,7 @@ class ChatHandlers:
         self.store = store
         self.exports: tempfile.TemporaryDirectory | None = None  # one folder for every export, removed at exit
         self.replying: set[str] = set()  # ids of the chats whose reply is being written
+        self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
 
     def accept(self, message: str, chat: dict | None, colour: bool) -> tuple:
         """At once on Send, before the reply waits for the model: the message
@@ -177,7 +179,8 @@ class ChatHandlers:
         saved = self.store.load_chat(chat["id"]) if chat["messages"] else None
         if saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"])):  # as stored: lists, not tuples
             chat["id"] = new_chat()["id"]
-            notes.append("This chat was changed in another tab: your message continues it as a new chat.")
+            notes.append(FORKED_TEXT)
+            self.forked.add(chat["id"])  # the reply's own notice says it again
         if self.runtime.queue.waiting or self.replying:
             notes.append("Waiting for the model...")
         self.runtime.cancel_event(chat["id"]).clear()
@@ -228,6 +231,9 @@ class ChatHandlers:
             return
         self.save_settings(values, chat["system"])
         mode, note = mode_for(engine, options.mode)
+        if chat["id"] in self.forked:
+            self.forked.discard(chat["id"])
+            note = f"{FORKED_TEXT} {note}".strip()
         messages, dropped = fit_context(engine, engine_messages(chat), room=min(options.sampling.max_new_tokens, 64))
         if dropped:
             note = f"{note} Dropped the {dropped} oldest messages to fit the context window.".strip()

@@ -524,7 +524,9 @@ def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
     tab_a = list(handlers.send(pending, tab_a, "", *values(max_new_tokens=6)))[-1][2]
     _, pending, _, tab_b, notice = handlers.accept("w3", tab_b, True)
     assert tab_b["id"] != first["id"] and "changed in another tab" in notice
-    tab_b = list(handlers.send(pending, tab_b, "", *values(max_new_tokens=6)))[-1][2]
+    final = list(handlers.send(pending, tab_b, "", *values(max_new_tokens=6)))[-1]
+    tab_b = final[2]
+    assert "changed in another tab" in final[3]  # said again with the reply
     assert [m["content"] for m in store.load_chat(first["id"])["messages"] if m["role"] == "user"] == ["w1", "w2"]
     assert [m["content"] for m in store.load_chat(tab_b["id"])["messages"] if m["role"] == "user"] == ["w1", "w3"]
     _, _, _, same, notice = handlers.accept("w4", tab_a, True)  # tab A's view is what is saved: no copy
