@@ -364,8 +364,9 @@ class Shape:
         return event({**self._base(chunk=True), "choices": [], "usage": outcome.usage()})
 
 
-def event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+def event(body: dict, ascii_only: bool = False) -> str:
+    """One SSE event; ascii_only for errors, whose message may quote what UTF-8 cannot encode."""
+    return f"data: {json.dumps(body, ensure_ascii=ascii_only)}\n\n"
 
 
 async def stream_events(pieces: AsyncIterator[str], shape: Shape, outcome: Outcome, include_usage: bool) -> AsyncIterator[str]:
@@ -379,7 +380,7 @@ async def stream_events(pieces: AsyncIterator[str], shape: Shape, outcome: Outco
         if include_usage:
             yield shape.usage_chunk(outcome)
     except ApiError as error:
-        yield f"data: {json.dumps(error.body())}\n\n"
+        yield event(error.body(), ascii_only=True)
     yield "data: [DONE]\n\n"
 
 

@@ -262,7 +262,6 @@ class ChatHandlers:
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
             if isinstance(error, ContextOverflowError):
                 error = f"{error}. Start a new chat or shorten the message."
-            self.replying.discard(chat["id"])
             yield from self._failed(chat, message, colour, str(error), kept)
             return
         finally:

@@ -224,7 +224,7 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-def check_writable(path: str, option: str) -> None:
+def check_writable(path: str, option: str) -> Path:
     """Refuse an output file that cannot be written, before any work is done
     (a long run would otherwise end in a traceback and lose its results)."""
     import tempfile
@@ -238,6 +238,7 @@ def check_writable(path: str, option: str) -> None:
             pass
     except OSError as error:
         raise ValueError(f"{option} {path}: cannot write there ({error.strerror or error})") from error
+    return target
 
 
 def bench_modes(text: str) -> tuple[str, ...]:
@@ -312,10 +313,9 @@ def run_train_head(args) -> int:
     from core.training.answers import AnswerParams
     from core.training.features import FeatureParams
     from core.training.pipeline import Budget, RunPaths, train_head
+    from core.prompt import PromptFileError, prompt_rows
     from core.training.trainer import TrainParams
     from models.base import load_base
-
-    from core.prompt import PromptFileError, prompt_rows
 
     set_threads(args.threads)
     out = Path(args.out).expanduser()
@@ -372,8 +372,7 @@ def run_eval_heads(args) -> int:
     from models.base import load_base
 
     set_threads(args.threads)
-    if args.json_out:
-        check_writable(args.json_out, "--json")
+    json_out = check_writable(args.json_out, "--json") if args.json_out else None
     sources = ([args.head] if args.head else []) + args.heads
     if not sources:
         raise ValueError("name at least one head to judge (--head or HEAD ...)")
@@ -388,8 +387,8 @@ def run_eval_heads(args) -> int:
         results[source] = figures
         chain = ", ".join(f"{100 * a:.1f}%" for a in figures["chain_accuracy"])
         print(f"{source}: top-1 {', '.join(f'{100 * a:.1f}%' for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
-    if args.json_out:
-        Path(args.json_out).expanduser().write_text(json.dumps(results, indent=1) + "\n")
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
@@ -415,10 +414,9 @@ def run_bench_command(args) -> int:
         if name in others:
             raise ValueError(f"--other-head names {name} twice ({others[name]} and {source})")
         others[name] = source
-    if args.json_out:
-        check_writable(args.json_out, "--json")
-    sampling_from(args)  # a bad value fails before the model loads
-    planned = any(parse_mode(mode, tree_from(args))[0] == "eagle2" for mode in modes)
+    json_out = check_writable(args.json_out, "--json") if args.json_out else None
+    sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
+    planned = any(parse_mode(mode, tree)[0] == "eagle2" for mode in modes)
     engine = load_engine(args)
     other_heads = {
         name: Engine(engine.base, load_draft_head(engine.base, source), source, args.compile) for name, source in others.items()
@@ -431,14 +429,14 @@ def run_bench_command(args) -> int:
         print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
 
     def write(result: dict) -> None:  # whole, or not at all: a file cut mid-write would lose the earlier prompts too
-        write_atomic(Path(args.json_out).expanduser(), json.dumps(result, indent=1))
+        write_atomic(json_out, json.dumps(result, indent=1))
 
     result = run_bench(
-        engine, prompts, modes, sampling_from(args), tree_from(args), args.warmup, show, args.llama_python, other_heads,
-        partial=write if args.json_out else None,
+        engine, prompts, modes, sampling, tree, args.warmup, show, args.llama_python, other_heads,
+        partial=write if json_out else None,
     )  # fmt: skip
     print(format_table(result))
-    if args.json_out:
+    if json_out:
         write(result)
         print(f"wrote {args.json_out}")
     return 0
@@ -450,13 +448,12 @@ def run_app_bench_command(args) -> int:
     from app.appbench import format_rows, run_app_bench
 
     modes = list(bench_modes(args.modes))
-    if args.json_out:
-        check_writable(args.json_out, "--json")
+    json_out = check_writable(args.json_out, "--json") if args.json_out else None
     rows = run_app_bench(
         args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root), args.rounds,
         show=lambda what: print(f"measuring: {what}", flush=True),
     )  # fmt: skip
     print(format_rows(rows))
-    if args.json_out:
-        Path(args.json_out).expanduser().write_text(json.dumps(rows, indent=1))
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=1))
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
@@ -133,11 +134,12 @@ def with_cors(send, origin: str):
 def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int):
     """The ASGI app: the API's routes first, then the page mounted at /."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    app.include_router(Api(runtime).router())
+    api = Api(runtime).router()
+    app.include_router(api)
 
     async def unknown(request: Request) -> Response:
         path = request.url.path
-        allowed = allowed_methods(path)
+        allowed = allowed_methods(api.routes, path)
         if allowed:
             error = ApiError(405, f"{request.method} is not allowed on {path}; use {' or '.join(allowed)}", code="method_not_allowed")
             response = error.response()
@@ -167,13 +169,13 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
     return Guard(app, access, port)
 
 
-def allowed_methods(path: str) -> tuple[str, ...]:
-    """The methods the API answers on `path`; () for a path it does not serve."""
-    if path in ("/health", "/v1/models") or path.startswith("/v1/models/"):
-        return ("GET", "HEAD")
-    if path in ("/v1/chat/completions", "/v1/completions"):
-        return ("POST",)
-    return ()
+def allowed_methods(routes, path: str) -> tuple[str, ...]:
+    """The methods the API's routes answer on `path`; () for a path they do not serve."""
+    methods = set()
+    for route in routes:
+        if isinstance(route, APIRoute) and route.path_regex.match(path):
+            methods |= route.methods
+    return tuple(sorted(methods))
 
 
 def free_port(host: str, start: int, tries: int = 100) -> int:

@@ -24,7 +24,7 @@ from core.config import MODES, SamplingParams, TreeParams
 from core.detokenize import Detokenizer
 from core.drafter import STATIC_PATHS, Drafter, Planning, draft_vocabulary
 from core.prompt import encode_chat, load_prompts, stop_token_ids
-from core.sampling import Noise, probabilities, sample
+from core.sampling import FLOAT32_TEMPERATURE, Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
 from core.tree_check import rows_differing, tree_problem
@@ -283,7 +283,7 @@ class _Run:
         # sampling over the whole vocabulary from the screened lm_head (verify.NodeGumbel); a
         # temperature so small that logits / temperature leave float32's range takes the full product
         whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary
-        self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and sampling.temperature >= 1e-30
+        self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and sampling.temperature >= FLOAT32_TEMPERATURE
         self.recorder = Recorder()
         self.detokenizer = Detokenizer(engine.base.tokenizer)
         self.committed = 0  # tokens in the base cache

@@ -49,8 +49,8 @@ class PromptFileError(ValueError):
 
 
 def prompt_rows(path: Path):
-    """(line number from 1, the row, its line index from 0) of every prompt line in a JSONL file,
-    each checked: a JSON object whose 'turns' list starts with the prompt as text.
+    """(line index from 0, the row) of every prompt line in a JSONL file, each
+    checked: a JSON object whose 'turns' list starts with the prompt as text.
     Raises PromptFileError naming the file and line."""
     if not path.is_file():
         raise PromptFileError(f"{path}: {'is a folder, not a prompt file' if path.is_dir() else 'no such prompt file'}")
@@ -68,7 +68,7 @@ def prompt_rows(path: Path):
         turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
             raise PromptFileError(f"{path}:{index + 1}: needs a 'turns' list whose first item is the prompt")
-        yield index + 1, row, index
+        yield index, row
 
 
 def load_prompts(path: str | Path, limit: int | None = None, per_source: int | None = None) -> list[BenchPrompt]:
@@ -76,13 +76,13 @@ def load_prompts(path: str | Path, limit: int | None = None, per_source: int | N
     per_source keeps the first N prompts of every source (e.g. chat and code halves)."""
     path = Path(path)
     prompts, seen = [], {}
-    for number, row, _ in prompt_rows(path):
+    for index, row in prompt_rows(path):
         turns = row["turns"]
         source = str(row.get("source", "prompts"))
         seen[source] = seen.get(source, 0) + 1
         if per_source is not None and seen[source] > per_source:
             continue
-        prompts.append(BenchPrompt(str(row.get("id", f"line-{number}")), turns[0], source))
+        prompts.append(BenchPrompt(str(row.get("id", f"line-{index + 1}")), turns[0], source))
     if not prompts:
         raise PromptFileError(f"{path}: no prompts")
     return prompts[:limit] if limit else prompts

@@ -13,13 +13,16 @@ from core.config import SamplingParams
 from models import int8
 
 
+FLOAT32_TEMPERATURE = 1e-30  # below it, logits / temperature leave float32's range: float64 then
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits (..., V) -> probabilities (..., V) in float32 or wider.
 
     Temperature first, then top-k, then top-p over what is left."""
     # float64 where the temperature is below float32's range; the largest logit
     # is subtracted first, so a tiny temperature sends the others to -inf, not to inf - inf
-    wide = logits.dtype == torch.float64 or params.temperature < 1e-30
+    wide = logits.dtype == torch.float64 or params.temperature < FLOAT32_TEMPERATURE
     logits = logits.to(torch.float64 if wide else torch.float32)
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:

@@ -50,7 +50,7 @@ def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512) -> list[Pr
     as bench's are (PromptFileError names the file and line). A prompt without
     an id is known by its line index from 0."""
     prompts = []
-    for _, record, index in prompt_rows(Path(path)):
+    for index, record in prompt_rows(Path(path)):
         messages = [{"role": "user", "content": record["turns"][0]}]
         ids = encode_chat(tokenizer, messages)
         if len(ids) <= max_prompt_tokens:
