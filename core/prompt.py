@@ -5,6 +5,7 @@ torch or transformers, so a bad prompt file is refused before the engine loads."
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,15 +13,53 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftex
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...]."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:  # base models without a template: a plain transcript
-        lines = [f"{message['role'].capitalize()}: {message['content']}" for message in messages]
-        text = "\n".join(lines) + "\nAssistant:"
-        if tokenizer.bos_token:
-            text = tokenizer.bos_token + text
+    """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...].
+    Control-token text inside a message (a user pasting "<|im_end|>") stays
+    text: only the template's own control tokens are tokens."""
+    text = _render(tokenizer, messages)
+    if any(_holds_control_text(tokenizer, message["content"]) for message in messages):
+        ids = _encode_contents_literally(tokenizer, messages, text)
+        if ids is not None:
+            return ids
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _render(tokenizer, messages: list[dict]) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # base models without a template: a plain transcript
+    lines = [f"{message['role'].capitalize()}: {message['content']}" for message in messages]
+    return (tokenizer.bos_token or "") + "\n".join(lines) + "\nAssistant:"
+
+
+def _holds_control_text(tokenizer, content: str) -> bool:
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    controls = {token.content for token in decoder.values() if token.special}
+    controls.update(getattr(tokenizer, "all_special_tokens", ()))
+    return any(control and control in content for control in controls)
+
+
+def _encode_contents_literally(tokenizer, messages: list[dict], text: str) -> list[int] | None:
+    """The template rendered around markers, each content tokenized with its
+    control-token text split into ordinary tokens. None where the template
+    changes contents in a way the markers cannot place (the caller then
+    tokenizes the whole text as usual)."""
+    markers = [{**message, "content": f"\x00{index}\x00"} for index, message in enumerate(messages)]
+    pieces = re.split("\x00([0-9]+)\x00", _render(tokenizer, markers))
+    # pieces: template text, content index, template text, ..., template text
+    for shape in (lambda content: content, str.strip):  # some templates trim contents
+        contents = [shape(message["content"]) for message in messages]
+        spans = [contents[int(piece)] if odd else piece for odd, piece in _alternating(pieces)]
+        if "".join(spans) == text:
+            ids = []
+            for odd, span in _alternating(spans):
+                ids += tokenizer(span, add_special_tokens=False, split_special_tokens=odd)["input_ids"] if span else []
+            return ids
+    return None
+
+
+def _alternating(pieces: list[str]):
+    return ((index % 2 == 1, piece) for index, piece in enumerate(pieces))
 
 
 def stop_token_ids(model, tokenizer) -> frozenset[int]:
