@@ -248,13 +248,20 @@ class ChatHandlers:
         try:
             yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *SKIP_PANEL
             replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL)
+            read = False  # whether the notice shows how far a long conversation is read
             for reply in replies:
                 if reply.finish_reason is not None:
+                    continue
+                if reply.snapshot is None:  # no token yet: a long conversation being read
+                    read = True
+                    yield gr.skip(), gr.skip(), gr.skip(), notice_html(f"{note} {reply.reading_text}".strip()), *SKIP_PANEL
                     continue
                 pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
                 stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
                 plots = self._plots(reply, engine, options.sampling) if plot_throttle.ready() else SKIP_PANEL[1:]
-                yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), gr.skip(), stats, *plots
+                notice = notice_html(note) if read else gr.skip()
+                read = False
+                yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), notice, stats, *plots
         except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
             cancel.set()
             self._keep_interrupted(chat, reply, mode)
@@ -266,7 +273,7 @@ class ChatHandlers:
             return
         finally:
             self.replying.discard(chat["id"])
-        if reply is None:  # stopped while waiting for its turn
+        if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
         note = self._finish(chat, reply, mode, note)

@@ -286,6 +286,8 @@ def tree_from(args):
 def run_chat(args) -> int:
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     engine = load_engine(args)
+    from core.engine import Reading
+
     if tree.planned and args.mode in (None, "eagle2"):
         from app.session import prepare_costs
 
@@ -295,7 +297,13 @@ def run_chat(args) -> int:
         {"role": "user", "content": args.prompt}
     ]
     step = None
-    for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree):
+    progress = sys.stderr.isatty()  # how far a long prompt is read, on one line that the reply replaces
+    for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree, reading=progress):
+        if isinstance(step, Reading):
+            print(f"\rreading the prompt: {step.done / step.total:.0%} of {step.total:,} tokens", end="", file=sys.stderr, flush=True)
+            continue
+        if step.stats.forwards == 1 and progress:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
         print(step.text, end="", flush=True)
     stats = step.stats
     print(

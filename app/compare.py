@@ -137,7 +137,7 @@ class CompareHandlers:
                 updates = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, PANE_INTERVAL)
                 for reply in updates:
                     panes[mode] = render.pane_html(reply.segments)
-                    yield *panes.values(), f"Running {MODE_LABELS[mode]}..."
+                    yield *panes.values(), f"Running {MODE_LABELS[mode]}... {reply.reading_text}".strip()
             except (KestrelError, ValueError) as error:
                 yield *panes.values(), render.escape(str(error))
                 return

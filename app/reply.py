@@ -12,7 +12,7 @@ from app.decoding import Decoding
 from app.render import BASE, DRAFT, add_segment, split_step
 from app.runtime import ModelQueue
 from core.config import SamplingParams, TreeParams
-from core.engine import Engine, Step
+from core.engine import Engine, Reading, Step
 from core.stats import Snapshot
 
 RATE_INTERVAL = 0.25  # seconds between points of the tokens/s curve
@@ -28,8 +28,21 @@ class Reply:
     rate_points: list[tuple[float, float]] = field(default_factory=list)  # (seconds, tokens/s over the interval)
     finish_reason: str | None = None
     last_sample: tuple[float, int] = (0.0, 0)  # (seconds, tokens) at the latest curve point
+    reading: Reading | None = None  # how far a long prompt is read, until its first token
 
-    def add(self, step: Step) -> None:
+    @property
+    def reading_text(self) -> str:
+        """"Reading the conversation: 40% of 6,020 tokens..." while a long prompt is read, else ""."""
+        if self.reading is None:
+            return ""
+        share = self.reading.done / self.reading.total
+        return f"Reading the conversation: {share:.0%} of {self.reading.total:,} tokens..."
+
+    def add(self, step: Step | Reading) -> None:
+        if isinstance(step, Reading):
+            self.reading = step
+            return
+        self.reading = None
         for text, origin in split_step(step.text, step.accepted_text):
             add_segment(self.segments, text, origin)
         self.text += step.text
@@ -70,7 +83,7 @@ def follow_reply(
     page renders one update, the steps of the next accumulate. Closing the
     generator cancels the decoding."""
     reply = Reply()
-    decoding = Decoding(queue, lambda stop: engine.chat(messages, mode, sampling, tree, stop), cancel)
+    decoding = Decoding(queue, lambda stop: engine.chat(messages, mode, sampling, tree, stop, reading=True), cancel)
     cursor = 0
     try:
         while True:

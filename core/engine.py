@@ -39,6 +39,11 @@ from models.head import DraftHead
 COMPILE_CHOICES = ("auto", "on", "off")
 log = logging.getLogger("kestrel")
 
+# prompt tokens per prefill forward: a long prompt is read in chunks, so Stop
+# and a client that goes away take effect between them, the page shows how far
+# reading has got, and a forward's activations stay the size of one chunk
+PREFILL_CHUNK = 512
+
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "tasks.jsonl"  # ordinary text for measuring costs
 
 
@@ -63,6 +68,15 @@ class Step:
     stats: Snapshot  # running statistics of the whole request
     finish_reason: str | None = None  # None while decoding; else stop, length, context or cancelled
     accepted_text: str = ""  # the start of `text` that the accepted tokens decode to ("" if they end mid-character)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A prompt longer than PREFILL_CHUNK being read: `done` of its `total`
+    tokens so far (Engine.stream with reading=True yields these before the prefill Step)."""
+
+    done: int
+    total: int
 
 
 class Engine:
@@ -213,8 +227,9 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         tree: TreeParams = TreeParams(),
         cancel: threading.Event | None = None,
-    ) -> Iterator[Step]:
-        return self.stream(self.encode(messages), mode, sampling, tree, cancel)
+        reading: bool = False,
+    ) -> Iterator[Step | Reading]:
+        return self.stream(self.encode(messages), mode, sampling, tree, cancel, reading)
 
     def stream(
         self,
@@ -223,10 +238,19 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         tree: TreeParams = TreeParams(),
         cancel: threading.Event | None = None,
-    ) -> Iterator[Step]:
-        """Decode after `prompt_ids`, yielding one Step per base-model forward."""
+        reading: bool = False,
+    ) -> Iterator[Step | Reading]:
+        """Decode after `prompt_ids`, yielding one Step per base-model forward
+        (a prompt read in several chunks is one Step), and with `reading` a
+        Reading before each chunk of a prompt longer than one."""
         run = _Run(self, list(prompt_ids), self._drafter(mode, tree, sampling), sampling)
         try:
+            for done in run.read_prompt():
+                if cancel is not None and cancel.is_set():
+                    yield run.cancelled()
+                    return
+                if reading:
+                    yield Reading(done, len(run.prompt_ids))
             yield run.prefill()
             while run.finish_reason is None:
                 if cancel is not None and cancel.is_set():
@@ -286,29 +310,52 @@ class _Run:
         self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and sampling.temperature >= FLOAT32_TEMPERATURE
         self.recorder = Recorder()
         self.detokenizer = Detokenizer(engine.base.tokenizer)
+        self.started = time.perf_counter()  # the prefill's time runs from here
         self.committed = 0  # tokens in the base cache
         self.root = -1  # the last sampled token, not yet in the cache
         self.finish_reason: str | None = None
 
+    def read_prompt(self) -> Iterator[int]:
+        """Forward the prompt's chunks but the last, yielding before each how many tokens are read."""
+        for start in range(0, len(self.prompt_ids) - PREFILL_CHUNK, PREFILL_CHUNK):
+            yield start
+            end = start + PREFILL_CHUNK
+            self._commit_prompt(start, end, self._read(start, end)[1], self.prompt_ids[end])
+
     @torch.inference_mode()
     def prefill(self) -> Step:
-        start = time.perf_counter()
-        tokens = torch.tensor(self.prompt_ids, device=self.device)
-        positions = torch.arange(len(tokens), device=self.device)
-        features, head_features = self._forward(lambda: base_forward(self.model, tokens, positions, None, self.cache))
+        """The prompt's last chunk (after read_prompt's) and the first token."""
+        total = len(self.prompt_ids)
+        start = (total - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        features, head_features = self._read(start, total)
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]
         elif self.screened_sampling:
-            self.root = self.engine.argmax.sample(features[-1:], [self.noise.at(len(tokens))], self.sampling.temperature)[0]
+            self.root = self.engine.argmax.sample(features[-1:], [self.noise.at(total)], self.sampling.temperature)[0]
         else:
             logits = logits_of(self.model, features[-1:])[0]
-            self.root = sample(probabilities(logits, self.sampling), self.noise.at(len(tokens)))
-        self.committed = len(tokens)
+            self.root = sample(probabilities(logits, self.sampling), self.noise.at(total))
         verified = time.perf_counter()
-        if self.drafter is not None:
-            self.drafter.commit(head_features, torch.cat([tokens[1:], tokens.new_tensor([self.root])]))
+        self._commit_prompt(start, total, head_features, self.root)
         drafted = time.perf_counter()
-        return self._emit([self.root], accepted=0, tree_size=1, tree_depth=0, times=(drafted - verified, verified - start))
+        return self._emit([self.root], accepted=0, tree_size=1, tree_depth=0, times=(drafted - verified, verified - self.started))
+
+    @torch.inference_mode()
+    def _read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt tokens [start, end) into the base cache -> _forward's features."""
+        tokens = torch.tensor(self.prompt_ids[start:end], device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        mask = None  # causal; after the first chunk spelt out: each row sees what is read and its own prefix
+        if start:
+            mask = torch.ones(end - start, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        features = self._forward(lambda: base_forward(self.model, tokens, positions, mask, self.cache))
+        self.committed = end
+        return features
+
+    def _commit_prompt(self, start: int, end: int, head_features: torch.Tensor, next_token: int) -> None:
+        if self.drafter is not None:
+            next_tokens = self.prompt_ids[start + 1 : end] + [next_token]
+            self.drafter.commit(head_features, torch.tensor(next_tokens, device=self.device))
 
     @torch.inference_mode()
     def step(self) -> Step:

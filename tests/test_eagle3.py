@@ -177,3 +177,13 @@ def test_an_eagle3_head_loads_with_its_base_through_the_app(tmp_path):
     assert engine.modes == ("vanilla", "eagle", "eagle2") and engine.capture is not None
     steps = list(engine.stream([5, 6, 7], "eagle2", SamplingParams(max_new_tokens=8), TreeParams(8, 3, 3)))
     assert len(tokens_of(steps)) == 8 or steps[-1].finish_reason == "stop"
+
+
+def test_eagle3_heads_decode_exactly_after_a_prompt_read_in_chunks(engine3, monkeypatch):
+    import core.engine
+
+    prompt = torch.randint(8, 48, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_new_tokens=30)
+    reference = tokens_of(engine3.stream(prompt, mode="vanilla", sampling=params))
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 9)
+    assert tokens_of(engine3.stream(prompt, mode="eagle2", sampling=params, tree=TreeParams(12, 4, 3))) == reference

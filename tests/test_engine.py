@@ -2,6 +2,7 @@
 in distribution when sampling."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -314,3 +315,31 @@ def test_growing_cache_layers_hold_what_concatenation_would(engine64):
     more = torch.randn(1, 2, 2, 4, generator=generator, dtype=torch.float64)
     keys, _ = layer.update(more, more)
     assert torch.equal(keys, torch.cat([foreign, more], dim=-2)) and layer.key_buffer is not foreign
+
+
+def test_a_long_prompt_is_read_in_chunks_with_the_same_reply(engine64, monkeypatch):
+    """Prefill in chunks (with progress events between them) decodes exactly as
+    one whole-prompt prefill, in every mode; Stop takes effect between chunks."""
+    import core.engine
+    from core.engine import Reading
+
+    prompt = torch.randint(8, 48, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_new_tokens=24)
+    whole = tokens_of(engine64.stream(prompt, mode="vanilla", sampling=params))
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 7)
+    for mode in ("vanilla", "eagle", "eagle2"):
+        events = list(engine64.stream(prompt, mode=mode, sampling=params, tree=TREES[0], reading=True))
+        readings = [event for event in events if isinstance(event, Reading)]
+        assert readings == [Reading(done, 30) for done in (0, 7, 14, 21)]
+        assert events[: len(readings)] == readings
+        steps = events[len(readings) :]
+        assert tokens_of(steps) == whole, mode
+        assert steps[0].stats.forwards == 1  # the chunks are one prefill step
+    assert not any(isinstance(event, Reading) for event in engine64.stream(prompt, mode="eagle2", sampling=params))
+    cancel = threading.Event()
+    events = []
+    for event in engine64.stream(prompt, mode="eagle2", sampling=params, cancel=cancel, reading=True):
+        events.append(event)
+        cancel.set()
+    assert events[0] == Reading(0, 30) and events[1].finish_reason == "cancelled" and events[1].token_ids == ()
+    assert len(events) == 2

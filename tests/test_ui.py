@@ -538,3 +538,25 @@ def test_a_failed_regeneration_keeps_the_reply_it_would_replace(handlers, store)
     final = list(handlers.regenerate(chat, "", *values(total_tokens=1)))[-1]  # a setting that is refused
     assert final[2]["messages"] == chat["messages"] and "Tree: tokens verified per step" in final[3]
     assert handlers.accept("w2", final[2], True)[3]["id"] == chat["id"]  # the view matches the disk: no copy
+
+
+def test_a_long_conversation_shows_how_far_it_is_read_and_stop_gives_it_back(handlers, monkeypatch):
+    import core.engine
+
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 4)
+    message = " ".join(f"w{i % 9 + 1}" for i in range(60))
+    updates = list(handlers.send(message, new_chat(), "", *values(max_new_tokens=8)))
+    notices = [u[3] for u in updates if isinstance(u[3], str) and "Reading the conversation" in u[3]]
+    assert notices and "% of " in notices[0] and " tokens..." in notices[0]
+    assert "Reading" not in updates[-1][3] and updates[-1][2]["messages"][-1]["role"] == "assistant"
+
+    read = core.engine._Run._read
+    monkeypatch.setattr(core.engine._Run, "_read", lambda run, start, end: (time.sleep(0.05), read(run, start, end))[1])
+    chat = new_chat()
+    stream = handlers.send(message, chat, "", *values(max_new_tokens=8))
+    for update in stream:
+        if isinstance(update[3], str) and "Reading the conversation" in update[3]:
+            break
+    handlers.stop(chat)
+    final = list(stream)[-1]
+    assert "Stopped before the reply started" in final[3] and final[0] == message and final[2]["messages"] == []
