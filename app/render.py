@@ -30,6 +30,31 @@ UNCOLOURED_LINE = re.compile(r"[ \t]*[-=*_|:+ \t]*\n?$|(?: {4}|\t)")
 # Inline syntax that a highlight must neither cover nor split.
 INLINE_SYNTAX = re.compile(r"\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~]+")
 DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
+# Copying a chat message (its copy button, or the chat's): the text as written,
+# not the markup above. Gradio copies a message's content, which here is escaped
+# prose with highlight spans; highlighted runs never hold a "<" (escaped), so
+# the spans come off exactly, then the numeric entities of escape_prose.
+COPY_JS = """() => {
+  const plain = (text) => text
+    .replace(/<span class="kd" style="[^"]*">([^<]*)<\\/span>/g, "$1")
+    .replace(/&#(38|60|62);/g, (entity, code) => String.fromCharCode(+code));
+  let fromChat = false;
+  document.addEventListener("click", (event) => {
+    fromChat = Boolean(event.target.closest && event.target.closest("#chatbot"));
+    setTimeout(() => { fromChat = false; }, 0);
+  }, true);
+  if (navigator.clipboard) {
+    const write = navigator.clipboard.writeText.bind(navigator.clipboard);
+    navigator.clipboard.writeText = (text) => write(fromChat ? plain(text) : text);
+  }
+  document.addEventListener("copy", (event) => {  // without the clipboard API (http on a LAN): a selected textarea
+    const active = document.activeElement;
+    if (fromChat && active && active.tagName === "TEXTAREA") {
+      event.clipboardData.setData("text/plain", plain(active.value));
+      event.preventDefault();
+    }
+  }, true);
+}"""
 CSS = """
 .kestrel-stats table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
 .kestrel-stats td { padding: 2px 6px; border-bottom: 1px solid var(--border-color-primary); }
@@ -42,6 +67,12 @@ CSS = """
 
 def escape(text: str) -> str:
     return html.escape(text, quote=True)
+
+
+def escape_prose(text: str) -> str:
+    """Markdown prose that shows `text` as written: & < > as numeric entities
+    (quotes need none once no tag can open), which COPY_JS turns back."""
+    return text.replace("&", "&#38;").replace("<", "&#60;").replace(">", "&#62;")
 
 
 def add_segment(segments: list[list[str]], text: str, origin: str) -> None:
@@ -66,11 +97,11 @@ def split_step(text: str, accepted_text: str) -> list[tuple[str, str]]:
     return [(text, DRAFT)]
 
 
-def coloured(segments: list[list[str]]) -> str:
+def coloured(segments: list[list[str]], escaper=escape) -> str:
     """Escaped text with drafted-and-accepted runs highlighted."""
     parts = []
     for text, origin in segments:
-        escaped = escape(text)
+        escaped = escaper(text)
         parts.append(f'<span class="kd" style="{DRAFT_STYLE}">{escaped}</span>' if origin == DRAFT else escaped)
     return "".join(parts)
 
@@ -110,7 +141,7 @@ def _line(line: str, origins: list[str]) -> str:
     highlights never cover a newline, a table pipe, an escape, link brackets
     or emphasis markers, whose meaning depends on their neighbours."""
     if UNCOLOURED_LINE.match(line):
-        return escape(line)
+        return escape_prose(line)
     prefix = BLOCK_PREFIX.match(line).end()
     marks = [origin == DRAFT and char != "\n" for char, origin in zip(line, origins)]
     for syntax in INLINE_SYNTAX.finditer(line, prefix):
@@ -119,7 +150,7 @@ def _line(line: str, origins: list[str]) -> str:
     for mark, indices in itertools.groupby(range(prefix, len(line)), key=marks.__getitem__):
         indices = list(indices)
         runs.append([line[indices[0] : indices[-1] + 1], DRAFT if mark else BASE])
-    return line[:prefix] + coloured(runs)
+    return line[:prefix] + coloured(runs, escape_prose)
 
 
 def pane_html(segments: list[list[str]], elem_class: str = "kestrel-pane") -> str:

@@ -164,7 +164,7 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
     calm_queue(demo)
     app = gr.mount_gradio_app(
         app, demo, path="/", server_name=access.host, server_port=port, auth=access.auth, show_error=True,
-        css=render.CSS, favicon_path=str(ICON),
+        css=render.CSS, js=render.COPY_JS, favicon_path=str(ICON),
     )  # fmt: skip
     return Guard(app, access, port)
 

@@ -285,3 +285,38 @@ def test_bench_app_waits_in_the_page_for_the_count_or_for_quiet(browser):
             settled(page, 9, quiet=1.0, timeout=2)
     finally:
         page.close()
+
+
+def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir):
+    """The copy buttons copy what the model wrote, not the page's markup
+    (escaped prose, highlight spans), with colouring on or off."""
+    from app.store import Store, new_chat
+
+    chat = new_chat()
+    chat["messages"] = [
+        {"role": "user", "content": "Don't <b>bold</b> & \"quote\" it."},
+        {"role": "assistant", "content": MARKDOWN_REPLY, "segments": token_segments(MARKDOWN_REPLY)},
+    ]
+    Store(data_dir).save_chat(chat)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["clipboard-read", "clipboard-write"])
+    try:
+        page.goto(app_url)
+        page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=30_000)
+        for colour in (True, False):
+            if page.locator("#colour input").is_checked() != colour:
+                page.locator("#colour input").set_checked(colour)
+                page.wait_for_function(f"(document.querySelectorAll('#chatbot span.kd').length > 0) === {str(colour).lower()}")
+            page.wait_for_function("document.querySelectorAll(\"#chatbot button[aria-label='Copy message']\").length == 2")
+            copied = []
+            for button in [*page.locator("#chatbot button[aria-label='Copy message']").all(), page.locator("#chatbot button[aria-label='Copy conversation']")]:
+                page.evaluate("navigator.clipboard.writeText('')")
+                button.click()
+                page.wait_for_function("navigator.clipboard.readText().then(text => text.length > 0)")
+                copied.append(page.evaluate("navigator.clipboard.readText()"))
+            assert copied[:2] == [chat["messages"][0]["content"], MARKDOWN_REPLY.strip()], colour  # Gradio trims a message
+            assert chat["messages"][0]["content"] in copied[2] and MARKDOWN_REPLY.strip() in copied[2], colour
+        page.evaluate("navigator.clipboard.writeText('a &#60;b&#62;')")  # elsewhere on the page, text is left alone
+        assert page.evaluate("navigator.clipboard.readText()") == "a &#60;b&#62;"
+    finally:
+        page.close()

@@ -201,7 +201,7 @@ def test_model_text_is_html_escaped():
     message = {"role": "assistant", "content": evil, "segments": [[evil[:10], render.DRAFT], [evil[10:], render.BASE]]}
     for colour in (True, False):
         shown = chat_module.display({"messages": [message]}, colour)[0]["content"]
-        assert "<script>" not in shown and "<img" not in shown and "&lt;script&gt;" in shown
+        assert "<script>" not in shown and "<img" not in shown and "&#60;script&#62;" in shown
     assert "<script>" not in render.pane_html(message["segments"])
     assert "<script>" not in chat_module.notice_html(evil)
 
@@ -408,11 +408,11 @@ def test_code_in_markdown_stays_raw_and_prose_is_escaped():
     shown = render.message_html({"role": "assistant", "content": text, "segments": segments}, True)
     assert shown.startswith('<span class="kd"')
     assert "```c\n#include <vector>" in shown and "`x < y`" in shown
-    assert "a &lt;b</span>&gt; &amp; b" in shown and "&lt;script&gt;" in shown and "<script>" not in shown
+    assert "a &#60;b</span>&#62; &#38; b" in shown and "&#60;script&#62;" in shown and "<script>" not in shown
     plain = render.message_html({"role": "user", "content": "```\n<i>"}, False)
     assert plain == "```\n<i>"
     tildes = render.message_html({"role": "user", "content": "x < y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ <b>"}, False)
-    assert tildes == "x &lt; y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ &lt;b&gt;"  # a ~~~ fence opens a line
+    assert tildes == "x &#60; y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ &#60;b&#62;"  # a ~~~ fence opens a line
 
 
 def test_message_longer_than_the_context_is_refused(handlers):
