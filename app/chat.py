@@ -71,14 +71,35 @@ class Options:
         """From the settings controls' values (in SETTINGS order); raises
         ValueError naming the bad setting."""
         v = dict(zip(SETTINGS, values))
-        seed = None if v["seed"] in (None, "") or int(v["seed"]) < 0 else int(v["seed"])
+        seed = None if v["seed"] in (None, "") or _number(v, "seed", int) < 0 else _number(v, "seed", int)
         sampling = SamplingParams(
-            float(v["temperature"]), float(v["top_p"]), int(v["top_k"]), int(v["max_new_tokens"]), seed
-        )
-        if int(v["total_tokens"]) == 1:  # the slider reaches it; a tree of the root alone is vanilla decoding
+            _number(v, "temperature", float), _number(v, "top_p", float), _number(v, "top_k", int),
+            _number(v, "max_new_tokens", int), seed,
+        )  # fmt: skip
+        if _number(v, "total_tokens", int) == 1:  # the slider reaches it; a tree of the root alone is vanilla decoding
             raise ValueError("Tree: tokens verified per step must be 0 (sized automatically) or at least 2")
-        tree = TreeParams(int(v["total_tokens"]), int(v["depth"]), int(v["tree_top_k"]))
+        tree = TreeParams(_number(v, "total_tokens", int), _number(v, "depth", int), _number(v, "tree_top_k", int))
         return cls(v["mode"], sampling, tree, bool(v["colour"]))
+
+
+LABELS = {
+    "temperature": "Temperature", "top_p": "Top-p", "top_k": "Top-k", "max_new_tokens": "Max new tokens", "seed": "Seed",
+    "total_tokens": "Tree: tokens verified per step", "depth": "Tree: depth", "tree_top_k": "Tree: top-k per node",
+}  # fmt: skip
+
+
+def _number(values: dict, name: str, kind: type) -> int | float:
+    """A settings control's number; ValueError naming the control when it is empty or not a number."""
+    value = values[name]
+    try:
+        if value is None or isinstance(value, bool) or (isinstance(value, str) and not value.strip()):
+            raise ValueError
+        number = kind(float(value)) if kind is int else kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{LABELS[name]}: enter a number (it is {'empty' if value in (None, '') else repr(value)})") from None
+    if kind is int and number != float(value):
+        raise ValueError(f"{LABELS[name]}: enter a whole number (it is {value!r})")
+    return number
 
 
 def mode_for(engine: Engine, wanted: str) -> tuple[str, str]:

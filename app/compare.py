@@ -13,7 +13,7 @@ import pandas as pd
 from app import render
 from app.chat import MODE_LABELS, Options
 from app.reply import Reply, follow_reply
-from app.runtime import Runtime
+from app.runtime import Runtime, TurnCancelled
 from models import int8
 from models.errors import KestrelError
 
@@ -127,7 +127,7 @@ class CompareHandlers:
         modes = ("vanilla", "eagle", "eagle2") if with_eagle else ("vanilla", "eagle2")
         panes = {mode: "" for mode in ("vanilla", "eagle", "eagle2")}
         replies: dict[str, Reply] = {}
-        cancel = self.runtime.cancel_event(chat["id"] if chat else None)
+        cancel = self.runtime.cancel_event(compare_key(chat))
         cancel.clear()
         messages = [{"role": "user", "content": prompt}]
         yield *panes.values(), "Running vanilla..."
@@ -160,10 +160,16 @@ class CompareHandlers:
         except KestrelError:  # the queue is full: the verdict names the token without the margin
             return {}
 
-    def benchmark(self, upload, limit: int, *values, progress=gr.Progress()) -> tuple:
+    def stop(self, chat: dict | None) -> None:
+        """Compare's Stop: this tab's comparison or benchmark, never its chat reply."""
+        self.runtime.cancel(compare_key(chat))
+
+    def benchmark(self, upload, limit: int, chat: dict | None, *values, progress=gr.Progress()) -> tuple:
         """Outputs: summary table, tokens/s bar chart, full result (JSON), notice."""
+        cancel = self.runtime.cancel_event(compare_key(chat))
+        cancel.clear()
         try:
-            from core.bench import run_bench
+            from core.bench import BenchCancelled, run_bench
             from core.prompt import load_prompts
 
             options = Options.from_values(values)
@@ -172,16 +178,32 @@ class CompareHandlers:
                 raise ValueError("the benchmark compares vanilla with EAGLE-2 and needs a draft head")
             path = upload if upload else QUICK_PROMPTS
             prompts = load_prompts(path, limit=int(limit) if limit else None)
-            with self.runtime.queue.turn():
+            with self.runtime.queue.turn(cancel):
                 result = run_bench(
                     engine, prompts, ("vanilla", "eagle2"), options.sampling, options.tree, warmup=1,
-                    progress=lambda done, total, description: progress((done, total), desc=description),
+                    progress=lambda done, total, description: progress((done, total), desc=description), cancel=cancel,
                 )  # fmt: skip
+        except BenchCancelled as stopped:
+            if stopped.result is None:
+                return gr.skip(), gr.skip(), gr.skip(), "Stopped before the first prompt finished."
+            result = stopped.result
+            finished = result["settings"]["prompts"]
+            note = f"Stopped: the figures are those of the first {finished} of {len(prompts)} prompts."
+            return summary_frame(result), speed_frame(result), result, note
+        except TurnCancelled:
+            return gr.skip(), gr.skip(), gr.skip(), "Stopped before the benchmark started."
         except (KestrelError, ValueError, ImportError) as error:
             return gr.skip(), gr.skip(), gr.skip(), render.escape(str(error))
         identical = result["summary"].get("identical_fraction")
         note = "" if identical is None else f"EAGLE-2 output identical to vanilla on {100 * identical:.0f}% of the prompts."
+        if int(limit or 0) > len(prompts):
+            note = f"{note} The file holds {len(prompts)} prompts; all were run.".strip()
         return summary_frame(result), speed_frame(result), result, note
+
+
+def compare_key(chat: dict | None) -> str:
+    """The cancel signal of a tab's Compare runs: its own, apart from the chat's (chat.py uses the chat id)."""
+    return f"compare:{chat['id'] if chat else 'local'}"
 
 
 def summary_frame(result: dict) -> pd.DataFrame:

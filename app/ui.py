@@ -174,10 +174,10 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
             compare.compare, [prompt, with_eagle, chat_state, *controls],
             [pane_vanilla, pane_eagle, pane_eagle2, verdict], api_name="compare", **STREAM,
         )  # fmt: skip
-        stop_compare.click(chat.stop, chat_state, None, concurrency_limit=None)
+        stop_compare.click(compare.stop, chat_state, None, concurrency_limit=None)
         with_eagle.change(lambda on: gr.update(visible=on), with_eagle, eagle_column)
         run_bench.click(
-            compare.benchmark, [upload, limit, *controls], [bench_table, bench_chart, bench_json, bench_notice], **MODEL
+            compare.benchmark, [upload, limit, chat_state, *controls], [bench_table, bench_chart, bench_json, bench_notice], **MODEL
         )
 
         entry.input(library.pick, entry, [model_box, head_box])

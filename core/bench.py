@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -18,6 +19,7 @@ from core import compiled
 from core.config import MODES, SamplingParams, TreeParams
 from core.engine import Engine
 from core.prompt import BenchPrompt
+from models.errors import KestrelError
 
 # transformers' generate, plain and with prompt-lookup decoding; llama.cpp on the same GGUF (core/llama_stick.py)
 BASELINES = ("generate", "prompt-lookup", "llama.cpp")
@@ -113,8 +115,17 @@ def head_of(label: str) -> str | None:
     return label.partition(":")[0].partition("@")[2] or None
 
 
+class BenchCancelled(KestrelError):
+    """A benchmark stopped by its cancel signal; `result` holds the prompts it finished (None if none)."""
+
+    def __init__(self, result: dict | None):
+        super().__init__("stopped")
+        self.result = result
+
+
 def run_once(
-    engine: Engine, prompt_ids: list[int], label: str, sampling: SamplingParams, tree: TreeParams, stick: LlamaStick | None = None
+    engine: Engine, prompt_ids: list[int], label: str, sampling: SamplingParams, tree: TreeParams,
+    stick: LlamaStick | None = None, cancel: threading.Event | None = None,
 ) -> dict:
     """One prompt through one mode -> tokens, seconds, accepted lengths, output ids."""
     mode, tree = parse_mode(label, tree)
@@ -123,7 +134,7 @@ def run_once(
     if mode in BASELINES:
         return _run_generate(engine, prompt_ids, mode, sampling)
     started = time.perf_counter()
-    steps = list(engine.stream(prompt_ids, mode=mode, sampling=sampling, tree=tree))
+    steps = list(engine.stream(prompt_ids, mode=mode, sampling=sampling, tree=tree, cancel=cancel))
     seconds = time.perf_counter() - started
     stats = steps[-1].stats
     return {
@@ -168,12 +179,14 @@ def run_bench(
     llama_python: str | None = None,
     other_heads: dict[str, Engine] | None = None,
     partial: Callable[[dict], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> dict:
     """Every prompt through every mode, interleaved; -> the JSON-ready result.
     other_heads: engines on the same base model with other heads, which modes
     labelled "eagle2@NAME" draft with (two heads compared in one run).
     partial: called with the result so far after each prompt's last mode
-    ("complete" false), so that a run cut short keeps what it measured."""
+    ("complete" false), so that a run cut short keeps what it measured.
+    cancel: when set, the run stops within one step and raises BenchCancelled."""
     other_heads = other_heads or {}
     engines = {}
     for label in modes:
@@ -186,19 +199,32 @@ def run_bench(
         if mode in MODES and mode not in engines[label].modes:
             raise ValueError(f"mode {mode} needs a draft head; give --head")
     encoded = [engine.encode([{"role": "user", "content": prompt.text}]) for prompt in prompts]
+    for prompt, ids in zip(prompts, encoded):  # before anything runs, not when its turn comes
+        if len(ids) >= engine.context_limit:
+            raise ValueError(f"prompt {prompt.id}: {len(ids)} tokens; the model's context window is {engine.context_limit}")
     stick = LlamaStick(llama_python, engine, sampling) if "llama.cpp" in modes else None
     try:
+        rows, total, done = [], len(prompts) * len(modes), 0
+
+        def stopped() -> BenchCancelled | None:
+            if cancel is None or not cancel.is_set():
+                return None
+            return BenchCancelled(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False) if rows else None)
+
         for ids in encoded[:warmup]:
             for mode in modes:
-                run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=16), tree, stick)
-        rows, total, done = [], len(prompts) * len(modes), 0
+                run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=16), tree, stick, cancel)
         for prompt, ids in zip(prompts, encoded):
+            measured = []  # this prompt's rows, kept once every mode has run it in full
             for mode in modes:
                 if progress:
                     progress(done, total, f"{prompt.id} / {mode}")
-                result = run_once(engines[mode], ids, mode, sampling, tree, stick)
-                rows.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
+                result = run_once(engines[mode], ids, mode, sampling, tree, stick, cancel)
+                if error := stopped():
+                    raise error
+                measured.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
                 done += 1
+            rows += measured
             if partial is not None and done < total:
                 partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False))
     finally:

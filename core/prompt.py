@@ -94,7 +94,7 @@ def prompt_rows(path: Path):
     if not path.is_file():
         raise PromptFileError(f"{path}: {'is a folder, not a prompt file' if path.is_dir() else 'no such prompt file'}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM, as Windows editors write, is not part of the first line
     except UnicodeDecodeError as error:
         raise PromptFileError(f"{path}: not UTF-8 text (byte {error.start})") from error
     for index, line in enumerate(text.split("\n")):  # not splitlines: JSON text may hold U+2028 and the like

@@ -264,13 +264,66 @@ def test_a_finished_reply_leaves_the_shared_cancel_signal_alone(engine):
         pass
 
 
+def no_progress(*args, **kwargs):
+    pass
+
+
 def test_benchmark_button(engine):
     pytest.importorskip("core.bench")
     table, chart, result, notice = CompareHandlers(Runtime(engine)).benchmark(
-        None, 1, *values(max_new_tokens=8), progress=lambda *args, **kwargs: None
+        None, 1, None, *values(max_new_tokens=8), progress=no_progress
     )
     assert "identical to vanilla on 100%" in notice and list(table["mode"]) == ["vanilla", "EAGLE-2"]
     assert set(result["modes"]) == {"vanilla", "eagle2"} and len(chart) == 2
+
+
+def test_compare_stop_and_chat_stop_each_stop_their_own(handlers, engine, monkeypatch):
+    """The Compare tab's Stop ends its comparison or benchmark, never the chat's
+    reply, and the chat's Stop never a comparison."""
+    monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
+    compare = CompareHandlers(handlers.runtime)
+    chat = new_chat()
+    reply = handlers.send("w1", chat, "", *values(max_new_tokens=200, mode="vanilla"))
+    next(reply), next(reply)
+    compare.stop(chat)
+    assert list(reply)[-1][2]["messages"][-1]["stats"]["finish_reason"] != "cancelled"
+    runs = compare.compare("w3 w4", False, chat, *values(max_new_tokens=200))
+    next(runs), next(runs)
+    handlers.stop(chat)
+    assert "verdict-eagle2-tps" in list(runs)[-1][3]
+    runs = compare.compare("w3 w4", False, chat, *values(max_new_tokens=200))
+    next(runs), next(runs)
+    compare.stop(chat)
+    assert list(runs)[-1][3] == "Stopped."
+
+
+def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypatch):
+    import core.bench
+
+    handlers = CompareHandlers(Runtime(engine))
+    chat = new_chat()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [f"w{i} w{i + 1}"]}) for i in range(1, 6)), encoding="utf-8-sig")
+    run_once = core.bench.run_once
+    calls = []
+
+    def counted(*args, **kwargs):  # Stop pressed during the third prompt's EAGLE-2 run
+        calls.append(1)
+        if len(calls) == 2 + 6:  # after the warm-up's two runs
+            handlers.stop(chat)
+        return run_once(*args, **kwargs)
+
+    monkeypatch.setattr(core.bench, "run_once", counted)
+    table, _, result, notice = handlers.benchmark(str(prompts), 5, chat, *values(max_new_tokens=8), progress=no_progress)
+    assert notice == "Stopped: the figures are those of the first 2 of 5 prompts."
+    assert result["complete"] is False and len(result["prompts"]) == 4 and len(table) == 2
+    monkeypatch.setattr(core.bench, "run_once", run_once)
+    table, _, result, notice = handlers.benchmark(str(prompts), 5, chat, *values(max_new_tokens=8), progress=no_progress)
+    assert result["complete"] and len(result["prompts"]) == 10  # a new run starts with Stop released
+
+    prompts.write_text(json.dumps({"turns": ["w1"]}) + "\n" + json.dumps({"id": "long", "turns": [" ".join(["w2"] * 300)]}))
+    *_, notice = handlers.benchmark(str(prompts), 5, chat, *values(max_new_tokens=8), progress=no_progress)
+    assert notice.startswith("prompt long: ") and "context window is 256" in notice
 
 
 def test_export_markdown_and_json(handlers):
