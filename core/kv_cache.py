@@ -125,7 +125,13 @@ def advance(cache: DynamicCache, length: int) -> None:
 def has_sliding_window(config) -> bool:
     """Whether some layer attends through a sliding window, which tree masks
     and cache commits do not model."""
-    return "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    # configs without layer types (Mistral's) slide every layer wherever a window is set;
+    # a window as long as the context window never cuts anything
+    window, context = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
+    return window is not None and (context is None or window < context)
 
 
 def commit(cache: DynamicCache, prefix: int, path: list[int]) -> None:

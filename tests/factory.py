@@ -42,9 +42,9 @@ def tiny_config(architecture: str = "llama", vocab_size: int = len(WORDS), **ove
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=4, pad_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
-    settings.update(overrides)
     if architecture in ("mistral", "qwen3"):
         settings["sliding_window"] = None
+    settings.update(overrides)
     if architecture == "qwen3":
         settings["head_dim"] = settings["hidden_size"] // settings["num_attention_heads"]
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}

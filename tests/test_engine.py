@@ -343,3 +343,20 @@ def test_a_long_prompt_is_read_in_chunks_with_the_same_reply(engine64, monkeypat
         cancel.set()
     assert events[0] == Reading(0, 30) and events[1].finish_reason == "cancelled" and events[1].token_ids == ()
     assert len(events) == 2
+
+
+@pytest.mark.parametrize("window, refused", [(16, True), (4096, False)])
+def test_a_mistral_sliding_window_shorter_than_the_context_turns_speculation_off(tmp_path, window, refused):
+    """Mistral's config has no layer types: its window is read from sliding_window
+    (Mistral-7B-v0.1: 4,096 of 32,768 positions), and tree passes do not model it."""
+    folder = save_tiny_model(tmp_path / "m", "mistral", vocab_size=48, sliding_window=window)
+    base = load_base(str(folder), dtype="float64")
+    engine = Engine(base, random_head(base.model, seed=1))
+    if not refused:
+        assert engine.modes == ("vanilla", "eagle", "eagle2")
+        return
+    assert "sliding-window" in engine.speculation_problem() and engine.modes == ("vanilla",)
+    with pytest.raises(UnsupportedArchitectureError, match="sliding-window"):
+        list(engine.stream(list(range(8, 40)), mode="eagle2", sampling=SamplingParams(max_new_tokens=8)))
+    steps = list(engine.stream(list(range(8, 40)), mode="vanilla", sampling=SamplingParams(max_new_tokens=8)))
+    assert steps[-1].finish_reason in ("stop", "length")  # vanilla decodes past the window
