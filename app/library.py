@@ -72,9 +72,11 @@ def read_json(path: Path) -> dict | None:
 
 
 class LibraryHandlers:
-    def __init__(self, runtime: Runtime, heads_dir: Path):
+    def __init__(self, runtime: Runtime, heads_dir: Path, device: str = "auto", compile: str = "auto"):
+        """device, compile: how models loaded here are placed and compiled (`ui --device/--compile`)."""
         self.runtime = runtime
         self.heads_dir = heads_dir
+        self.device, self.compile = device, compile
 
     def status(self) -> str:
         return render.escape(self.runtime.describe())
@@ -96,7 +98,7 @@ class LibraryHandlers:
         model, head = (model or "").strip() or None, (trained or (head or "").strip()) or None
         try:
             with self.runtime.queue.turn():  # after the requests already waiting, before later ones
-                engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, "auto", "auto"), model or "the bundled model")
+                engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, self.device, self.compile), model or "the bundled model")
                 engine.prepare_costs()  # read from the cache, or measured once for this model (a few seconds)
         except (KestrelError, ValueError) as error:
             return self.status(), f"Loading failed: {render.escape(str(error))}. The previous model is still loaded.", gr.skip()
@@ -105,10 +107,10 @@ class LibraryHandlers:
         return self.status(), "Loaded.", mode_update
 
     def unload(self) -> tuple:
-        """Outputs: status, notice."""
+        """Outputs: status, notice, mode selector."""
         try:
             with self.runtime.queue.turn():
                 self.runtime.unload()
         except KestrelError as error:
-            return self.status(), render.escape(str(error))
-        return self.status(), "Unloaded; memory freed."
+            return self.status(), render.escape(str(error)), gr.skip()
+        return self.status(), "Unloaded; memory freed.", gr.update(choices=[(MODE_LABELS["vanilla"], "vanilla")], value="vanilla")

@@ -28,11 +28,11 @@ MODEL = {"concurrency_limit": 1, "concurrency_id": "model"}  # every event that 
 STREAM = {**MODEL, "show_progress": "hidden"}
 
 
-def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
+def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: str = "auto") -> gr.Blocks:
     store = Store(Path(store_dir))
     chat = ChatHandlers(runtime, store)
     compare = CompareHandlers(runtime)
-    library = LibraryHandlers(runtime, Path(store_dir) / "heads")
+    library = LibraryHandlers(runtime, Path(store_dir) / "heads", device, compile)  # as `ui` loaded the first model
     defaults, tree = default_settings(), TreeParams()
 
     # Gradio's copies of exported files: those a day old go daily, all of them when the app restarts
@@ -184,7 +184,7 @@ def build_app(runtime: Runtime, store_dir: Path) -> gr.Blocks:
         load.click(library.load, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode], **MODEL).then(
             library.heads, None, trained
         )  # fmt: skip
-        unload.click(library.unload, None, [status, load_notice], **MODEL)
+        unload.click(library.unload, None, [status, load_notice, mode], **MODEL).then(library.heads, None, trained)
 
         demo.load(chat.restore, None, [*controls, system, chatbot, chat_state, chats, stats])
         demo.load(library.status, None, status).then(library.heads, None, trained)
@@ -237,7 +237,7 @@ def serve(args) -> int:
     print(f"Loaded {runtime.describe()}", flush=True)
     store_dir = data_dir()
     print(f"Chats and settings: {store_dir}", flush=True)
-    server = Server(build_app(runtime, store_dir), runtime, access, args.port)
+    server = Server(build_app(runtime, store_dir, args.device, args.compile), runtime, access, args.port)
     server.start()
     where = LOCALHOST if access.loopback else f"{access.host} (all interfaces; password and API key required)"
     print(f"Kestrel is running at {server.url} on {where}. Press Ctrl+C to stop.", flush=True)

@@ -341,15 +341,21 @@ def test_export_markdown_and_json(handlers):
     assert json.loads(open(data).read())["messages"] == chat["messages"]
 
 
-def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store, tmp_path):
+def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store, tmp_path, monkeypatch):
+    import app.library
+
     runtime = Runtime(engine)
-    library = LibraryHandlers(runtime, store.folder / "heads")
+    library = LibraryHandlers(runtime, store.folder / "heads", "cpu", "off")  # as `ui --device cpu --compile off`
+    calls = []
+    load_pair = app.library.load_pair
+    monkeypatch.setattr(app.library, "load_pair", lambda *args: calls.append(args[4:]) or load_pair(*args))
     status, notice, _ = library.load(str(tmp_path / "missing"), "", None, "none", "float32")
     assert "Loading failed" in notice and runtime.engine is engine
     status, notice, mode = library.load(str(tiny_dir), "", None, "none", "float32")
     assert notice == "Loaded." and runtime.engine is not engine and mode["choices"] == [("vanilla", "vanilla")]
-    library.unload()
-    assert runtime.engine is None
+    assert calls == [("cpu", "off")] * 2
+    *_, mode = library.unload()
+    assert runtime.engine is None and mode["choices"] == [("vanilla", "vanilla")] and library.heads()["choices"] == []
     final = list(ChatHandlers(runtime, store).send("w1", new_chat(), "", *values()))[-1]
     assert "no model is loaded" in final[3] and final[0] == "w1"
 
