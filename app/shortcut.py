@@ -30,8 +30,14 @@ def windows_batch(root: Path) -> str:
     return f'@echo off\r\ncd /d "{root}"\r\npy -3 launch.py %* || python launch.py %*\r\npause\r\n'
 
 
-def mac_command(root: Path) -> str:
-    return f'#!/bin/bash\ncd "{root}"\nexec python3 launch.py "$@"\n'
+def mac_command(root: Path, python: str) -> str:
+    return f'#!/bin/bash\ncd "{root}"\nexec "{python}" launch.py "$@"\n'
+
+
+def base_python() -> str:
+    """The Python that made .venv (this process runs in it): the one that
+    passed launch.py's version check, where plain `python3` may be older."""
+    return getattr(sys, "_base_executable", None) or sys.executable
 
 
 def _write_executable(path: Path, text: str) -> Path:
@@ -48,8 +54,8 @@ def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None =
     if platform.startswith("win"):
         return [_write_executable(desktop / "Kestrel.bat", windows_batch(root))]
     if platform == "darwin":
-        return [_write_executable(desktop / "Kestrel.command", mac_command(root))]
-    entry = desktop_entry(root, "python3")
+        return [_write_executable(desktop / "Kestrel.command", mac_command(root, base_python()))]
+    entry = desktop_entry(root, base_python())
     data_home = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share")
     written = [_write_executable(data_home / "applications" / "kestrel.desktop", entry)]
     if desktop.is_dir():

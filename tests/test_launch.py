@@ -30,6 +30,44 @@ def test_failure_is_one_cause_and_one_fix(capsys, monkeypatch):
     assert "Kestrel could not start: the disk is full" in err and "Fix: free some disk space" in err
 
 
+def test_an_incomplete_venv_is_made_again(monkeypatch, tmp_path, capsys):
+    """A .venv without pip (a first run cut short) or whose Python is gone is
+    found and made again; a working one is kept."""
+    venv = tmp_path / ".venv"
+    monkeypatch.setattr(launch, "VENV", venv)
+    monkeypatch.setattr(launch, "STAMP", venv / "kestrel-requirements.sha256")
+    monkeypatch.setattr(launch, "in_venv", lambda: False)
+    python = venv / ("Scripts/python.exe" if launch.os.name == "nt" else "bin/python")
+    assert launch.venv_problem() == "missing"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(tmp_path / "removed-python")
+    assert launch.venv_problem() == "its Python is gone"
+    python.unlink()
+    python.symlink_to(Path(sys.executable).resolve())
+    assert launch.venv_problem() is None  # this Python has pip
+    python.unlink()
+    python.write_text("#!/bin/sh\nexit 1\n")
+    python.chmod(0o755)
+    assert launch.venv_problem() == "it has no working pip"
+
+    installed, real_run = [], subprocess.run
+
+    def fake_venv(command, **kwargs):  # `python -m venv DIR`: a working one, linked to this Python
+        if command[1:3] != ["-m", "venv"]:
+            return real_run(command, **kwargs)
+        python.parent.mkdir(parents=True)
+        python.symlink_to(Path(sys.executable).resolve())
+
+    monkeypatch.setattr(launch.subprocess, "run", fake_venv)
+    monkeypatch.setattr(launch, "run_pip", lambda args, step: installed.append(step))
+    launch.bootstrap()
+    assert "incomplete (it has no working pip): making it again" in capsys.readouterr().out
+    assert launch.venv_problem() is None and len(installed) == 2
+    assert launch.STAMP.read_text() == launch.wanted_stamp()
+    launch.bootstrap()  # up to date: nothing is done
+    assert len(installed) == 2
+
+
 def test_a_python_older_than_the_requirements_need_is_refused_by_name(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)
     launch.check_python((3, 11, 7))

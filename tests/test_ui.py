@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -420,6 +421,8 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     assert written == [tmp_path / ".local/share/applications/kestrel.desktop", tmp_path / "Desktop/kestrel.desktop"]
     text = written[0].read_text()
     assert text.startswith("[Desktop Entry]") and "launch.py" in text and "Terminal=true" in text
+    python = text.split('Exec="')[1].split('"')[0]  # the Python that made .venv, not whatever python3 is
+    assert subprocess.run([python, "-c", "import sys; print(sys.version_info >= (3, 11))"], capture_output=True, text=True).stdout == "True\n"
     assert written[0].stat().st_mode & stat.S_IXUSR
     assert install(platform="win32", home=tmp_path)[0].name == "Kestrel.bat"
     assert install(platform="darwin", home=tmp_path)[0].name == "Kestrel.command"
