@@ -241,6 +241,18 @@ def check_writable(path: str, option: str) -> Path:
     return target
 
 
+def check_head_folder(path: str, option: str) -> None:
+    """A head folder's files are there (its shapes are checked when it loads)."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"{option} {path}: {'is a file; give its folder' if folder.exists() else 'no such folder'}")
+    missing = [name for name in ("config.json",) if not (folder / name).is_file()]
+    if not any((folder / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")):
+        missing.append("model.safetensors")
+    if missing:
+        raise ValueError(f"{option} {path}: no {' or '.join(missing)}; not a draft-head folder")
+
+
 def bench_modes(text: str) -> tuple[str, ...]:
     """--modes: each mode once, at least one."""
     modes = tuple(mode.strip() for mode in text.split(",") if mode.strip())
@@ -334,6 +346,14 @@ def run_train_head(args) -> int:
     work = Path(args.work).expanduser() if args.work else out / "work"
     if work.is_dir() and any(work.iterdir()) and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
+    holds_head = any((out / name).exists() for name in ("config.json", "model.safetensors"))
+    if args.init_head:
+        check_head_folder(args.init_head, "--init-head")
+        if Path(args.init_head).expanduser().resolve() == out.resolve():
+            raise ValueError(f"--out {args.out}: is the --init-head folder; write the new head to another folder")
+    if holds_head and not args.resume:
+        raise ValueError(f"--out {args.out}: already holds a head, which this run would replace; choose another folder")
+    check_writable(str(out / "model.safetensors"), "--out")  # now, not after hours of work
     budget = Budget()
     if args.time_budget_minutes is not None:
         start = time.time()

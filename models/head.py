@@ -313,6 +313,7 @@ def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = N
     folder.mkdir(parents=True, exist_ok=True)
     state = {key: tensor.detach().contiguous().cpu() for key, tensor in head.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "model.safetensors").chmod(0o644)  # safetensors writes it readable by its owner alone
     settings = {**head.config.to_dict(), **(extra_config or {})}
     (folder / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     return folder

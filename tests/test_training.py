@@ -201,6 +201,48 @@ def test_train_head_refuses_to_overwrite_an_earlier_run(tmp_path, prompts_file):
     assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path)]) == 2
 
 
+def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_path, prompts_file, capsys, monkeypatch):
+    """An existing head in --out, --out the same as --init-head, a missing
+    --init-head: refused before the model loads."""
+    from transformers import AutoModelForCausalLM
+
+    from app.cli import main
+    from models.head import save_head
+    from tests.factory import random_head, tiny_config
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr("models.base.load_base", no_model)
+    old = save_head(random_head(AutoModelForCausalLM.from_config(tiny_config())), tmp_path / "old-head")
+    assert (old / "model.safetensors").stat().st_mode & 0o777 == 0o644  # readable by others, as config.json is
+    typo = tmp_path / "typo"
+    cases = [
+        (["--out", str(old)], "already holds a head, which this run would replace"),
+        (["--out", str(old), "--init-head", str(old), "--resume"], "is the --init-head folder"),
+        (["--out", str(tmp_path / "new"), "--init-head", str(typo)], f"--init-head {typo}: no such folder"),
+        (["--out", str(tmp_path / "new"), "--init-head", str(tmp_path)], "no config.json or model.safetensors"),
+    ]
+    for options, message in cases:
+        assert main(["train-head", "--prompts", str(prompts_file), *options]) == 2
+        assert message in capsys.readouterr().err, options
+
+
+def test_resumed_answers_must_come_from_the_same_prompts_and_settings(tiny_base, prompts_file, tmp_path):
+    from dataclasses import replace
+
+    prompts = read_prompts(prompts_file, tiny_base.tokenizer)
+    cache = tmp_path / "answers.jsonl"
+    generate_answers(tiny_base, prompts[:2], cache, replace(ANSWERS, samples_per_prompt=1), progress=False)
+    with pytest.raises(ValueError, match="made with --max-new-tokens 24, and this run asks for 12"):
+        generate_answers(tiny_base, prompts[:2], cache, replace(ANSWERS, max_new_tokens=12), progress=False)
+    changed = [replace(prompts[0], ids=prompts[0].ids[:-3] + prompts[1].ids[-3:] + (9,)), prompts[1]]
+    with pytest.raises(ValueError, match=f"prompt {prompts[0].id} is not the one its cached answers answer"):
+        generate_answers(tiny_base, changed, cache, ANSWERS, progress=False)
+    more = generate_answers(tiny_base, prompts[:2], cache, ANSWERS, progress=False)  # more samples: fine
+    assert len(more) == 4
+
+
 def test_a_reduced_loss_vocabulary_still_tracks_chains_in_token_ids(tiny_base, features, tmp_path):
     _, shards = features
     params = TrainParams(epochs=1, warmup_steps=1, batch_tokens=256, bf16=False, loss_vocab=32)

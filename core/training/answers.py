@@ -49,12 +49,18 @@ def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512) -> list[Pr
     """JSONL lines {"id", "turns": [first turn = the user prompt, ...]}, checked
     as bench's are (PromptFileError names the file and line). A prompt without
     an id is known by its line index from 0."""
-    prompts = []
+    prompts, skipped = [], 0
     for index, record in prompt_rows(Path(path)):
         messages = [{"role": "user", "content": record["turns"][0]}]
         ids = encode_chat(tokenizer, messages)
         if len(ids) <= max_prompt_tokens:
             prompts.append(Prompt(str(record.get("id", index)), tuple(ids)))
+        else:
+            skipped += 1
+    if skipped:
+        print(f"{path}: {skipped} prompts longer than {max_prompt_tokens} tokens skipped, {len(prompts)} kept", flush=True)
+    if not prompts:
+        raise ValueError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens; training needs shorter ones")
     return prompts
 
 
@@ -87,6 +93,7 @@ def generate_answers(
     from tqdm import tqdm
 
     drop_partial_line(cache)
+    check_cache(prompts, cache, params)
     done = {(answer.id, answer.sample) for answer in read_answers(cache)}
     batches = [
         (index, batch)
@@ -110,6 +117,35 @@ def generate_answers(
             bar.set_postfix(tokens=sum(len(answer.answer_ids) for answer in answers))
     bar.close()
     return read_answers(cache)
+
+
+# the answer settings a cache's answers depend on, with the options that set them
+CACHE_SETTINGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--answer-temperature"}
+
+
+def check_cache(prompts: list[Prompt], cache: Path, params: AnswerParams) -> None:
+    """Refuse to add to (and report on) cached answers made from other prompts
+    or with other answer settings: a resumed run would mix the two silently.
+    The settings are kept beside the cache (answers-settings.json)."""
+    recorded = cache.with_name(f"{cache.stem}-settings.json")
+    wanted = {key: getattr(params, key) for key in CACHE_SETTINGS}
+    if recorded.is_file():
+        saved = json.loads(recorded.read_text(encoding="utf-8"))
+        for key, option in CACHE_SETTINGS.items():
+            if key in saved and saved[key] != wanted[key]:
+                raise ValueError(
+                    f"{cache.parent}: its answers were made with {option} {saved[key]}, and this run asks for "
+                    f"{wanted[key]}; give {option} {saved[key]}, or another --work for new answers"
+                )
+    prompt_ids = {prompt.id: list(prompt.ids) for prompt in prompts}
+    for answer in read_answers(cache):
+        if answer.id in prompt_ids and answer.prompt_ids != prompt_ids[answer.id]:
+            raise ValueError(
+                f"{cache.parent}: prompt {answer.id} is not the one its cached answers answer (the prompt file "
+                "changed); give another --work for new answers"
+            )
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    recorded.write_text(json.dumps(wanted) + "\n", encoding="utf-8")
 
 
 def drop_partial_line(path: Path) -> None:

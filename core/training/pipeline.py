@@ -102,6 +102,11 @@ def train_head(
     suffix = "-eagle3" if third else ""
     clock = PhaseClock(paths.work / PHASES_FILE)
     prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)
+    if not any(is_held_out(prompt.id, feature_params.eval_fraction) for prompt in prompts):
+        print(
+            f"note: none of the {len(prompts)} prompts falls in the held-out {feature_params.eval_fraction:.0%} "
+            "(chosen by id), so there will be no held-out figures; about 50 prompts or more give some", flush=True,
+        )  # fmt: skip
     with clock.phase("answers"):
         answers = generate_answers(
             base, prompts, paths.work / ANSWERS_FILE, answer_params, budget.answers_deadline, progress
