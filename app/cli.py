@@ -45,13 +45,16 @@ def number(low: float, high: float | None = None, low_open: bool = False):
 PORT = integer(1, 65535)
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
+def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) -> None:
+    """decoding: the options of commands that decode (a draft head, compiled layers); train-head has neither."""
     group = parser.add_argument_group("model")
     group.add_argument("--model", help="base model: Hugging Face repo id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--head", help="EAGLE draft head: Hugging Face repo id or local folder (default: the bundled head of the default model, if any)")
+    if decoding:
+        group.add_argument("--head", help="EAGLE draft head: Hugging Face repo id or local folder (default: the bundled head of the default model, if any)")
     group.add_argument("--quantization", default="auto", choices=("auto", "none", "int4", "int8", "8bit", "4bit"), help="base model weights: int4 or int8 (torch's CPU kernels), 8bit or 4bit (bitsandbytes, for GPUs), or none; auto (default) = on CPUs int4 for a 4-bit GGUF, else int8 where it is measured faster, else none")
     group.add_argument("--dtype", default="auto", choices=("auto", "float64", "float32", "bfloat16", "float16"), help="compute dtype (default auto: bf16/fp16 on GPUs; bf16 on CPUs with native bf16, else float32)")
-    group.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="torch.compile the base model's decoder layers: auto (default) = on CPUs with a C++ compiler (the first run compiles for about a minute, later runs read the cache in seconds), on, or off (eager)")
+    if decoding:
+        group.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="torch.compile the base model's decoder layers: auto (default) = on CPUs with a C++ compiler (the first run compiles for about a minute, later runs read the cache in seconds), on, or off (eager)")
     group.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     group.add_argument("--threads", type=integer(1), help="CPU threads for torch (default: torch's choice)")
 
@@ -129,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and an 'id'")
     train.add_argument("--out", required=True, help="folder for the trained head (config.json, model.safetensors, report)")
     train.add_argument("--work", help="folder for the resumable caches: answers, features, checkpoints (default: OUT/work)")
-    add_model_options(train)
+    add_model_options(train, decoding=False)  # --init-head starts from a head
     train.add_argument("--samples-per-prompt", type=integer(1), default=2, help="answers per prompt: the first greedy, the others sampled (default 2)")
     train.add_argument("--max-new-tokens", type=integer(1), default=256, help="longest answer in tokens (default 256)")
     train.add_argument("--answer-temperature", type=number(0.0), default=0.7, help="temperature of the sampled answers (default 0.7)")
