@@ -22,6 +22,21 @@ CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
+COUNTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+          "max_position_embeddings", "draft_vocab_size", "head_dim")  # fmt: skip
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_field(name: str, value) -> None:
+    """ValueError naming a config field whose value cannot be what it sizes."""
+    if name in COUNTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"field {name} must be a whole number of at least 1, got {value!r}")
+    if name in POSITIVE_NUMBERS and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"field {name} must be a number above 0, got {value!r}")
+    if name in ("bias", "qkv_bias") and not isinstance(value, bool):
+        raise ValueError(f"field {name} must be true or false, got {value!r}")
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     hidden_size: int  # H: the base model's hidden size
@@ -60,6 +75,8 @@ class HeadConfig:
                 values.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
         written = ("architectures", "model_type")  # to_dict writes these itself
         extra = {key: value for key, value in settings.items() if key not in known and key not in written}
+        for name, value in values.items():
+            _check_field(name, value)
         return cls(**values, extra=extra)
 
     def to_dict(self) -> dict:
@@ -329,6 +346,8 @@ def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], 
         raise HeadFormatError(f"{config_file}: not valid JSON ({error})") from error
     except KeyError as error:
         raise HeadFormatError(f"{config_file}: missing field {error.args[0]}") from error
+    except (ValueError, TypeError) as error:  # a field of the wrong kind, or a settings file that is not an object
+        raise HeadFormatError(f"{config_file}: {error}") from error
     for name in WEIGHT_FILES:
         file = folder / name
         if file.is_file():

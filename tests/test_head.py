@@ -107,6 +107,19 @@ def test_config_missing_field(tmp_path):
         load_head(tmp_path, 64, 64)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("num_attention_heads", 0, "num_attention_heads must be a whole number of at least 1, got 0"),
+    ("rope_theta", "10000", "rope_theta must be a number above 0, got '10000'"),
+    ("hidden_size", 64.5, "hidden_size must be a whole number"),
+    ("bias", "yes", "bias must be true or false"),
+])  # fmt: skip
+def test_config_fields_of_the_wrong_kind_are_named(tmp_path, field, value, message):
+    settings = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 64, field: value}
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(HeadFormatError, match=f"config.json: field {message}"):
+        load_head(tmp_path, 64, 64)
+
+
 def test_head_config_reads_v5_rope_parameters():
     config = HeadConfig.from_dict({"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
                                    "vocab_size": 10, "rope_parameters": {"rope_theta": 1234.0}})  # fmt: skip
