@@ -56,11 +56,23 @@ def trained_heads(heads_dir: Path, base_name: str, base_config) -> list[str]:
         if config is None or not (folder / "model.safetensors").is_file():
             continue
         if report is not None and "base_model" in report:
-            if report["base_model"] == base_name:
+            if same_base(report["base_model"], base_name):
                 found.append(str(folder))
         elif config.get("hidden_size") == base_config.hidden_size and config.get("vocab_size") == base_config.vocab_size:
             found.append(str(folder))
     return found
+
+
+def same_base(trained_for: str, loaded: str) -> bool:
+    """Whether two base-model names (repo ids, or paths as typed) name one model:
+    `tiny`, `./tiny/` and its absolute path are the same folder."""
+    if trained_for == loaded:
+        return True
+    try:
+        first, second = Path(str(trained_for)).expanduser(), Path(str(loaded)).expanduser()
+        return first.exists() and second.exists() and first.resolve() == second.resolve()
+    except (OSError, ValueError):
+        return False
 
 
 def read_json(path: Path) -> dict | None:

@@ -377,6 +377,11 @@ def test_catalog_and_trained_heads(engine, tmp_path):
             (tmp_path / "heads" / name / "training_report.json").write_text(json.dumps({"base_model": base}))
     found = trained_heads(tmp_path / "heads", engine.base.name, engine.model.config)
     assert found == [str(tmp_path / "heads" / "mine"), str(tmp_path / "heads" / "unreported")]
+    # a base given as a path is the same base however the path is written
+    (tmp_path / "heads" / "other" / "training_report.json").write_text(json.dumps({"base_model": str(tmp_path / "base")}))
+    (tmp_path / "base").mkdir()
+    found = trained_heads(tmp_path / "heads", f"{tmp_path}/./base/", engine.model.config)
+    assert str(tmp_path / "heads" / "other") in found and str(tmp_path / "heads" / "mine") not in found
 
 
 def ui_args(*argv: str):
