@@ -252,5 +252,7 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
         return QuantizationUnavailableError(f"{name}: {quantization} quantization failed ({text.splitlines()[0]})")
     if isinstance(error, OSError) and "does not appear to have a file named" in text:
         return MissingWeightsError(f"{name}: {text.splitlines()[0]}")
+    if "instantiate the backend tokenizer" in text:  # a folder without tokenizer.json / tokenizer.model
+        return MissingWeightsError(f"{name}: no tokenizer files (tokenizer.json, or tokenizer.model with tokenizer_config.json)")
     first_line = text.splitlines()[0] if text else type(error).__name__
     return CorruptedFileError(f"{name}: cannot read the model files ({type(error).__name__}: {first_line})")

@@ -51,6 +51,16 @@ def test_folder_without_weights(tmp_path, tiny_dir):
         load_base(str(tmp_path))
 
 
+def test_folder_without_tokenizer(tmp_path, tiny_dir):
+    import shutil
+
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (tiny_dir / name).is_file():
+            shutil.copy(tiny_dir / name, tmp_path / name)
+    with pytest.raises(MissingWeightsError, match="no tokenizer files"):
+        load_base(str(tmp_path))
+
+
 def test_folder_without_config(tmp_path):
     with pytest.raises(MissingWeightsError, match="config.json"):
         load_base(str(tmp_path))
