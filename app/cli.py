@@ -371,7 +371,7 @@ def run_train_head(args) -> int:
         TrainParams(
             epochs=args.epochs, learning_rate=args.learning_rate, batch_tokens=args.batch_tokens,
             unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed, arch=args.arch,
-            init_head=str(Path(args.init_head).resolve()) if args.init_head else None,
+            init_head=str(Path(args.init_head).expanduser().resolve()) if args.init_head else None,
         ),  # fmt: skip
         budget,
         draft_vocab=args.draft_vocab or None,

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from app.runtime import ModelQueue, TurnCancelled
-from core.engine import Step
+from core.engine import Reading, Step
 from models.errors import KestrelError
 
 
@@ -89,7 +89,7 @@ class Decoding:
     def __init__(
         self,
         queue: ModelQueue,
-        steps: Callable[[threading.Event], Iterator[Step]],
+        steps: Callable[[threading.Event], Iterator[Step | Reading]],
         cancel: threading.Event | None = None,
         on_change: Callable[[], None] | None = None,
     ):
@@ -97,7 +97,7 @@ class Decoding:
         and start it; `on_change` is called from the thread that decodes after
         each step and at the end."""
         self.cancel = cancel or threading.Event()
-        self._steps: list[Step] = []
+        self._steps: list[Step | Reading] = []
         self._error: BaseException | None = None
         self._finished = False
         self._condition = threading.Condition()
@@ -107,7 +107,7 @@ class Decoding:
         self._thread = threading.Thread(target=self._run, args=(steps,), name="kestrel-decoding", daemon=True)
         self._thread.start()
 
-    def _run(self, steps: Callable[[threading.Event], Iterator[Step]]) -> None:
+    def _run(self, steps: Callable[[threading.Event], Iterator[Step | Reading]]) -> None:
         try:
             self._queue.wait(self._ticket, self.cancel)
             try:
@@ -124,7 +124,7 @@ class Decoding:
         if self._on_change is not None:
             self._on_change()
 
-    def _decode(self, steps: Callable[[threading.Event], Iterator[Step]]) -> None:
+    def _decode(self, steps: Callable[[threading.Event], Iterator[Step | Reading]]) -> None:
         for step in steps(self.cancel):
             with self._condition:
                 self._steps.append(step)
@@ -137,7 +137,7 @@ class Decoding:
         with self._condition:
             return self._finished
 
-    def read(self, cursor: int, timeout: float | None = None) -> list[Step]:
+    def read(self, cursor: int, timeout: float | None = None) -> list[Step | Reading]:
         """The steps after the first `cursor`, waiting up to `timeout` seconds
         for one (None: until one comes or the decoding ends). Once it has
         ended and every step is read, raises the error it ended with, if any."""
@@ -159,7 +159,7 @@ class Decoding:
         alone: a browser session's decodings share it, so setting it would cancel
         the next one (its thread may still be leaving the queue here)."""
         with self._condition:
-            if self._steps and self._steps[-1].finish_reason is not None:
+            if self._steps and getattr(self._steps[-1], "finish_reason", None) is not None:  # a Reading has none
                 return
         self.cancel.set()
         self._queue.wake()

@@ -311,22 +311,25 @@ class _Run:
         self.recorder = Recorder()
         self.detokenizer = Detokenizer(engine.base.tokenizer)
         self.started = time.perf_counter()  # the prefill's time runs from here
+        # prompt tokens per prefill forward; one forward where a sliding window's cache
+        # keeps fewer keys than an explicit mask over the whole prompt would cover
+        self.chunk = len(prompt_ids) if kv_cache.has_sliding_window(self.model.config) else PREFILL_CHUNK
         self.committed = 0  # tokens in the base cache
         self.root = -1  # the last sampled token, not yet in the cache
         self.finish_reason: str | None = None
 
     def read_prompt(self) -> Iterator[int]:
         """Forward the prompt's chunks but the last, yielding before each how many tokens are read."""
-        for start in range(0, len(self.prompt_ids) - PREFILL_CHUNK, PREFILL_CHUNK):
+        for start in range(0, len(self.prompt_ids) - self.chunk, self.chunk):
             yield start
-            end = start + PREFILL_CHUNK
+            end = start + self.chunk
             self._commit_prompt(start, end, self._read(start, end)[1], self.prompt_ids[end])
 
     @torch.inference_mode()
     def prefill(self) -> Step:
         """The prompt's last chunk (after read_prompt's) and the first token."""
         total = len(self.prompt_ids)
-        start = (total - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        start = (total - 1) // self.chunk * self.chunk
         features, head_features = self._read(start, total)
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]

@@ -360,3 +360,17 @@ def test_a_mistral_sliding_window_shorter_than_the_context_turns_speculation_off
         list(engine.stream(list(range(8, 40)), mode="eagle2", sampling=SamplingParams(max_new_tokens=8)))
     steps = list(engine.stream(list(range(8, 40)), mode="vanilla", sampling=SamplingParams(max_new_tokens=8)))
     assert steps[-1].finish_reason in ("stop", "length")  # vanilla decodes past the window
+
+
+def test_a_sliding_window_model_reads_a_long_prompt_in_one_forward(tmp_path, monkeypatch):
+    """Its cache keeps only the window's keys, which a chunk's mask over the whole prompt would not match."""
+    import core.engine
+
+    folder = save_tiny_model(tmp_path / "m", "mistral", vocab_size=48, sliding_window=16)
+    engine = Engine(load_base(str(folder), dtype="float64"))
+    prompt = torch.randint(8, 48, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_new_tokens=6)
+    whole = tokens_of(engine.stream(prompt, mode="vanilla", sampling=params))
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 8)
+    events = list(engine.stream(prompt, mode="vanilla", sampling=params, reading=True))
+    assert tokens_of(events) == whole and events[0].stats.forwards == 1  # no Reading: one forward

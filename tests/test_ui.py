@@ -269,6 +269,24 @@ def no_progress(*args, **kwargs):
     pass
 
 
+def test_a_reply_closed_while_its_long_prompt_is_read_is_cancelled(engine, monkeypatch):
+    import core.engine
+
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 4)
+    read = core.engine._Run._read
+    monkeypatch.setattr(core.engine._Run, "_read", lambda run, start, end: (time.sleep(0.05), read(run, start, end))[1])
+    runtime = Runtime(engine)
+    cancel = runtime.cancel_event("reading")
+    cancel.clear()
+    messages = [{"role": "user", "content": " ".join(["w3"] * 60)}]
+    replies = follow_reply(runtime.queue, engine, messages, "vanilla", SamplingParams(max_new_tokens=200), TreeParams(), cancel)
+    assert next(replies).reading is not None
+    replies.close()  # the page went away
+    assert cancel.is_set()
+    with runtime.queue.turn():  # the decoding has left the model
+        pass
+
+
 def test_benchmark_button(engine):
     pytest.importorskip("core.bench")
     table, chart, result, notice = CompareHandlers(Runtime(engine)).benchmark(
