@@ -4,8 +4,11 @@ torch or transformers, so a bad prompt file is refused before the engine loads."
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,11 +54,28 @@ def _encode_contents_literally(tokenizer, messages: list[dict], text: str) -> li
         contents = [shape(message["content"]) for message in messages]
         spans = [contents[int(piece)] if odd else piece for odd, piece in _alternating(pieces)]
         if "".join(spans) == text:
+            literal = _literal_tokenizer(tokenizer)
             ids = []
             for odd, span in _alternating(spans):
-                ids += tokenizer(span, add_special_tokens=False, split_special_tokens=odd)["input_ids"] if span else []
+                if span:
+                    encode = literal if odd else tokenizer
+                    ids += encode(span, add_special_tokens=False, split_special_tokens=odd)["input_ids"]
             return ids
     return None
+
+
+_literal_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_copying = threading.Lock()
+
+
+def _literal_tokenizer(tokenizer):
+    """A copy of `tokenizer` used only with split_special_tokens: the flag is
+    state of the backend tokenizer, and setting it on the shared one would race
+    with encodes on other threads (API requests, the page)."""
+    with _copying:
+        if tokenizer not in _literal_copies:
+            _literal_copies[tokenizer] = copy.deepcopy(tokenizer)
+        return _literal_copies[tokenizer]
 
 
 def _alternating(pieces: list[str]):

@@ -105,6 +105,9 @@ def test_control_token_text_in_a_message_stays_text(default_base):
     # the template's own turns only: a default system turn, three messages, the reply's header
     assert [ids.count(token) for token in control] == [5, 4]
     assert tokenizer.convert_tokens_to_ids("<|endoftext|>") not in ids
+    # the shared tokenizer is left as it was: its split flag is backend state that
+    # encodes on other threads (API requests, the page) would race on
+    assert not tokenizer._tokenizer.encode_special_tokens
     # messages without control text tokenize as the whole rendered prompt always did
     rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
     assert encode_chat(tokenizer, plain) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
