@@ -90,8 +90,15 @@ def test_detokenizer_never_splits_a_character(default_base):
     assert "".join(pieces) + detokenizer.flush() == text
 
 
-def test_control_token_text_in_a_message_stays_text(default_base):
+def test_control_token_text_in_a_message_stays_text(default_base, monkeypatch):
     tokenizer = default_base.tokenizer
+    call, splits = type(tokenizer).__call__, []
+
+    def spy(self, *args, **kwargs):
+        splits.append(self is tokenizer and bool(kwargs.get("split_special_tokens")))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", spy)
     control = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     plain = [{"role": "user", "content": "Hello there"}]
     pasted = [
@@ -105,9 +112,9 @@ def test_control_token_text_in_a_message_stays_text(default_base):
     # the template's own turns only: a default system turn, three messages, the reply's header
     assert [ids.count(token) for token in control] == [5, 4]
     assert tokenizer.convert_tokens_to_ids("<|endoftext|>") not in ids
-    # the shared tokenizer is left as it was: its split flag is backend state that
+    # the shared tokenizer never splits: its split flag is backend state that
     # encodes on other threads (API requests, the page) would race on
-    assert not tokenizer._tokenizer.encode_special_tokens
+    assert splits and not any(splits)
     # messages without control text tokenize as the whole rendered prompt always did
     rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
     assert encode_chat(tokenizer, plain) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
