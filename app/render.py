@@ -31,16 +31,28 @@ UNCOLOURED_LINE = re.compile(r"[ \t]*[-=*_|:+ \t]*\n?$|(?: {4}|\t)")
 INLINE_SYNTAX = re.compile(r"\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~]+")
 DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 # Copying a chat message (its copy button, or the chat's): the text as written,
-# not the markup above. Gradio copies a message's content, which here is escaped
-# prose with highlight spans; highlighted runs never hold a "<" (escaped), so
-# the spans come off exactly, then the numeric entities of escape_prose.
+# not the markup above. Gradio copies a message's content: prose escaped by
+# escape_prose with highlight spans, and code raw (CODE, matched here the same
+# way; highlights and entities never make or break a code span). Highlighted
+# runs never hold a "<" (escaped), so the spans come off exactly. A code block's
+# own copy button (inside the message text) copies raw code and is left alone.
 COPY_JS = """() => {
-  const plain = (text) => text
+  const code = /```[\\s\\S]*?(?:```|$)|(?<![^\\n]) {0,3}~~~[\\s\\S]*?(?:\\n {0,3}~~~|$)|`[^`\\n]+`/g;
+  const prose = (text) => text
     .replace(/<span class="kd" style="[^"]*">([^<]*)<\\/span>/g, "$1")
-    .replace(/&#(38|60|62);/g, (entity, code) => String.fromCharCode(+code));
+    .replace(/&#(38|60|62);/g, (entity, number) => String.fromCharCode(+number));
+  const plain = (text) => {
+    let out = "", last = 0;
+    for (const match of text.matchAll(code)) {
+      out += prose(text.slice(last, match.index)) + match[0];
+      last = match.index + match[0].length;
+    }
+    return out + prose(text.slice(last));
+  };
   let fromChat = false;
   document.addEventListener("click", (event) => {
-    fromChat = Boolean(event.target.closest && event.target.closest("#chatbot"));
+    const target = event.target.closest ? event.target : event.target.parentElement;
+    fromChat = Boolean(target && target.closest("#chatbot") && !target.closest(".message-content"));
     setTimeout(() => { fromChat = false; }, 0);
   }, true);
   if (navigator.clipboard) {

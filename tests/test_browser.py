@@ -293,9 +293,11 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
     from app.store import Store, new_chat
 
     chat = new_chat()
+    code = '<p>a &#60; b &#38; c</p>\n<span class="kd" style="x">hi</span>'
+    reply = f"{MARKDOWN_REPLY}\nIn HTML write `&#60;` for <, as here:\n\n```html\n{code}\n```\n"
     chat["messages"] = [
         {"role": "user", "content": "Don't <b>bold</b> & \"quote\" it."},
-        {"role": "assistant", "content": MARKDOWN_REPLY, "segments": token_segments(MARKDOWN_REPLY)},
+        {"role": "assistant", "content": reply, "segments": token_segments(reply)},
     ]
     Store(data_dir).save_chat(chat)
     page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["clipboard-read", "clipboard-write"])
@@ -314,8 +316,12 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
                 button.click()
                 page.wait_for_function("navigator.clipboard.readText().then(text => text.length > 0)")
                 copied.append(page.evaluate("navigator.clipboard.readText()"))
-            assert copied[:2] == [chat["messages"][0]["content"], MARKDOWN_REPLY.strip()], colour  # Gradio trims a message
-            assert chat["messages"][0]["content"] in copied[2] and MARKDOWN_REPLY.strip() in copied[2], colour
+            assert copied[:2] == [chat["messages"][0]["content"], reply.strip()], colour  # Gradio trims a message
+            assert chat["messages"][0]["content"] in copied[2] and reply.strip() in copied[2], colour
+            page.evaluate("navigator.clipboard.writeText('')")
+            page.locator("#chatbot .copy_code_button").last.click()  # the code block's own button: its code, raw
+            page.wait_for_function("navigator.clipboard.readText().then(text => text.length > 0)")
+            assert page.evaluate("navigator.clipboard.readText()").strip() == code, colour
         page.evaluate("navigator.clipboard.writeText('a &#60;b&#62;')")  # elsewhere on the page, text is left alone
         assert page.evaluate("navigator.clipboard.readText()") == "a &#60;b&#62;"
     finally:
