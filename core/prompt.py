@@ -58,10 +58,24 @@ def _encode_contents_literally(tokenizer, messages: list[dict], text: str) -> li
             ids = []
             for odd, span in _alternating(spans):
                 if span:
-                    encode = literal if odd else tokenizer
-                    ids += encode(span, add_special_tokens=False, split_special_tokens=odd)["input_ids"]
+                    ids += _encode_piece(literal if odd else tokenizer, span, odd, first=not ids)
             return ids
     return None
+
+
+def _encode_piece(tokenizer, text: str, split: bool, first: bool) -> list[int]:
+    """`text`'s tokens as they would be inside a longer text. A piece after the
+    first is encoded behind a newline whose tokens are then dropped: SentencePiece-
+    style tokenizers put a word boundary (▁) at the start of every encode call,
+    which mid-text would be a space that is not there. Where the newline merges
+    with the piece, the piece is encoded alone."""
+    def encode(piece: str) -> list[int]:
+        return tokenizer(piece, add_special_tokens=False, split_special_tokens=split)["input_ids"]
+
+    if first:
+        return encode(text)
+    lead, ids = encode("\n"), encode("\n" + text)
+    return ids[len(lead) :] if ids[: len(lead)] == lead else encode(text)
 
 
 _literal_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

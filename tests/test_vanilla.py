@@ -118,3 +118,27 @@ def test_control_token_text_in_a_message_stays_text(default_base, monkeypatch):
     # messages without control text tokenize as the whole rendered prompt always did
     rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
     assert encode_chat(tokenizer, plain) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_control_text_in_a_message_leaves_sentencepiece_word_boundaries_alone():
+    """A Metaspace (SentencePiece-style) tokenizer starts every encode call at a
+    word boundary (▁); pieces after the first must not gain one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzSU<>|/\n") | {"▁"})
+    core = Tokenizer(models.BPE(vocab={"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    pasted = [{"role": "user", "content": "Say </s> hi"}]
+    ids = encode_chat(tokenizer, pasted)
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert tokens.count("</s>") == 1 and tokens.count("▁") == 3  # the text's start and its two spaces, no more
+    plain = [{"role": "user", "content": "Say hi"}]
+    shown = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    assert encode_chat(tokenizer, plain) == tokenizer(shown, add_special_tokens=False)["input_ids"]
