@@ -17,18 +17,25 @@ from core.stats import Snapshot
 DRAFT, BASE = "draft", "base"  # token origins: drafted-and-accepted, or sampled by the base model
 # Markdown code: fenced blocks (to the end while still streaming; ~~~ fences only
 # where a line starts, as markdown reads them) and inline spans.
-CODE = re.compile(r"```.*?(?:```|\Z)|(?<![^\n]) {0,3}~~~.*?(?:\n {0,3}~~~|\Z)|`[^`\n]+`", re.DOTALL)
+# A ``` fence opens only where a line starts (after indentation), as markdown
+# reads it; mid-line, backticks delimit inline code only when they close on the line.
+CODE = re.compile(
+    r"(?<![^\n])[ \t]*```.*?(?:\n[ \t]*```|\Z)|(?<![^\n]) {0,3}~~~.*?(?:\n {0,3}~~~|\Z)|(`{1,3})(?!`)[^\n]+?(?<!`)\1(?!`)",
+    re.DOTALL,
+)
 # Gradio 6.31's chatbot loads Prism's C++ grammar without the C one it extends, and
 # the whole message then renders empty: C++ fences are highlighted as C instead.
-CPP_FENCE = re.compile(r"^```(?:cpp|c\+\+|cxx|cc)(?=\s)", re.IGNORECASE)
+# the C fence keeps the language it replaces ("```c cpp"), which COPY_JS restores.
+CPP_FENCE = re.compile(r"^([ \t]*)```(cpp|c\+\+|cxx|cc)(?=\s)", re.IGNORECASE)
 # A line's block syntax: indentation, block-quote markers, then a heading's
 # hashes or a list marker (with a task box). Only these characters: safe raw.
 BLOCK_PREFIX = re.compile(r"[ \t]{0,3}(?:>[ \t]?)*(?:(?:#{1,6}|[-*+]|\d{1,9}[.)])(?=[ \t]|$)[ \t]*(?:\[[ xX]\][ \t])?)?")
 # Lines that are markdown syntax as a whole (rules, setext underlines, table
 # delimiter rows) or indented code: never highlighted.
 UNCOLOURED_LINE = re.compile(r"[ \t]*[-=*_|:+ \t]*\n?$|(?: {4}|\t)")
-# Inline syntax that a highlight must neither cover nor split.
-INLINE_SYNTAX = re.compile(r"\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~]+")
+# Inline syntax that a highlight must neither cover nor split (backtick runs too,
+# so that COPY_JS finds the same code spans in the coloured text).
+INLINE_SYNTAX = re.compile(r"\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~`]+")
 DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 # Copying a chat message (its copy button, or the chat's): the text as written,
 # not the markup above. Gradio copies a message's content: prose escaped by
@@ -37,14 +44,15 @@ DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 # runs never hold a "<" (escaped), so the spans come off exactly. A code block's
 # own copy button (inside the message text) copies raw code and is left alone.
 COPY_JS = """() => {
-  const code = /```[\\s\\S]*?(?:```|$)|(?<![^\\n]) {0,3}~~~[\\s\\S]*?(?:\\n {0,3}~~~|$)|`[^`\\n]+`/g;
+  const code = /(?<![^\\n])[ \\t]*```[\\s\\S]*?(?:\\n[ \\t]*```|$)|(?<![^\\n]) {0,3}~~~[\\s\\S]*?(?:\\n {0,3}~~~|$)|(`{1,3})(?!`)[^\\n]+?(?<!`)\\1(?!`)/g;
+  const fence = /^([ \\t]*)```c (cpp|c\\+\\+|cxx|cc)(?=\\s)/i;
   const prose = (text) => text
     .replace(/<span class="kd" style="[^"]*">([^<]*)<\\/span>/g, "$1")
     .replace(/&#(38|60|62);/g, (entity, number) => String.fromCharCode(+number));
   const plain = (text) => {
     let out = "", last = 0;
     for (const match of text.matchAll(code)) {
-      out += prose(text.slice(last, match.index)) + match[0];
+      out += prose(text.slice(last, match.index)) + match[0].replace(fence, "$1```$2");
       last = match.index + match[0].length;
     }
     return out + prose(text.slice(last));
@@ -128,7 +136,7 @@ def message_html(message: dict, colour: bool) -> str:
     origins = [origin if colour else BASE for piece, origin in segments for _ in piece]
     parts, position = [], 0
     for match in CODE.finditer(text):
-        parts += [_prose(text, origins, position, match.start()), CPP_FENCE.sub("```c", match.group())]
+        parts += [_prose(text, origins, position, match.start()), CPP_FENCE.sub(r"\1```c \2", match.group())]
         position = match.end()
     parts.append(_prose(text, origins, position, len(text)))
     return "".join(parts)

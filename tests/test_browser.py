@@ -294,7 +294,8 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
 
     chat = new_chat()
     code = '<p>a &#60; b &#38; c</p>\n<span class="kd" style="x">hi</span>'
-    reply = f"{MARKDOWN_REPLY}\nIn HTML write `&#60;` for <, as here:\n\n```html\n{code}\n```\n"
+    reply = (f"{MARKDOWN_REPLY}\nIn HTML write `&#60;` for <, as here:\n\n```html\n{code}\n```\n"
+             "In C++, type ``` only to fence:\n```cpp\nint a = b < c;\n```\n")  # fmt: skip
     chat["messages"] = [
         {"role": "user", "content": "Don't <b>bold</b> & \"quote\" it."},
         {"role": "assistant", "content": reply, "segments": token_segments(reply)},
@@ -319,7 +320,8 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
             assert copied[:2] == [chat["messages"][0]["content"], reply.strip()], colour  # Gradio trims a message
             assert chat["messages"][0]["content"] in copied[2] and reply.strip() in copied[2], colour
             page.evaluate("navigator.clipboard.writeText('')")
-            page.locator("#chatbot .copy_code_button").last.click()  # the code block's own button: its code, raw
+            assert page.locator("#chatbot pre").get_by_text("int a = b < c;").count() == 1  # a cpp fence renders
+            page.locator("#chatbot .copy_code_button").nth(1).click()  # the html block's own button: its code, raw
             page.wait_for_function("navigator.clipboard.readText().then(text => text.length > 0)")
             assert page.evaluate("navigator.clipboard.readText()").strip() == code, colour
         page.evaluate("navigator.clipboard.writeText('a &#60;b&#62;')")  # elsewhere on the page, text is left alone

@@ -492,12 +492,16 @@ def test_code_in_markdown_stays_raw_and_prose_is_escaped():
     segments = [[text[:4], render.DRAFT], [text[4:], render.BASE]]
     shown = render.message_html({"role": "assistant", "content": text, "segments": segments}, True)
     assert shown.startswith('<span class="kd"')
-    assert "```c\n#include <vector>" in shown and "`x < y`" in shown
+    assert "```c cpp\n#include <vector>" in shown and "`x < y`" in shown
     assert "a &#60;b</span>&#62; &#38; b" in shown and "&#60;script&#62;" in shown and "<script>" not in shown
     plain = render.message_html({"role": "user", "content": "```\n<i>"}, False)
     assert plain == "```\n<i>"
     tildes = render.message_html({"role": "user", "content": "x < y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ <b>"}, False)
     assert tildes == "x &#60; y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ &#60;b&#62;"  # a ~~~ fence opens a line
+    midline = render.message_html({"role": "user", "content": "Type ``` to start a fence. Then <b>bold</b>"}, False)
+    assert midline == "Type ``` to start a fence. Then &#60;b&#62;bold&#60;/b&#62;"  # a ``` fence opens only a line
+    nested = render.message_html({"role": "user", "content": "1. Code:\n      ```py\n      a<b\n      ```\nand ``a`b`` <i>"}, False)
+    assert nested == "1. Code:\n      ```py\n      a<b\n      ```\nand ``a`b`` &#60;i&#62;"
 
 
 def test_message_longer_than_the_context_is_refused(handlers):
