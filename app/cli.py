@@ -300,6 +300,8 @@ def tree_from(args):
 
 def run_chat(args) -> int:
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty: give the message to answer")
     engine = load_engine(args)
     from core.engine import Reading
 
@@ -384,10 +386,11 @@ def run_train_head(args) -> int:
         )  # fmt: skip
         return 2
     final = report["final_eval"]
-    print(
-        f"head written to {out}: {training['steps']}/{training['total_steps']} steps, held-out top-1 "
-        f"{', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])})"
-    )
+    held_out = (
+        f"held-out top-1 {', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])})"
+        if final["accuracy"] else "no held-out figures (no prompt was held out)"
+    )  # fmt: skip
+    print(f"head written to {out}: {training['steps']}/{training['total_steps']} steps, {held_out}")
     if training["steps"] < training["total_steps"]:
         print(f"stopped by the time budget; run again with --resume to continue ({work})")
     return 0
@@ -409,7 +412,10 @@ def run_eval_heads(args) -> int:
         raise ValueError("name at least one head to judge (--head or HEAD ...)")
     shards = sorted((Path(args.features).expanduser() / args.split).glob("shard-*.safetensors"))
     if not shards:
-        raise ValueError(f"{Path(args.features) / args.split}: no feature shards (run train-head first)")
+        folder = Path(args.features) / args.split
+        others = [split for split in ("train", "eval") if split != args.split and any((Path(args.features).expanduser() / split).glob("shard-*.safetensors"))]
+        hint = f"; it has {others[0]} shards (--split {others[0]})" if others else " (run train-head first)"
+        raise ValueError(f"{folder}: no feature shards{hint}")
     base = load_base(args.model, args.quantization, args.dtype, args.device)
     results = {}
     for source in sources:

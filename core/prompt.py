@@ -148,14 +148,18 @@ def load_prompts(path: str | Path, limit: int | None = None, per_source: int | N
     """JSONL lines with a `turns` list (the first turn is the prompt) and optional `id`, `source`.
     per_source keeps the first N prompts of every source (e.g. chat and code halves)."""
     path = Path(path)
-    prompts, seen = [], {}
+    prompts, seen, lines = [], {}, {}  # lines: the line of each id
     for index, row in prompt_rows(path):
         turns = row["turns"]
         source = str(row.get("source", "prompts"))
         seen[source] = seen.get(source, 0) + 1
         if per_source is not None and seen[source] > per_source:
             continue
-        prompts.append(BenchPrompt(str(row.get("id", f"line-{index + 1}")), turns[0], source))
+        prompt_id = str(row.get("id", f"line-{index + 1}"))
+        if prompt_id in lines:
+            raise PromptFileError(f"{path}:{index + 1}: id {prompt_id!r} is already the id of line {lines[prompt_id]}")
+        lines[prompt_id] = index + 1
+        prompts.append(BenchPrompt(prompt_id, turns[0], source))
     if not prompts:
         raise PromptFileError(f"{path}: no prompts")
     return prompts[:limit] if limit else prompts

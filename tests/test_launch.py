@@ -110,7 +110,13 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     prompts.write_text('{"turns": ["w1 w2"]}\n')
     (tmp_path / "string-turns.jsonl").write_text('{"turns": "w1 w2"}\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "same-ids.jsonl").write_text('{"id": "a", "turns": ["w1"]}\n{"id": "a", "turns": ["w2"]}\n')
+    (tmp_path / "features" / "train").mkdir(parents=True)
+    (tmp_path / "features" / "train" / "shard-00000.safetensors").write_bytes(b"")
     cases = [
+        (["chat", "  "], "the prompt is empty"),
+        (["bench", "--prompts", str(tmp_path / "same-ids.jsonl")], "same-ids.jsonl:2: id 'a' is already the id of line 1"),
+        (["eval-heads", "--features", str(tmp_path / "features"), "--head", str(tmp_path)], "no feature shards; it has train shards (--split train)"),
         (["chta", "hi"], "unknown command 'chta'"),
         (["ui", "--port", "70000"], "--port: must be from 1 to 65535"),
         (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be at least 1"),
