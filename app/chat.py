@@ -71,14 +71,15 @@ class Options:
         """From the settings controls' values (in SETTINGS order); raises
         ValueError naming the bad setting."""
         v = dict(zip(SETTINGS, values))
-        seed = None if v["seed"] in (None, "") or _number(v, "seed", int) < 0 else _number(v, "seed", int)
+        seed = None if v["seed"] in (None, "") else _number(v, "seed", int)
         sampling = SamplingParams(
             _number(v, "temperature", float), _number(v, "top_p", float), _number(v, "top_k", int),
-            _number(v, "max_new_tokens", int), seed,
+            _number(v, "max_new_tokens", int), None if seed is None or seed < 0 else seed,
         )  # fmt: skip
-        if _number(v, "total_tokens", int) == 1:  # the slider reaches it; a tree of the root alone is vanilla decoding
+        total_tokens = _number(v, "total_tokens", int)
+        if total_tokens == 1:  # the slider reaches it; a tree of the root alone is vanilla decoding
             raise ValueError("Tree: tokens verified per step must be 0 (sized automatically) or at least 2")
-        tree = TreeParams(_number(v, "total_tokens", int), _number(v, "depth", int), _number(v, "tree_top_k", int))
+        tree = TreeParams(total_tokens, _number(v, "depth", int), _number(v, "tree_top_k", int))
         return cls(v["mode"], sampling, tree, bool(v["colour"]))
 
 

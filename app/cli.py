@@ -246,12 +246,14 @@ def check_writable(path: str, option: str) -> Path:
 
 def check_head_folder(path: str, option: str) -> None:
     """A head folder's files are there (its shapes are checked when it loads)."""
+    from models.head import CONFIG_FILE, WEIGHT_FILES
+
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ValueError(f"{option} {path}: {'is a file; give its folder' if folder.exists() else 'no such folder'}")
-    missing = [name for name in ("config.json",) if not (folder / name).is_file()]
-    if not any((folder / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")):
-        missing.append("model.safetensors")
+    missing = [] if (folder / CONFIG_FILE).is_file() else [CONFIG_FILE]
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        missing.append(WEIGHT_FILES[0])
     if missing:
         raise ValueError(f"{option} {path}: no {' or '.join(missing)}; not a draft-head folder")
 
@@ -341,6 +343,7 @@ def run_train_head(args) -> int:
     from core.prompt import PromptFileError, prompt_rows
     from core.training.trainer import TrainParams
     from models.base import load_base
+    from models.head import CONFIG_FILE, WEIGHT_FILES
 
     set_threads(args.threads)
     out = Path(args.out).expanduser()
@@ -351,7 +354,7 @@ def run_train_head(args) -> int:
     work = Path(args.work).expanduser() if args.work else out / "work"
     if work.is_dir() and any(work.iterdir()) and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
-    holds_head = any((out / name).exists() for name in ("config.json", "model.safetensors"))
+    holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES))
     if args.init_head:
         check_head_folder(args.init_head, "--init-head")
         if Path(args.init_head).expanduser().resolve() == out.resolve():
@@ -410,12 +413,13 @@ def run_eval_heads(args) -> int:
     sources = ([args.head] if args.head else []) + args.heads
     if not sources:
         raise ValueError("name at least one head to judge (--head or HEAD ...)")
-    shards = sorted((Path(args.features).expanduser() / args.split).glob("shard-*.safetensors"))
+    features = Path(args.features).expanduser()
+    by_split = {split: sorted((features / split).glob("shard-*.safetensors")) for split in ("train", "eval")}
+    shards = by_split[args.split]
     if not shards:
-        folder = Path(args.features) / args.split
-        others = [split for split in ("train", "eval") if split != args.split and any((Path(args.features).expanduser() / split).glob("shard-*.safetensors"))]
-        hint = f"; it has {others[0]} shards (--split {others[0]})" if others else " (run train-head first)"
-        raise ValueError(f"{folder}: no feature shards{hint}")
+        other = next((split for split, found in by_split.items() if found), None)
+        hint = f"; it has {other} shards (--split {other})" if other else " (run train-head first)"
+        raise ValueError(f"{Path(args.features) / args.split}: no feature shards{hint}")
     base = load_base(args.model, args.quantization, args.dtype, args.device)
     results = {}
     for source in sources:

@@ -205,12 +205,6 @@ def run_bench(
     stick = LlamaStick(llama_python, engine, sampling) if "llama.cpp" in modes else None
     try:
         rows, total, done = [], len(prompts) * len(modes), 0
-
-        def stopped() -> BenchCancelled | None:
-            if cancel is None or not cancel.is_set():
-                return None
-            return BenchCancelled(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False) if rows else None)
-
         for ids in encoded[:warmup]:
             for mode in modes:
                 run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=16), tree, stick, cancel)
@@ -220,8 +214,9 @@ def run_bench(
                 if progress:
                     progress(done, total, f"{prompt.id} / {mode}")
                 result = run_once(engines[mode], ids, mode, sampling, tree, stick, cancel)
-                if error := stopped():
-                    raise error
+                if cancel is not None and cancel.is_set():  # this prompt's rows are cut short: only finished prompts count
+                    finished = bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False)
+                    raise BenchCancelled(finished if rows else None)
                 measured.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
                 done += 1
             rows += measured

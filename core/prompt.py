@@ -20,7 +20,8 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     Control-token text inside a message (a user pasting "<|im_end|>") stays
     text: only the template's own control tokens are tokens."""
     text = _render(tokenizer, messages)
-    if any(_holds_control_text(tokenizer, message["content"]) for message in messages):
+    controls = _control_texts(tokenizer)
+    if any(control in message["content"] for message in messages for control in controls):
         ids = _encode_contents_literally(tokenizer, messages, text)
         if ids is not None:
             return ids
@@ -35,11 +36,12 @@ def _render(tokenizer, messages: list[dict]) -> str:
     return (tokenizer.bos_token or "") + "\n".join(lines) + "\nAssistant:"
 
 
-def _holds_control_text(tokenizer, content: str) -> bool:
+def _control_texts(tokenizer) -> set[str]:
+    """The texts the tokenizer reads as special (control) tokens."""
     decoder = getattr(tokenizer, "added_tokens_decoder", {})
     controls = {token.content for token in decoder.values() if token.special}
     controls.update(getattr(tokenizer, "all_special_tokens", ()))
-    return any(control and control in content for control in controls)
+    return {control for control in controls if control}
 
 
 def _encode_contents_literally(tokenizer, messages: list[dict], text: str) -> list[int] | None:

@@ -93,8 +93,9 @@ def generate_answers(
     from tqdm import tqdm
 
     drop_partial_line(cache)
-    check_cache(prompts, cache, params)
-    done = {(answer.id, answer.sample) for answer in read_answers(cache)}
+    cached = read_answers(cache)
+    check_cache(prompts, cache, cached, params)
+    done = {(answer.id, answer.sample) for answer in cached}
     batches = [
         (index, batch)
         for index, batch in enumerate(plan_batches(prompts, params))
@@ -123,7 +124,7 @@ def generate_answers(
 CACHE_SETTINGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--answer-temperature"}
 
 
-def check_cache(prompts: list[Prompt], cache: Path, params: AnswerParams) -> None:
+def check_cache(prompts: list[Prompt], cache: Path, cached: list[Answer], params: AnswerParams) -> None:
     """Refuse to add to (and report on) cached answers made from other prompts
     or with other answer settings: a resumed run would mix the two silently.
     The settings are kept beside the cache (answers-settings.json)."""
@@ -138,7 +139,7 @@ def check_cache(prompts: list[Prompt], cache: Path, params: AnswerParams) -> Non
                     f"{wanted[key]}; give {option} {saved[key]}, or another --work for new answers"
                 )
     prompt_ids = {prompt.id: list(prompt.ids) for prompt in prompts}
-    for answer in read_answers(cache):
+    for answer in cached:
         if answer.id in prompt_ids and answer.prompt_ids != prompt_ids[answer.id]:
             raise ValueError(
                 f"{cache.parent}: prompt {answer.id} is not the one its cached answers answer (the prompt file "
