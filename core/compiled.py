@@ -328,7 +328,7 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
     transformers decoder. -> the Compiled model, or None (model left eager)
     where that fails."""
     if model.device.type == "cpu" and not compiler_available():
-        log.info("Decoding eagerly: torch.compile needs a C++ compiler (g++ or clang++) on CPUs")
+        log.info("Decoding eagerly: torch.compile on CPUs is used on Linux with a C++ compiler (g++ or clang++)")
         return None
     use_compile_cache()  # where launch.py has not already
     problem = _layout_problem(model)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import platform
 import statistics
 import time
@@ -175,7 +176,7 @@ def load_cached(folder: Path, key: dict) -> Costs | None:
 def save_cached(folder: Path, key: dict, costs: Costs) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = cache_file(folder, key)
-    temporary = path.with_suffix(".tmp")
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")  # per process: two starts may measure at once
     temporary.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1), encoding="utf-8")
     temporary.replace(path)
     return path

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -186,6 +187,13 @@ static bool tiles_permitted() { return false; }
 
 
 def compiler() -> str | None:
+    """The C++ compiler for Kestrel's kernels and for torch.compile on CPUs,
+    used on Linux only: on Windows torch.compile wants MSVC and the kernels'
+    flags are GCC's (a MinGW g++ cannot link against torch), and on macOS
+    /usr/bin/g++ may be a stub that asks to install the developer tools at
+    every start. Elsewhere the same model runs eagerly."""
+    if not sys.platform.startswith("linux"):
+        return None
     return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
@@ -213,7 +221,8 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
     None where no compiler is found or the build fails (logged, naming `what`)."""
     tool = compiler()
     if tool is None:
-        log.info(f"{what}: no C++ compiler found for its kernel")
+        found = "no C++ compiler found" if sys.platform.startswith("linux") else "built on Linux only"
+        log.info(f"{what}: {found} for its kernel")
         return None
     digest = hashlib.sha256((source + " ".join(flags) + tool + torch.__version__ + cpu_flags()).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"

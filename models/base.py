@@ -161,7 +161,7 @@ def check_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise MissingWeightsError(f"{path}: no config.json in this folder; is it a Hugging Face model folder?")
     try:
-        json.loads((path / "config.json").read_text())
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CorruptedFileError(f"{path / 'config.json'}: not valid JSON ({error})") from error
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):

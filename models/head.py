@@ -332,7 +332,7 @@ def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = N
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "model.safetensors").chmod(0o644)  # safetensors writes it readable by its owner alone
     settings = {**head.config.to_dict(), **(extra_config or {})}
-    (folder / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    (folder / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     return folder
 
 
@@ -341,7 +341,7 @@ def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], 
     if not config_file.is_file():
         raise HeadFormatError(f"{folder}: no {CONFIG_FILE}; not a draft-head folder")
     try:
-        config = HeadConfig.from_dict(json.loads(config_file.read_text()))
+        config = HeadConfig.from_dict(json.loads(config_file.read_text(encoding="utf-8")))
     except json.JSONDecodeError as error:
         raise HeadFormatError(f"{config_file}: not valid JSON ({error})") from error
     except KeyError as error:

@@ -76,6 +76,40 @@ def test_a_python_older_than_the_requirements_need_is_refused_by_name(capsys, mo
         launch.check_python((3, 10, 13))
     err = capsys.readouterr().err
     assert "Python 3.10 is too old" in err and "Python 3.11 or newer" in err
+    launch.check_python((3, 14, 1))
+    with pytest.raises(SystemExit):
+        launch.check_python((3, 15, 0))
+    assert "Python 3.15 is newer than the pinned PyTorch 2.13 supports (3.11 to 3.14)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("system", "machine", "release", "bits", "problem"),
+    [
+        ("linux", "x86_64", "", 64, None),
+        ("linux", "aarch64", "", 64, None),
+        ("win32", "AMD64", "", 64, None),
+        ("darwin", "arm64", "14.5", 64, None),
+        ("darwin", "arm64", "15.0", 64, None),
+        ("darwin", "x86_64", "14.5", 64, "no build for Macs with Intel processors"),
+        ("darwin", "arm64", "13.6.1", 64, "needs macOS 14 or newer (this is macOS 13.6.1)"),
+        ("win32", "ARM64", "", 64, "no build for Windows on arm64"),
+        ("linux", "ppc64le", "", 64, "no build for Linux on ppc64le"),
+        ("win32", "AMD64", "", 32, "32-bit build"),
+    ],
+)
+def test_platforms_without_a_pytorch_build_are_named_before_installing(system, machine, release, bits, problem):
+    found = launch.platform_problem(system, machine, release, bits)
+    assert found is None if problem is None else problem in found
+
+
+def test_windows_console_run_passes_utf8_and_the_exit_code(monkeypatch, tmp_path):
+    """The Windows path (Popen and wait, not execv): the child's output is
+    UTF-8 and its exit code comes back; without a console nothing waits."""
+    monkeypatch.setattr(sys, "stdin", None)
+    out = tmp_path / "out.txt"
+    script = f"import os, sys; open({str(out)!r}, 'w').write(os.environ.get('PYTHONUTF8', '')); sys.exit(3)"
+    assert launch.run_in_console([sys.executable, "-c", script]) == 3
+    assert out.read_text() == "1"
 
 
 @pytest.mark.parametrize("command", [[], ["chat"], ["bench"], ["train-head"], ["ui"]])

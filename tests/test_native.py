@@ -45,3 +45,15 @@ def test_the_avx2_builds_of_the_kernels_pass_the_kernel_tests():
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.mark.parametrize("platform", ["win32", "darwin"])
+def test_kernels_and_compiling_are_not_tried_off_linux(monkeypatch, platform):
+    """No build attempt on Windows (torch.compile wants MSVC, a MinGW g++
+    cannot link against torch) or macOS (g++ may be a stub that asks to
+    install the developer tools): the same model runs eagerly there."""
+    from core import compiled
+
+    monkeypatch.setattr(sys, "platform", platform)
+    assert native.compiler() is None and not compiled.compiler_available()
+    assert native.build("probe", "int x;", [], "a probe") is None

@@ -447,7 +447,10 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     python = text.split('Exec="')[1].split('"')[0]  # the Python that made .venv, not whatever python3 is
     assert subprocess.run([python, "-c", "import sys; print(sys.version_info >= (3, 11))"], capture_output=True, text=True).stdout == "True\n"
     assert written[0].stat().st_mode & stat.S_IXUSR
-    assert install(platform="win32", home=tmp_path)[0].name == "Kestrel.bat"
+    batch = install(platform="win32", home=tmp_path)[0]
+    assert batch.name == "Kestrel.bat"
+    lines = batch.read_bytes().decode("utf-8").split("\r\n")  # cmd reads it in UTF-8 from its second line on
+    assert lines[1] == "chcp 65001 >nul" and lines[3] == f'"{python}" launch.py %*'  # one Python: no second run after a failure
     assert install(platform="darwin", home=tmp_path)[0].name == "Kestrel.command"
 
 

@@ -111,14 +111,14 @@ def _check_manifest(folder: Path, answers: list[Answer], params: FeatureParams) 
     manifest["layer_ids"] = list(params.layer_ids) if params.layer_ids else None  # as JSON reads it back
     path = folder / MANIFEST
     if path.is_file():
-        previous = json.loads(path.read_text())
+        previous = json.loads(path.read_text(encoding="utf-8"))
         if previous != manifest:
             raise ValueError(
                 f"{folder}: features were extracted from {previous.get('answers')} answers with other settings; "
                 f"now {len(answers)}; delete the folder to extract them again"
             )
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
 
 def _shard_path(folder: Path, split: str, index: int) -> Path:
@@ -181,7 +181,7 @@ def write_shard(path: Path, sequences: list[Sequence]) -> None:
         tensors["aux"] = torch.cat([s.aux for s in sequences]).contiguous()
     partial = path.with_suffix(".partial")
     save_file(tensors, str(partial))
-    partial.rename(path)  # atomic: a killed run never leaves a half shard
+    partial.replace(path)  # atomic: a killed run never leaves a half shard
 
 
 def read_shard(path: Path) -> list[Sequence]:

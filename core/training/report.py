@@ -12,12 +12,12 @@ NOTES_FILE = "TRAINING.md"
 
 def write_report(folder: Path, report: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    (folder / NOTES_FILE).write_text(render_markdown(report))
+    (folder / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (folder / NOTES_FILE).write_text(render_markdown(report), encoding="utf-8")
 
 
 def read_report(folder: Path) -> dict:
-    return json.loads((folder / REPORT_FILE).read_text())
+    return json.loads((folder / REPORT_FILE).read_text(encoding="utf-8"))
 
 
 def update_report(folder: Path, **fields) -> dict:

@@ -467,7 +467,7 @@ class Trainer:
         }
         partial = self.folder / (CHECKPOINT + ".partial")
         torch.save(state, partial)
-        partial.rename(self.folder / CHECKPOINT)
+        partial.replace(self.folder / CHECKPOINT)  # over the last checkpoint (rename refuses that on Windows)
 
     def _load(self) -> None:
         state = torch.load(self.folder / CHECKPOINT, map_location="cpu", weights_only=False)
@@ -493,4 +493,4 @@ class Trainer:
 
 
 def save_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
