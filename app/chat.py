@@ -8,13 +8,14 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
 
 from app import render
+from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
 from app.store import Store, new_chat, to_json, to_markdown
@@ -166,6 +167,7 @@ def notice_html(text: str) -> str:
 
 BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
+STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
 EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
 
 
@@ -229,9 +231,23 @@ class ChatHandlers:
         chat["messages"].append({"role": "user", "content": message})
         yield from self._respond(chat, values, message)
 
-    def regenerate(self, chat: dict | None, system: str, *values) -> Iterator[tuple]:
+    def check_idle(self, chat: dict | None) -> tuple:
+        """At once on Regenerate, before it waits for the model: refused while
+        this chat's reply is being written (it would wait, then replace that
+        reply). Outputs: notice, refused (the flag `regenerate` reads)."""
+        if chat and chat["id"] in self.replying:
+            return notice_html(BUSY_TEXT), True
+        return gr.skip(), False
+
+    def regenerate(self, chat: dict | None, refused: bool, system: str, *values) -> Iterator[tuple]:
+        if refused:  # check_idle said why
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
+            return
         if chat and chat["id"] in self.replying:
             yield gr.skip(), gr.skip(), chat, notice_html(BUSY_TEXT), *SKIP_PANEL
+            return
+        if self._stale(chat):
+            yield gr.skip(), gr.skip(), chat, notice_html(STALE_TEXT), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
         self.runtime.cancel_event(chat["id"]).clear()
@@ -251,7 +267,7 @@ class ChatHandlers:
         except (KestrelError, ValueError) as error:
             yield from self._failed(chat, message, colour, str(error), kept)
             return
-        self.save_settings(values, chat["system"])
+        self.remember(chat["system"], *values)
         mode, note = mode_for(engine, options.mode)
         if chat["id"] in self.forked:
             self.forked.discard(chat["id"])
@@ -288,6 +304,10 @@ class ChatHandlers:
             cancel.set()
             self._keep_interrupted(chat, reply, mode)
             raise
+        except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
+            self._keep_interrupted(chat, reply, mode)
+            yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *SKIP_PANEL
+            return
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
             if isinstance(error, ContextOverflowError):
                 error = f"{error}. Start a new chat or shorten the message."
@@ -355,29 +375,43 @@ class ChatHandlers:
     def stop(self, chat: dict | None) -> None:
         self.runtime.cancel(chat["id"] if chat else None)
 
+    def _stale(self, chat: dict | None) -> bool:
+        """Whether another tab has changed this chat on disk since this tab showed it."""
+        saved = self.store.load_chat(chat["id"]) if chat and chat["messages"] else None
+        return saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"]))
+
+    def _saved(self, action: Callable[[], None]) -> str:
+        """Run a change to the saved chats; "" or the notice saying why it failed."""
+        try:
+            action()
+        except OSError as error:
+            return notice_html(f"The saved chats could not be changed ({error}).")
+        return ""
+
     def edit_last(self, chat: dict | None, colour: bool) -> tuple:
         """Take back the last user message (and the reply to it) for editing.
         Outputs: message box, chatbot, chat state, notice."""
         if chat and chat["id"] in self.replying:
             return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+        if self._stale(chat):
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
         chat = copy.deepcopy(chat) if chat else new_chat()
         users = [i for i, m in enumerate(chat["messages"]) if m["role"] == "user"]
         if not users:
             return gr.skip(), display(chat, colour), chat, ""
         text = chat["messages"][users[-1]]["content"]
         del chat["messages"][users[-1] :]
-        if chat["messages"]:
-            self.store.save_chat(chat)
-        else:
-            self.store.delete_chat(chat["id"])
-        return text, display(chat, colour), chat, ""
+        notice = self._saved(lambda: self.store.save_chat(chat) if chat["messages"] else self.store.delete_chat(chat["id"]))
+        return text, display(chat, colour), chat, notice
 
     def clear(self, chat: dict) -> tuple:
         """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
         if chat and chat["id"] in self.replying:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = chat or new_chat()
-        self.store.delete_chat(chat["id"])
+        notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
+        if notice:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice
         cleared = new_chat(chat.get("system", ""))
         cleared["id"] = chat["id"]
         return [], cleared, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""
@@ -392,18 +426,25 @@ class ChatHandlers:
         return [], chat, render.stats_html(None, 0, None), *EMPTY_PLOTS, choices, ""
 
     def open(self, chat_id: str | None, chat: dict, colour: bool) -> tuple:
-        """Outputs: chatbot, chat, system prompt, stats, depth plot, rate plot."""
+        """Outputs: chatbot, chat, system prompt, stats, depth plot, rate plot, chat list, notice."""
+        if chat and chat["id"] in self.replying:  # the reply would land in the chat opened instead
+            current = chat["id"] if chat["messages"] else None
+            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.update(value=current), notice_html(BUSY_TEXT)
         loaded = self.store.load_chat(chat_id) if chat_id else None
         if loaded is None:
-            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         stats = render.stats_html(None, 0, session_tau(loaded))
-        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS
+        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), ""
 
     def delete(self, chat: dict) -> tuple:
-        """Delete the current chat. Outputs: chatbot, chat, chat list."""
+        """Delete the current chat. Outputs: chatbot, chat, chat list, notice."""
+        if chat and chat["id"] in self.replying:  # its reply would save it again when it ends
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = chat or new_chat()
-        self.store.delete_chat(chat["id"])
-        return [], new_chat(chat.get("system", "")), gr.update(choices=chat_choices(self.store), value=None)
+        notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
+        if notice:
+            return gr.skip(), gr.skip(), gr.skip(), notice
+        return [], new_chat(chat.get("system", "")), gr.update(choices=chat_choices(self.store), value=None), ""
 
     def export(self, chat: dict) -> list[str] | None:
         """The chat as Markdown and JSON files, for download. Gradio serves a

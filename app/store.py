@@ -16,6 +16,8 @@ import platformdirs
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
+LATEST_TIME = 253402300799.0  # 9999-12-31: later (or NaN) times cannot be shown as dates
+ORIGINS = ("draft", "base")  # app.render's token origins
 
 
 def data_dir() -> Path:
@@ -120,13 +122,31 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
     ):
         return None
     chat = {**new_chat(), "created": 0.0, "updated": 0.0, **value, "id": chat_id}
+    chat["messages"] = [_as_message(m) for m in messages]
     for key, kind, default in (("title", str, ""), ("system", str, ""), ("updated", (int, float), 0.0), ("created", (int, float), 0.0)):
         if not isinstance(chat[key], kind):
             chat[key] = default
+    for key in ("updated", "created"):
+        if not 0 <= chat[key] <= LATEST_TIME:  # also NaN, which json reads
+            chat[key] = 0.0
     session = chat["session"]
     if not (isinstance(session, dict) and all(isinstance(session.get(k), int) for k in ("tokens", "forwards"))):
         chat["session"] = {"tokens": 0, "forwards": 0}
     return chat
+
+
+def _as_message(message: dict) -> dict:
+    """A stored message; its coloured segments are dropped (the text shows
+    uncoloured) unless they are [text, origin] pairs that make up its content."""
+    segments = message.get("segments")
+    if segments is None:
+        return message
+    valid = isinstance(segments, list) and all(
+        isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and s[1] in ORIGINS for s in segments
+    )
+    if valid and "".join(s[0] for s in segments) == message["content"]:
+        return message
+    return {key: value for key, value in message.items() if key != "segments"}
 
 
 def to_markdown(chat: dict) -> str:

@@ -85,7 +85,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                             gr.HTML(render.LEGEND)
                             temperature = gr.Slider(0, 2, defaults["temperature"], step=0.05, label="Temperature (0 = greedy)")
                             top_p = gr.Slider(0.05, 1, defaults["top_p"], step=0.05, label="Top-p")
-                            top_k = gr.Number(defaults["top_k"], precision=0, minimum=0, label="Top-k (0 = off)")
+                            top_k = gr.Number(defaults["top_k"], precision=0, label="Top-k (0 = off)")  # no minimum: Options names a bad value
                             max_new_tokens = gr.Slider(1, 2048, defaults["max_new_tokens"], step=1, label="Max new tokens")
                             seed = gr.Number(defaults["seed"], precision=0, label="Seed (-1 = random)")
                             total_tokens = gr.Slider(0, 128, tree.total_tokens, step=1, label="Tree: tokens verified per step",
@@ -159,13 +159,16 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 chat.accept, [message, chat_state, colour], [message, pending, chatbot, chat_state, notice],
                 concurrency_limit=None, show_progress="hidden", api_name=False,
             ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)  # fmt: skip
-        regenerate.click(chat.regenerate, [chat_state, system, *controls], chat_outputs, **STREAM).then(**refresh)
+        refused = gr.State(False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
+        regenerate.click(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden").then(
+            chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
+        ).then(**refresh)
         stop.click(chat.stop, chat_state, None, concurrency_limit=None)
         edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice]).then(**refresh)
         clear.click(chat.clear, chat_state, [chatbot, chat_state, stats, depth_plot, rate_plot, notice]).then(**refresh)
         new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, depth_plot, rate_plot, chats, notice])
-        chats.input(chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot])
-        delete.click(chat.delete, chat_state, [chatbot, chat_state, chats])
+        chats.input(chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice])
+        delete.click(chat.delete, chat_state, [chatbot, chat_state, chats, notice])
         export.click(chat.export, chat_state, exported)
         colour.change(chat.recolour, [chat_state, colour], chatbot)
         gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], None)

@@ -121,6 +121,24 @@ def test_stop_button_ends_the_reply(page):
     assert int(page.locator("#stat-tokens").inner_text()) < 200
 
 
+def test_regenerate_while_a_reply_is_written_is_refused_at_once(page, data_dir):
+    """Regenerate waits for the model behind the reply being written: it says
+    so at once instead, and the reply is neither replaced nor lost."""
+    settings(page, 200)
+    page.locator("#new-chat").click()
+    send(page, "w2 w3")
+    page.wait_for_function("document.querySelector('#stat-tokens') && +document.querySelector('#stat-tokens').innerText > 5")
+    page.locator("#regenerate").click()
+    page.locator("#notice").get_by_text("A reply is being written").wait_for(timeout=3_000)
+    page.locator("#stop").click()
+    page.locator("#notice").get_by_text("Stopped").wait_for(timeout=5_000)
+    time.sleep(0.5)  # a regeneration that had waited for the model would have started by now
+    assert "Stopped" in page.locator("#notice").inner_text()
+    saved = [json.loads(path.read_text()) for path in (data_dir / "chats").glob("*.json")]
+    kept = [chat for chat in saved if chat["messages"] and chat["messages"][0]["content"] == "w2 w3"]
+    assert len(kept) == 1 and kept[0]["messages"][-1]["stats"]["finish_reason"] == "cancelled"
+
+
 def test_user_and_model_text_is_escaped(page):
     settings(page, 4)
     send(page, "<script>window.kestrelInjected = 1</script><b>not bold</b>")

@@ -115,7 +115,7 @@ def test_closing_the_page_mid_reply_keeps_the_reply_so_far(handlers, store):
 
 def test_regenerate_edit_and_clear(handlers):
     chat = list(handlers.send("w1 w2", new_chat(), "", *values(temperature=0.9, seed=-1)))[-1][2]
-    regenerated = list(handlers.regenerate(chat, "", *values()))[-1][2]
+    regenerated = list(handlers.regenerate(chat, False, "", *values()))[-1][2]
     assert len(regenerated["messages"]) == 2
     text, chatbot, edited, _ = handlers.edit_last(regenerated, True)
     assert text == "w1 w2" and edited["messages"] == [] and chatbot == []
@@ -586,12 +586,16 @@ def test_send_accepts_at_once_and_a_stop_before_its_turn_holds(handlers, store):
     assert store.load_chat(chat["id"]) is None  # the message went back to the box, not left saved alone
 
 
-def test_clear_new_and_edit_wait_for_the_reply_being_written(handlers):
+def test_clear_new_and_edit_wait_for_the_reply_being_written(handlers, store):
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=8)))[-1][2]
     stream = handlers.send("w2", chat, "", *values(max_new_tokens=200, mode="vanilla"))
     writing = next(stream)[2]
-    for outcome in (handlers.clear(writing), handlers.new(writing, ""), handlers.edit_last(writing, True)):
+    for outcome in (handlers.clear(writing), handlers.new(writing, ""), handlers.edit_last(writing, True),
+                    handlers.delete(writing), handlers.open(chat["id"], writing, True), handlers.check_idle(writing)[:1]):  # fmt: skip
         assert "A reply is being written" in outcome[-1]
+    assert handlers.check_idle(writing)[1] is True  # Regenerate, refused at once: it would wait, then replace the reply
+    assert all(is_skip(update) for update in next(handlers.regenerate(writing, True, "", *values()))[:4])
+    assert store.load_chat(writing["id"]) is not None  # Delete waited
     assert "A reply is being written" in list(handlers.send("w3", writing, "", *values()))[-1][3]
     handlers.stop(writing)
     final = list(stream)[-1][2]
@@ -625,9 +629,76 @@ def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
     assert same["id"] == first["id"] and notice == ""
 
 
+def test_regenerate_and_edit_in_a_tab_with_an_old_view_are_refused(handlers, store):
+    """Tab B shows a chat that tab A has since continued: its Regenerate or Edit
+    would save B's older copy over A's turn (or, for Edit, delete the chat)."""
+    first = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=6)))[-1][2]
+    tab_a = list(handlers.send("w2", first, "", *values(max_new_tokens=6)))[-1][2]
+    assert "changed in another tab" in next(handlers.regenerate(first, False, "", *values()))[3]
+    assert "changed in another tab" in handlers.edit_last(first, True)[3]
+    assert store.load_chat(first["id"])["messages"] == json.loads(json.dumps(tab_a["messages"]))
+    assert len(list(handlers.regenerate(tab_a, False, "", *values(max_new_tokens=4)))[-1][2]["messages"]) == 4
+
+
+def test_a_damaged_message_or_time_in_a_chat_file_does_not_break_the_page(handlers, store):
+    """Segments that are not [text, origin] pairs of the content are dropped
+    (the text shows uncoloured); a time that is NaN or past year 9999 sorts last."""
+    folder = store.chat_path("x").parent
+    folder.mkdir(parents=True, exist_ok=True)
+    reply = {"role": "assistant", "content": "a", "segments": [["a"]]}
+    for name, extra in (("segments", {}), ("huge", {"updated": 1e20}), ("nan", {"updated": float("nan")})):
+        chat = {"title": name, "messages": [{"role": "user", "content": "q"}, reply if name == "segments" else {"role": "assistant", "content": "a"}]}
+        (folder / f"{name}.json").write_text(json.dumps({**chat, **extra}))
+    assert "segments" not in store.load_chat("segments")["messages"][1]
+    good = {"role": "assistant", "content": "ab", "segments": [["a", "draft"], ["b", "base"]]}
+    (folder / "good.json").write_text(json.dumps({"messages": [good], "updated": 5.0}))
+    assert store.load_chat("good")["messages"][0]["segments"] == good["segments"]
+    assert store.load_chat("nan")["updated"] == 0.0 and store.load_chat("huge")["updated"] == 0.0
+    restored = handlers.restore()
+    assert len(restored[-2]["choices"]) == 4 and restored[-3]["messages"]  # the page loads, with every chat listed
+    for name in ("segments", "huge", "nan"):
+        assert "a" in str(handlers.open(name, new_chat(), True)[0])
+
+
+def test_a_read_only_data_folder_still_replies_and_says_what_was_not_saved(handlers, store, monkeypatch):
+    def refuse(*args):
+        raise OSError(30, "Read-only file system")
+
+    for name in ("save_chat", "save_settings", "delete_chat"):
+        monkeypatch.setattr(store, name, refuse)
+    final = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1]
+    assert [m["role"] for m in final[2]["messages"]] == ["user", "assistant"]
+    assert "could not be saved" in final[3] and "Read-only" in final[3]
+    for outcome in (handlers.delete(final[2]), handlers.clear(final[2]), handlers.edit_last(final[2], True)):
+        assert "could not be changed" in outcome[-1] and "Read-only" in outcome[-1]
+
+
+def test_the_server_stopping_mid_reply_keeps_the_message_and_the_reply_so_far(handlers, store, monkeypatch):
+    """Ctrl+C on the server fails the decoding with ServerStopping: kept as a
+    stopped reply, as Stop and a closed page keep it, not deleted as a failure."""
+    from app.decoding import ServerStopping
+
+    real = chat_module.follow_reply
+
+    def stopping(*args, **kwargs):
+        for count, reply in enumerate(real(*args, **kwargs)):
+            yield reply
+            if count == 3:
+                raise ServerStopping("the server is stopping")
+
+    monkeypatch.setattr(chat_module, "follow_reply", stopping)
+    chat = new_chat()
+    _, pending, _, chat, _ = handlers.accept("w1 w2", chat, True)
+    final = list(handlers.send(pending, chat, "", *values(max_new_tokens=200, mode="vanilla")))[-1]
+    assert "server is stopping" in final[3]
+    saved = store.load_chat(chat["id"])["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"] and saved[1]["content"]
+    assert saved[1]["stats"]["finish_reason"] == "cancelled"
+
+
 def test_a_failed_regeneration_keeps_the_reply_it_would_replace(handlers, store):
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=6)))[-1][2]
-    final = list(handlers.regenerate(chat, "", *values(total_tokens=1)))[-1]  # a setting that is refused
+    final = list(handlers.regenerate(chat, False, "", *values(total_tokens=1)))[-1]  # a setting that is refused
     assert final[2]["messages"] == chat["messages"] and "Tree: tokens verified per step" in final[3]
     assert handlers.accept("w2", final[2], True)[3]["id"] == chat["id"]  # the view matches the disk: no copy
 
