@@ -18,6 +18,9 @@ SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
 LATEST_TIME = 253402300799.0  # 9999-12-31: later (or NaN) times cannot be shown as dates
 ORIGINS = ("draft", "base")  # app.render's token origins
+# On Windows a file that another program holds open (a virus scanner or the
+# search indexer reading the file just written) cannot be replaced for a moment.
+REPLACE_TRIES = 6 if os.name == "nt" else 1
 
 
 def data_dir() -> Path:
@@ -34,7 +37,14 @@ def write_atomic(path: Path, text: str) -> None:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temp, path)
+        for attempt in range(REPLACE_TRIES):
+            try:
+                os.replace(temp, path)
+                break
+            except PermissionError:
+                if attempt == REPLACE_TRIES - 1:
+                    raise
+                time.sleep(0.05 * 2**attempt)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise

@@ -170,6 +170,32 @@ def test_interrupted_write_keeps_the_previous_history(store, monkeypatch):
     assert [p.name for p in store.chat_path(chat["id"]).parent.iterdir()] == [f"{chat['id']}.json"]
 
 
+def test_a_file_held_open_for_a_moment_is_replaced_when_it_is_let_go(store, monkeypatch):
+    """Windows refuses to replace a file that a scanner is reading: the save
+    tries again a few times before it gives up."""
+    import app.store as store_module
+
+    real, refusals = os.replace, []
+
+    def held(source, target):
+        if len(refusals) < 2:
+            refusals.append(target)
+            raise PermissionError(13, "The process cannot access the file")
+        real(source, target)
+
+    monkeypatch.setattr(store_module, "REPLACE_TRIES", 6)
+    monkeypatch.setattr(os, "replace", held)
+    chat = new_chat()
+    chat["messages"] = [{"role": "user", "content": "kept"}]
+    store.save_chat(chat)
+    assert len(refusals) == 2 and store.load_chat(chat["id"])["messages"][0]["content"] == "kept"
+    refusals.clear()
+    monkeypatch.setattr(store_module, "REPLACE_TRIES", 2)
+    with pytest.raises(PermissionError):
+        store.save_chat(chat)
+    assert [p.name for p in store.chat_path(chat["id"]).parent.iterdir()] == [f"{chat['id']}.json"]
+
+
 def test_data_dir_override(tmp_path, monkeypatch):
     from app.store import data_dir
 
