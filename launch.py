@@ -12,6 +12,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -103,10 +104,10 @@ def platform_problem(system: str, machine: str, mac_release: str, pointer_bits: 
         return "this Python is a 32-bit build, and PyTorch needs a 64-bit one"
     if system == "darwin":
         if machine != "arm64":
-            return "PyTorch 2.13 has no build for Macs with Intel processors"
+            return "PyTorch 2.13 has no build for macOS on x86-64 (an Intel Mac, or a Python running under Rosetta)"
         major = (mac_release or "0").split(".")[0]
         if not major.isdigit() or int(major) < 14:
-            return f"PyTorch 2.13 needs macOS 14 or newer (this is macOS {mac_release or 'of unknown version'})"
+            return f"PyTorch 2.13 needs macOS 14 or newer (this Python reports macOS {mac_release or 'of unknown version'})"
     elif system == "win32":
         if machine not in ("amd64", "x86_64"):
             return f"PyTorch 2.13 has no build for Windows on {machine or 'this processor'} (only on x86-64)"
@@ -116,7 +117,10 @@ def platform_problem(system: str, machine: str, mac_release: str, pointer_bits: 
 
 
 def check_platform() -> None:
-    problem = platform_problem(sys.platform, platform.machine(), platform.mac_ver()[0], 64 if sys.maxsize > 2**32 else 32)
+    # On Windows the Python build's own processor (an x64 Python runs emulated on ARM, where
+    # platform.machine() says ARM64); elsewhere the one it runs on (Rosetta reports x86_64).
+    machine = sysconfig.get_platform().rpartition("-")[2] if sys.platform == "win32" else platform.machine()
+    problem = platform_problem(sys.platform, machine, platform.mac_ver()[0], 64 if sys.maxsize > 2**32 else 32)
     if problem is not None:
         fail(problem, "run Kestrel on a machine PyTorch supports (see README.md, Start)")
 

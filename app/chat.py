@@ -172,10 +172,14 @@ EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat withou
 
 
 def chat_choices(store: Store) -> list[tuple[str, str]]:
-    return [
-        (f"{chat['title']} ({time.strftime('%Y-%m-%d %H:%M', time.localtime(chat['updated']))})", chat["id"])
-        for chat in store.list_chats()
-    ]
+    return [(f"{chat['title']} ({_when(chat['updated'])})", chat["id"]) for chat in store.list_chats()]
+
+
+def _when(seconds: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds))
+    except (OSError, OverflowError, ValueError):  # a time this platform cannot show
+        return "no date"
 
 
 class ChatHandlers:
@@ -185,6 +189,7 @@ class ChatHandlers:
         self.exports: tempfile.TemporaryDirectory | None = None  # one folder for every export, removed at exit
         self.replying: set[str] = set()  # ids of the chats whose reply is being written
         self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
+        self.unsaved: set[str] = set()  # ids of chats whose latest save failed: their disk copy is older, not another tab's
 
     def accept(self, message: str, chat: dict | None, colour: bool) -> tuple:
         """At once on Send, before the reply waits for the model: the message
@@ -200,8 +205,7 @@ class ChatHandlers:
             return message, text, gr.skip(), gr.skip(), gr.skip()  # send then explains
         chat = copy.deepcopy(chat) if chat else new_chat()
         notes = []
-        saved = self.store.load_chat(chat["id"]) if chat["messages"] else None
-        if saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"])):  # as stored: lists, not tuples
+        if self._stale(chat):
             chat["id"] = new_chat()["id"]
             notes.append(FORKED_TEXT)
             self.forked.add(chat["id"])  # the reply's own notice says it again
@@ -234,7 +238,8 @@ class ChatHandlers:
     def check_idle(self, chat: dict | None) -> tuple:
         """At once on Regenerate, before it waits for the model: refused while
         this chat's reply is being written (it would wait, then replace that
-        reply). Outputs: notice, refused (the flag `regenerate` reads)."""
+        reply). Outputs: notice, refused (a hidden box that `regenerate` reads:
+        its value travels with that event, so a later click cannot change it)."""
         if chat and chat["id"] in self.replying:
             return notice_html(BUSY_TEXT), True
         return gr.skip(), False
@@ -305,7 +310,10 @@ class ChatHandlers:
             self._keep_interrupted(chat, reply, mode)
             raise
         except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
-            self._keep_interrupted(chat, reply, mode)
+            if kept is not None and (reply is None or reply.snapshot is None):
+                chat["messages"].append(kept)  # a regeneration that had not begun: the saved reply stays as it is
+            else:
+                self._keep_interrupted(chat, reply, mode)
             yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *SKIP_PANEL
             return
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
@@ -334,7 +342,9 @@ class ChatHandlers:
         note = f"{note} {endings.get(reply.finish_reason, '')}".strip()
         try:
             self.store.save_chat(chat)
+            self.unsaved.discard(chat["id"])
         except OSError as error:
+            self.unsaved.add(chat["id"])
             note = f"{note} The chat could not be saved ({error}).".strip()
         return note
 
@@ -376,9 +386,12 @@ class ChatHandlers:
         self.runtime.cancel(chat["id"] if chat else None)
 
     def _stale(self, chat: dict | None) -> bool:
-        """Whether another tab has changed this chat on disk since this tab showed it."""
-        saved = self.store.load_chat(chat["id"]) if chat and chat["messages"] else None
-        return saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"]))
+        """Whether another tab has changed this chat on disk since this tab
+        showed it (not when this tab's own latest save failed)."""
+        if not chat or not chat["messages"] or chat["id"] in self.unsaved:
+            return False
+        saved = self.store.load_chat(chat["id"])
+        return saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"]))  # as stored: lists
 
     def _saved(self, action: Callable[[], None]) -> str:
         """Run a change to the saved chats; "" or the notice saying why it failed."""
@@ -402,6 +415,8 @@ class ChatHandlers:
         text = chat["messages"][users[-1]]["content"]
         del chat["messages"][users[-1] :]
         notice = self._saved(lambda: self.store.save_chat(chat) if chat["messages"] else self.store.delete_chat(chat["id"]))
+        if notice:  # the view stays as saved
+            return gr.skip(), gr.skip(), gr.skip(), notice
         return text, display(chat, colour), chat, notice
 
     def clear(self, chat: dict) -> tuple:
@@ -428,8 +443,10 @@ class ChatHandlers:
     def open(self, chat_id: str | None, chat: dict, colour: bool) -> tuple:
         """Outputs: chatbot, chat, system prompt, stats, depth plot, rate plot, chat list, notice."""
         if chat and chat["id"] in self.replying:  # the reply would land in the chat opened instead
-            current = chat["id"] if chat["messages"] else None
-            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.update(value=current), notice_html(BUSY_TEXT)
+            choices = chat_choices(self.store)  # the reply's chat is saved with its message, maybe not yet listed
+            current = chat["id"] if chat["id"] in {chat_id for _, chat_id in choices} else None
+            back = gr.update(choices=choices, value=current)
+            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), back, notice_html(BUSY_TEXT)
         loaded = self.store.load_chat(chat_id) if chat_id else None
         if loaded is None:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()

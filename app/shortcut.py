@@ -28,9 +28,12 @@ def desktop_entry(root: Path, python: str) -> str:
 
 def windows_batch(root: Path, python: str) -> str:
     """cmd reads a batch file in the console's code page: switched to UTF-8
-    first, so that a folder named with accents is found. launch.py keeps the
-    window open after a failure."""
-    return f'@echo off\r\nchcp 65001 >nul\r\ncd /d "{root}"\r\n"{python}" launch.py %*\r\n'
+    first, so that a folder named with accents is found ('%' doubled: cmd
+    expands it even in quotes). launch.py keeps the window open after a
+    failure; the pause covers a Python that is gone (cmd's 9009)."""
+    root_text, python_text = (str(path).replace("%", "%%") for path in (root, python))
+    lines = ["@echo off", "chcp 65001 >nul", f'cd /d "{root_text}"', f'"{python_text}" launch.py %*', "if errorlevel 9009 pause", ""]
+    return "\r\n".join(lines)
 
 
 def mac_command(root: Path, python: str) -> str:

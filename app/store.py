@@ -16,7 +16,7 @@ import platformdirs
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
-LATEST_TIME = 253402300799.0  # 9999-12-31: later (or NaN) times cannot be shown as dates
+LATEST_TIME = 32503680000.0  # 3000-01-01: Windows' localtime fails past 3000 (and NaN is no date anywhere)
 ORIGINS = ("draft", "base")  # app.render's token origins
 # On Windows a file that another program holds open (a virus scanner or the
 # search indexer reading the file just written) cannot be replaced for a moment.

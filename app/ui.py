@@ -159,8 +159,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 chat.accept, [message, chat_state, colour], [message, pending, chatbot, chat_state, notice],
                 concurrency_limit=None, show_progress="hidden", api_name=False,
             ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)  # fmt: skip
-        refused = gr.State(False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
-        regenerate.click(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden").then(
+        refused = gr.Checkbox(False, visible=False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
+        regenerate.click(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
         ).then(**refresh)
         stop.click(chat.stop, chat_state, None, concurrency_limit=None)

@@ -155,7 +155,10 @@ class Engine:
             found = costs.measure(
                 self.model, self.argmax, lambda: self._drafter("eagle2", TreeParams(16)), self.context_limit, progress, self._sample_text()
             )
-            costs.save_cached(folder, key, found)
+            try:
+                costs.save_cached(folder, key, found)
+            except OSError as error:  # a read-only cache: measured again next start
+                log.warning(f"The measured step costs could not be cached ({error})")
         self.costs = found
         return found
 

@@ -137,6 +137,15 @@ def test_regenerate_while_a_reply_is_written_is_refused_at_once(page, data_dir):
     saved = [json.loads(path.read_text()) for path in (data_dir / "chats").glob("*.json")]
     kept = [chat for chat in saved if chat["messages"] and chat["messages"][0]["content"] == "w2 w3"]
     assert len(kept) == 1 and kept[0]["messages"][-1]["stats"]["finish_reason"] == "cancelled"
+    settings(page, 6)
+    page.locator("#regenerate").click()  # with no reply being written it regenerates
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        chats = [json.loads(path.read_text()) for path in (data_dir / "chats").glob(f"{kept[0]['id']}.json")]
+        if chats and chats[0]["messages"][-1]["stats"]["finish_reason"] == "length":
+            break
+        time.sleep(0.1)
+    assert chats[0]["messages"][-1]["stats"]["tokens"] == 6 and len(chats[0]["messages"]) == 2
 
 
 def test_user_and_model_text_is_escaped(page):

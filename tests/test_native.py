@@ -54,6 +54,9 @@ def test_kernels_and_compiling_are_not_tried_off_linux(monkeypatch, platform):
     install the developer tools): the same model runs eagerly there."""
     from core import compiled
 
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # a compiler on the PATH (or a stub)
     monkeypatch.setattr(sys, "platform", platform)
     assert native.compiler() is None and not compiled.compiler_available()
     assert native.build("probe", "int x;", [], "a probe") is None

@@ -477,6 +477,8 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     assert batch.name == "Kestrel.bat"
     lines = batch.read_bytes().decode("utf-8").split("\r\n")  # cmd reads it in UTF-8 from its second line on
     assert lines[1] == "chcp 65001 >nul" and lines[3] == f'"{python}" launch.py %*'  # one Python: no second run after a failure
+    assert lines[4] == "if errorlevel 9009 pause"  # a Python that is gone: the window stays to say so
+    assert 'cd /d "C:\\100%% Kestrel"' in install(root=Path("C:\\100% Kestrel"), platform="win32", home=tmp_path)[0].read_text()
     assert install(platform="darwin", home=tmp_path)[0].name == "Kestrel.command"
 
 
@@ -672,7 +674,7 @@ def test_a_damaged_message_or_time_in_a_chat_file_does_not_break_the_page(handle
     folder = store.chat_path("x").parent
     folder.mkdir(parents=True, exist_ok=True)
     reply = {"role": "assistant", "content": "a", "segments": [["a"]]}
-    for name, extra in (("segments", {}), ("huge", {"updated": 1e20}), ("nan", {"updated": float("nan")})):
+    for name, extra in (("segments", {}), ("huge", {"updated": 1e11}), ("nan", {"updated": float("nan")})):  # 1e11: year 5138
         chat = {"title": name, "messages": [{"role": "user", "content": "q"}, reply if name == "segments" else {"role": "assistant", "content": "a"}]}
         (folder / f"{name}.json").write_text(json.dumps({**chat, **extra}))
     assert "segments" not in store.load_chat("segments")["messages"][1]
@@ -699,6 +701,22 @@ def test_a_read_only_data_folder_still_replies_and_says_what_was_not_saved(handl
         assert "could not be changed" in outcome[-1] and "Read-only" in outcome[-1]
 
 
+def test_after_a_failed_save_regenerate_and_edit_still_work_and_blame_no_other_tab(handlers, store, monkeypatch):
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "save_chat", full)
+    final = list(handlers.send("w2", chat, "", *values(max_new_tokens=4)))[-1]
+    assert "could not be saved" in final[3]
+    edited = handlers.edit_last(final[2], True)  # its save fails too: the view stays as saved, and says why
+    assert all(is_skip(update) for update in edited[:3]) and "could not be changed" in edited[3] and "another tab" not in edited[3]
+    assert "another tab" not in handlers.accept("w3", final[2], True)[4]
+    regenerated = list(handlers.regenerate(final[2], False, "", *values(max_new_tokens=4)))[-1]
+    assert "another tab" not in regenerated[3] and len(regenerated[2]["messages"]) == 4
+
+
 def test_the_server_stopping_mid_reply_keeps_the_message_and_the_reply_so_far(handlers, store, monkeypatch):
     """Ctrl+C on the server fails the decoding with ServerStopping: kept as a
     stopped reply, as Stop and a closed page keep it, not deleted as a failure."""
@@ -720,6 +738,15 @@ def test_the_server_stopping_mid_reply_keeps_the_message_and_the_reply_so_far(ha
     saved = store.load_chat(chat["id"])["messages"]
     assert [m["role"] for m in saved] == ["user", "assistant"] and saved[1]["content"]
     assert saved[1]["stats"]["finish_reason"] == "cancelled"
+
+    def stopped_before_a_token(*args, **kwargs):
+        raise ServerStopping("the server is stopping")
+        yield
+
+    monkeypatch.setattr(chat_module, "follow_reply", stopped_before_a_token)
+    kept = store.load_chat(chat["id"])
+    final = list(handlers.regenerate(kept, False, "", *values()))[-1]
+    assert store.load_chat(chat["id"])["messages"] == kept["messages"]  # the reply a regeneration would replace stays
 
 
 def test_a_failed_regeneration_keeps_the_reply_it_would_replace(handlers, store):
