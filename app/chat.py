@@ -33,6 +33,13 @@ PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost 
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 
 
+# The sliders' ranges (and Top-k's floor); a value typed outside them is refused by name.
+RANGES = {
+    "temperature": (0, 2), "top_p": (0.05, 1), "top_k": (0, math.inf), "max_new_tokens": (1, 2048),
+    "total_tokens": (0, 128), "depth": (1, 12), "tree_top_k": (1, 16),
+}  # fmt: skip
+
+
 def default_settings() -> dict:
     sampling, tree = SamplingParams(), TreeParams()
     return {
@@ -53,6 +60,8 @@ def restored_settings(saved: dict) -> dict:
             fits = isinstance(value, bool)
         elif isinstance(default, (int, float)):
             fits = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            low, high = RANGES.get(name, (-math.inf, math.inf))
+            fits = fits and low <= value <= high and (isinstance(default, float) or float(value).is_integer())
         else:
             fits = isinstance(value, type(default))
         if fits:
@@ -101,6 +110,10 @@ def _number(values: dict, name: str, kind: type) -> int | float:
         raise ValueError(f"{LABELS[name]}: enter a number (it is {'empty' if value in (None, '') else repr(value)})") from None
     if kind is int and number != float(value):
         raise ValueError(f"{LABELS[name]}: enter a whole number (it is {value!r})")
+    low, high = RANGES.get(name, (-math.inf, math.inf))
+    if not low <= number <= high:
+        wanted = f"at least {low}" if high == math.inf else f"from {low} to {high}"
+        raise ValueError(f"{LABELS[name]}: enter a number {wanted} (it is {value!r})")
     return number
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import render
-from app.chat import MODE_LABELS, ChatHandlers, chat_choices, default_settings
+from app.chat import MODE_LABELS, RANGES, ChatHandlers, chat_choices, default_settings
 from app.compare import CompareHandlers
 from app.library import LibraryHandlers, catalog_frame, detected_memory
 from app.runtime import Runtime
@@ -26,6 +26,14 @@ MODEL = {"concurrency_limit": 1, "concurrency_id": "model"}  # every event that 
 # overlay and timer would animate every frame in the browser, and on a small
 # machine the browser's work is taken from the decoding.
 STREAM = {**MODEL, "show_progress": "hidden"}
+
+
+def as_typed(control: gr.components.Component) -> None:
+    """The control's value reaches the handlers as typed (an emptied box is
+    None): Gradio's own check would round it, or refuse it in a message that
+    names neither the setting nor keeps the message being sent, where
+    Options.from_values names the setting and gives the message back."""
+    control.preprocess = lambda payload: payload
 
 
 def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: str = "auto") -> gr.Blocks:
@@ -83,15 +91,17 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                                             info="EAGLE modes appear when a draft head is loaded", elem_id="mode")  # fmt: skip
                             colour = gr.Checkbox(defaults["colour"], label="Colour tokens by origin", elem_id="colour")
                             gr.HTML(render.LEGEND)
-                            temperature = gr.Slider(0, 2, defaults["temperature"], step=0.05, label="Temperature (0 = greedy)")
-                            top_p = gr.Slider(0.05, 1, defaults["top_p"], step=0.05, label="Top-p")
-                            top_k = gr.Number(defaults["top_k"], precision=0, label="Top-k (0 = off)")  # no minimum: Options names a bad value
-                            max_new_tokens = gr.Slider(1, 2048, defaults["max_new_tokens"], step=1, label="Max new tokens")
-                            seed = gr.Number(defaults["seed"], precision=0, label="Seed (-1 = random)")
-                            total_tokens = gr.Slider(0, 128, tree.total_tokens, step=1, label="Tree: tokens verified per step",
+                            temperature = gr.Slider(*RANGES["temperature"], defaults["temperature"], step=0.05, label="Temperature (0 = greedy)")
+                            top_p = gr.Slider(*RANGES["top_p"], defaults["top_p"], step=0.05, label="Top-p")
+                            top_k = gr.Number(defaults["top_k"], label="Top-k (0 = off)")
+                            max_new_tokens = gr.Slider(*RANGES["max_new_tokens"], defaults["max_new_tokens"], step=1, label="Max new tokens")
+                            seed = gr.Number(defaults["seed"], label="Seed (-1 = random)")
+                            total_tokens = gr.Slider(*RANGES["total_tokens"], tree.total_tokens, step=1, label="Tree: tokens verified per step",
                                                      info="0 = sized every step from this device's measured costs")  # fmt: skip
-                            depth = gr.Slider(1, 12, tree.depth, step=1, label="Tree: depth (the most, when sized automatically)")
-                            tree_top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Tree: top-k per node")
+                            depth = gr.Slider(*RANGES["depth"], tree.depth, step=1, label="Tree: depth (the most, when sized automatically)")
+                            tree_top_k = gr.Slider(*RANGES["tree_top_k"], tree.top_k, step=1, label="Tree: top-k per node")
+                            for box in (temperature, top_p, top_k, max_new_tokens, seed, total_tokens, depth, tree_top_k):
+                                as_typed(box)
             controls = [mode, temperature, top_p, top_k, max_new_tokens, seed, total_tokens, depth, tree_top_k, colour]
 
             with gr.Tab("Compare", id="compare"):

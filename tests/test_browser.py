@@ -148,6 +148,25 @@ def test_regenerate_while_a_reply_is_written_is_refused_at_once(page, data_dir):
     assert chats[0]["messages"][-1]["stats"]["tokens"] == 6 and len(chats[0]["messages"]) == 2
 
 
+def test_a_setting_typed_out_of_range_gets_no_unnamed_error(page):
+    """Typing into a slider's box sends each value as typed: Gradio's own check
+    answered "Value 5 is greater than maximum value 2." in toasts that named no
+    setting. The box itself brings the value back into range when it is left;
+    a value that reaches a reply out of range is named (test_ui)."""
+    settings(page, 4)
+    box = page.locator("label:has-text('Temperature')").locator("..").locator("input[type=number]").first
+    box.fill("5")
+    time.sleep(1.5)  # the settings are saved on each input
+    assert page.locator(".toast-body").all_inner_texts() == []
+    box.press("Enter")
+    page.locator("#message textarea").click()  # leaving the box brings it back into range
+    page.wait_for_function("v => v.value === '2'", arg=box.element_handle(), timeout=5_000)
+    box.fill("0")
+    box.press("Enter")
+    time.sleep(0.5)
+    assert page.locator(".toast-body").all_inner_texts() == []
+
+
 def test_user_and_model_text_is_escaped(page):
     settings(page, 4)
     send(page, "<script>window.kestrelInjected = 1</script><b>not bold</b>")

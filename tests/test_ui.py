@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import gradio as gr
 import pandas as pd
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 from app import chat as chat_module
 from app import compare as compare_module
 from app import render
-from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context
+from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context, restored_settings
 from app.compare import CompareHandlers, first_difference
 from app.library import LibraryHandlers, catalog_frame, trained_heads
 from app.reply import Reply, follow_reply
@@ -147,6 +148,36 @@ def test_saved_settings_of_the_wrong_kind_fall_back_to_defaults(engine, store):
         defaults[name] for name in ("temperature", "top_p", "colour", "seed")
     ]
     assert restored[len(SETTINGS)] == ""  # the system prompt
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"temperature": 5}, "Temperature: enter a number from 0 to 2 (it is 5)"),
+        ({"top_p": None}, "Top-p: enter a number (it is empty)"),
+        ({"depth": 0}, "Tree: depth: enter a number from 1 to 12"),
+        ({"max_new_tokens": 99999}, "Max new tokens: enter a number from 1 to 2048"),
+        ({"seed": 1.5}, "Seed: enter a whole number"),
+        ({"top_k": -3}, "Top-k: enter a number at least 0 (it is -3)"),
+    ],
+)
+def test_a_setting_typed_out_of_range_or_emptied_is_named_and_the_message_kept(handlers, store, changes, named):
+    """The page passes the settings as typed (ui.as_typed): the reply is refused
+    naming the setting, the message goes back into the box, and nothing is saved
+    that would come back at the next start."""
+    final = list(handlers.send("w1", new_chat(), "", *values(**changes)))[-1]
+    assert named in final[3] and final[0] == "w1"
+    handlers.remember("", *values(**changes))
+    name = next(iter(changes))
+    assert restored_settings(store.load_settings())[name] == default_settings()[name]
+
+
+def test_the_page_passes_settings_as_typed():
+    from app.ui import as_typed
+
+    slider = gr.Slider(0, 2, 1)
+    as_typed(slider)
+    assert slider.preprocess(5) == 5 and slider.preprocess(None) is None
 
 
 def test_settings_saved_when_changed(handlers, store):
