@@ -285,7 +285,7 @@ class ChatHandlers:
         except (KestrelError, ValueError) as error:
             yield from self._failed(chat, message, colour, str(error), kept)
             return
-        self.remember(chat["system"], *values)
+        self.remember(chat["system"], *values, open_chat=chat["id"])
         mode, note = mode_for(engine, options.mode)
         if chat["id"] in self.forked:
             self.forked.discard(chat["id"])
@@ -450,6 +450,7 @@ class ChatHandlers:
         if chat and chat["id"] in self.replying:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = new_chat(system or "")
+        self._opened(None)
         choices = gr.update(choices=chat_choices(self.store), value=None)
         return [], chat, render.stats_html(None, 0, None), *EMPTY_PLOTS, choices, ""
 
@@ -463,6 +464,7 @@ class ChatHandlers:
         loaded = self.store.load_chat(chat_id) if chat_id else None
         if loaded is None:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        self._opened(loaded["id"])
         stats = render.stats_html(None, 0, session_tau(loaded))
         return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), ""
 
@@ -493,25 +495,39 @@ class ChatHandlers:
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
         return display(chat or new_chat(), colour)
 
-    def remember(self, system: str, *values) -> None:
-        """Save the settings as soon as they change."""
+    def remember(self, system: str, *values, open_chat: str | None = "") -> None:
+        """Save the settings as soon as they change, with the chat last opened
+        or written in (`open_chat`; "" keeps the saved one), which the next page load shows."""
         try:
-            self.save_settings(values, system)
+            self.save_settings(values, system, open_chat)
         except OSError:
             pass  # saved again with the next message; a settings file is not worth an error dialog
 
-    def save_settings(self, values: Sequence, system: str) -> None:
+    def save_settings(self, values: Sequence, system: str, open_chat: str | None = "") -> None:
         settings = dict(zip(SETTINGS, values))
         settings["system"] = system
+        settings["open_chat"] = self.store.load_settings().get("open_chat") if open_chat == "" else open_chat
         self.store.save_settings(settings)
 
+    def _opened(self, chat_id: str | None) -> None:
+        """Remember which chat the page shows (None: a new one, not saved yet)."""
+        settings = self.store.load_settings()
+        settings["open_chat"] = chat_id
+        try:
+            self.store.save_settings(settings)
+        except OSError:
+            pass
+
     def restore(self) -> tuple:
-        """At page load: saved settings and the latest chat.
-        Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats."""
-        settings = restored_settings(self.store.load_settings())
+        """At page load: saved settings and the chat last opened or written in
+        (else the latest). Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats."""
+        saved = self.store.load_settings()
+        settings = restored_settings(saved)
         modes = self.runtime.modes or ("vanilla",)
         mode = settings["mode"] if settings["mode"] in modes else modes[-1]
-        latest = next(iter(self.store.list_chats()), None)
+        chats = self.store.list_chats()
+        opened = saved.get("open_chat")
+        latest = next((c for c in chats if c["id"] == opened), None) or next(iter(chats), None)
         chat = self.store.load_chat(latest["id"]) if latest else None
         chat = chat or new_chat(settings["system"])
         mode_update = gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=mode)

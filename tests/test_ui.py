@@ -135,6 +135,26 @@ def test_history_and_settings_survive_a_restart(engine, store, handlers):
     assert chatbot[0]["content"] == "w7 w8"
 
 
+def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, store):
+    older = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    time.sleep(0.01)
+    newer = list(handlers.send("w2", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+
+    def reloaded() -> str:
+        return ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-3]["id"]
+
+    assert reloaded() == newer["id"]
+    handlers.open(older["id"], newer, True)
+    assert reloaded() == older["id"]
+    handlers.remember("", *values(temperature=0.5))  # a setting changed meanwhile
+    assert reloaded() == older["id"]
+    list(handlers.send("w3", newer, "", *values(max_new_tokens=4)))
+    assert reloaded() == newer["id"]
+    handlers.open(older["id"], newer, True)
+    handlers.new(older, "")  # a new chat is not saved until its first message: the latest shows
+    assert reloaded() == newer["id"]
+
+
 def test_saved_settings_of_the_wrong_kind_fall_back_to_defaults(engine, store):
     store.folder.mkdir(parents=True, exist_ok=True)
     (store.folder / "settings.json").write_text(
