@@ -277,15 +277,24 @@ def rendered(page) -> dict:
     }
 
 
+def saved_and_open(data_dir, chat) -> None:
+    """Save a chat as if it had been written in, so that the next page load shows it."""
+    from app.store import Store
+
+    store = Store(data_dir)
+    store.save_chat(chat)
+    store.save_settings({**store.load_settings(), "open_chat": chat["id"]})
+
+
 def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
-    from app.store import Store, new_chat
+    from app.store import new_chat
 
     chat = new_chat()
     chat["messages"] = [
         {"role": "user", "content": "Write a prime check and explain it."},
         {"role": "assistant", "content": MARKDOWN_REPLY, "segments": token_segments(MARKDOWN_REPLY)},
     ]
-    Store(data_dir).save_chat(chat)
+    saved_and_open(data_dir, chat)
     page.reload()
     page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=30_000)
     if not page.locator("#colour input").is_checked():
@@ -336,7 +345,7 @@ def test_bench_app_waits_in_the_page_for_the_count_or_for_quiet(browser):
 def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir):
     """The copy buttons copy what the model wrote, not the page's markup
     (escaped prose, highlight spans), with colouring on or off."""
-    from app.store import Store, new_chat
+    from app.store import new_chat
 
     chat = new_chat()
     code = '<p>a &#60; b &#38; c</p>\n<span class="kd" style="x">hi</span>'
@@ -346,7 +355,7 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
         {"role": "user", "content": "Don't <b>bold</b> & \"quote\" it."},
         {"role": "assistant", "content": reply, "segments": token_segments(reply)},
     ]
-    Store(data_dir).save_chat(chat)
+    saved_and_open(data_dir, chat)
     page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["clipboard-read", "clipboard-write"])
     try:
         page.goto(app_url)
