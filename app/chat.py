@@ -33,9 +33,10 @@ PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost 
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 
 
-# The sliders' ranges (and Top-k's floor); a value typed outside them is refused by name.
+# The settings' ranges (-1 = a random seed); a value typed into a number box outside them
+# is refused by name (a slider's box brings its value back into range itself when left).
 RANGES = {
-    "temperature": (0, 2), "top_p": (0.05, 1), "top_k": (0, math.inf), "max_new_tokens": (1, 2048),
+    "temperature": (0, 2), "top_p": (0.05, 1), "top_k": (0, 1_000_000), "max_new_tokens": (1, 2048), "seed": (-1, 2**32 - 1),
     "total_tokens": (0, 128), "depth": (1, 12), "tree_top_k": (1, 16),
 }  # fmt: skip
 
@@ -112,8 +113,7 @@ def _number(values: dict, name: str, kind: type) -> int | float:
         raise ValueError(f"{LABELS[name]}: enter a whole number (it is {value!r})")
     low, high = RANGES.get(name, (-math.inf, math.inf))
     if not low <= number <= high:
-        wanted = f"at least {low}" if high == math.inf else f"from {low} to {high}"
-        raise ValueError(f"{LABELS[name]}: enter a number {wanted} (it is {value!r})")
+        raise ValueError(f"{LABELS[name]}: enter a number from {low} to {high} (it is {value!r})")
     return number
 
 
@@ -203,6 +203,7 @@ class ChatHandlers:
         self.replying: set[str] = set()  # ids of the chats whose reply is being written
         self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
         self.unsaved: set[str] = set()  # ids of chats whose latest save failed: their disk copy is older, not another tab's
+        self.sent: set[str] = set()  # ids of chats whose accepted message waits for the model (send not started)
 
     def accept(self, message: str, chat: dict | None, colour: bool) -> tuple:
         """At once on Send, before the reply waits for the model: the message
@@ -225,6 +226,7 @@ class ChatHandlers:
         if self.runtime.queue.waiting or self.replying:
             notes.append("Waiting for the model...")
         self.runtime.cancel_event(chat["id"]).clear()
+        self.sent.add(chat["id"])
         sent = copy.deepcopy(chat)
         sent["messages"].append({"role": "user", "content": text})
         try:
@@ -236,6 +238,8 @@ class ChatHandlers:
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
         """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot, calibration plot."""
+        if chat:
+            self.sent.discard(chat["id"])
         message = (message or "").strip()
         if not message:
             yield gr.skip(), gr.skip(), chat, notice_html("Type a message first."), *SKIP_PANEL
@@ -253,11 +257,15 @@ class ChatHandlers:
         this chat's reply is being written (it would wait, then replace that
         reply). Outputs: notice, refused (a hidden box that `regenerate` reads:
         its value travels with that event, so a later click cannot change it)."""
-        if chat and chat["id"] in self.replying:
+        if self._busy(chat):
             return notice_html(BUSY_TEXT), True
+        if chat:
+            self.sent.add(chat["id"])  # busy while the regeneration waits for the model
         return gr.skip(), False
 
     def regenerate(self, chat: dict | None, refused: bool, system: str, *values) -> Iterator[tuple]:
+        if chat and not refused:
+            self.sent.discard(chat["id"])
         if refused:  # check_idle said why
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
             return
@@ -398,6 +406,16 @@ class ChatHandlers:
     def stop(self, chat: dict | None) -> None:
         self.runtime.cancel(chat["id"] if chat else None)
 
+    def _busy(self, chat: dict | None) -> bool:
+        """Whether this chat's reply is being written, or its sent message waits
+        for the model (while the model is busy: a message whose `send` never
+        came, its page closed meanwhile, does not hold the chat)."""
+        if not chat:
+            return False
+        if chat["id"] in self.replying:
+            return True
+        return chat["id"] in self.sent and bool(self.replying or self.runtime.queue.busy)
+
     def _stale(self, chat: dict | None) -> bool:
         """Whether another tab has changed this chat on disk since this tab
         showed it (not when this tab's own latest save failed)."""
@@ -417,7 +435,7 @@ class ChatHandlers:
     def edit_last(self, chat: dict | None, colour: bool) -> tuple:
         """Take back the last user message (and the reply to it) for editing.
         Outputs: message box, chatbot, chat state, notice."""
-        if chat and chat["id"] in self.replying:
+        if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         if self._stale(chat):
             return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
@@ -434,7 +452,7 @@ class ChatHandlers:
 
     def clear(self, chat: dict) -> tuple:
         """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
-        if chat and chat["id"] in self.replying:
+        if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
@@ -447,7 +465,7 @@ class ChatHandlers:
     def new(self, chat: dict, system: str) -> tuple:
         """Keep the current chat on disk and start another.
         Outputs: chatbot, chat, stats, depth plot, rate plot, chat list, notice."""
-        if chat and chat["id"] in self.replying:
+        if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = new_chat(system or "")
         self._opened(None)
@@ -456,7 +474,7 @@ class ChatHandlers:
 
     def open(self, chat_id: str | None, chat: dict, colour: bool) -> tuple:
         """Outputs: chatbot, chat, system prompt, stats, depth plot, rate plot, chat list, notice."""
-        if chat and chat["id"] in self.replying:  # the reply would land in the chat opened instead
+        if self._busy(chat):  # the reply would land in the chat opened instead
             choices = chat_choices(self.store)  # the reply's chat is saved with its message, maybe not yet listed
             current = chat["id"] if chat["id"] in {chat_id for _, chat_id in choices} else None
             back = gr.update(choices=choices, value=current)
@@ -470,7 +488,7 @@ class ChatHandlers:
 
     def delete(self, chat: dict) -> tuple:
         """Delete the current chat. Outputs: chatbot, chat, chat list, notice."""
-        if chat and chat["id"] in self.replying:  # its reply would save it again when it ends
+        if self._busy(chat):  # its reply would save it again when it ends
             return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))

@@ -47,6 +47,12 @@ class ModelQueue:
         with self._condition:
             return len(self._waiting)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a request holds the model or waits for it."""
+        with self._condition:
+            return self._running or bool(self._waiting)
+
     def enter(self) -> object:
         """A ticket at the back of the queue; ModelBusyError when it is full."""
         with self._condition:

@@ -178,7 +178,8 @@ def test_saved_settings_of_the_wrong_kind_fall_back_to_defaults(engine, store):
         ({"depth": 0}, "Tree: depth: enter a number from 1 to 12"),
         ({"max_new_tokens": 99999}, "Max new tokens: enter a number from 1 to 2048"),
         ({"seed": 1.5}, "Seed: enter a whole number"),
-        ({"top_k": -3}, "Top-k: enter a number at least 0 (it is -3)"),
+        ({"top_k": -3}, "Top-k: enter a number from 0 to 1000000 (it is -3)"),
+        ({"seed": 1e30}, "Seed: enter a number from -1 to 4294967295"),
     ],
 )
 def test_a_setting_typed_out_of_range_or_emptied_is_named_and_the_message_kept(handlers, store, changes, named):
@@ -706,6 +707,26 @@ def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
     assert [m["content"] for m in store.load_chat(tab_b["id"])["messages"] if m["role"] == "user"] == ["w1", "w3"]
     _, _, _, same, notice = handlers.accept("w4", tab_a, True)  # tab A's view is what is saved: no copy
     assert same["id"] == first["id"] and notice == ""
+
+
+def test_a_chat_whose_message_waits_for_the_model_is_busy_too(handlers, store):
+    """Another chat's reply holds the model; this chat's message is accepted
+    and waits. Until its reply starts, opening another chat, New, Delete,
+    Clear, Edit and Regenerate are refused: its reply would land in the chat
+    shown then, or bring back what was deleted."""
+    other = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=6)))[-1][2]
+    waiting = list(handlers.send("w2", new_chat(), "", *values(max_new_tokens=6)))[-1][2]
+    writing = handlers.send("w3", other, "", *values(max_new_tokens=200, mode="vanilla"))
+    next(writing)  # the other chat's reply is being written
+    _, pending, _, waiting, _ = handlers.accept("w4", waiting, True)
+    for outcome in (handlers.open(other["id"], waiting, True), handlers.new(waiting, ""), handlers.delete(waiting),
+                    handlers.clear(waiting), handlers.edit_last(waiting, True), handlers.check_idle(waiting)[:1]):  # fmt: skip
+        assert "A reply is being written" in outcome[-1]
+    handlers.stop(other)
+    list(writing)
+    final = list(handlers.send(pending, waiting, "", *values(max_new_tokens=4)))[-1][2]
+    assert [m["content"] for m in store.load_chat(waiting["id"])["messages"] if m["role"] == "user"] == ["w2", "w4"]
+    assert handlers.clear(final)[-1] == ""  # its reply written: free again
 
 
 def test_regenerate_and_edit_in_a_tab_with_an_old_view_are_refused(handlers, store):
