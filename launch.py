@@ -34,12 +34,17 @@ CONTROL_C_EXIT = 0xC000013A
 
 def fail(cause: str, fix: str) -> None:
     print(f"\nKestrel could not start: {cause}\nFix: {fix}", file=sys.stderr, flush=True)
-    if sys.stdin is not None and sys.stdin.isatty():  # a console window, e.g. from a double-click: keep it open
+    hold_window("Press Enter to close.")
+    sys.exit(1)
+
+
+def hold_window(prompt: str) -> None:
+    """In a console window (e.g. opened by a double-click), wait for Enter so that it stays open."""
+    if sys.stdin is not None and sys.stdin.isatty():
         try:
-            input("Press Enter to close.")
+            input(prompt)
         except (EOFError, OSError):
             pass
-    sys.exit(1)
 
 
 def venv_python() -> Path:
@@ -175,8 +180,13 @@ def setup_lock():
         handle.close()  # and with it the lock
 
 
+def stamp_stale() -> bool:
+    """Whether .venv's packages were not installed from this requirements.txt."""
+    return not STAMP.exists() or STAMP.read_text() != wanted_stamp()
+
+
 def setup_needed() -> bool:
-    return not STAMP.exists() or STAMP.read_text() != wanted_stamp() or not venv_python().exists()
+    return stamp_stale() or not venv_python().exists()
 
 
 def bootstrap() -> None:
@@ -189,7 +199,7 @@ def bootstrap() -> None:
 
 
 def set_up() -> None:
-    stale = not STAMP.exists() or STAMP.read_text() != wanted_stamp()
+    stale = stamp_stale()
     problem = venv_problem() if stale or not venv_python().exists() else None
     if problem is not None:
         if in_venv():  # it cannot remake the Python running it
@@ -227,11 +237,9 @@ def run_in_console(command: "list[str]") -> int:
             break
         except KeyboardInterrupt:
             continue
-    if code not in (0, 130, CONTROL_C_EXIT) and sys.stdin is not None and sys.stdin.isatty():
-        try:
-            input("Kestrel stopped with the error above. Press Enter to close.")
-        except (EOFError, OSError, KeyboardInterrupt):
-            pass
+    if code not in (0, 130, CONTROL_C_EXIT):
+        with contextlib.suppress(KeyboardInterrupt):
+            hold_window("Kestrel stopped with the error above. Press Enter to close.")
     return code
 
 

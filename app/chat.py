@@ -184,8 +184,9 @@ STALE_TEXT = "This chat was changed in another tab: open it again from Saved cha
 EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
 
 
-def chat_choices(store: Store) -> list[tuple[str, str]]:
-    return [(f"{chat['title']} ({_when(chat['updated'])})", chat["id"]) for chat in store.list_chats()]
+def chat_choices(store: Store, chats: list[dict] | None = None) -> list[tuple[str, str]]:
+    """The saved-chats list (`chats`: store.list_chats() where already read)."""
+    return [(f"{chat['title']} ({_when(chat['updated'])})", chat["id"]) for chat in (chats if chats is not None else store.list_chats())]
 
 
 def _when(seconds: float) -> str:
@@ -293,7 +294,7 @@ class ChatHandlers:
         except (KestrelError, ValueError) as error:
             yield from self._failed(chat, message, colour, str(error), kept)
             return
-        self.remember(chat["system"], *values, open_chat=chat["id"])
+        self._update_settings({**dict(zip(SETTINGS, values)), "system": chat["system"], "open_chat": chat["id"]})
         mode, note = mode_for(engine, options.mode)
         if chat["id"] in self.forked:
             self.forked.discard(chat["id"])
@@ -513,28 +514,19 @@ class ChatHandlers:
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
         return display(chat or new_chat(), colour)
 
-    def remember(self, system: str, *values, open_chat: str | None = "") -> None:
-        """Save the settings as soon as they change, with the chat last opened
-        or written in (`open_chat`; "" keeps the saved one), which the next page load shows."""
-        try:
-            self.save_settings(values, system, open_chat)
-        except OSError:
-            pass  # saved again with the next message; a settings file is not worth an error dialog
-
-    def save_settings(self, values: Sequence, system: str, open_chat: str | None = "") -> None:
-        settings = dict(zip(SETTINGS, values))
-        settings["system"] = system
-        settings["open_chat"] = self.store.load_settings().get("open_chat") if open_chat == "" else open_chat
-        self.store.save_settings(settings)
+    def remember(self, system: str, *values) -> None:
+        """Save the settings as soon as they change."""
+        self._update_settings({**dict(zip(SETTINGS, values)), "system": system})
 
     def _opened(self, chat_id: str | None) -> None:
-        """Remember which chat the page shows (None: a new one, not saved yet)."""
-        settings = self.store.load_settings()
-        settings["open_chat"] = chat_id
+        """Remember which chat the page shows (None: a new one, not saved yet), for the next page load."""
+        self._update_settings({"open_chat": chat_id})
+
+    def _update_settings(self, changes: dict) -> None:
         try:
-            self.store.save_settings(settings)
+            self.store.update_settings(changes)
         except OSError:
-            pass
+            pass  # saved again with the next change; a settings file is not worth an error dialog
 
     def restore(self) -> tuple:
         """At page load: saved settings and the chat last opened or written in
@@ -552,6 +544,6 @@ class ChatHandlers:
         controls = [mode_update] + [settings[name] for name in SETTINGS[1:]]
         return (
             *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
-            gr.update(choices=chat_choices(self.store), value=chat["id"] if latest else None),
+            gr.update(choices=chat_choices(self.store, chats), value=chat["id"] if latest else None),
             render.stats_html(None, 0, session_tau(chat)),
         )  # fmt: skip

@@ -69,10 +69,9 @@ def windows_desktop() -> Path | None:
 
 def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None = None) -> list[Path]:
     """Write the shortcut(s) for this platform; returns the files written."""
-    desktop = (home or Path.home()) / "Desktop"
-    if home is None and platform.startswith("win"):
-        desktop = windows_desktop() or desktop
+    known = windows_desktop() if home is None and platform.startswith("win") else None  # OneDrive may move it
     home = home or Path.home()
+    desktop = known or home / "Desktop"
     if platform.startswith("win"):
         return [_write_executable(desktop / "Kestrel.bat", windows_batch(root, base_python()))]
     if platform == "darwin":

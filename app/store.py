@@ -14,10 +14,11 @@ from pathlib import Path
 
 import platformdirs
 
+from app.render import BASE, DRAFT
+
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
 LATEST_TIME = 32503680000.0  # 3000-01-01: Windows' localtime fails past 3000 (and NaN is no date anywhere)
-ORIGINS = ("draft", "base")  # app.render's token origins
 # On Windows a file that another program holds open (a virus scanner or the
 # search indexer reading the file just written) cannot be replaced for a moment.
 REPLACE_TRIES = 6 if os.name == "nt" else 1
@@ -80,6 +81,10 @@ class Store:
 
     def save_settings(self, settings: dict) -> None:
         write_atomic(self.folder / SETTINGS_FILE, json.dumps(settings, indent=2))
+
+    def update_settings(self, changes: dict) -> None:
+        """The saved settings with `changes` made (the others kept as they are)."""
+        self.save_settings({**self.load_settings(), **changes})
 
     def chat_path(self, chat_id: str) -> Path:
         if not chat_id or "/" in chat_id or "\\" in chat_id or chat_id.startswith("."):
@@ -152,7 +157,7 @@ def _as_message(message: dict) -> dict:
     if segments is None:
         return message
     valid = isinstance(segments, list) and all(
-        isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and s[1] in ORIGINS for s in segments
+        isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and s[1] in (DRAFT, BASE) for s in segments
     )
     if valid and "".join(s[0] for s in segments) == message["content"]:
         return message
