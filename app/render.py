@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import itertools
+import math
 import re
 
 import pandas as pd
@@ -222,7 +223,10 @@ def depth_frame(snapshot: Snapshot | None) -> pd.DataFrame:
 def calibration_frame(points: list[CurvePoint]) -> pd.DataFrame:
     """Measured acceptance of drafted nodes against their draft confidence,
     with the diagonal (a perfectly calibrated head) for reference."""
-    measured = [("measured", p.confidence, p.accepted) for p in points]
+    # Before any measurement the series is one row without values (drawn as nothing): the page's
+    # plot fixes its colour scale to the series of its first value, and a series it did not
+    # know then would be drawn without a colour, invisibly.
+    measured = [("measured", p.confidence, p.accepted) for p in points] or [("measured", math.nan, math.nan)]
     rows = [("diagonal", 0.0, 0.0), ("diagonal", 1.0, 1.0), *measured]
     return pd.DataFrame(rows, columns=["series", "draft confidence", "accepted"])
 

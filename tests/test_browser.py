@@ -107,8 +107,17 @@ def test_chat_streams_reply_and_live_stats(page):
     assert float(page.locator("#stat-tau-session").inner_text()) >= 1.0
     nodes, depth = (float(part) for part in page.locator("#stat-tree-mean").inner_text().split(" / "))
     assert nodes >= 1.0 and depth >= 0.0
-    # the calibration plot draws the diagonal and the measured points (Vega renders an svg or canvas)
-    page.locator("#calibration-plot").get_by_text("draft confidence").first.wait_for(timeout=10_000)
+    # the calibration plot draws the measured series in a colour of its own beside the diagonal: the
+    # page's plot fixes its colours at its first value, which once left the measured line without one
+    page.wait_for_function(
+        """() => {
+            const marks = [...document.querySelectorAll('#calibration-plot path[aria-label]')];
+            const stroke = (series) => marks.filter((m) => m.getAttribute('aria-label').includes('series: ' + series))
+                .map((m) => m.getAttribute('stroke')).find((colour) => colour && colour !== 'none');
+            return stroke('measured') && stroke('diagonal') && stroke('measured') !== stroke('diagonal');
+        }""",
+        timeout=10_000,
+    )
     screenshot(page, "chat")
 
 
