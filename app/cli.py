@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--auth", help="USER:PASS for the page, required by --listen")
     ui.add_argument("--api-key", help="require this key as 'Authorization: Bearer KEY' on the /v1 API; auto = generate one and print it (required by --listen)")
     ui.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let web pages from ORIGIN (e.g. http://localhost:3000) call the /v1 API (CORS); repeatable")
-    ui.add_argument("--max-queue", type=integer(0), default=16, help="requests that may wait for the model; more are refused with 429 (default 16)")
+    ui.add_argument("--max-queue", type=integer(1), default=16, help="requests that may wait for the model; more are refused with 429 (default 16)")
     ui.add_argument("--install-shortcut", action="store_true", help="create a desktop/menu shortcut and exit")
 
     chat = commands.add_parser("chat", help="answer one prompt in the terminal")
@@ -177,8 +177,9 @@ def main(argv: list[str]) -> int:
     import logging
     import warnings
 
-    # Kestrel's own progress messages ("kestrel" logger) go to the terminal as plain lines
-    handler = logging.StreamHandler(sys.stdout)
+    # Kestrel's own progress messages ("kestrel" logger) go to the terminal as plain lines, on
+    # stderr: `chat ... > reply.txt` keeps the reply without "Compiling the model..."
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger("kestrel").addHandler(handler)
     logging.getLogger("kestrel").setLevel(logging.INFO)

@@ -154,6 +154,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["eval-heads", "--features", str(tmp_path / "features"), "--head", str(tmp_path)], "no feature shards; it has train shards (--split train)"),
         (["chta", "hi"], "unknown command 'chta'"),
         (["ui", "--port", "70000"], "--port: must be from 1 to 65535"),
+        (["ui", "--max-queue", "0"], "--max-queue: must be at least 1"),
         (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be at least 1"),
         (["chat", "hi", "--temperature", "nan"], "--temperature: must be a number"),
         (["bench", "--prompts", str(prompts), "--modes", "vanilla,vanilla"], "--modes names vanilla more than once"),
@@ -174,6 +175,27 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "o").exists()  # a refused training run leaves no work folder behind
+
+
+def test_chat_writes_the_reply_to_stdout_and_progress_to_stderr(tiny_dir, capsys):
+    """`chat ... > reply.txt` keeps the reply and its statistics line; Kestrel's
+    progress messages ("Compiling the model...") go to stderr."""
+    import logging
+
+    from app import cli
+
+    kestrel = logging.getLogger("kestrel")
+    handlers = list(kestrel.handlers)
+    try:
+        code = cli.main(["chat", "w1 w2", "--model", str(tiny_dir), "--dtype", "float32", "--compile", "off",
+                         "--threads", "1", "--max-new-tokens", "4"])  # fmt: skip
+        kestrel.info("a progress message")
+    finally:
+        for handler in set(kestrel.handlers) - set(handlers):
+            kestrel.removeHandler(handler)
+    captured = capsys.readouterr()
+    assert code == 0 and "[vanilla] 4 tokens" in captured.out
+    assert "a progress message" in captured.err and "a progress message" not in captured.out
 
 
 def test_a_second_start_waits_for_the_first_one_s_setup(monkeypatch, tmp_path, capsys):
