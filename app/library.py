@@ -60,9 +60,9 @@ def catalog_frame(available_gb: float | None) -> pd.DataFrame:
                "parameters (B)": entry.parameters}  # fmt: skip
         for label, bits in (("4-bit", 4), ("8-bit", 8), ("16-bit", 16)):
             needed = catalog.estimated_gb(entry, bits)
-            row[f"{label} GB"] = f"{needed:.1f} ({catalog.fit(needed, available_gb)})"
+            row[f"{label} GB"] = f"{needed:.1f} ({catalog.fit(needed, available_gb)} here)"
         smallest = catalog.estimated_gb(entry, 4)
-        row[f"on a {catalog.CONSUMER_GPU_GB:.0f} GB GPU"] = catalog.fit(smallest, catalog.CONSUMER_GPU_GB)
+        row[f"4-bit on a {catalog.CONSUMER_GPU_GB:.0f} GB GPU"] = catalog.fit(smallest, catalog.CONSUMER_GPU_GB)
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -140,8 +140,10 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 memory_gb, memory_kind = detected_memory()
                 status = gr.HTML(elem_id="model-status")
                 gr.Markdown(
-                    f"Detected memory: **{memory_gb:.1f} GB** of {memory_kind}. Estimates include the draft head "
-                    "and about 1 GB of runtime overhead; 4/8-bit need bitsandbytes (CUDA for speed)."
+                    f"Detected memory: **{memory_gb:.1f} GB** of {memory_kind}; each size says whether it fits here. "
+                    f"The last column says whether the 4-bit model fits a {catalog.CONSUMER_GPU_GB:.0f} GB GPU "
+                    "(an RTX 3060). Estimates include the draft head and about 1 GB of runtime overhead; "
+                    "4/8-bit need bitsandbytes (CUDA for speed)."
                     if memory_gb else f"Detected memory: {memory_kind}."
                 )  # fmt: skip
                 gr.Dataframe(catalog_frame(memory_gb), interactive=False, label="Catalog")

@@ -464,7 +464,9 @@ def test_catalog_and_trained_heads(engine, tmp_path):
     assert len(frame) == len(catalog.CATALOG) and "Vicuna-13B v1.3" in list(frame["model"])
     assert catalog.fit(catalog.estimated_gb(catalog.find("Vicuna-13B v1.3"), 16), 24.0) == "does not fit"
     assert catalog.fit(catalog.estimated_gb(catalog.find("Vicuna-7B v1.3"), 4), 24.0) == "fits"
-    gpu = dict(zip(frame["model"], frame["on a 12 GB GPU"]))
+    gpu = dict(zip(frame["model"], frame["4-bit on a 12 GB GPU"]))
+    here = dict(zip(frame["model"], frame["16-bit GB"]))
+    assert here["Vicuna-13B v1.3"].endswith("(does not fit here)")
     assert gpu["Llama-3.1-8B-Instruct (EAGLE-3)"] == "fits" and gpu["Qwen3-8B (EAGLE-3, community head)"] == "fits"
     assert gpu["Llama-3.3-70B-Instruct (EAGLE-3)"] == "does not fit"
     for name, base in (("mine", engine.base.name), ("other", "another/model"), ("unreported", None)):
