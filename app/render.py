@@ -217,7 +217,10 @@ def stats_html(snapshot: Snapshot | None, tree_size: int, session_tau: float | N
 def depth_frame(snapshot: Snapshot | None) -> pd.DataFrame:
     """Acceptance rate per draft depth, for the bar chart."""
     rates = snapshot.acceptance_by_depth if snapshot is not None else ()
-    return pd.DataFrame({"depth": [str(d + 1) for d in range(len(rates))], "acceptance": list(rates)})
+    # depths are labels, even in the empty frame: the page's chart fixes its axis type at its first
+    # value, and an empty column of floats made it a number axis (ticks at 0.5, 1.5, ...)
+    depths = pd.Series([str(d + 1) for d in range(len(rates))], dtype=object)
+    return pd.DataFrame({"depth": depths, "acceptance": pd.Series(list(rates), dtype=float)})
 
 
 def calibration_frame(points: list[CurvePoint]) -> pd.DataFrame:

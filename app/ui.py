@@ -75,11 +75,12 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                         stats = gr.HTML(render.stats_html(None, 0, None), elem_id="stats")
                         depth_plot = gr.BarPlot(
                             render.depth_frame(None), x="depth", y="acceptance", y_lim=[0, 1],
-                            title="Acceptance per draft depth", height=170,
+                            title="Acceptance per draft depth", height=170, elem_id="depth-plot",
                         )  # fmt: skip
                         rate_plot = gr.LinePlot(
-                            render.rate_frame([]), x="seconds", y="tokens/s", title="Tokens/s over the reply", height=170
-                        )
+                            render.rate_frame([]), x="seconds", y="tokens/s", title="Tokens/s over the reply", height=170,
+                            x_axis_format=".1f", y_axis_format=".0f", elem_id="rate-plot",
+                        )  # fmt: skip
                         calibration_plot = gr.LinePlot(
                             render.calibration_frame([]), x="draft confidence", y="accepted", color="series",
                             x_lim=[0, 1], y_lim=[0, 1], title="Calibration: drafted nodes accepted, by draft confidence",

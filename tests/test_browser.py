@@ -118,6 +118,15 @@ def test_chat_streams_reply_and_live_stats(page):
         }""",
         timeout=10_000,
     )
+    # draft depths are labels 1, 2, ...: the chart's axis type is fixed at its first, empty value,
+    # which once made it a number axis (ticks 0, 1, ... or 0.5, 1.5, ..., bars between them)
+    page.wait_for_function(
+        """() => {
+            const labels = [...document.querySelectorAll('#depth-plot svg text')].map((t) => t.textContent.trim());
+            return labels.includes('1') && labels.includes('2') && !labels.includes('0') && !labels.includes('1.5');
+        }""",
+        timeout=10_000,
+    )
     screenshot(page, "chat")
 
 
