@@ -14,8 +14,11 @@ were 0.84-0.93x the command's with decodings on their own threads and
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 
 from app.runtime import ModelQueue, TurnCancelled
@@ -83,6 +86,23 @@ class MainThread:
 
 
 MAIN_THREAD = MainThread()
+LIVE: weakref.WeakSet[Decoding] = weakref.WeakSet()  # decodings whose threads may still run
+EXIT_WAIT_S = 10.0
+
+
+@atexit.register
+def _end_decodings_at_exit() -> None:
+    """Cancel the decodings still running when the process exits and wait for
+    them (each ends within one step). A decoding thread left inside a torch
+    call while Python shuts down is unwound through C++ code that cannot be,
+    and the process aborts (SIGABRT) instead of exiting."""
+    decodings = list(LIVE)
+    for decoding in decodings:
+        decoding.cancel.set()
+        decoding._queue.wake()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for decoding in decodings:
+        decoding.join(max(0.0, deadline - time.monotonic()))
 
 
 class Decoding:
@@ -105,6 +125,7 @@ class Decoding:
         self._queue = queue
         self._ticket = queue.enter()
         self._thread = threading.Thread(target=self._run, args=(steps,), name="kestrel-decoding", daemon=True)
+        LIVE.add(self)
         self._thread.start()
 
     def _run(self, steps: Callable[[threading.Event], Iterator[Step | Reading]]) -> None:
@@ -121,6 +142,7 @@ class Decoding:
         with self._condition:
             self._finished = True
             self._condition.notify_all()
+        LIVE.discard(self)
         if self._on_change is not None:
             self._on_change()
 

@@ -77,3 +77,36 @@ def test_a_decoding_streams_its_steps_from_the_serving_thread(monkeypatch):
     finally:
         stop.set()
         thread.join(5)
+
+
+def test_a_decoding_still_running_at_exit_is_ended_and_the_process_exits_cleanly(tmp_path):
+    """A decoding thread left inside a torch call while Python shuts down
+    aborted the process (SIGABRT, exit code 134) instead of letting it exit:
+    the decodings still running are cancelled and waited for at exit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exit_mid_decoding.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+        "import torch\n"
+        "from app.decoding import Decoding\n"
+        "from app.runtime import ModelQueue\n"
+        "x = torch.randn(256, 256)\n"
+        "def steps(cancel):\n"
+        "    while not cancel.is_set():\n"
+        "        for _ in range(20):\n"
+        "            torch.sin(x @ x)\n"
+        "        yield None\n"
+        "decodings = [Decoding(ModelQueue(), steps) for _ in range(2)]\n"
+        "time.sleep(0.3)\n"
+        "assert not any(d.finished for d in decodings)\n"
+        "print('exiting')\n"
+    )
+    for _ in range(2):  # without the exit hook, every run here aborted
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert done.returncode == 0 and "exiting" in done.stdout, (done.returncode, done.stderr[-2000:])
