@@ -164,6 +164,13 @@ def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
     return tokens / forwards if forwards else None
 
 
+def last_reply_stats(chat: dict) -> dict | None:
+    """The stored summary of the chat's last reply, for the side panel of a chat opened or reloaded."""
+    replies = [m for m in chat["messages"] if m.get("role") == "assistant"]
+    stats = replies[-1].get("stats") if replies else None
+    return stats if isinstance(stats, dict) else None
+
+
 def display(chat: dict, colour: bool, pending: dict | None = None) -> list[dict]:
     """The chatbot's messages: escaped (optionally coloured) model text."""
     messages = chat["messages"] + ([pending] if pending else [])
@@ -484,7 +491,7 @@ class ChatHandlers:
         if loaded is None:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         self._opened(loaded["id"])
-        stats = render.stats_html(None, 0, session_tau(loaded))
+        stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
         return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), ""
 
     def delete(self, chat: dict) -> tuple:
@@ -545,5 +552,5 @@ class ChatHandlers:
         return (
             *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
             gr.update(choices=chat_choices(self.store, chats), value=chat["id"] if latest else None),
-            render.stats_html(None, 0, session_tau(chat)),
+            render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat)),
         )  # fmt: skip

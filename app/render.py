@@ -188,11 +188,27 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
-def stats_html(snapshot: Snapshot | None, tree_size: int, session_tau: float | None, note: str = "") -> str:
-    """The side panel: each value has an id so that tests and eyes can find it."""
+def stats_html(
+    snapshot: Snapshot | None, tree_size: int, session_tau: float | None, note: str = "", saved: dict | None = None
+) -> str:
+    """The side panel: each value has an id so that tests and eyes can find it.
+    Without a live reply, `saved` is the last reply's stored summary (a chat opened or reloaded)."""
     if snapshot is None:
         session = "-" if session_tau is None else f"{session_tau:.2f}"
-        rows = [("tokens/s", "-", "tps"), ("tau (this reply)", "-", "tau"), ("tau (session)", session, "tau-session")]
+        saved = saved or {}
+
+        def stored(key: str, form: str) -> str:
+            value = saved.get(key)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            return form.format(value) if number else "-"
+
+        rows = [
+            ("tokens/s", stored("tokens_per_s", "{:.1f}"), "tps"),
+            ("tau (this reply)", stored("tau", "{:.2f}"), "tau"),
+            ("tau (session)", session, "tau-session"),
+        ]
+        if saved:
+            rows.append(("tokens", stored("tokens", "{:.0f}"), "tokens"))
     else:
         busy = snapshot.draft_seconds + snapshot.verify_seconds
         share = f"{100 * snapshot.draft_seconds / busy:.0f}% / {100 * snapshot.verify_seconds / busy:.0f}%" if busy else "-"

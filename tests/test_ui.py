@@ -19,7 +19,7 @@ import torch
 from app import chat as chat_module
 from app import compare as compare_module
 from app import render
-from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context, restored_settings
+from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context, last_reply_stats, restored_settings
 from app.compare import CompareHandlers, first_difference
 from app.library import LibraryHandlers, catalog_frame, trained_heads
 from app.reply import Reply, follow_reply
@@ -153,6 +153,20 @@ def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, sto
     handlers.open(older["id"], newer, True)
     handlers.new(older, "")  # a new chat is not saved until its first message: the latest shows
     assert reloaded() == newer["id"]
+
+
+def test_a_chat_opened_or_reloaded_shows_its_last_reply_s_figures(handlers, engine, store):
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    stats = chat["messages"][-1]["stats"]
+    for panel in (
+        ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-1],
+        handlers.open(chat["id"], new_chat(), True)[3],
+    ):
+        assert f'id="stat-tps">{stats["tokens_per_s"]:.1f}<' in panel
+        assert f'id="stat-tau">{stats["tau"]:.2f}<' in panel and 'id="stat-tokens">4<' in panel
+    damaged = {**chat, "messages": [*chat["messages"][:-1], {**chat["messages"][-1], "stats": {"tau": "x", "tokens": True}}]}
+    panel = render.stats_html(None, 0, None, saved=last_reply_stats(damaged))
+    assert 'id="stat-tau">-<' in panel and 'id="stat-tokens">-<' in panel and 'id="stat-tps">-<' in panel
 
 
 def test_saved_settings_of_the_wrong_kind_fall_back_to_defaults(engine, store):
