@@ -21,7 +21,7 @@ DRAFT, BASE = "draft", "base"  # token origins: drafted-and-accepted, or sampled
 # A ``` fence opens only where a line starts (after indentation), as markdown
 # reads it; mid-line, backticks delimit inline code only when they close on the line.
 CODE = re.compile(
-    r"(?<![^\n])[ \t]*```.*?(?:\n[ \t]*```|\Z)|(?<![^\n]) {0,3}~~~.*?(?:\n {0,3}~~~|\Z)|(`{1,3})(?!`)[^\n]+?(?<!`)\1(?!`)",
+    r"(?<![^\n])[ \t]*```.*?(?:\n[ \t]*```|\Z)|(?<![^\n]) {0,3}~~~.*?(?:\n {0,3}~~~|\Z)|(?<![\\`])(`{1,3})(?!`)[^\n]+?(?<!`)\1(?!`)",
     re.DOTALL,
 )
 # Gradio 6.31's chatbot loads Prism's C++ grammar without the C one it extends, and
@@ -45,11 +45,18 @@ DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 # runs never hold a "<" (escaped), so the spans come off exactly. A code block's
 # own copy button (inside the message text) copies raw code and is left alone.
 COPY_JS = """() => {
-  const code = /(?<![^\\n])[ \\t]*```[\\s\\S]*?(?:\\n[ \\t]*```|$)|(?<![^\\n]) {0,3}~~~[\\s\\S]*?(?:\\n {0,3}~~~|$)|(`{1,3})(?!`)[^\\n]+?(?<!`)\\1(?!`)/g;
+  const code = /(?<![^\\n])[ \\t]*```[\\s\\S]*?(?:\\n[ \\t]*```|$)|(?<![^\\n]) {0,3}~~~[\\s\\S]*?(?:\\n {0,3}~~~|$)|(?<![\\\\`])(`{1,3})(?!`)[^\\n]+?(?<!`)\\1(?!`)/g;
   const fence = /^([ \\t]*)```c (cpp|c\\+\\+|cxx|cc)(?=\\s)/i;
+  const ticks = (inner) => {  // an inline code span that render.code_element made an HTML <code>
+    const text = inner.replace(/&#(\\d+);/g, (entity, number) => String.fromCodePoint(+number));
+    const fence = "`".repeat(Math.max(0, ...(text.match(/`+/g) || []).map((run) => run.length)) + 1);
+    const pad = text.startsWith("`") || text.endsWith("`") ? " " : "";
+    return fence + pad + text + pad + fence;
+  };
   const prose = (text) => text
     .replace(/<span class="kd" style="[^"]*">([^<]*)<\\/span>/g, "$1")
-    .replace(/&#(38|60|62);/g, (entity, number) => String.fromCharCode(+number));
+    .replace(/<code>([^<]*)<\\/code>|&#(38|60|62|96);/g, (found, inner, number) =>
+      inner !== undefined ? ticks(inner) : String.fromCharCode(+number));
   const plain = (text) => {
     let out = "", last = 0;
     for (const match of text.matchAll(code)) {
@@ -131,16 +138,73 @@ def message_html(message: dict, colour: bool) -> str:
     """What the chatbot shows for one stored message: markdown whose prose is
     HTML-escaped (drafted runs highlighted when `colour`). Code spans and fences
     stay raw: the markdown renderer already shows their content as text, and
-    escaping there would show the entities themselves."""
+    escaping there would show the entities themselves. Raw text holding a "<"
+    is kept only where the renderer surely reads code (a fence it opens and
+    closes as found here), else it could open a tag: an inline span holding
+    one becomes an HTML <code> element with escaped text, a fence that the
+    renderer may read otherwise is escaped as prose."""
     segments = message.get("segments") or [[message["content"], BASE]]
     text = "".join(piece for piece, _ in segments)
     origins = [origin if colour else BASE for piece, origin in segments for _ in piece]
     parts, position = [], 0
     for match in CODE.finditer(text):
-        parts += [_prose(text, origins, position, match.start()), CPP_FENCE.sub(r"\1```c \2", match.group())]
+        code = match.group()
+        if "<" in code and match.group(1) is not None:  # an inline span
+            parts += [_prose(text, origins, position, match.start()), code_element(code, len(match.group(1)))]
+        elif "<" in code and not surely_fenced(text, match.start(), code):
+            # prose, its backticks as entities: neither markdown nor COPY_JS reads a fence or span in it
+            parts += [_prose(text, origins, position, match.start()), _prose(text, origins, *match.span()).replace("`", "&#96;")]
+        else:
+            parts += [_prose(text, origins, position, match.start()), CPP_FENCE.sub(r"\1```c \2", code)]
         position = match.end()
     parts.append(_prose(text, origins, position, len(text)))
     return "".join(parts)
+
+
+def code_element(span: str, ticks: int) -> str:
+    """An inline code span as an HTML <code> element: every character but
+    letters, digits and spaces as a numeric entity, so that neither HTML nor
+    markdown reads anything in it (COPY_JS turns it back into backticks)."""
+    inner = span[ticks:-ticks]
+    if len(inner) > 2 and inner.startswith(" ") and inner.endswith(" ") and inner.strip():
+        inner = inner[1:-1]  # markdown drops one space on each side
+    return "<code>" + "".join(c if c.isalnum() or c == " " else f"&#{ord(c)};" for c in inner) + "</code>"
+
+
+LIST_ITEM = re.compile(r"( *)([-*+]|\d{1,9}[.)])( +|$)")
+
+
+def _indent(line: str) -> int:
+    return len(line.expandtabs(4)) - len(line.expandtabs(4).lstrip(" "))
+
+
+def surely_fenced(text: str, start: int, code: str) -> bool:
+    """Whether markdown surely reads `code` (a fence matched by CODE at
+    `start`) as one code block: its opening line is a fence (a ``` info
+    string holds no backtick; indented 4 or more, only as a list item's
+    fence), and no line in it is indented less than that line, so none can
+    end a list item it belongs to (and the code block with it)."""
+    lines = code.split("\n")
+    opening, indent = lines[0], _indent(lines[0])
+    if opening.lstrip(" \t").startswith("```") and "`" in opening.lstrip(" \t").lstrip("`"):
+        return False
+    if any(line.strip() and _indent(line) < indent for line in lines[1:]):
+        return False
+    if indent <= 3:
+        return True
+    between = indent  # the least indentation of the lines between the list item and the fence
+    for line in reversed(text[:start].split("\n")[:-1]):  # the lines above, nearest first
+        if not line.strip():
+            continue
+        item = LIST_ITEM.match(line.expandtabs(4))
+        if item is not None:
+            spaces = len(item.group(3))
+            offset = len(item.group(1)) + len(item.group(2)) + (spaces if 1 <= spaces <= 4 else 1)
+            return offset <= indent <= offset + 3 and between >= offset
+        between = min(between, _indent(line))
+        if between < indent - 3:  # below any list item's content the fence could be in
+            return False
+    return False
 
 
 def _prose(text: str, origins: list[str], start: int, end: int) -> str:

@@ -77,6 +77,8 @@ class Guard:
                 return await send({"type": "websocket.close", "code": 1008})
             return await refusal(scope, receive, send)
         origin = headers.get("origin")
+        if scope["type"] == "http" and not is_api(scope["path"]):
+            send = with_headers(send, PAGE_POLICY)
         if scope["type"] == "http" and is_api(scope["path"]) and origin in self.access.allow_origins:
             if scope["method"] == "OPTIONS":  # a CORS preflight from an allowed origin
                 return await self._preflight(origin)(scope, receive, send)
@@ -121,15 +123,23 @@ def host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-def with_cors(send, origin: str):
-    async def send_with_cors(message):
+def with_headers(send, added: list[tuple[bytes, bytes]]):
+    async def send_with_headers(message):
         if message["type"] == "http.response.start":
-            headers = list(message.get("headers", []))
-            headers += [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
-            message = {**message, "headers": headers}
+            message = {**message, "headers": [*message.get("headers", []), *added]}
         await send(message)
 
-    return send_with_cors
+    return send_with_headers
+
+
+def with_cors(send, origin: str):
+    return with_headers(send, [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")])
+
+
+# The page shows text that a model wrote or a user pasted. Should markup in it
+# ever become a tag, it fetches no image from elsewhere (a request that would
+# tell another host the chat was read) and sends no form there.
+PAGE_POLICY = [(b"content-security-policy", b"img-src 'self' data: blob:; form-action 'self'")]
 
 
 def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int):

@@ -335,6 +335,50 @@ def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
     assert page.evaluate("typeof window.alert") == "function"
 
 
+LEAKS = (
+    "a \\`<img src=http://leak.invalid/1.png>` after",  # an escaped backtick opens no span
+    "indented:\n\n    ```\n<img src=http://leak.invalid/2.png>\n    ```",  # indented code, ended by the next line
+    "- item\n  ```\n<form action=http://leak.invalid/><button>go</button></form>\n  ```",  # the list item ends
+    "one `two\nthree` <img src=http://leak.invalid/3.png> `four`",  # markdown pairs backticks across lines
+    "| `<img src=http://leak.invalid/4.png>|` |\n|---|---|",  # a table splits a span at its pipe
+)
+
+
+def test_text_that_markdown_may_not_read_as_code_shows_as_text(page, data_dir):
+    """No tag that a message spells out is made, wherever markdown ends a code
+    span or block: no image is fetched, no form made."""
+    from app.store import new_chat
+
+    chat = new_chat()
+    chat["messages"] = [
+        message for text in LEAKS
+        for message in ({"role": "user", "content": text}, {"role": "assistant", "content": text, "segments": token_segments(text)})
+    ]  # fmt: skip
+    saved_and_open(data_dir, chat)
+    requested = []
+    page.on("request", lambda request: requested.append(request.url) if "leak.invalid" in request.url else None)
+    page.reload()
+    page.locator("#chatbot").get_by_text("four").first.wait_for(timeout=30_000)
+    for colour in (True, False):
+        if page.locator("#colour input").is_checked() != colour:
+            page.locator("#colour input").set_checked(colour)
+            page.wait_for_function(f"(document.querySelectorAll('#chatbot span.kd').length > 0) === {str(colour).lower()}")
+        assert page.locator("#chatbot img, #chatbot form, #chatbot button:has-text('go')").count() == 0, colour
+        assert page.locator("#chatbot").get_by_text("<img src=http://leak.invalid/1.png>", exact=False).count() == 2, colour
+    assert requested == []
+    # and should a tag ever be made, the page's policy blocks an image from another host before it is fetched
+    blocked = []
+    page.on("requestfailed", lambda request: blocked.append((request.url, request.failure)))
+    page.evaluate("""() => {
+        const image = document.createElement('img');
+        image.src = 'http://leak.invalid/5.png';
+        document.querySelector('#chatbot').appendChild(image);
+    }""")
+    page.wait_for_function("() => document.querySelector('#chatbot img').complete")
+    page.wait_for_timeout(200)
+    assert requested == ["http://leak.invalid/5.png"] and blocked == [("http://leak.invalid/5.png", "csp")]
+
+
 def test_bench_app_waits_in_the_page_for_the_count_or_for_quiet(browser):
     from app.appbench import settled
 

@@ -591,7 +591,7 @@ def test_code_in_markdown_stays_raw_and_prose_is_escaped():
     segments = [[text[:4], render.DRAFT], [text[4:], render.BASE]]
     shown = render.message_html({"role": "assistant", "content": text, "segments": segments}, True)
     assert shown.startswith('<span class="kd"')
-    assert "```c cpp\n#include <vector>" in shown and "`x < y`" in shown
+    assert "```c cpp\n#include <vector>" in shown and "<code>x &#60; y</code>" in shown
     assert "a &#60;b</span>&#62; &#38; b" in shown and "&#60;script&#62;" in shown and "<script>" not in shown
     plain = render.message_html({"role": "user", "content": "```\n<i>"}, False)
     assert plain == "```\n<i>"
@@ -601,6 +601,29 @@ def test_code_in_markdown_stays_raw_and_prose_is_escaped():
     assert midline == "Type ``` to start a fence. Then &#60;b&#62;bold&#60;/b&#62;"  # a ``` fence opens only a line
     nested = render.message_html({"role": "user", "content": "1. Code:\n      ```py\n      a<b\n      ```\nand ``a`b`` <i>"}, False)
     assert nested == "1. Code:\n      ```py\n      a<b\n      ```\nand ``a`b`` &#60;i&#62;"
+
+
+def test_raw_text_that_markdown_may_not_read_as_code_cannot_open_a_tag():
+    """Code stays raw only where markdown surely reads code: else a "<" in it
+    could open a tag (a remote image loaded on every view of the chat)."""
+
+    def shown(text: str) -> str:
+        return render.message_html({"role": "user", "content": text}, False)
+
+    # a backslash-escaped backtick opens no span, for markdown as here
+    assert shown("a \\`<img src=x>` b") == "a \\`&#60;img src=x&#62;` b"
+    # a fence indented 4 spaces is indented code to markdown, which ends at the unindented line
+    assert "<img" not in shown("x:\n\n    ```\n<img src=x>\n    ```") and "&#96;&#96;&#96;" in shown("x:\n\n    ```\n<img src=x>\n    ```")
+    # a line indented less than a list item's fence ends the item, and the code block with it
+    assert "<img" not in shown("- a\n  ```\n<img src=x>\n  ```")
+    assert "<img" not in shown("``` a`b\n<img src=x>\n```")  # backticks in the info string: not a fence
+    # inline spans holding "<" become <code> elements, whatever markdown pairs the backticks with
+    assert shown("use `x < y` and `z`") == "use <code>x &#60; y</code> and `z`"
+    assert shown("| `<img src=x>|` |") == "| <code>&#60;img src&#61;x&#62;&#124;</code> |"
+    # fences markdown surely reads stay raw: top level, and a list item's, even indented 4 or more
+    assert shown("```html\n<p>hi</p>\n```") == "```html\n<p>hi</p>\n```"
+    assert shown("1. Code:\n    ```\n    a<b\n    ```") == "1. Code:\n    ```\n    a<b\n    ```"
+    assert "a<b" not in shown("Text\n    ```\n    a<b\n    ```")  # not in a list: not a fence
 
 
 def test_message_longer_than_the_context_is_refused(handlers):
