@@ -4,6 +4,7 @@ directly); app/ui.py wires them to components."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import tempfile
@@ -164,6 +165,15 @@ def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
     return tokens / forwards if forwards else None
 
 
+# In a tab's chat state after Edit: the fingerprint of the saved messages, which keep the
+# exchange taken back until the edited message is sent (a reload then shows it still)
+TAKEN_BACK = "taken_back"
+
+
+def fingerprint(messages: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
 def last_reply_stats(chat: dict) -> dict | None:
     """The stored summary of the chat's last reply, for the side panel of a chat opened or reloaded."""
     replies = [m for m in chat["messages"] if m.get("role") == "assistant"]
@@ -231,6 +241,7 @@ class ChatHandlers:
             chat["id"] = new_chat()["id"]
             notes.append(FORKED_TEXT)
             self.forked.add(chat["id"])  # the reply's own notice says it again
+        chat.pop(TAKEN_BACK, None)  # the edited message replaces the exchange taken back, on disk too
         if self.runtime.queue.waiting or self.replying:
             notes.append("Waiting for the model...")
         self.runtime.cancel_event(chat["id"]).clear()
@@ -256,6 +267,7 @@ class ChatHandlers:
             yield message, gr.skip(), chat, notice_html(BUSY_TEXT), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
+        chat.pop(TAKEN_BACK, None)
         chat["system"] = system or ""
         chat["messages"].append({"role": "user", "content": message})
         yield from self._respond(chat, values, message)
@@ -284,6 +296,7 @@ class ChatHandlers:
             yield gr.skip(), gr.skip(), chat, notice_html(STALE_TEXT), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
+        chat.pop(TAKEN_BACK, None)  # the regenerated reply is saved over the exchange taken back
         self.runtime.cancel_event(chat["id"]).clear()
         chat["system"] = system or ""
         kept = chat["messages"].pop() if chat["messages"] and chat["messages"][-1]["role"] == "assistant" else None
@@ -426,8 +439,15 @@ class ChatHandlers:
 
     def _stale(self, chat: dict | None) -> bool:
         """Whether another tab has changed this chat on disk since this tab
-        showed it (not when this tab's own latest save failed)."""
-        if not chat or not chat["messages"] or chat["id"] in self.unsaved:
+        showed it (not when this tab's own latest save failed). After Edit the
+        view lacks the exchange taken back, which stays saved until the edited
+        message is sent: the saved messages are then the ones Edit saw."""
+        if not chat or chat["id"] in self.unsaved:
+            return False
+        if TAKEN_BACK in chat:
+            saved = self.store.load_chat(chat["id"])
+            return saved is not None and fingerprint(saved["messages"]) != chat[TAKEN_BACK]
+        if not chat["messages"]:
             return False
         saved = self.store.load_chat(chat["id"])
         return saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"]))  # as stored: lists
@@ -442,6 +462,8 @@ class ChatHandlers:
 
     def edit_last(self, chat: dict | None, colour: bool) -> tuple:
         """Take back the last user message (and the reply to it) for editing.
+        The saved chat keeps them until the edited message is sent, so a
+        reload or another chat opened meanwhile loses nothing.
         Outputs: message box, chatbot, chat state, notice."""
         if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
@@ -452,11 +474,11 @@ class ChatHandlers:
         if not users:
             return gr.skip(), display(chat, colour), chat, ""
         text = chat["messages"][users[-1]]["content"]
+        saved = self.store.load_chat(chat["id"])
+        if saved is not None and TAKEN_BACK not in chat:
+            chat[TAKEN_BACK] = fingerprint(saved["messages"])
         del chat["messages"][users[-1] :]
-        notice = self._saved(lambda: self.store.save_chat(chat) if chat["messages"] else self.store.delete_chat(chat["id"]))
-        if notice:  # the view stays as saved
-            return gr.skip(), gr.skip(), gr.skip(), notice
-        return text, display(chat, colour), chat, notice
+        return text, display(chat, colour), chat, ""
 
     def clear(self, chat: dict) -> tuple:
         """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
@@ -515,7 +537,7 @@ class ChatHandlers:
         folder = Path(self.exports.name)
         markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
         markdown.write_text(to_markdown(chat), encoding="utf-8")
-        data.write_text(to_json(chat), encoding="utf-8")
+        data.write_text(to_json({key: value for key, value in chat.items() if key != TAKEN_BACK}), encoding="utf-8")
         return [str(markdown), str(data)]
 
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:

@@ -124,6 +124,29 @@ def test_regenerate_edit_and_clear(handlers):
     assert cleared["messages"] == [] and cleared["id"] == chat["id"]
 
 
+def test_edit_keeps_the_saved_exchange_until_the_edited_message_is_sent(handlers, store, engine):
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    chat = list(handlers.send("w2", chat, "", *values(max_new_tokens=4)))[-1][2]
+    text, _, edited, notice = handlers.edit_last(chat, True)
+    assert text == "w2" and [m["content"] for m in edited["messages"] if m["role"] == "user"] == ["w1"] and notice == ""
+    # a reload before sending shows the chat whole: nothing is lost
+    reloaded = ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-3]
+    assert reloaded["messages"] == store.load_chat(chat["id"])["messages"] and len(reloaded["messages"]) == 4
+    edited_again = handlers.edit_last(edited, True)  # a second Edit takes back the exchange before
+    assert edited_again[0] == "w1" and edited_again[2]["messages"] == [] and len(store.load_chat(chat["id"])["messages"]) == 4
+    # sending the edited message replaces the exchange taken back, in this chat (not a copy)
+    box, pending, _, state, notice = handlers.accept("w2 edited", edited, True)
+    assert "another tab" not in notice and state["id"] == chat["id"]
+    final = list(handlers.send(pending, state, "", *values(max_new_tokens=4)))[-1][2]
+    saved = store.load_chat(chat["id"])
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["w1", "w2 edited"] and "taken_back" not in saved
+    assert final["messages"] == saved["messages"]
+    # another tab's change after the Edit still counts
+    text, _, edited, _ = handlers.edit_last(final, True)
+    list(handlers.send("w3", final, "", *values(max_new_tokens=4)))
+    assert "another tab" in handlers.accept("w4", edited, True)[4]
+
+
 def test_history_and_settings_survive_a_restart(engine, store, handlers):
     chat = list(handlers.send("w7 w8", new_chat(), "w9", *values(temperature=0.7, seed=5)))[-1][2]
     restarted = ChatHandlers(Runtime(engine), Store(store.folder))
@@ -808,8 +831,9 @@ def test_a_read_only_data_folder_still_replies_and_says_what_was_not_saved(handl
     final = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1]
     assert [m["role"] for m in final[2]["messages"]] == ["user", "assistant"]
     assert "could not be saved" in final[3] and "Read-only" in final[3]
-    for outcome in (handlers.delete(final[2]), handlers.clear(final[2]), handlers.edit_last(final[2], True)):
+    for outcome in (handlers.delete(final[2]), handlers.clear(final[2])):
         assert "could not be changed" in outcome[-1] and "Read-only" in outcome[-1]
+    assert handlers.edit_last(final[2], True)[0] == "w1"  # Edit writes nothing until the edited message is sent
 
 
 def test_after_a_failed_save_regenerate_and_edit_still_work_and_blame_no_other_tab(handlers, store, monkeypatch):
@@ -821,8 +845,8 @@ def test_after_a_failed_save_regenerate_and_edit_still_work_and_blame_no_other_t
     monkeypatch.setattr(store, "save_chat", full)
     final = list(handlers.send("w2", chat, "", *values(max_new_tokens=4)))[-1]
     assert "could not be saved" in final[3]
-    edited = handlers.edit_last(final[2], True)  # its save fails too: the view stays as saved, and says why
-    assert all(is_skip(update) for update in edited[:3]) and "could not be changed" in edited[3] and "another tab" not in edited[3]
+    edited = handlers.edit_last(final[2], True)
+    assert edited[0] == "w2" and "another tab" not in edited[3]
     assert "another tab" not in handlers.accept("w3", final[2], True)[4]
     regenerated = list(handlers.regenerate(final[2], False, "", *values(max_new_tokens=4)))[-1]
     assert "another tab" not in regenerated[3] and len(regenerated[2]["messages"]) == 4
