@@ -7,10 +7,11 @@ import copy
 import hashlib
 import json
 import math
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gradio as gr
@@ -146,9 +147,33 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     return system + turns, dropped
 
 
-def reply_summary(reply: Reply, mode: str) -> dict:
+def run_settings(engine: Engine, mode: str, options: Options) -> dict:
+    """What a reply was made with, stored beside it: with its seed, the same
+    settings give the same reply again."""
+    sampling, tree = options.sampling, options.tree
+    settings = {
+        "model": engine.base.name, "dtype": str(engine.base.dtype).removeprefix("torch."),
+        "quantization": engine.base.quantization, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens, "seed": sampling.seed,
+    }  # fmt: skip
+    if mode != "vanilla":
+        settings["tree"] = {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k}
+    return settings
+
+
+def with_seed(options: Options) -> Options:
+    """Sampling without a seed gets one drawn here (within the Seed box's
+    range), so that the reply's stored settings can make it again."""
+    sampling = options.sampling
+    if sampling.temperature == 0 or sampling.seed is not None:
+        return options
+    return replace(options, sampling=replace(sampling, seed=secrets.randbelow(RANGES["seed"][1] + 1)))
+
+
+def reply_summary(reply: Reply, mode: str, settings: dict | None = None) -> dict:
     snapshot = reply.snapshot
     return {
+        **({"settings": settings} if settings else {}),
         "mode": mode,
         "tokens": snapshot.tokens,
         "seconds": round(snapshot.seconds, 3),
@@ -309,13 +334,14 @@ class ChatHandlers:
         """Stream the assistant's reply to the chat's last user message."""
         colour = bool(dict(zip(SETTINGS, values)).get("colour", True))
         try:
-            options = Options.from_values(values)
+            options = with_seed(Options.from_values(values))
             engine = self.runtime.require()
         except (KestrelError, ValueError) as error:
             yield from self._failed(chat, message, colour, str(error), kept)
             return
         self._update_settings({**dict(zip(SETTINGS, values)), "system": chat["system"], "open_chat": chat["id"]})
         mode, note = mode_for(engine, options.mode)
+        made_with = run_settings(engine, mode, options)
         if chat["id"] in self.forked:
             self.forked.discard(chat["id"])
             note = f"{FORKED_TEXT} {note}".strip()
@@ -349,13 +375,13 @@ class ChatHandlers:
                 yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), notice, stats, *plots
         except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
             cancel.set()
-            self._keep_interrupted(chat, reply, mode)
+            self._keep_interrupted(chat, reply, mode, made_with)
             raise
         except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
             if kept is not None and (reply is None or reply.snapshot is None):
                 chat["messages"].append(kept)  # a regeneration that had not begun: the saved reply stays as it is
             else:
-                self._keep_interrupted(chat, reply, mode)
+                self._keep_interrupted(chat, reply, mode, made_with)
             yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *SKIP_PANEL
             return
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
@@ -368,15 +394,14 @@ class ChatHandlers:
         if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
-        note = self._finish(chat, reply, mode, note)
+        note = self._finish(chat, reply, mode, note, made_with)
         panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
         yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
 
-    def _finish(self, chat: dict, reply: Reply, mode: str, note: str) -> str:
+    def _finish(self, chat: dict, reply: Reply, mode: str, note: str, settings: dict) -> str:
         """Add the reply to the chat and save it; returns the note to show."""
-        chat["messages"].append(
-            {"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": reply_summary(reply, mode)}
-        )
+        stats = reply_summary(reply, mode, settings)
+        chat["messages"].append({"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": stats})
         chat["session"]["tokens"] += reply.snapshot.tokens
         chat["session"]["forwards"] += reply.snapshot.forwards
         endings = {"cancelled": "Stopped.", "length": "The reply reached the token limit.",
@@ -390,12 +415,12 @@ class ChatHandlers:
             note = f"{note} The chat could not be saved ({error}).".strip()
         return note
 
-    def _keep_interrupted(self, chat: dict, reply: Reply | None, mode: str) -> None:
+    def _keep_interrupted(self, chat: dict, reply: Reply | None, mode: str, settings: dict) -> None:
         """Save the message and the reply so far (as a stopped reply) when nobody is left to show them to."""
         try:
             if reply is not None and reply.snapshot is not None:
                 reply.finish_reason = "cancelled"
-                self._finish(chat, reply, mode, "")
+                self._finish(chat, reply, mode, "", settings)
             else:
                 self.store.save_chat(chat)
         except OSError:

@@ -170,7 +170,30 @@ def to_markdown(chat: dict) -> str:
         lines += ["**System:**", "", chat["system"], ""]
     for message in chat["messages"]:
         lines += [f"**{message['role'].capitalize()}:**", "", message["content"], ""]
+        made = made_with(message.get("stats"))
+        if made:
+            lines += [f"_{made}_", ""]
     return "\n".join(lines)
+
+
+def made_with(stats) -> str:
+    """A reply's stored figures and settings in one line, for the Markdown export."""
+    if not isinstance(stats, dict):
+        return ""
+    settings = stats.get("settings") if isinstance(stats.get("settings"), dict) else {}
+    parts = [str(stats["mode"])] if isinstance(stats.get("mode"), str) else []
+    if isinstance(settings.get("model"), str):
+        parts.append(settings["model"])
+    if isinstance(settings.get("temperature"), (int, float)) and settings["temperature"] > 0:
+        parts.append(f"temperature {settings['temperature']:g}")
+        parts += [f"{label} {settings[key]}" for key, label in (("top_p", "top-p"), ("top_k", "top-k"), ("seed", "seed"))
+                  if isinstance(settings.get(key), (int, float)) and not isinstance(settings[key], bool)]  # fmt: skip
+    elif "temperature" in settings:
+        parts.append("greedy")
+    figures = [(key, form) for key, form in (("tokens", "{} tokens"), ("tokens_per_s", "{:.1f} tokens/s"), ("tau", "tau {:.2f}"))
+               if isinstance(stats.get(key), (int, float)) and not isinstance(stats[key], bool)]  # fmt: skip
+    parts += [form.format(stats[key]) for key, form in figures]
+    return ", ".join(parts)
 
 
 def to_json(chat: dict) -> str:

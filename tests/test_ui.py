@@ -19,6 +19,7 @@ import torch
 from app import chat as chat_module
 from app import compare as compare_module
 from app import render
+from app import store as store_module
 from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context, last_reply_stats, restored_settings
 from app.compare import CompareHandlers, first_difference
 from app.library import LibraryHandlers, catalog_frame, trained_heads
@@ -145,6 +146,21 @@ def test_edit_keeps_the_saved_exchange_until_the_edited_message_is_sent(handlers
     text, _, edited, _ = handlers.edit_last(final, True)
     list(handlers.send("w3", final, "", *values(max_new_tokens=4)))
     assert "another tab" in handlers.accept("w4", edited, True)[4]
+
+
+def test_a_reply_stores_its_settings_and_seed_and_they_make_it_again(handlers, engine):
+    sampled = values(temperature=0.9, top_k=20, seed=-1, max_new_tokens=12)
+    chat = list(handlers.send("w1 w2", new_chat(), "", *sampled))[-1][2]
+    settings = chat["messages"][-1]["stats"]["settings"]
+    assert settings["model"] == engine.base.name and settings["temperature"] == 0.9 and settings["top_k"] == 20
+    assert isinstance(settings["seed"], int) and 0 <= settings["seed"] <= chat_module.RANGES["seed"][1]  # drawn for it
+    again = list(handlers.send("w1 w2", new_chat(), "", *values(temperature=0.9, top_k=20, seed=settings["seed"], max_new_tokens=12)))
+    assert again[-1][2]["messages"][-1]["content"] == chat["messages"][-1]["content"]
+    markdown = open(handlers.export(chat)[0]).read()
+    assert f"temperature 0.9, top-p 1.0, top-k 20, seed {settings['seed']}" in markdown and "tokens/s" in markdown
+    greedy = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]["messages"][-1]["stats"]
+    assert greedy["settings"]["seed"] is None and "greedy" in store_module.made_with(greedy)
+    assert store_module.made_with({"mode": 3, "settings": "x", "tokens": True}) == ""  # a file edited by hand
 
 
 def test_history_and_settings_survive_a_restart(engine, store, handlers):
