@@ -115,7 +115,7 @@ class CompareHandlers:
         prompt = (prompt or "").strip()
         try:
             if not prompt:
-                raise ValueError("type a prompt to compare")
+                raise ValueError("Type a prompt to compare.")
             options = Options.from_values(values)
             engine = self.runtime.require()
         except (KestrelError, ValueError) as error:
@@ -177,7 +177,10 @@ class CompareHandlers:
             if "eagle2" not in engine.modes:
                 raise ValueError("the benchmark compares vanilla with EAGLE-2 and needs a draft head")
             path = upload if upload else QUICK_PROMPTS
-            prompts = load_prompts(path, limit=int(limit) if limit else None)
+            try:
+                prompts = load_prompts(path, limit=int(limit) if limit else None)
+            except ValueError as error:  # named as the user knows the file, not by Gradio's copy of it
+                raise ValueError(str(error).replace(str(path), Path(path).name)) from None
             with self.runtime.queue.turn(cancel):
                 result = run_bench(
                     engine, prompts, ("vanilla", "eagle2"), options.sampling, options.tree, warmup=1,

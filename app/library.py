@@ -56,13 +56,13 @@ def system_memory_gb() -> float | None:
 def catalog_frame(available_gb: float | None) -> pd.DataFrame:
     rows = []
     for entry in catalog.CATALOG:
-        row = {"model": entry.name, "draft head": entry.head or "bundled", "head format": entry.kind,
-               "parameters (B)": entry.parameters}  # fmt: skip
+        smallest = catalog.estimated_gb(entry, 4)
+        row = {"model": entry.name, "parameters (B)": entry.parameters,
+               f"4-bit on a {catalog.CONSUMER_GPU_GB:.0f} GB GPU": catalog.fit(smallest, catalog.CONSUMER_GPU_GB)}  # fmt: skip
         for label, bits in (("4-bit", 4), ("8-bit", 8), ("16-bit", 16)):
             needed = catalog.estimated_gb(entry, bits)
             row[f"{label} GB"] = f"{needed:.1f} ({catalog.fit(needed, available_gb)} here)"
-        smallest = catalog.estimated_gb(entry, 4)
-        row[f"4-bit on a {catalog.CONSUMER_GPU_GB:.0f} GB GPU"] = catalog.fit(smallest, catalog.CONSUMER_GPU_GB)
+        row.update({"draft head": entry.head or "bundled", "head format": entry.kind})
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -135,7 +135,8 @@ class LibraryHandlers:
                 engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, self.device, self.compile), model or "the bundled model")
                 engine.prepare_costs()  # read from the cache, or measured once for this model (a few seconds)
         except (KestrelError, ValueError) as error:
-            return self.status(), f"Loading failed: {render.escape(str(error))}. The previous model is still loaded.", gr.skip()
+            kept = "The previous model is still loaded." if self.runtime.engine is not None else "No model is loaded."
+            return self.status(), f"Loading failed: {render.escape(str(error))}. {kept}", gr.skip()
         modes = engine.modes
         mode_update = gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=modes[-1])
         return self.status(), "Loaded.", mode_update

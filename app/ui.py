@@ -134,7 +134,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     run_bench = gr.Button("Run benchmark", elem_id="bench-run")
                     bench_notice = gr.HTML(elem_id="bench-notice")
                     bench_table = gr.Dataframe(label="Summary", interactive=False, elem_id="bench-table")
-                    bench_chart = gr.BarPlot(x="mode", y="tokens/s", y_lim=[0, None], sort=None, title="Tokens/s", height=200)
+                    bench_chart = gr.BarPlot(x="mode", y="tokens/s", y_lim=[0, None], sort=[MODE_LABELS[m] for m in MODES], title="Tokens/s",
+                                             height=200, elem_id="bench-chart")  # as the table: vanilla first
                     bench_json = gr.JSON(label="Full result", open=False)
 
             with gr.Tab("Models", id="models"):
@@ -142,7 +143,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 status = gr.HTML(elem_id="model-status")
                 gr.Markdown(
                     f"Detected memory: **{memory_gb:.1f} GB** of {memory_kind}; each size says whether it fits here. "
-                    f"The last column says whether the 4-bit model fits a {catalog.CONSUMER_GPU_GB:.0f} GB GPU "
+                    f"'4-bit on a {catalog.CONSUMER_GPU_GB:.0f} GB GPU' says whether the 4-bit model fits one "
                     "(an RTX 3060). Estimates include the draft head and about 1 GB of runtime overhead; "
                     "4/8-bit need bitsandbytes (CUDA for speed)."
                     if memory_gb else f"Detected memory: {memory_kind}."
@@ -154,7 +155,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
                 trained = gr.Dropdown([], label="Heads you trained for this base (overrides the head box)")
                 with gr.Row():
-                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: torch's CPU kernels; 8bit/4bit: bitsandbytes (GPUs); auto: on CPUs int4 for a 4-bit GGUF, else int8 where it is faster")
+                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF, else int8 where it is faster")
                     dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16"], value="auto", label="Compute dtype")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")

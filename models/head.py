@@ -372,7 +372,8 @@ def resolve_head_folder(source: str) -> Path:
     if path.is_dir():
         return path
     if path.is_file():
-        raise ModelNotFoundError(f"{source}: is a file; a draft head is the folder holding config.json and its weights ({path.parent})")
+        folder = f" ({path.parent})" if (path.parent / "config.json").is_file() else ""
+        raise ModelNotFoundError(f"{source}: is a file; a draft head is the folder holding config.json and its weights{folder}")
     if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ModelNotFoundError(f"{source}: no such draft-head folder, and not a Hugging Face repo id")
     from huggingface_hub import hf_hub_download

@@ -418,13 +418,18 @@ def test_a_reply_closed_while_its_long_prompt_is_read_is_cancelled(engine, monke
         pass
 
 
-def test_benchmark_button(engine):
+def test_benchmark_button(engine, tmp_path):
     pytest.importorskip("core.bench")
     table, chart, result, notice = CompareHandlers(Runtime(engine)).benchmark(
         None, 1, None, *values(max_new_tokens=8), progress=no_progress
     )
     assert "identical to vanilla on 100%" in notice and list(table["mode"]) == ["vanilla", "EAGLE-2"]
     assert set(result["modes"]) == {"vanilla", "eagle2"} and len(chart) == 2
+    upload = tmp_path / "0123456789abcdef" / "mine.jsonl"  # as Gradio keeps an upload: under a folder of its own
+    upload.parent.mkdir()
+    upload.write_text('{"turns": ["w1"]}\n{"turns": [\n')
+    *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 1, None, *values(max_new_tokens=8), progress=no_progress)
+    assert notice.startswith("mine.jsonl:2: not valid JSON") and "0123456789abcdef" not in notice
 
 
 def test_compare_stop_and_chat_stop_each_stop_their_own(handlers, engine, monkeypatch):
@@ -500,7 +505,7 @@ def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store,
     load_pair = app.library.load_pair
     monkeypatch.setattr(app.library, "load_pair", lambda *args: calls.append(args[4:]) or load_pair(*args))
     status, notice, _ = library.load(str(tmp_path / "missing"), "", None, "none", "float32")
-    assert "Loading failed" in notice and runtime.engine is engine
+    assert "Loading failed" in notice and "The previous model is still loaded." in notice and runtime.engine is engine
     status, notice, mode = library.load(str(tiny_dir), "", None, "none", "float32")
     assert notice == "Loaded." and runtime.engine is not engine and mode["choices"] == [("vanilla", "vanilla")]
     assert calls == [("cpu", "off")] * 2
@@ -508,6 +513,12 @@ def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store,
     assert runtime.engine is None and mode["choices"] == [("vanilla", "vanilla")] and library.heads()["choices"] == []
     final = list(ChatHandlers(runtime, store).send("w1", new_chat(), "", *values()))[-1]
     assert "no model is loaded" in final[3] and final[0] == "w1"
+    status, notice, _ = library.load(str(tmp_path / "missing"), "", None, "none", "float32")
+    assert "Loading failed" in notice and "No model is loaded." in notice and "previous" not in notice
+    # a file given for a head: its folder is suggested only where it holds a head's config.json
+    (tmp_path / "notes.txt").write_text("x")
+    status, notice, _ = library.load(str(tiny_dir), str(tmp_path / "notes.txt"), None, "none", "float32")
+    assert "is a file; a draft head is the folder holding config.json and its weights." in notice
 
 
 def test_catalog_and_trained_heads(engine, tmp_path):
