@@ -505,8 +505,11 @@ class ChatHandlers:
         del chat["messages"][users[-1] :]
         return text, display(chat, colour), chat, ""
 
-    def clear(self, chat: dict) -> tuple:
-        """Empty this chat (and its saved copy). Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
+    def clear(self, chat: dict, confirmed: bool = True) -> tuple:
+        """Empty this chat (and its saved copy), once the page's dialog is
+        confirmed. Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
+        if not confirmed:
+            return (gr.skip(),) * 6
         if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = chat or new_chat()
@@ -541,15 +544,19 @@ class ChatHandlers:
         stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
         return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), ""
 
-    def delete(self, chat: dict) -> tuple:
-        """Delete the current chat. Outputs: chatbot, chat, chat list, notice."""
+    def delete(self, chat: dict, confirmed: bool = True) -> tuple:
+        """Delete the current chat, once the page's dialog is confirmed.
+        Outputs: chatbot, chat, chat list, stats, depth plot, rate plot, notice."""
+        if not confirmed:
+            return (gr.skip(),) * 7
         if self._busy(chat):  # its reply would save it again when it ends
-            return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+            return *(gr.skip(),) * 6, notice_html(BUSY_TEXT)
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
-            return gr.skip(), gr.skip(), gr.skip(), notice
-        return [], new_chat(chat.get("system", "")), gr.update(choices=chat_choices(self.store), value=None), ""
+            return *(gr.skip(),) * 6, notice
+        choices = gr.update(choices=chat_choices(self.store), value=None)
+        return [], new_chat(chat.get("system", "")), choices, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""
 
     def export(self, chat: dict) -> list[str] | None:
         """The chat as Markdown and JSON files, for download. Gradio serves a

@@ -193,6 +193,9 @@ def made_with(stats) -> str:
     figures = [(key, form) for key, form in (("tokens", "{} tokens"), ("tokens_per_s", "{:.1f} tokens/s"), ("tau", "tau {:.2f}"))
                if isinstance(stats.get(key), (int, float)) and not isinstance(stats[key], bool)]  # fmt: skip
     parts += [form.format(stats[key]) for key, form in figures]
+    endings = {"cancelled": "stopped before its end", "length": "cut at the token limit", "context": "cut at the context window"}
+    if stats.get("finish_reason") in endings:
+        parts.append(endings[stats["finish_reason"]])
     return ", ".join(parts)
 
 

@@ -69,7 +69,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                             chats = gr.Dropdown(label="Open a saved chat", choices=[], elem_id="chats")
                             with gr.Row():
                                 export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
-                                delete = gr.Button("Delete this chat", size="sm", variant="stop")
+                                delete = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="delete")
                             exported = gr.File(label="Exported files", file_count="multiple", interactive=False, elem_id="exported")
                     with gr.Column(scale=2):
                         stats = gr.HTML(render.stats_html(None, 0, None), elem_id="stats")
@@ -179,10 +179,17 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         ).then(**refresh)
         stop.click(chat.stop, chat_state, None, concurrency_limit=None)
         edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice]).then(**refresh)
-        clear.click(chat.clear, chat_state, [chatbot, chat_state, stats, depth_plot, rate_plot, notice]).then(**refresh)
+        # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
+        confirmed = gr.Checkbox(False, visible=False)
+        ask = "() => confirm('{}')".format
+        clear.click(None, None, confirmed, js=ask("Clear this chat? Its messages are deleted from the saved chats."), api_name=False).then(
+            chat.clear, [chat_state, confirmed], [chatbot, chat_state, stats, depth_plot, rate_plot, notice]
+        ).then(**refresh)
         new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, depth_plot, rate_plot, chats, notice])
         chats.input(chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice])
-        delete.click(chat.delete, chat_state, [chatbot, chat_state, chats, notice])
+        delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(
+            chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice]
+        )
         export.click(chat.export, chat_state, exported)
         colour.change(chat.recolour, [chat_state, colour], chatbot)
         gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], None)

@@ -193,6 +193,33 @@ def test_user_and_model_text_is_escaped(page):
     assert page.locator("#chatbot b:has-text('not bold')").count() == 0
 
 
+def test_clear_and_delete_ask_first_and_delete_empties_the_panel(page, data_dir):
+    from app.store import Store
+
+    settings(page, 4)
+    page.locator("#new-chat").click()
+    send(page, "w11 w12")
+    page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+    asked = []
+
+    def answer(dialog, accept: bool):
+        asked.append(dialog.message)
+        dialog.accept() if accept else dialog.dismiss()
+
+    page.once("dialog", lambda dialog: answer(dialog, False))
+    page.locator("#clear").click()
+    time.sleep(1.0)
+    assert "Clear this chat?" in asked[-1] and "w11 w12" in page.locator("#chatbot").inner_text()
+    assert any(chat["title"] == "w11 w12" for chat in Store(data_dir).list_chats())  # dismissed: nothing deleted
+    page.get_by_text("Saved chats").click()
+    page.once("dialog", lambda dialog: answer(dialog, True))
+    page.locator("#delete").click()
+    page.wait_for_function("!document.querySelector('#chatbot').innerText.includes('w11 w12')", timeout=10_000)
+    assert "Delete this chat?" in asked[-1] and page.locator("#stat-tokens").count() == 0
+    assert page.locator("#stat-tps").inner_text() == "-"
+    assert not any(chat["title"] == "w11 w12" for chat in Store(data_dir).list_chats())
+
+
 def test_export_downloads_markdown_and_json(page):
     settings(page, 4)
     page.locator("#new-chat").click()

@@ -160,6 +160,7 @@ def test_a_reply_stores_its_settings_and_seed_and_they_make_it_again(handlers, e
     assert f"temperature 0.9, top-p 1.0, top-k 20, seed {settings['seed']}" in markdown and "tokens/s" in markdown
     greedy = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]["messages"][-1]["stats"]
     assert greedy["settings"]["seed"] is None and "greedy" in store_module.made_with(greedy)
+    assert store_module.made_with(greedy).endswith("cut at the token limit")  # 4 of 4 tokens
     assert store_module.made_with({"mode": 3, "settings": "x", "tokens": True}) == ""  # a file edited by hand
 
 
