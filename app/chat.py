@@ -4,7 +4,6 @@ directly); app/ui.py wires them to components."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import secrets
@@ -190,13 +189,15 @@ def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
     return tokens / forwards if forwards else None
 
 
-# In a tab's chat state after Edit: the fingerprint of the saved messages, which keep the
-# exchange taken back until the edited message is sent (a reload then shows it still)
+# In a tab's chat state after Edit: the messages taken back, which the saved chat keeps until a
+# reply to the edited message (or a regenerated one) is saved: a reload, or a send that fails,
+# loses nothing
 TAKEN_BACK = "taken_back"
 
 
-def fingerprint(messages: list[dict]) -> str:
-    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+def stored(chat: dict) -> dict:
+    """The chat as it is saved: without the page's own TAKEN_BACK."""
+    return {key: value for key, value in chat.items() if key != TAKEN_BACK}
 
 
 def last_reply_stats(chat: dict) -> dict | None:
@@ -264,14 +265,14 @@ class ChatHandlers:
         notes = []
         if self._stale(chat):
             chat["id"] = new_chat()["id"]
+            chat.pop(TAKEN_BACK, None)  # a copy: nothing of it is saved yet
             notes.append(FORKED_TEXT)
             self.forked.add(chat["id"])  # the reply's own notice says it again
-        chat.pop(TAKEN_BACK, None)  # the edited message replaces the exchange taken back, on disk too
         if self.runtime.queue.waiting or self.replying:
             notes.append("Waiting for the model...")
         self.runtime.cancel_event(chat["id"]).clear()
         self.sent.add(chat["id"])
-        sent = copy.deepcopy(chat)
+        sent = copy.deepcopy(stored(chat))
         sent["messages"].append({"role": "user", "content": text})
         try:
             self.store.save_chat(sent)
@@ -292,7 +293,6 @@ class ChatHandlers:
             yield message, gr.skip(), chat, notice_html(BUSY_TEXT), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
-        chat.pop(TAKEN_BACK, None)
         chat["system"] = system or ""
         chat["messages"].append({"role": "user", "content": message})
         yield from self._respond(chat, values, message)
@@ -321,7 +321,6 @@ class ChatHandlers:
             yield gr.skip(), gr.skip(), chat, notice_html(STALE_TEXT), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
-        chat.pop(TAKEN_BACK, None)  # the regenerated reply is saved over the exchange taken back
         self.runtime.cancel_event(chat["id"]).clear()
         chat["system"] = system or ""
         kept = chat["messages"].pop() if chat["messages"] and chat["messages"][-1]["role"] == "assistant" else None
@@ -401,6 +400,7 @@ class ChatHandlers:
     def _finish(self, chat: dict, reply: Reply, mode: str, note: str, settings: dict) -> str:
         """Add the reply to the chat and save it; returns the note to show."""
         stats = reply_summary(reply, mode, settings)
+        chat.pop(TAKEN_BACK, None)  # the reply is saved in place of the exchange Edit took back
         chat["messages"].append({"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": stats})
         chat["session"]["tokens"] += reply.snapshot.tokens
         chat["session"]["forwards"] += reply.snapshot.forwards
@@ -422,7 +422,7 @@ class ChatHandlers:
                 reply.finish_reason = "cancelled"
                 self._finish(chat, reply, mode, "", settings)
             else:
-                self.store.save_chat(chat)
+                self.store.save_chat(stored(chat))
         except OSError:
             pass  # no page to report it on; the message is what is lost, as when the disk is full
 
@@ -433,8 +433,9 @@ class ChatHandlers:
             chat["messages"].append(kept)
         if message is not None:
             chat["messages"].pop()
-            try:  # as saved when it was sent (accept)
-                self.store.save_chat(chat) if chat["messages"] else self.store.delete_chat(chat["id"])
+            restored = {**stored(chat), "messages": chat["messages"] + chat.get(TAKEN_BACK, [])}
+            try:  # as saved before it was sent (accept saved it), with what Edit took back
+                self.store.save_chat(restored) if restored["messages"] else self.store.delete_chat(chat["id"])
             except OSError:
                 pass
         yield message or "", display(chat, colour), chat, notice_html(error), *SKIP_PANEL
@@ -471,7 +472,7 @@ class ChatHandlers:
             return False
         if TAKEN_BACK in chat:
             saved = self.store.load_chat(chat["id"])
-            return saved is not None and fingerprint(saved["messages"]) != chat[TAKEN_BACK]
+            return saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"] + chat[TAKEN_BACK]))
         if not chat["messages"]:
             return False
         saved = self.store.load_chat(chat["id"])
@@ -487,8 +488,9 @@ class ChatHandlers:
 
     def edit_last(self, chat: dict | None, colour: bool) -> tuple:
         """Take back the last user message (and the reply to it) for editing.
-        The saved chat keeps them until the edited message is sent, so a
-        reload or another chat opened meanwhile loses nothing.
+        The saved chat keeps them until a reply to the edited message is
+        saved, so a reload, another chat opened meanwhile or a send that fails
+        loses nothing.
         Outputs: message box, chatbot, chat state, notice."""
         if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
@@ -499,9 +501,7 @@ class ChatHandlers:
         if not users:
             return gr.skip(), display(chat, colour), chat, ""
         text = chat["messages"][users[-1]]["content"]
-        saved = self.store.load_chat(chat["id"])
-        if saved is not None and TAKEN_BACK not in chat:
-            chat[TAKEN_BACK] = fingerprint(saved["messages"])
+        chat[TAKEN_BACK] = chat["messages"][users[-1] :] + chat.get(TAKEN_BACK, [])
         del chat["messages"][users[-1] :]
         return text, display(chat, colour), chat, ""
 
@@ -569,7 +569,7 @@ class ChatHandlers:
         folder = Path(self.exports.name)
         markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
         markdown.write_text(to_markdown(chat), encoding="utf-8")
-        data.write_text(to_json({key: value for key, value in chat.items() if key != TAKEN_BACK}), encoding="utf-8")
+        data.write_text(to_json(stored(chat)), encoding="utf-8")
         return [str(markdown), str(data)]
 
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:

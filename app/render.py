@@ -47,16 +47,13 @@ DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 COPY_JS = """() => {
   const code = /(?<![^\\n])[ \\t]*```[\\s\\S]*?(?:\\n[ \\t]*```|$)|(?<![^\\n]) {0,3}~~~[\\s\\S]*?(?:\\n {0,3}~~~|$)|(?<![\\\\`])(`{1,3})(?!`)[^\\n]+?(?<!`)\\1(?!`)/g;
   const fence = /^([ \\t]*)```c (cpp|c\\+\\+|cxx|cc)(?=\\s)/i;
-  const ticks = (inner) => {  // an inline code span that render.code_element made an HTML <code>
-    const text = inner.replace(/&#(\\d+);/g, (entity, number) => String.fromCodePoint(+number));
-    const fence = "`".repeat(Math.max(0, ...(text.match(/`+/g) || []).map((run) => run.length)) + 1);
-    const pad = text.startsWith("`") || text.endsWith("`") ? " " : "";
-    return fence + pad + text + pad + fence;
-  };
+  const decode = (text) => text.replace(/&#(\\d+);/g, (entity, number) => String.fromCodePoint(+number));
+  // code that render.code_element and render.text_block made HTML: the text as written, decoded
+  const escaped = /<code data-md="([^"]*)">[^<]*<\\/code>|<pre class="kestrel-text"><code>([^<]*)<\\/code><\\/pre>|&#(38|60|62);/g;
   const prose = (text) => text
     .replace(/<span class="kd" style="[^"]*">([^<]*)<\\/span>/g, "$1")
-    .replace(/<code>([^<]*)<\\/code>|&#(38|60|62|96);/g, (found, inner, number) =>
-      inner !== undefined ? ticks(inner) : String.fromCharCode(+number));
+    .replace(escaped, (found, span, block, number) =>
+      span !== undefined ? decode(span) : block !== undefined ? decode(block) : String.fromCharCode(+number));
   const plain = (text) => {
     let out = "", last = 0;
     for (const match of text.matchAll(code)) {
@@ -141,55 +138,85 @@ def message_html(message: dict, colour: bool) -> str:
     escaping there would show the entities themselves. Raw text holding a "<"
     is kept only where the renderer surely reads code (a fence it opens and
     closes as found here), else it could open a tag: an inline span holding
-    one becomes an HTML <code> element with escaped text, a fence that the
-    renderer may read otherwise is escaped as prose."""
+    one becomes an HTML <code> element, a fence that the renderer may read
+    otherwise an HTML <pre> block, both with their text escaped (and the
+    text as written beside it, for COPY_JS)."""
     segments = message.get("segments") or [[message["content"], BASE]]
     text = "".join(piece for piece, _ in segments)
     origins = [origin if colour else BASE for piece, origin in segments for _ in piece]
     parts, position = [], 0
     for match in CODE.finditer(text):
-        code = match.group()
-        if "<" in code and match.group(1) is not None:  # an inline span
-            parts += [_prose(text, origins, position, match.start()), code_element(code, len(match.group(1)))]
-        elif "<" in code and not surely_fenced(text, match.start(), code):
-            # prose, its backticks as entities: neither markdown nor COPY_JS reads a fence or span in it
-            parts += [_prose(text, origins, position, match.start()), _prose(text, origins, *match.span()).replace("`", "&#96;")]
-        else:
-            parts += [_prose(text, origins, position, match.start()), CPP_FENCE.sub(r"\1```c \2", code)]
-        position = match.end()
+        if match.start() < position:  # in the rest of a line that a text block took
+            continue
+        code, end = match.group(), match.end()
+        if match.group(1) is not None:  # an inline span: raw unless it holds a "<"
+            shown = code_element(code, len(match.group(1))) if "<" in code else code
+        elif surely_fenced(text, match.start(), end):
+            shown = CPP_FENCE.sub(r"\1```c \2", code)
+        else:  # every fence is checked: one that markdown closed elsewhere would shift the ones after it
+            end = len(text) if text.find("\n", end) < 0 else text.find("\n", end)
+            shown = text_block(text[match.start() : end])
+        parts += [_prose(text, origins, position, match.start()), shown]
+        position = end
     parts.append(_prose(text, origins, position, len(text)))
     return "".join(parts)
 
 
+def entities(text: str, keep: str = " ") -> str:
+    """Every character but letters, digits and those in `keep` as a numeric
+    entity: neither HTML nor markdown reads anything in the result."""
+    return "".join(c if c.isalnum() or c in keep else f"&#{ord(c)};" for c in text)
+
+
 def code_element(span: str, ticks: int) -> str:
-    """An inline code span as an HTML <code> element: every character but
-    letters, digits and spaces as a numeric entity, so that neither HTML nor
-    markdown reads anything in it (COPY_JS turns it back into backticks)."""
+    """An inline code span as an HTML <code> element, escaped; `data-md`
+    holds the span as written, which COPY_JS copies."""
     inner = span[ticks:-ticks]
     if len(inner) > 2 and inner.startswith(" ") and inner.endswith(" ") and inner.strip():
         inner = inner[1:-1]  # markdown drops one space on each side
-    return "<code>" + "".join(c if c.isalnum() or c == " " else f"&#{ord(c)};" for c in inner) + "</code>"
+    return f'<code data-md="{entities(span)}">{entities(inner)}</code>'
+
+
+def text_block(code: str) -> str:
+    """A fence that markdown may not read as one (to the end of its closing
+    line), as an HTML <pre> block of its text as written, fence lines
+    included, escaped: markdown reads no code, tag or syntax in it, and
+    reads what follows from the next line on, as it would after a fence."""
+    return '<pre class="kestrel-text"><code>' + entities(code, " \n") + "</code></pre>"
 
 
 LIST_ITEM = re.compile(r"( *)([-*+]|\d{1,9}[.)])( +|$)")
+FENCE_RUN = re.compile(r"[ \t]*(`{3,}|~{3,})")
 
 
 def _indent(line: str) -> int:
     return len(line.expandtabs(4)) - len(line.expandtabs(4).lstrip(" "))
 
 
-def surely_fenced(text: str, start: int, code: str) -> bool:
+def surely_fenced(text: str, start: int, end: int) -> bool:
     """Whether markdown surely reads `code` (a fence matched by CODE at
     `start`) as one code block: its opening line is a fence (a ``` info
     string holds no backtick; indented 4 or more, only as a list item's
-    fence), and no line in it is indented less than that line, so none can
-    end a list item it belongs to (and the code block with it)."""
-    lines = code.split("\n")
+    fence); no line in it is indented less than that line, so none can end a
+    list item it belongs to (and the code block with it); and its closing
+    line, if any, closes it for markdown too (CODE ends a fence at any line
+    starting with three of its characters: markdown reads the first of those
+    that closes it, so where that one does, both end there)."""
+    lines = text[start:end].split("\n")
+    line_end = text.find("\n", end)
+    lines[-1] += text[end : len(text) if line_end < 0 else line_end]  # the rest of the line CODE ended on
     opening, indent = lines[0], _indent(lines[0])
-    if opening.lstrip(" \t").startswith("```") and "`" in opening.lstrip(" \t").lstrip("`"):
+    run = FENCE_RUN.match(opening).group(1)
+    if run[0] == "`" and "`" in opening.lstrip(" \t")[len(run) :]:
         return False
     if any(line.strip() and _indent(line) < indent for line in lines[1:]):
         return False
+    closing = lines[-1] if len(lines) > 1 and lines[-1].lstrip(" \t").startswith(run[0] * 3) else None
+    if closing is not None:
+        if "\t" in closing[: len(closing) - len(closing.lstrip(" \t"))] or _indent(closing) != indent:
+            return False
+        if not re.fullmatch(re.escape(run[0]) + "{%d,}[ \t]*" % len(run), closing.strip(" ")):
+            return False
     if indent <= 3:
         return True
     between = indent  # the least indentation of the lines between the list item and the fence

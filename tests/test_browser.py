@@ -368,6 +368,11 @@ LEAKS = (
     "- item\n  ```\n<form action=http://leak.invalid/><button>go</button></form>\n  ```",  # the list item ends
     "one `two\nthree` <img src=http://leak.invalid/3.png> `four`",  # markdown pairs backticks across lines
     "| `<img src=http://leak.invalid/4.png>|` |\n|---|---|",  # a table splits a span at its pipe
+    # a line that starts like a fence's end but does not end it for markdown: the fences after it pair otherwise
+    "````\n```\n````\n<img src=http://leak.invalid/6.png>\n```",  # shorter than the opening run
+    "```\nx\n    ```\n```\n<img src=http://leak.invalid/7.png>\n```",  # indented 4 spaces
+    "```\nx\n```py\n```\n<a href=http://leak.invalid/8>a link</a>\n```",  # with an info string
+    "~~~~\n~~~\n~~~~\n<img src=http://leak.invalid/9.png>\n~~~",  # tildes
 )
 
 
@@ -390,7 +395,7 @@ def test_text_that_markdown_may_not_read_as_code_shows_as_text(page, data_dir):
         if page.locator("#colour input").is_checked() != colour:
             page.locator("#colour input").set_checked(colour)
             page.wait_for_function(f"(document.querySelectorAll('#chatbot span.kd').length > 0) === {str(colour).lower()}")
-        assert page.locator("#chatbot img, #chatbot form, #chatbot button:has-text('go')").count() == 0, colour
+        assert page.locator("#chatbot img, #chatbot form, #chatbot a:has-text('a link'), #chatbot button:has-text('go')").count() == 0, colour
         assert page.locator("#chatbot").get_by_text("<img src=http://leak.invalid/1.png>", exact=False).count() == 2, colour
     assert requested == []
     # and should a tag ever be made, the page's policy blocks an image from another host before it is fetched
@@ -439,7 +444,8 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
     chat = new_chat()
     code = '<p>a &#60; b &#38; c</p>\n<span class="kd" style="x">hi</span>'
     reply = (f"{MARKDOWN_REPLY}\nIn HTML write `&#60;` for <, as here:\n\n```html\n{code}\n```\n"
-             "In C++, type ``` only to fence:\n```cpp\nint a = b < c;\n```\n")  # fmt: skip
+             "In C++, type ``` only to fence:\n```cpp\nint a = b < c;\n```\n"
+             "Spans as written: ``a<b`` and ` <a> `.\n\n    ```\n<b>not a fence</b>\n    ``` ~~~\nThe end.\n")  # fmt: skip
     chat["messages"] = [
         {"role": "user", "content": "Don't <b>bold</b> & \"quote\" it."},
         {"role": "assistant", "content": reply, "segments": token_segments(reply)},
