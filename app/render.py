@@ -145,13 +145,17 @@ def message_html(message: dict, colour: bool) -> str:
     text = "".join(piece for piece, _ in segments)
     origins = [origin if colour else BASE for piece, origin in segments for _ in piece]
     parts, position = [], 0
+    # a fence opened after a list or quote marker ("- ```") is one CODE does not see: from there on,
+    # it cannot tell which fence lines open and which close, and checks none as sure
+    marked = MARKED_FENCE.search(text)
+    unsure_from = marked.start() if marked else len(text) + 1
     for match in CODE.finditer(text):
         if match.start() < position:  # in the rest of a line that a text block took
             continue
         code, end = match.group(), match.end()
         if match.group(1) is not None:  # an inline span: raw unless it holds a "<"
             shown = code_element(code, len(match.group(1))) if "<" in code else code
-        elif surely_fenced(text, match.start(), end):
+        elif match.start() < unsure_from and surely_fenced(text, match.start(), end):
             shown = CPP_FENCE.sub(r"\1```c \2", code)
         else:  # every fence is checked: one that markdown closed elsewhere would shift the ones after it
             end = len(text) if text.find("\n", end) < 0 else text.find("\n", end)
@@ -187,6 +191,7 @@ def text_block(code: str) -> str:
 
 LIST_ITEM = re.compile(r"( *)([-*+]|\d{1,9}[.)])( +|$)")
 FENCE_RUN = re.compile(r"[ \t]*(`{3,}|~{3,})")
+MARKED_FENCE = re.compile(r"^[ \t]*(?:(?:[-*+]|\d{1,9}[.)])[ \t]+|>[ \t]?)+(?:`{3,}|~{3,})", re.MULTILINE)
 
 
 def _indent(line: str) -> int:

@@ -373,6 +373,7 @@ LEAKS = (
     "```\nx\n    ```\n```\n<img src=http://leak.invalid/7.png>\n```",  # indented 4 spaces
     "```\nx\n```py\n```\n<a href=http://leak.invalid/8>a link</a>\n```",  # with an info string
     "~~~~\n~~~\n~~~~\n<img src=http://leak.invalid/9.png>\n~~~",  # tildes
+    "- ```\n  x\n  ```\n  <img src=http://leak.invalid/10.png>\n  ```",  # a fence opened after a list marker
 )
 
 

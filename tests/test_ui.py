@@ -691,6 +691,8 @@ def test_raw_text_that_markdown_may_not_read_as_code_cannot_open_a_tag():
     for text in ("````\n```\n````\n<img src=x>\n```", "```\nx\n    ```\n```\n<img src=x>\n```",
                  "```\nx\n```py\n```\n<img src=x>\n```", "~~~~\n~~~\n~~~~\n<img src=x>\n~~~"):
         assert shown(text).startswith('<pre class="kestrel-text"><code>&#'), text
+    # after a fence opened behind a list marker, which is not read here, no fence is taken as sure
+    assert "<img" not in shown("- ```\n  x\n  ```\n  <img src=x>\n  ```")
     # fences markdown surely reads stay raw: top level, and a list item's, even indented 4 or more
     assert shown("```html\n<p>hi</p>\n```") == "```html\n<p>hi</p>\n```"
     assert shown("1. Code:\n    ```\n    a<b\n    ```") == "1. Code:\n    ```\n    a<b\n    ```"
