@@ -149,13 +149,17 @@ def message_html(message: dict, colour: bool) -> str:
     # it cannot tell which fence lines open and which close, and checks none as sure
     marked = MARKED_FENCE.search(text)
     unsure_from = marked.start() if marked else len(text) + 1
+    # where Gradio's chatbot or marked may read a fence line as something else ($$ math, which Gradio
+    # takes out first; a link definition's target or title; a lone \r as a line break), a fence
+    # holding a "<" is never raw
+    hidden = "$$" in text or "\r" in text or LINK_DEFINITION.search(text) is not None
     for match in CODE.finditer(text):
         if match.start() < position:  # in the rest of a line that a text block took
             continue
         code, end = match.group(), match.end()
         if match.group(1) is not None:  # an inline span: raw unless it holds a "<"
             shown = code_element(code, len(match.group(1))) if "<" in code else code
-        elif match.start() < unsure_from and surely_fenced(text, match.start(), end):
+        elif match.start() < unsure_from and surely_fenced(text, match.start(), end) and raw_fence(code, hidden):
             shown = CPP_FENCE.sub(r"\1```c \2", code)
         else:  # every fence is checked: one that markdown closed elsewhere would shift the ones after it
             end = len(text) if text.find("\n", end) < 0 else text.find("\n", end)
@@ -164,6 +168,17 @@ def message_html(message: dict, colour: bool) -> str:
         position = end
     parts.append(_prose(text, origins, position, len(text)))
     return "".join(parts)
+
+
+def raw_fence(code: str, hidden: bool) -> bool:
+    """Whether a fence that markdown surely reads as one may stay raw: not a
+    mermaid one (Gradio's chatbot puts its text into the page unescaped), and
+    one holding a "<" only where nothing can hide its lines from markdown and
+    its opening line holds none (an opening line that ends the message, as
+    Gradio trims it, is read as text)."""
+    if MERMAID.search(code):  # its own line, or one inside a tilde fence: Gradio finds it there too
+        return False
+    return "<" not in code or (not hidden and "<" not in code.partition("\n")[0])
 
 
 def entities(text: str, keep: str = " ") -> str:
@@ -191,6 +206,8 @@ def text_block(code: str) -> str:
 
 LIST_ITEM = re.compile(r"( *)([-*+]|\d{1,9}[.)])( +|$)")
 FENCE_RUN = re.compile(r"[ \t]*(`{3,}|~{3,})")
+MERMAID = re.compile(r"(?:`{3,}|~{3,})[ \t]*mermaid", re.IGNORECASE)
+LINK_DEFINITION = re.compile(r"^ {0,3}\[[^\]\n]*\]:", re.MULTILINE)
 MARKED_FENCE = re.compile(r"^[ \t]*(?:(?:[-*+]|\d{1,9}[.)])[ \t]+|>[ \t]?)+(?:`{3,}|~{3,})", re.MULTILINE)
 
 

@@ -374,6 +374,13 @@ LEAKS = (
     "```\nx\n```py\n```\n<a href=http://leak.invalid/8>a link</a>\n```",  # with an info string
     "~~~~\n~~~\n~~~~\n<img src=http://leak.invalid/9.png>\n~~~",  # tildes
     "- ```\n  x\n  ```\n  <img src=http://leak.invalid/10.png>\n  ```",  # a fence opened after a list marker
+    # where Gradio's chatbot or marked read a fence otherwise
+    "```mermaid\ngraph TD\n  A[<img src=http://leak.invalid/11.png>] --> B\n```",  # put into the page unescaped
+    "~~~\n```mermaid\n<img src=http://leak.invalid/12.png>\n```\n~~~",  # the same, inside a tilde fence
+    "Text\n```<img src=http://leak.invalid/13.png>",  # an unclosed fence on the last line: text
+    "$$\n```\n$$\n<img src=http://leak.invalid/14.png>\n```",  # $$ pairs are taken out first
+    "[x]:\n```\n<img src=http://leak.invalid/15.png>\n```",  # a link definition's target
+    "```\nx\r```\r<img src=http://leak.invalid/16.png>\n```",  # a lone \r breaks a line
 )
 
 

@@ -693,6 +693,12 @@ def test_raw_text_that_markdown_may_not_read_as_code_cannot_open_a_tag():
         assert shown(text).startswith('<pre class="kestrel-text"><code>&#'), text
     # after a fence opened behind a list marker, which is not read here, no fence is taken as sure
     assert "<img" not in shown("- ```\n  x\n  ```\n  <img src=x>\n  ```")
+    # nor where Gradio or marked may read a fence otherwise: mermaid, $$ math, a link definition, a lone \r,
+    # an unclosed fence, a "<" in the opening line
+    for text in ("```mermaid\nA[<b>x</b>]\n```", "~~~\n```mermaid\n<b>\n```\n~~~", "$$\n```\n<b>\n```", "[x]:\n```\n<b>\n```",
+                 "```\n<b>\r```", "Text\n```<b>", "```<b>\nx\n```"):
+        assert "<b" not in shown(text) and shown(text).count('<pre class="kestrel-text">') >= 1, text
+    assert shown("```mermaid\ngraph TD\n```").startswith('<pre class="kestrel-text">')
     # fences markdown surely reads stay raw: top level, and a list item's, even indented 4 or more
     assert shown("```html\n<p>hi</p>\n```") == "```html\n<p>hi</p>\n```"
     assert shown("1. Code:\n    ```\n    a<b\n    ```") == "1. Code:\n    ```\n    a<b\n    ```"
