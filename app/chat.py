@@ -61,7 +61,7 @@ def restored_settings(saved: dict) -> dict:
         if isinstance(default, bool):
             fits = isinstance(value, bool)
         elif isinstance(default, (int, float)):
-            fits = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            fits = render.is_number(value)
             low, high = RANGES.get(name, (-math.inf, math.inf))
             fits = fits and low <= value <= high and (isinstance(default, float) or float(value).is_integer())
         else:
@@ -470,13 +470,11 @@ class ChatHandlers:
         message is sent: the saved messages are then the ones Edit saw."""
         if not chat or chat["id"] in self.unsaved:
             return False
-        if TAKEN_BACK in chat:
-            saved = self.store.load_chat(chat["id"])
-            return saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"] + chat[TAKEN_BACK]))
-        if not chat["messages"]:
+        shown = chat["messages"] + chat.get(TAKEN_BACK, [])
+        if not shown:
             return False
         saved = self.store.load_chat(chat["id"])
-        return saved is not None and saved["messages"] != json.loads(json.dumps(chat["messages"]))  # as stored: lists
+        return saved is not None and saved["messages"] != json.loads(json.dumps(shown))  # as stored: lists
 
     def _saved(self, action: Callable[[], None]) -> str:
         """Run a change to the saved chats; "" or the notice saying why it failed."""

@@ -98,8 +98,7 @@ def _end_decodings_at_exit() -> None:
     and the process aborts (SIGABRT) instead of exiting."""
     decodings = list(LIVE)
     for decoding in decodings:
-        decoding.cancel.set()
-        decoding._queue.wake()
+        decoding.stop()
     deadline = time.monotonic() + EXIT_WAIT_S
     for decoding in decodings:
         decoding.join(max(0.0, deadline - time.monotonic()))

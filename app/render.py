@@ -90,6 +90,11 @@ CSS = """
 """
 
 
+def is_number(value) -> bool:
+    """A finite int or float (not a bool): what a stored figure or setting must be to be used."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def escape(text: str) -> str:
     return html.escape(text, quote=True)
 
@@ -162,7 +167,7 @@ def message_html(message: dict, colour: bool) -> str:
         elif match.start() < unsure_from and surely_fenced(text, match.start(), end) and raw_fence(code, hidden):
             shown = CPP_FENCE.sub(r"\1```c \2", code)
         else:  # every fence is checked: one that markdown closed elsewhere would shift the ones after it
-            end = len(text) if text.find("\n", end) < 0 else text.find("\n", end)
+            end = _line_end(text, end)
             shown = text_block(text[match.start() : end])
         parts += [_prose(text, origins, position, match.start()), shown]
         position = end
@@ -211,6 +216,12 @@ LINK_DEFINITION = re.compile(r"^ {0,3}\[[^\]\n]*\]:", re.MULTILINE)
 MARKED_FENCE = re.compile(r"^[ \t]*(?:(?:[-*+]|\d{1,9}[.)])[ \t]+|>[ \t]?)+(?:`{3,}|~{3,})", re.MULTILINE)
 
 
+def _line_end(text: str, position: int) -> int:
+    """Where the line holding `position` ends (its newline, or the text's end)."""
+    newline = text.find("\n", position)
+    return len(text) if newline < 0 else newline
+
+
 def _indent(line: str) -> int:
     return len(line.expandtabs(4)) - len(line.expandtabs(4).lstrip(" "))
 
@@ -225,8 +236,7 @@ def surely_fenced(text: str, start: int, end: int) -> bool:
     starting with three of its characters: markdown reads the first of those
     that closes it, so where that one does, both end there)."""
     lines = text[start:end].split("\n")
-    line_end = text.find("\n", end)
-    lines[-1] += text[end : len(text) if line_end < 0 else line_end]  # the rest of the line CODE ended on
+    lines[-1] += text[end : _line_end(text, end)]  # the rest of the line CODE ended on
     opening, indent = lines[0], _indent(lines[0])
     run = FENCE_RUN.match(opening).group(1)
     if run[0] == "`" and "`" in opening.lstrip(" \t")[len(run) :]:
@@ -310,18 +320,16 @@ def stats_html(
         session = "-" if session_tau is None else f"{session_tau:.2f}"
         saved = saved or {}
 
-        def stored(key: str, form: str) -> str:
-            value = saved.get(key)
-            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            return form.format(value) if number else "-"
+        def figure(key: str, form: str) -> str:
+            return form.format(saved[key]) if is_number(saved.get(key)) else "-"
 
         rows = [
-            ("tokens/s", stored("tokens_per_s", "{:.1f}"), "tps"),
-            ("tau (this reply)", stored("tau", "{:.2f}"), "tau"),
+            ("tokens/s", figure("tokens_per_s", "{:.1f}"), "tps"),
+            ("tau (this reply)", figure("tau", "{:.2f}"), "tau"),
             ("tau (session)", session, "tau-session"),
         ]
         if saved:
-            rows.append(("tokens", stored("tokens", "{:.0f}"), "tokens"))
+            rows.append(("tokens", figure("tokens", "{:.0f}"), "tokens"))
     else:
         busy = snapshot.draft_seconds + snapshot.verify_seconds
         share = f"{100 * snapshot.draft_seconds / busy:.0f}% / {100 * snapshot.verify_seconds / busy:.0f}%" if busy else "-"

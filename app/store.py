@@ -14,7 +14,7 @@ from pathlib import Path
 
 import platformdirs
 
-from app.render import BASE, DRAFT
+from app.render import BASE, DRAFT, is_number
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
@@ -184,15 +184,14 @@ def made_with(stats) -> str:
     parts = [str(stats["mode"])] if isinstance(stats.get("mode"), str) else []
     if isinstance(settings.get("model"), str):
         parts.append(settings["model"])
-    if isinstance(settings.get("temperature"), (int, float)) and settings["temperature"] > 0:
+    if is_number(settings.get("temperature")) and settings["temperature"] > 0:
         parts.append(f"temperature {settings['temperature']:g}")
         parts += [f"{label} {settings[key]}" for key, label in (("top_p", "top-p"), ("top_k", "top-k"), ("seed", "seed"))
-                  if isinstance(settings.get(key), (int, float)) and not isinstance(settings[key], bool)]  # fmt: skip
+                  if is_number(settings.get(key))]  # fmt: skip
     elif "temperature" in settings:
         parts.append("greedy")
-    figures = [(key, form) for key, form in (("tokens", "{} tokens"), ("tokens_per_s", "{:.1f} tokens/s"), ("tau", "tau {:.2f}"))
-               if isinstance(stats.get(key), (int, float)) and not isinstance(stats[key], bool)]  # fmt: skip
-    parts += [form.format(stats[key]) for key, form in figures]
+    figures = (("tokens", "{} tokens"), ("tokens_per_s", "{:.1f} tokens/s"), ("tau", "tau {:.2f}"))
+    parts += [form.format(stats[key]) for key, form in figures if is_number(stats.get(key))]
     endings = {"cancelled": "stopped before its end", "length": "cut at the token limit", "context": "cut at the context window"}
     if stats.get("finish_reason") in endings:
         parts.append(endings[stats["finish_reason"]])
