@@ -255,6 +255,8 @@ def main() -> None:
             sys.exit(run_in_console(command))
         os.execv(command[0], command)
     sys.path.insert(0, str(ROOT))
+    # no usage details in huggingface_hub's requests, nor the hub request it makes to gather them
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     from models.bundled import use_compile_cache
 
     use_compile_cache()  # before torch is imported

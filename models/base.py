@@ -197,6 +197,8 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     to int8 (or none) for a model whose layer sizes the int4 kernel cannot take."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from models.hub import reachable
+
     # sdpa honours the boolean 4D tree masks of speculative decoding
     options = {"dtype": dtype, "attn_implementation": "sdpa"}
     if gguf_file:
@@ -205,8 +207,13 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     if quantize is not None:
         options["quantization_config"] = quantize
         options["device_map"] = {"": device}
+    # a repo id without a network: the cache at once, not after the hub's retries
+    cache_only = not Path(location).is_dir() and not reachable()
+    options["local_files_only"] = cache_only
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, **({"gguf_file": gguf_file} if gguf_file else {}))
+        tokenizer = AutoTokenizer.from_pretrained(
+            location, local_files_only=cache_only, **({"gguf_file": gguf_file} if gguf_file else {})
+        )
         model = AutoModelForCausalLM.from_pretrained(location, **options)
     except Exception as error:  # translated into one specific, readable error
         raise _explain(error, name, quantization) from error

@@ -379,16 +379,22 @@ def resolve_head_folder(source: str) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub
 
+    from models.hub import reachable
+
+    cache_only = not reachable()  # without a network: the cache at once, not after the hub's retries
     try:
         try:
-            hf_hub_download(source, CONFIG_FILE)
+            hf_hub_download(source, CONFIG_FILE, local_files_only=cache_only)
         except hub.RemoteEntryNotFoundError as error:
             raise HeadFormatError(f"{source}: the repo has no {CONFIG_FILE}; not a draft head") from error
+        missing = hub.LocalEntryNotFoundError if cache_only else hub.RemoteEntryNotFoundError
         for name in WEIGHT_FILES:
             try:
-                return Path(hf_hub_download(source, name)).parent
-            except hub.RemoteEntryNotFoundError:
+                return Path(hf_hub_download(source, name, local_files_only=cache_only)).parent
+            except missing:  # offline, the cache may hold the other weights file
                 continue
+        if cache_only:
+            raise NetworkError(f"{source}: its weights are not in the local cache and the Hugging Face hub cannot be reached")
     except hub.GatedRepoError as error:
         raise NetworkError(f"{source}: this repo is gated; accept its licence on huggingface.co and log in") from error
     except hub.RepositoryNotFoundError as error:

@@ -1,0 +1,34 @@
+"""Whether the Hugging Face hub can be reached now. huggingface_hub retries a
+failed request five times with backoff (about 25 s a file) before it looks in
+its cache, so a machine without a network would wait that long for every
+load of a repo id. One quick probe before the load tells: where the hub
+cannot be reached, loading asks the cache alone (`local_files_only`), which
+answers at once with the files or with "not in the local cache"."""
+
+from __future__ import annotations
+
+import socket
+import urllib.parse
+import urllib.request
+
+PROBE_S = 3.0  # how long a connection to the hub may take before it counts as unreachable
+
+
+def reachable() -> bool:
+    """False where HF_HUB_OFFLINE is set or the hub's host does not resolve or
+    accept a connection within PROBE_S; True otherwise, and behind a proxy
+    (which only the request itself can test)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)  # HF_ENDPOINT where set
+    if endpoint.scheme in urllib.request.getproxies():
+        return True
+    host = endpoint.hostname or ""
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=PROBE_S).close()
+    except OSError:  # no such name (no network, no DNS), refused, or timed out
+        return False
+    return True

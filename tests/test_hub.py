@@ -1,0 +1,76 @@
+"""Repo ids without a network: the hub is probed once, then only the cache
+is asked (no more connection attempts, so none of huggingface_hub's retries)."""
+
+import shutil
+import socket
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from models import hub
+from models.base import load_base
+from models.errors import NetworkError
+from models.head import resolve_head_folder, save_head
+from tests.factory import random_head, tiny_config
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """No network: every connection attempt fails as an unknown name and is
+    recorded; the hub's cache is an empty folder of this test's own."""
+    from huggingface_hub import constants
+
+    attempts = []
+
+    def no_network(address, *args, **kwargs):
+        attempts.append(address)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # as launch.py sets it
+    return tmp_path / "hub", attempts
+
+
+def cache_repo(cache, repo, folder):
+    """Lay folder's files out as the hub's cache holds a download of repo."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(folder, root / "snapshots" / COMMIT)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(COMMIT)
+    return root / "snapshots" / COMMIT
+
+
+def test_the_probe_reads_a_failed_connection_as_unreachable(offline, monkeypatch):
+    assert not hub.reachable()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert hub.reachable()  # behind a proxy only the request itself can tell
+
+
+def test_a_cached_head_loads_offline_after_one_probe(offline, tmp_path):
+    cache, attempts = offline
+    head = random_head(AutoModelForCausalLM.from_config(tiny_config()))
+    snapshot = cache_repo(cache, "someone/tiny-head", save_head(head, tmp_path / "head"))
+    assert resolve_head_folder("someone/tiny-head") == snapshot
+    assert attempts == [("huggingface.co", 443)]
+
+
+def test_a_head_missing_from_the_cache_fails_at_once_offline(offline):
+    cache, attempts = offline
+    with pytest.raises(NetworkError, match="someone/absent-head: not in the local cache"):
+        resolve_head_folder("someone/absent-head")
+    assert attempts == [("huggingface.co", 443)]
+
+
+def test_a_cached_base_model_loads_offline_after_one_probe(offline, tiny_dir):
+    cache, attempts = offline
+    cache_repo(cache, "someone/tiny-base", tiny_dir)
+    loaded = load_base("someone/tiny-base", dtype="float32")
+    assert loaded.name == "someone/tiny-base"
+    assert attempts == [("huggingface.co", 443)]
+    with pytest.raises(NetworkError, match="someone/absent-base: not in the local cache"):
+        load_base("someone/absent-base", dtype="float32")
+    assert attempts == [("huggingface.co", 443)] * 2
