@@ -189,10 +189,14 @@ def main(argv: list[str]) -> int:
     # bitsandbytes' 8-bit CPU path warns on every matmul that it casts to fp16
     warnings.filterwarnings("ignore", message="MatMul8bitLt")
 
-    if args.command == "train-head":  # a stopped run (kill, logout) ends as Ctrl-C does: checkpoint and clock saved
+    if args.command in ("train-head", "ui"):
+        # kill, logout, shutdown or a closed terminal end these as Ctrl-C does:
+        # train-head saves its checkpoint and clock, the page saves the replies being written
         import signal
 
-        signal.signal(signal.SIGTERM, _interrupted)
+        for name in ("SIGTERM", "SIGHUP"):  # no SIGHUP on Windows
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), _interrupted)
     try:
         if args.command == "ui":
             from app.ui import serve

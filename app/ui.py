@@ -275,7 +275,10 @@ def serve(args) -> int:
     try:
         server.wait()
     except KeyboardInterrupt:
-        print("Stopping...", flush=True)
+        try:
+            print("Stopping...", flush=True)
+        except OSError:  # the terminal is gone (SIGHUP); the replies are saved all the same
+            pass
     finally:
         server.close()
     return 0

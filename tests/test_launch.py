@@ -215,3 +215,30 @@ def test_a_second_start_waits_for_the_first_one_s_setup(monkeypatch, tmp_path, c
     assert entered.wait(5)
     waiting.join()
     assert "waiting for it to finish" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGTERM or SIGHUP to send on Windows")
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_the_page_stops_on_sigterm_and_sighup_as_on_ctrl_c(tiny_dir, tmp_path, signal_name):
+    """Logout, shutdown or a closed terminal stop the server the way Ctrl+C
+    does (which saves the replies being written), instead of killing it."""
+    import os
+    import signal
+
+    environment = {**os.environ, "KESTREL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "launch.py"), "ui", "--model", str(tiny_dir), "--dtype", "float32",
+               "--compile", "off", "--threads", "1", "--no-browser", "--port", "7931"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    try:
+        lines = []
+        for line in server.stdout:
+            lines.append(line)
+            if "Press Ctrl+C to stop" in line:
+                break
+        assert any("Press Ctrl+C to stop" in line for line in lines), "".join(lines)
+        server.send_signal(getattr(signal, signal_name))
+        rest, _ = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == 0, "".join(lines) + rest
+    assert "Stopping..." in rest
