@@ -504,8 +504,8 @@ class ChatHandlers:
         return text, display(chat, colour), chat, ""
 
     def clear(self, chat: dict, confirmed: bool = True) -> tuple:
-        """Empty this chat (and its saved copy), once the page's dialog is
-        confirmed. Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
+        """Empty this chat (delete its saved copy and go on as a new chat),
+        once the page's dialog is confirmed. Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
         if not confirmed:
             return (gr.skip(),) * 6
         if self._busy(chat):
@@ -514,8 +514,8 @@ class ChatHandlers:
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice
-        cleared = new_chat(chat.get("system", ""))
-        cleared["id"] = chat["id"]
+        cleared = new_chat(chat.get("system", ""))  # a new id: another tab showing the chat may save it again
+        self._opened(None)
         return [], cleared, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""
 
     def new(self, chat: dict, system: str) -> tuple:
@@ -553,6 +553,7 @@ class ChatHandlers:
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
             return *(gr.skip(),) * 6, notice
+        self._opened(None)
         choices = gr.update(choices=chat_choices(self.store), value=None)
         return [], new_chat(chat.get("system", "")), choices, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""
 
@@ -589,14 +590,16 @@ class ChatHandlers:
 
     def restore(self) -> tuple:
         """At page load: saved settings and the chat last opened or written in
-        (else the latest). Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats."""
+        (a new chat if that was one; else the latest). Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats."""
         saved = self.store.load_settings()
         settings = restored_settings(saved)
         modes = self.runtime.modes or ("vanilla",)
         mode = settings["mode"] if settings["mode"] in modes else modes[-1]
         chats = self.store.list_chats()
         opened = saved.get("open_chat")
-        latest = next((c for c in chats if c["id"] == opened), None) or next(iter(chats), None)
+        latest = next((c for c in chats if c["id"] == opened), None)
+        if latest is None and not ("open_chat" in saved and opened is None):  # None: a new chat, with its system prompt
+            latest = next(iter(chats), None)
         chat = self.store.load_chat(latest["id"]) if latest else None
         chat = chat or new_chat(settings["system"])
         mode_update = gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=mode)

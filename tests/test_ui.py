@@ -122,7 +122,7 @@ def test_regenerate_edit_and_clear(handlers):
     text, chatbot, edited, _ = handlers.edit_last(regenerated, True)
     assert text == "w1 w2" and edited["messages"] == [] and chatbot == []
     chatbot, cleared, *_ = handlers.clear(chat)
-    assert cleared["messages"] == [] and cleared["id"] == chat["id"]
+    assert cleared["messages"] == [] and cleared["id"] != chat["id"]
 
 
 def test_edit_keeps_the_saved_exchange_until_the_edited_message_is_sent(handlers, store, engine):
@@ -205,9 +205,14 @@ def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, sto
     assert reloaded() == older["id"]
     list(handlers.send("w3", newer, "", *values(max_new_tokens=4)))
     assert reloaded() == newer["id"]
+    handlers.new(newer, "")  # a new chat, not saved until its first message, shows again with its system prompt
+    handlers.remember("w5", *values())
+    restored = ChatHandlers(Runtime(engine), Store(store.folder)).restore()
+    assert restored[-3]["messages"] == [] and restored[-3]["id"] not in (older["id"], newer["id"])
+    assert restored[len(SETTINGS)] == "w5" and restored[-3]["system"] == "w5"
     handlers.open(older["id"], newer, True)
-    handlers.new(older, "")  # a new chat is not saved until its first message: the latest shows
-    assert reloaded() == newer["id"]
+    handlers.clear(older)  # cleared: a new chat too
+    assert ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-3]["messages"] == []
 
 
 def test_a_chat_opened_or_reloaded_shows_its_last_reply_s_figures(handlers, engine, store):
@@ -805,6 +810,19 @@ def test_session_tau_shows_before_a_reply_and_the_tree_slider_at_1_is_named(hand
     assert 'id="stat-tau-session">2.50<' in render.stats_html(None, 0, 2.5)
     final = list(handlers.send("w1", new_chat(), "", *values(total_tokens=1)))[-1]
     assert "Tree: tokens verified per step" in final[3] and final[0] == "w1"
+
+
+def test_a_chat_cleared_in_one_tab_and_continued_in_another_keeps_both(handlers, store):
+    """Tab B clears a chat that tab A shows too; A goes on with it (saving it
+    again), then B writes in its emptied view: B's message starts a chat of its
+    own instead of replacing A's."""
+    first = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    tab_a = tab_b = first
+    tab_b = handlers.clear(tab_b)[1]
+    tab_a = list(handlers.send("w2", tab_a, "", *values(max_new_tokens=4)))[-1][2]
+    tab_b = list(handlers.send("w3", tab_b, "", *values(max_new_tokens=4)))[-1][2]
+    assert [m["content"] for m in store.load_chat(first["id"])["messages"] if m["role"] == "user"] == ["w1", "w2"]
+    assert [m["content"] for m in store.load_chat(tab_b["id"])["messages"] if m["role"] == "user"] == ["w3"]
 
 
 def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
