@@ -19,7 +19,7 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import Store, new_chat, to_json, to_markdown
+from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, new_chat, to_json, to_markdown
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine
 from models.errors import KestrelError
@@ -225,6 +225,23 @@ BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
 STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
 EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
+
+
+def damage_text(folder: Path, settings: str | None, chats: list[str]) -> str:
+    """What a page load found unreadable in the data folder: the settings file
+    (by the name it is kept under) and the chat files, which stay as they are."""
+    notes = []
+    if settings == SETTINGS_FILE:
+        notes.append(f"The saved settings ({folder / settings}) cannot be read: the defaults are in use.")
+    elif settings:
+        notes.append(f"The saved settings could not be read: the defaults are in use, and the file is kept as {folder / settings}.")
+    if chats:
+        names = ", ".join(chats[:5]) + (f" and {len(chats) - 5} more" if len(chats) > 5 else "")
+        if len(chats) == 1:
+            notes.append(f"A saved chat cannot be read and is not listed; the file is left as it is: {folder / CHATS_FOLDER / names}.")
+        else:
+            notes.append(f"{len(chats)} saved chats cannot be read and are not listed; the files are left as they are in {folder / CHATS_FOLDER}: {names}.")
+    return " ".join(notes)
 
 
 def chat_choices(store: Store, chats: list[dict] | None = None) -> list[tuple[str, str]]:
@@ -590,12 +607,15 @@ class ChatHandlers:
 
     def restore(self) -> tuple:
         """At page load: saved settings and the chat last opened or written in
-        (a new chat if that was one; else the latest). Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats."""
+        (a new chat if that was one; else the latest), and a notice naming
+        saved files that cannot be read (kept on disk, never overwritten).
+        Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats, notice."""
+        damaged = self.store.set_aside_damaged_settings()
         saved = self.store.load_settings()
         settings = restored_settings(saved)
         modes = self.runtime.modes or ("vanilla",)
         mode = settings["mode"] if settings["mode"] in modes else modes[-1]
-        chats = self.store.list_chats()
+        chats, unreadable = self.store.scan_chats()
         opened = saved.get("open_chat")
         latest = next((c for c in chats if c["id"] == opened), None)
         if latest is None and not ("open_chat" in saved and opened is None):  # None: a new chat, with its system prompt
@@ -608,4 +628,5 @@ class ChatHandlers:
             *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
             gr.update(choices=chat_choices(self.store, chats), value=chat["id"] if latest else None),
             render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat)),
+            notice_html(damage_text(self.store.folder, damaged, unreadable)),
         )  # fmt: skip

@@ -79,6 +79,20 @@ class Store:
     def load_settings(self) -> dict:
         return self._read(self.folder / SETTINGS_FILE) or {}
 
+    def set_aside_damaged_settings(self) -> str | None:
+        """A settings file that is not a JSON object is renamed, so that the
+        next change saved does not replace it: its new name (or its name,
+        where it cannot be renamed); None when the file is fine or missing."""
+        path = self.folder / SETTINGS_FILE
+        if not path.exists() or self._read(path) is not None:
+            return None
+        kept = path.with_name(time.strftime("settings.damaged-%Y%m%d-%H%M%S.json"))
+        try:
+            os.replace(path, kept)
+        except OSError:
+            return path.name
+        return kept.name
+
     def save_settings(self, settings: dict) -> None:
         write_atomic(self.folder / SETTINGS_FILE, json.dumps(settings, indent=2))
 
@@ -106,12 +120,22 @@ class Store:
 
     def list_chats(self) -> list[dict]:
         """(id, title, updated) of every readable chat, newest first."""
-        chats = []
+        return self.scan_chats()[0]
+
+    def scan_chats(self) -> tuple[list[dict], list[str]]:
+        """list_chats, and the names of the chat files that cannot be read
+        (left as they are on disk). Names starting with a dot are not chats
+        (write_atomic's temporary files among them)."""
+        chats, unreadable = [], []
         for path in (self.folder / CHATS_FOLDER).glob("*.json"):
+            if path.name.startswith("."):
+                continue
             chat = as_chat(self._read(path), path.stem)
-            if chat is not None:
-                chats.append({"id": chat["id"], "title": chat["title"] or "New chat", "updated": chat["updated"]})
-        return sorted(chats, key=lambda chat: chat["updated"], reverse=True)
+            if chat is None:
+                unreadable.append(path.name)
+                continue
+            chats.append({"id": chat["id"], "title": chat["title"] or chat_title(chat), "updated": chat["updated"]})
+        return sorted(chats, key=lambda chat: chat["updated"], reverse=True), sorted(unreadable)
 
     @staticmethod
     def _read(path: Path) -> dict | None:
@@ -119,7 +143,7 @@ class Store:
         damaged file is skipped rather than breaking the app)."""
         try:
             value = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
             return None
         return value if isinstance(value, dict) else None
 

@@ -210,7 +210,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         )  # fmt: skip
         unload.click(library.unload, None, [status, load_notice, mode], **MODEL).then(library.heads, None, trained)
 
-        demo.load(chat.restore, None, [*controls, system, chatbot, chat_state, chats, stats])
+        demo.load(chat.restore, None, [*controls, system, chatbot, chat_state, chats, stats, notice])
         demo.load(library.status, None, status).then(library.heads, None, trained)
     return demo
 

@@ -131,7 +131,7 @@ def test_edit_keeps_the_saved_exchange_until_the_edited_message_is_sent(handlers
     text, _, edited, notice = handlers.edit_last(chat, True)
     assert text == "w2" and [m["content"] for m in edited["messages"] if m["role"] == "user"] == ["w1"] and notice == ""
     # a reload before sending shows the chat whole: nothing is lost
-    reloaded = ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-3]
+    reloaded = ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-4]
     assert reloaded["messages"] == store.load_chat(chat["id"])["messages"] and len(reloaded["messages"]) == 4
     edited_again = handlers.edit_last(edited, True)  # a second Edit takes back the exchange before
     assert edited_again[0] == "w1" and edited_again[2]["messages"] == [] and len(store.load_chat(chat["id"])["messages"]) == 4
@@ -196,7 +196,7 @@ def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, sto
     newer = list(handlers.send("w2", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
 
     def reloaded() -> str:
-        return ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-3]["id"]
+        return ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-4]["id"]
 
     assert reloaded() == newer["id"]
     handlers.open(older["id"], newer, True)
@@ -208,18 +208,18 @@ def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, sto
     handlers.new(newer, "")  # a new chat, not saved until its first message, shows again with its system prompt
     handlers.remember("w5", *values())
     restored = ChatHandlers(Runtime(engine), Store(store.folder)).restore()
-    assert restored[-3]["messages"] == [] and restored[-3]["id"] not in (older["id"], newer["id"])
-    assert restored[len(SETTINGS)] == "w5" and restored[-3]["system"] == "w5"
+    assert restored[-4]["messages"] == [] and restored[-4]["id"] not in (older["id"], newer["id"])
+    assert restored[len(SETTINGS)] == "w5" and restored[-4]["system"] == "w5"
     handlers.open(older["id"], newer, True)
     handlers.clear(older)  # cleared: a new chat too
-    assert ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-3]["messages"] == []
+    assert ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-4]["messages"] == []
 
 
 def test_a_chat_opened_or_reloaded_shows_its_last_reply_s_figures(handlers, engine, store):
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
     stats = chat["messages"][-1]["stats"]
     for panel in (
-        ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-1],
+        ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-2],
         handlers.open(chat["id"], new_chat(), True)[3],
     ):
         assert f'id="stat-tps">{stats["tokens_per_s"]:.1f}<' in panel
@@ -340,7 +340,7 @@ def test_damaged_chat_file_is_skipped(store):
 def test_chat_file_lacking_fields_loads_with_defaults(store, handlers):
     store.chat_path("by-hand").parent.mkdir(parents=True, exist_ok=True)
     store.chat_path("by-hand").write_text(json.dumps({"messages": [{"role": "user", "content": "Hello"}], "session": None}))
-    assert store.list_chats() == [{"id": "by-hand", "title": "New chat", "updated": 0.0}]
+    assert store.list_chats() == [{"id": "by-hand", "title": "Hello", "updated": 0.0}]  # titled by its first message
     chat = store.load_chat("by-hand")
     assert chat["id"] == "by-hand" and chat["system"] == "" and chat["session"] == {"tokens": 0, "forwards": 0}
     shown, opened, system, *_ = handlers.open("by-hand", new_chat(), True)
@@ -876,6 +876,32 @@ def test_regenerate_and_edit_in_a_tab_with_an_old_view_are_refused(handlers, sto
     assert len(list(handlers.regenerate(tab_a, False, "", *values(max_new_tokens=4)))[-1][2]["messages"]) == 4
 
 
+def test_unreadable_chats_and_settings_are_named_at_load_and_kept(handlers, store):
+    """Chat files that cannot be read (cut short, nested too deep for Python's
+    reader, not a chat) are named and left alone; a settings file that cannot
+    be read is set aside before a setting changes, so nothing overwrites it."""
+    good = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    folder = store.chat_path("x").parent
+    damaged = {"cut.json": '{"messages": [{"role": "us', "deep.json": "[" * 100_000 + "]" * 100_000,
+               "list.json": "[]", ".hidden.json": json.dumps(store.load_chat(good["id"]))}  # fmt: skip
+    for name, text in damaged.items():
+        (folder / name).write_text(text)
+    (store.folder / "settings.json").write_text('{"temperature": 0.7, "system": "be br')
+    restored = handlers.restore()
+    notice = restored[-1]
+    assert [chat_id for _, chat_id in restored[-3]["choices"]] == [good["id"]]  # the good chat, and no dotted name
+    assert "3 saved chats cannot be read" in notice and "cut.json, deep.json, list.json" in notice
+    assert "The saved settings could not be read" in notice and "settings.damaged-" in notice
+    kept = list(store.folder.glob("settings.damaged-*.json"))
+    assert len(kept) == 1 and kept[0].read_text() == '{"temperature": 0.7, "system": "be br'
+    handlers.remember("w2", *values())
+    assert kept[0].read_text() == '{"temperature": 0.7, "system": "be br'  # the new settings went to settings.json
+    assert store.load_settings()["system"] == "w2"
+    assert all((folder / name).read_text() == text for name, text in damaged.items())
+    again = handlers.restore()[-1]
+    assert "3 saved chats cannot be read" in again and "settings" not in again
+
+
 def test_a_damaged_message_or_time_in_a_chat_file_does_not_break_the_page(handlers, store):
     """Segments that are not [text, origin] pairs of the content are dropped
     (the text shows uncoloured); a time that is NaN or past year 9999 sorts last."""
@@ -891,7 +917,7 @@ def test_a_damaged_message_or_time_in_a_chat_file_does_not_break_the_page(handle
     assert store.load_chat("good")["messages"][0]["segments"] == good["segments"]
     assert store.load_chat("nan")["updated"] == 0.0 and store.load_chat("huge")["updated"] == 0.0
     restored = handlers.restore()
-    assert len(restored[-2]["choices"]) == 4 and restored[-3]["messages"]  # the page loads, with every chat listed
+    assert len(restored[-3]["choices"]) == 4 and restored[-4]["messages"]  # the page loads, with every chat listed
     for name in ("segments", "huge", "nan"):
         assert "a" in str(handlers.open(name, new_chat(), True)[0])
 
