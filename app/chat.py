@@ -520,17 +520,20 @@ class ChatHandlers:
         del chat["messages"][users[-1] :]
         return text, display(chat, colour), chat, ""
 
-    def clear(self, chat: dict, confirmed: bool = True) -> tuple:
+    def clear(self, chat: dict, confirmed: bool = True, colour: bool | None = None) -> tuple:
         """Empty this chat (delete its saved copy and go on as a new chat),
-        once the page's dialog is confirmed. Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
+        once the page's dialog is confirmed. `colour` is given where the page
+        has emptied the chatbot already (its own trash icon): a clear that does
+        not happen shows the chat again. Outputs: chatbot, chat, stats, depth plot, rate plot, notice."""
+        shown_again = gr.skip() if colour is None or not chat else display(chat, colour)
         if not confirmed:
-            return (gr.skip(),) * 6
+            return shown_again, *(gr.skip(),) * 5
         if self._busy(chat):
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+            return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice
+            return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice
         cleared = new_chat(chat.get("system", ""))  # a new id: another tab showing the chat may save it again
         self._opened(None)
         return [], cleared, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""

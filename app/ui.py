@@ -182,8 +182,13 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
         confirmed = gr.Checkbox(False, visible=False)
         ask = "() => confirm('{}')".format
-        clear.click(None, None, confirmed, js=ask("Clear this chat? Its messages are deleted from the saved chats."), api_name=False).then(
+        ask_clear = ask("Clear this chat? Its messages are deleted from the saved chats.")
+        clear.click(None, None, confirmed, js=ask_clear, api_name=False).then(
             chat.clear, [chat_state, confirmed], [chatbot, chat_state, stats, depth_plot, rate_plot, notice]
+        ).then(**refresh)
+        # the chatbot's own trash icon empties the view at once: the same question, and the chat shown again if refused
+        chatbot.clear(None, None, confirmed, js=ask_clear, api_name=False).then(
+            chat.clear, [chat_state, confirmed, colour], [chatbot, chat_state, stats, depth_plot, rate_plot, notice]
         ).then(**refresh)
         new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, depth_plot, rate_plot, chats, notice])
         chats.input(chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice])

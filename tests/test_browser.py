@@ -211,6 +211,12 @@ def test_clear_and_delete_ask_first_and_delete_empties_the_panel(page, data_dir)
     time.sleep(1.0)
     assert "Clear this chat?" in asked[-1] and "w11 w12" in page.locator("#chatbot").inner_text()
     assert any(chat["title"] == "w11 w12" for chat in Store(data_dir).list_chats())  # dismissed: nothing deleted
+    asked.clear()
+    page.once("dialog", lambda dialog: answer(dialog, False))
+    page.locator("#chatbot button[aria-label='Clear']").click()  # the chatbot's own trash icon empties the view first
+    page.wait_for_function("document.querySelector('#chatbot').innerText.includes('w11 w12')", timeout=10_000)
+    assert asked and "Clear this chat?" in asked[-1]  # the same question, and the chat shown again
+    assert any(chat["title"] == "w11 w12" for chat in Store(data_dir).list_chats())
     page.get_by_text("Saved chats").click()
     page.once("dialog", lambda dialog: answer(dialog, True))
     page.locator("#delete").click()
