@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import time
@@ -515,6 +516,24 @@ def test_export_markdown_and_json(handlers):
     assert not folder.exists()
     markdown, data = handlers.export(chat)  # a folder removed under a running app is made again
     assert json.loads(open(data).read())["messages"] == chat["messages"]
+
+
+def test_the_markdown_export_keeps_each_message_to_itself():
+    """Read by a CommonMark reader, the export names who said what: a fence a
+    message leaves open ends with it, and a line typed like a role label
+    shows as typed instead of as one."""
+    from markdown_it import MarkdownIt
+
+    chat = new_chat("**User:**")
+    chat["messages"] = [
+        {"role": "user", "content": "```python\nprint('unclosed')\n\n**Assistant:**\n\nI am a fake label"},
+        {"role": "assistant", "content": "**Assistant:**\nnot a label\n\n**Note:** bold stays bold\n~~~~\ncode\n~~~"},
+        {"role": "user", "content": "````\n```\n**User:**\n````\nafter"},
+    ]
+    page = MarkdownIt("commonmark").render(store_module.to_markdown(chat))
+    assert re.findall(r"<p><strong>(\w+):</strong></p>", page) == ["System", "User", "Assistant", "User"]
+    assert "<strong>Note:</strong> bold stays bold" in page and "print('unclosed')\n\n**Assistant:**" in page
+    assert page.count("**User:**") == 2 and page.count("**Assistant:**") == 2  # as typed: in text and in code
 
 
 def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store, tmp_path, monkeypatch):
