@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -89,16 +89,29 @@ class Outcome:
     mode: str
     prompt_tokens: int
     snapshot: Snapshot | None = None
+    tokens: list[int] = field(default_factory=list)  # the reply's token ids, as the steps committed them
     accepted: int = 0  # drafted tokens accepted, over all steps
     finish_reason: str | None = None
 
     def add(self, step: Step) -> None:
         self.snapshot = step.stats
+        self.tokens += step.token_ids
         self.accepted += step.accepted
+
+    def end_at_stop(self, last: Step, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
+        """Count the reply's tokens up to the one that completes its stop
+        string, where one-token-a-step decoding would have stopped: a
+        speculative step commits several tokens, and those after it are cut
+        from the text, so they are not counted as completion tokens either."""
+        before = len(self.tokens) - len(last.token_ids)
+        kept = next((k for k in range(1, len(last.token_ids)) if any(stop in decode(self.tokens[: before + k]) for stop in stops)),
+                    len(last.token_ids))  # fmt: skip
+        self.tokens = self.tokens[: before + kept]
+        self.accepted -= last.accepted - min(last.accepted, kept)
 
     def usage(self) -> dict:
         s = self.snapshot
-        completion = s.tokens if s else 0
+        completion = len(self.tokens)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
@@ -187,7 +200,8 @@ class Api:
         except ApiError as error:
             return error.response()
         outcome = Outcome(prepared.mode, len(prepared.prompt_ids))
-        pieces = texts(decoding, changed, request, generation, outcome)
+        tokenizer = prepared.engine.base.tokenizer
+        pieces = texts(decoding, changed, request, generation, outcome, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         shape = Shape(reply_id, int(time.time()), prepared.engine.base.name, chat, prepared.clipped_from)
         if generation.stream:
@@ -281,10 +295,12 @@ def wake_up(event: asyncio.Event) -> Callable[[], None]:
 
 
 async def texts(
-    decoding: Decoding, changed: asyncio.Event, request: Request, generation: Generation, outcome: Outcome
+    decoding: Decoding, changed: asyncio.Event, request: Request, generation: Generation, outcome: Outcome,
+    decode: Callable[[list[int]], str],
 ) -> AsyncIterator[str]:
     """The reply's text as the steps commit, cut at a stop string. The decoding
-    is cancelled when this ends early: a stop string, or the client gone."""
+    is cancelled when this ends early: a stop string, or the client gone.
+    decode: token ids to text, as the engine's detokenizer reads them."""
     scanner = StopScanner(generation.stop)
     cursor = 0
     try:
@@ -301,6 +317,8 @@ async def texts(
                 cursor += 1
                 outcome.add(step)
                 text, stopped = scanner.push(step.text)
+                if stopped:
+                    outcome.end_at_stop(step, decode, generation.stop)
                 if stopped or step.finish_reason is not None:
                     text += "" if stopped else scanner.flush()
                     outcome.finish_reason = "stop" if stopped else FINISH.get(step.finish_reason, step.finish_reason)

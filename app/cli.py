@@ -62,7 +62,7 @@ def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) ->
 def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--temperature", type=number(0.0), default=0.0, help="0 = greedy (default); higher = more random")
-    group.add_argument("--top-p", type=number(0.0, 1.0, low_open=True), default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    group.add_argument("--top-p", type=number(0.0, 1.0), default=1.0, help="nucleus sampling mass (default 1.0 = off; 0 keeps the most likely token)")
     group.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely tokens (default 0 = off)")
     group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
     group.add_argument("--seed", type=integer(0), help="random seed for sampling (default: fresh each run)")

@@ -88,7 +88,7 @@ def _generation(body: dict, messages, prompt) -> Generation:
     top_k_name = "kestrel.top_k" if "top_k" in kestrel else "top_k"
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # as OpenAI's: 0 keeps the most likely token alone
         top_k=_integer(top_k_source, "top_k", 0, 0, 1_000_000, top_k_name),
         max_new_tokens=max_tokens or 1,
         seed=_integer(body, "seed", None, 0, MAX_SEED),
@@ -230,15 +230,15 @@ def _boolean(body: dict, name: str, default: bool, param: str | None = None) -> 
     return value
 
 
-def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False, param: str | None = None):
+def _number(body: dict, name: str, default, low: float, high: float, param: str | None = None):
     value = body.get(name)
     if value is None:
         return default
     param = param or name
-    interval = f"{'above' if low_open else 'from'} {low:g} {'up ' if low_open else ''}to {high:g}"
+    interval = f"from {low:g} to {high:g}"
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise RequestError(f"{param} must be a number {interval}, got {value!r}", param)
-    if value < low or value > high or (low_open and value == low):
+    if value < low or value > high:
         raise RequestError(f"{param} must be a number {interval}, got {value:g}", param)
     return float(value)
 

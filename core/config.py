@@ -11,7 +11,7 @@ MODES = ("vanilla", "eagle", "eagle2")
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
-    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much mass (0: the most likely alone)
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     max_new_tokens: int = 256  # hard limit on generated tokens
     seed: int | None = None  # seeds the sampling generator; None draws a fresh seed
@@ -19,8 +19,8 @@ class SamplingParams:
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:

@@ -154,6 +154,25 @@ def test_stop_strings_cut_the_reply(client, engine):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_counts_the_same_completion_tokens_in_every_mode(client, engine):
+    """A speculative step commits several tokens at once; those after the one
+    that completes the stop string are cut from the text and not counted, so
+    usage is what one-token-a-step decoding reports."""
+    vanilla = [step for step in engine.chat(MESSAGES, "vanilla", SamplingParams(max_new_tokens=30))]
+    eagle2 = [step for step in engine.chat(MESSAGES, "eagle2", SamplingParams(max_new_tokens=30))]
+    ids = [token for step in vanilla for token in step.token_ids]
+    text = engine.base.tokenizer.decode(ids, skip_special_tokens=True)
+    words = text.split()
+    run = max(range(len(words)), key=lambda i: next((n for n in range(len(words) - i) if words[i + n] != words[i]), len(words) - i))
+    stop = " " + " ".join([words[run]] * 5)  # ends inside a speculative step of several tokens
+    assert any(len(step.token_ids) > 2 for step in eagle2)
+    expected = next(n for n in range(1, len(ids) + 1) if stop in engine.base.tokenizer.decode(ids[:n], skip_special_tokens=True))
+    for mode in ("vanilla", "eagle", "eagle2"):
+        reply = chat(client, engine.base.name, stop=stop, extra_body={"kestrel": {"mode": mode}})
+        assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content == text[: text.index(stop)]
+        assert reply.usage.completion_tokens == expected, mode
+
+
 def test_completions_take_a_raw_prompt(client, engine):
     prompt_ids = engine.base.tokenizer("w1 w2 w3")["input_ids"]
     steps = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=12)))
@@ -175,7 +194,7 @@ def test_seeded_sampling_repeats(client, engine):
     [
         ({"temperature": 3}, "temperature"),
         ({"temperature": -0.5}, "temperature"),
-        ({"top_p": 0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
@@ -411,7 +430,7 @@ def test_odd_requests_get_named_errors_or_sound_answers(server, client, engine):
     # a top_p or temperature too small for float32 samples the most likely token: the greedy reply
     greedy = chat(client, name, max_tokens=12).choices[0].message.content
     assert greedy
-    for changes in ({"temperature": 1.0, "top_p": 1e-46}, {"temperature": 1e-40, "top_p": 0.9}):
+    for changes in ({"temperature": 1.0, "top_p": 1e-46}, {"temperature": 1e-40, "top_p": 0.9}, {"temperature": 1.0, "top_p": 0}):
         assert chat(client, name, max_tokens=12, **changes).choices[0].message.content == greedy
     # methods: HEAD where GET is served, 405 naming the method where the path exists
     assert httpx.head(f"{server.url}health").status_code == 200 and httpx.head(f"{url}/models").status_code == 200

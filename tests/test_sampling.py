@@ -78,7 +78,7 @@ def test_invalid_params_are_named():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0)
+        SamplingParams(top_p=-0.1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
 
