@@ -594,9 +594,13 @@ class ChatHandlers:
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
         return display(chat or new_chat(), colour)
 
-    def remember(self, system: str, *values) -> None:
-        """Save the settings as soon as they change."""
-        self._update_settings({**dict(zip(SETTINGS, values)), "system": system})
+    def remember(self, system: str, *values):
+        """Save the settings as soon as they change. Output: notice (said only where they cannot be saved)."""
+        try:
+            self.store.update_settings({**dict(zip(SETTINGS, values)), "system": system})
+        except OSError as error:
+            return notice_html(f"The settings could not be saved ({error}); they apply until the page is closed.")
+        return gr.skip()
 
     def _opened(self, chat_id: str | None) -> None:
         """Remember which chat the page shows (None: a new one, not saved yet), for the next page load."""

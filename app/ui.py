@@ -197,7 +197,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         )
         export.click(chat.export, chat_state, exported)
         colour.change(chat.recolour, [chat_state, colour], chatbot)
-        gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], None)
+        gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], notice, show_progress="hidden")
 
         run_compare.click(
             compare.compare, [prompt, with_eagle, chat_state, *controls],

@@ -953,6 +953,9 @@ def test_a_read_only_data_folder_still_replies_and_says_what_was_not_saved(handl
     for outcome in (handlers.delete(final[2]), handlers.clear(final[2])):
         assert "could not be changed" in outcome[-1] and "Read-only" in outcome[-1]
     assert handlers.edit_last(final[2], True)[0] == "w1"  # Edit writes nothing until the edited message is sent
+    assert "settings could not be saved" in handlers.remember("w2", *values(temperature=0.5)) and "Read-only" in handlers.remember("", *values())
+    monkeypatch.undo()
+    assert handlers.remember("w2", *values()) == gr.skip()  # saved: the notice is left as it is
 
 
 def test_after_a_failed_save_regenerate_and_edit_still_work_and_blame_no_other_tab(handlers, store, monkeypatch):
