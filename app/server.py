@@ -10,6 +10,7 @@ one port, behind the access rules a local server owes its user.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -217,6 +218,22 @@ def calm_queue(demo: gr.Blocks) -> None:
     demo._queue.progress_update_sleep_when_free = PROGRESS_POLL_SECONDS
 
 
+class QuietStop(logging.Filter):
+    """Once the server is stopping, uvicorn cancels the streams still open
+    after GRACE_SECONDS (every open page has one) and logs each as an error
+    with its traceback: the expected way to stop, so not printed."""
+
+    def __init__(self, server: uvicorn.Server):
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.server.should_exit:
+            return True
+        cancelled = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
+        return not (cancelled or "timeout graceful shutdown exceeded" in record.getMessage())
+
+
 # How long a stopping server waits for open connections. Every open page and
 # Gradio client holds a heartbeat stream that never ends by itself, so this
 # is how long quitting takes whenever one is open.
@@ -235,6 +252,8 @@ class Server:
             timeout_graceful_shutdown=GRACE_SECONDS, ws="none",
         )  # fmt: skip
         self._server = uvicorn.Server(config)
+        self._quiet = QuietStop(self._server)
+        logging.getLogger("uvicorn.error").addFilter(self._quiet)
         self._thread: threading.Thread | None = None
 
     @property
@@ -260,4 +279,5 @@ class Server:
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
+        logging.getLogger("uvicorn.error").removeFilter(self._quiet)
 
