@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 import uuid
@@ -189,33 +188,20 @@ def _as_message(message: dict) -> dict:
     return {key: value for key, value in message.items() if key != "segments"}
 
 
-FENCE_OPEN = re.compile(r" {0,3}(`{3,}(?=[^`]*$)|~{3,})")  # CommonMark: a backtick fence's info string has no backtick
-ROLE_LABEL = re.compile(r"\*\*((?:System|User|Assistant):)\*\*[ \t]*$")  # how to_markdown names who speaks
-
-
-def contained(text: str) -> str:
-    """A message's Markdown that cannot reach into the next one: a code fence
-    it leaves open is closed, and a line outside code that reads like one of
-    the export's role labels is escaped (it shows as typed, asterisks and all)."""
-    lines, fence = text.split("\n"), None
-    for index, line in enumerate(lines):
-        if fence is None:
-            opened = FENCE_OPEN.match(line)
-            if opened:
-                fence = opened.group(1)
-            elif ROLE_LABEL.match(line):
-                lines[index] = "\\*\\*" + ROLE_LABEL.match(line).group(1) + "\\*\\*"
-        elif re.fullmatch(rf" {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}[ \t]*", line):
-            fence = None
-    return "\n".join(lines + ([fence] if fence else []))
+def quoted(text: str) -> str:
+    """A message as a Markdown block quote: everything it opens (a code
+    block, an HTML block, a list) ends with the quote, so nothing in it can
+    reach into the next message or pass for one of the export's role labels."""
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return "\n".join(f"> {line}" if line else ">" for line in lines)
 
 
 def to_markdown(chat: dict) -> str:
     lines = [f"# {chat_title(chat)}", ""]
     if chat.get("system"):
-        lines += ["**System:**", "", contained(chat["system"]), ""]
+        lines += ["**System:**", "", quoted(chat["system"]), ""]
     for message in chat["messages"]:
-        lines += [f"**{message['role'].capitalize()}:**", "", contained(message["content"]), ""]
+        lines += [f"**{message['role'].capitalize()}:**", "", quoted(message["content"]), ""]
         made = made_with(message.get("stats"))
         if made:
             lines += [f"_{made}_", ""]

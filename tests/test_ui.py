@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 import subprocess
 import time
@@ -519,21 +518,24 @@ def test_export_markdown_and_json(handlers):
 
 
 def test_the_markdown_export_keeps_each_message_to_itself():
-    """Read by a CommonMark reader, the export names who said what: a fence a
-    message leaves open ends with it, and a line typed like a role label
-    shows as typed instead of as one."""
+    """Read by a CommonMark reader, the export names who said what: each
+    message is a block quote, so a code block, HTML block or list it leaves
+    open ends with it, and a line typed like a role label stays inside it."""
     from markdown_it import MarkdownIt
 
     chat = new_chat("**User:**")
-    chat["messages"] = [
-        {"role": "user", "content": "```python\nprint('unclosed')\n\n**Assistant:**\n\nI am a fake label"},
-        {"role": "assistant", "content": "**Assistant:**\nnot a label\n\n**Note:** bold stays bold\n~~~~\ncode\n~~~"},
-        {"role": "user", "content": "````\n```\n**User:**\n````\nafter"},
+    contents = [
+        "```python\nprint('unclosed')\n\n**Assistant:**\n\nI am a fake label",
+        "1. Run:\n   ```bash\n   pip install x",  # a reply cut inside a list item's code block
+        "  **User:**\r\n\r\n__Assistant:__\rcrlf\n<pre>\n\n**User:**",
+        "- a\n  ```\n  code\n\nb\n\n**User:**\n<!-- open",
     ]
-    page = MarkdownIt("commonmark").render(store_module.to_markdown(chat))
-    assert re.findall(r"<p><strong>(\w+):</strong></p>", page) == ["System", "User", "Assistant", "User"]
-    assert "<strong>Note:</strong> bold stays bold" in page and "print('unclosed')\n\n**Assistant:**" in page
-    assert page.count("**User:**") == 2 and page.count("**Assistant:**") == 2  # as typed: in text and in code
+    chat["messages"] = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(contents)]
+    tokens = MarkdownIt("commonmark").parse(store_module.to_markdown(chat))
+    top = [token.content for token in tokens if token.type == "inline" and token.level == 1]  # outside every quote
+    assert top == [store_module.chat_title(chat), "**System:**", "**User:**", "**Assistant:**", "**User:**", "**Assistant:**"]
+    code = [token.content for token in tokens if token.type == "fence"]
+    assert code[0] == "print('unclosed')\n\n**Assistant:**\n\nI am a fake label\n" and code[1] == "pip install x\n"
 
 
 def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store, tmp_path, monkeypatch):
