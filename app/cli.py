@@ -195,7 +195,8 @@ def main(argv: list[str]) -> int:
         import signal
 
         for name in ("SIGTERM", "SIGHUP"):  # no SIGHUP on Windows
-            if hasattr(signal, name):
+            # only where the signal would kill: `nohup` (SIGHUP ignored) keeps a server running past logout
+            if hasattr(signal, name) and signal.getsignal(getattr(signal, name)) == signal.SIG_DFL:
                 signal.signal(getattr(signal, name), _interrupted)
     try:
         if args.command == "ui":

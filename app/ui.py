@@ -268,16 +268,16 @@ def serve(args) -> int:
     print(f"Chats and settings: {store_dir}", flush=True)
     server = Server(build_app(runtime, store_dir, args.device, args.compile), runtime, access, args.port)
     server.start()
-    where = LOCALHOST if access.loopback else f"{access.host} (all interfaces; password and API key required)"
-    print(f"Kestrel is running at {server.url} on {where}. Press Ctrl+C to stop.", flush=True)
-    print(f"OpenAI-compatible API: base_url={server.url}v1  model={engine.base.name!r}", flush=True)
-    if access.api_key is not None and args.api_key == "auto":
-        print(f"API key (shown once): {access.api_key}", flush=True)
-    if not args.no_browser:
-        webbrowser.open(server.url)
     # a process started in the background inherits SIGINT ignored; "Press Ctrl+C to stop" must still hold
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    try:  # from here on a stop, however early, closes the server (saving the replies being written)
+        where = LOCALHOST if access.loopback else f"{access.host} (all interfaces; password and API key required)"
+        print(f"Kestrel is running at {server.url} on {where}. Press Ctrl+C to stop.", flush=True)
+        print(f"OpenAI-compatible API: base_url={server.url}v1  model={engine.base.name!r}", flush=True)
+        if access.api_key is not None and args.api_key == "auto":
+            print(f"API key (shown once): {access.api_key}", flush=True)
+        if not args.no_browser:
+            webbrowser.open(server.url)
         server.wait()
     except KeyboardInterrupt:
         try:

@@ -219,11 +219,12 @@ def test_a_second_start_waits_for_the_first_one_s_setup(monkeypatch, tmp_path, c
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no SIGTERM or SIGHUP to send on Windows")
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
-def test_the_page_stops_on_sigterm_and_sighup_as_on_ctrl_c(tiny_dir, tmp_path, signal_name):
+@pytest.mark.parametrize("signal_name, nohup", [("SIGTERM", False), ("SIGHUP", False), ("SIGHUP", True)])
+def test_the_page_stops_on_sigterm_and_sighup_as_on_ctrl_c(tiny_dir, tmp_path, signal_name, nohup):
     """Logout, shutdown or a closed terminal stop the server the way Ctrl+C
     does (which saves the replies being written), instead of killing it; the
-    stream an open page holds is cut without a traceback in the terminal."""
+    stream an open page holds is cut without a traceback in the terminal.
+    Started with nohup (SIGHUP ignored), it keeps running past a SIGHUP."""
     import os
     import signal
 
@@ -232,7 +233,9 @@ def test_the_page_stops_on_sigterm_and_sighup_as_on_ctrl_c(tiny_dir, tmp_path, s
     environment = {**os.environ, "KESTREL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(ROOT / "launch.py"), "ui", "--model", str(tiny_dir), "--dtype", "float32",
                "--compile", "off", "--threads", "1", "--no-browser", "--port", "7931"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    ignore_hangup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
+                              preexec_fn=ignore_hangup)  # fmt: skip
     try:
         lines = []
         for line in server.stdout:
@@ -245,6 +248,10 @@ def test_the_page_stops_on_sigterm_and_sighup_as_on_ctrl_c(tiny_dir, tmp_path, s
         page.start()
         time.sleep(1.0)
         server.send_signal(getattr(signal, signal_name))
+        if nohup:
+            time.sleep(2.0)
+            assert server.poll() is None and httpx.get(f"{url}health").status_code == 200
+            server.send_signal(signal.SIGTERM)
         rest, _ = server.communicate(timeout=60)
     finally:
         server.kill()
