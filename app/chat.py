@@ -293,6 +293,7 @@ class ChatHandlers:
         sent["messages"].append({"role": "user", "content": text})
         try:
             self.store.save_chat(sent)
+            self._opened(sent["id"])  # a reload while the reply waits for the model shows this chat
         except OSError:
             pass  # saved with the reply, or reported then
         shown_chat = [*display(sent, colour), shown({"role": "assistant", "content": ""}, colour)]

@@ -213,6 +213,8 @@ def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, sto
     handlers.open(older["id"], newer, True)
     handlers.clear(older)  # cleared: a new chat too
     assert ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-4]["messages"] == []
+    accepted = handlers.accept("w6", new_chat(), True)[3]  # its first message sent, its reply not begun
+    assert ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-4]["id"] == accepted["id"]
 
 
 def test_a_chat_opened_or_reloaded_shows_its_last_reply_s_figures(handlers, engine, store):
