@@ -38,17 +38,22 @@ def write_atomic(path: Path, text: str) -> None:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
-        for attempt in range(REPLACE_TRIES):
-            try:
-                os.replace(temp, path)
-                break
-            except PermissionError:
-                if attempt == REPLACE_TRIES - 1:
-                    raise
-                time.sleep(0.05 * 2**attempt)
+        replace(Path(temp), path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def replace(source: Path, target: Path) -> None:
+    """os.replace, tried again for a moment where another program holds the file (Windows)."""
+    for attempt in range(REPLACE_TRIES):
+        try:
+            os.replace(source, target)
+            return
+        except PermissionError:
+            if attempt == REPLACE_TRIES - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)
 
 
 def new_chat(system: str = "") -> dict:
@@ -80,15 +85,19 @@ class Store:
         return self._read(self.folder / SETTINGS_FILE) or {}
 
     def set_aside_damaged_settings(self) -> str | None:
-        """A settings file that is not a JSON object is renamed, so that the
+        """A settings file that holds no JSON object is renamed, so that the
         next change saved does not replace it: its new name (or its name,
-        where it cannot be renamed); None when the file is fine or missing."""
+        where it cannot be renamed); None when the file is fine, missing or
+        cannot be read just now (which is not damage)."""
         path = self.folder / SETTINGS_FILE
-        if not path.exists() or self._read(path) is not None:
-            return None
-        kept = path.with_name(time.strftime("settings.damaged-%Y%m%d-%H%M%S.json"))
         try:
-            os.replace(path, kept)
+            if not path.exists() or self._parse(path) is not None:
+                return None
+        except OSError:
+            return None
+        kept = path.with_name(time.strftime("settings.damaged-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4] + ".json")
+        try:
+            replace(path, kept)
         except OSError:
             return path.name
         return kept.name
@@ -97,7 +106,11 @@ class Store:
         write_atomic(self.folder / SETTINGS_FILE, json.dumps(settings, indent=2))
 
     def update_settings(self, changes: dict) -> None:
-        """The saved settings with `changes` made (the others kept as they are)."""
+        """The saved settings with `changes` made (the others kept as they
+        are). A damaged settings file is set aside first; where it cannot be,
+        nothing is saved (OSError) rather than the file replaced."""
+        if self.set_aside_damaged_settings() == SETTINGS_FILE:
+            raise OSError(f"{self.folder / SETTINGS_FILE} cannot be read and cannot be set aside, so it is left as it is")
         self.save_settings({**self.load_settings(), **changes})
 
     def chat_path(self, chat_id: str) -> Path:
@@ -137,13 +150,22 @@ class Store:
             chats.append({"id": chat["id"], "title": chat["title"] or chat_title(chat), "updated": chat["updated"]})
         return sorted(chats, key=lambda chat: chat["updated"], reverse=True), sorted(unreadable)
 
-    @staticmethod
-    def _read(path: Path) -> dict | None:
-        """The JSON object in `path`; None when missing or unreadable (a
-        damaged file is skipped rather than breaking the app)."""
+    @classmethod
+    def _read(cls, path: Path) -> dict | None:
+        """The JSON object in `path`; None when missing, unreadable or damaged
+        (such a file is skipped rather than breaking the app)."""
         try:
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
+            return cls._parse(path)
+        except OSError:
+            return None
+
+    @staticmethod
+    def _parse(path: Path) -> dict | None:
+        """The JSON object in `path` (a UTF-8 byte order mark, as some editors
+        write, allowed); None where it holds none; OSError where it cannot be read."""
+        try:
+            value = json.loads(path.read_text(encoding="utf-8-sig"))
+        except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
             return None
         return value if isinstance(value, dict) else None
 

@@ -925,6 +925,32 @@ def test_unreadable_chats_and_settings_are_named_at_load_and_kept(handlers, stor
     assert "3 saved chats cannot be read" in again and "settings" not in again
 
 
+def test_a_settings_file_is_set_aside_only_when_damaged_and_never_replaced(handlers, store, monkeypatch):
+    path = store.folder / "settings.json"
+    store.folder.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b'\xef\xbb\xbf{"temperature": 0.7}')  # a byte order mark, as some editors save
+    assert store.load_settings() == {"temperature": 0.7} and store.set_aside_damaged_settings() is None
+    original = Path.read_text
+
+    def busy(self, *args, **kwargs):  # a read that fails for a moment is not damage
+        if self.name == "settings.json":
+            raise PermissionError(13, "Permission denied")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", busy)
+    assert store.set_aside_damaged_settings() is None and path.exists()
+    monkeypatch.undo()
+    path.write_text('{"temperature": 0.')
+
+    def held(*args):  # renaming fails (another program holds the file)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", held)
+    assert "settings.json" in handlers.restore()[-1] and "cannot be read" in handlers.restore()[-1]
+    assert "settings could not be saved" in handlers.remember("w1", *values())
+    assert path.read_text() == '{"temperature": 0.' and not list(store.folder.glob("settings.damaged-*"))
+
+
 def test_a_damaged_message_or_time_in_a_chat_file_does_not_break_the_page(handlers, store):
     """Segments that are not [text, origin] pairs of the content are dropped
     (the text shows uncoloured); a time that is NaN or past year 9999 sorts last."""
