@@ -104,7 +104,7 @@ class Outcome:
         speculative step commits several tokens, and those after it are cut
         from the text, so they are not counted as completion tokens either."""
         before = len(self.tokens) - len(last.token_ids)
-        kept = next((k for k in range(1, len(last.token_ids)) if any(stop in decode(self.tokens[: before + k]) for stop in stops)),
+        kept = next((k for k in range(len(last.token_ids)) if any(stop in decode(self.tokens[: before + k]) for stop in stops)),
                     len(last.token_ids))  # fmt: skip
         self.tokens = self.tokens[: before + kept]
         self.accepted -= last.accepted - min(last.accepted, kept)

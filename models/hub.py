@@ -23,10 +23,14 @@ def reachable() -> bool:
     if constants.HF_HUB_OFFLINE:
         return False
     endpoint = urllib.parse.urlsplit(constants.ENDPOINT)  # HF_ENDPOINT where set
-    if endpoint.scheme in urllib.request.getproxies():
+    proxies = urllib.request.getproxies()
+    if proxies.get(endpoint.scheme) or proxies.get("all"):
         return True
-    host = endpoint.hostname or ""
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        host = endpoint.hostname or ""
+        port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    except ValueError:  # a port out of range: the request itself names the problem
+        return True
     try:
         socket.create_connection((host, port), timeout=PROBE_S).close()
     except OSError:  # no such name (no network, no DNS), refused, or timed out

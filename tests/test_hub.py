@@ -30,6 +30,10 @@ def offline(monkeypatch, tmp_path):
 
     monkeypatch.setattr(socket, "create_connection", no_network)
     monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)  # the runner's own proxy would skip the probe
+    monkeypatch.setattr(constants, "ENDPOINT", "https://huggingface.co")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # as launch.py sets it
     return tmp_path / "hub", attempts
@@ -46,8 +50,12 @@ def cache_repo(cache, repo, folder):
 
 def test_the_probe_reads_a_failed_connection_as_unreachable(offline, monkeypatch):
     assert not hub.reachable()
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    assert hub.reachable()  # behind a proxy only the request itself can tell
+    for name in ("HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://proxy.invalid:3128")
+        assert hub.reachable()  # behind a proxy only the request itself can tell
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NO_PROXY", "example.com")
+    assert not hub.reachable()
 
 
 def test_a_cached_head_loads_offline_after_one_probe(offline, tmp_path):
