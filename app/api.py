@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from app.decoding import Decoding
 from app.request import Generation, RequestError, parse_chat, parse_completion
 from app.runtime import ModelBusyError, ModelLoadingError, NoModelError, Runtime
+from core.detokenize import Detokenizer
 from core.engine import Engine, Step
 from core.stats import Snapshot
 from models.errors import KestrelError
@@ -51,12 +52,33 @@ class ApiError(Exception):
 
 
 class StopScanner:
-    """Cuts streamed text at the first stop string. Text that could be the
-    start of a stop string is held back until the next piece settles it."""
+    """Cuts the reply at the first stop string. Text that could be the start
+    of a stop string is held back until the next piece settles it. A step's
+    tokens are read one at a time, as one-token-a-step decoding meets them, so
+    the cut (which stop string, how many tokens) is the same in every mode."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], tokenizer):
         self.stops = stops
         self.pending = ""
+        self.detokenizer = Detokenizer(tokenizer)
+
+    def scan(self, step: Step) -> tuple[str, int | None]:
+        """(text safe to send, how many of the step's tokens come before the
+        cut where a stop string ended the reply, else None)."""
+        if not self.stops:
+            return step.text, None
+        sent = ""
+        for index, token in enumerate(step.token_ids):
+            text, stopped = self.push(self.detokenizer.push([token]))
+            sent += text
+            if stopped:
+                return sent, index + 1
+        if step.finish_reason is not None:  # the engine's last text also holds what its detokenizer held back
+            text, stopped = self.push(self.detokenizer.flush())
+            sent += text
+            if stopped:
+                return sent, len(step.token_ids)
+        return sent, None
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string ended the reply)."""
@@ -98,15 +120,11 @@ class Outcome:
         self.tokens += step.token_ids
         self.accepted += step.accepted
 
-    def end_at_stop(self, last: Step, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
-        """Count the reply's tokens up to the one that completes its stop
-        string, where one-token-a-step decoding would have stopped: a
-        speculative step commits several tokens, and those after it are cut
-        from the text, so they are not counted as completion tokens either."""
-        before = len(self.tokens) - len(last.token_ids)
-        kept = next((k for k in range(len(last.token_ids)) if any(stop in decode(self.tokens[: before + k]) for stop in stops)),
-                    len(last.token_ids))  # fmt: skip
-        self.tokens = self.tokens[: before + kept]
+    def cut(self, last: Step, kept: int) -> None:
+        """Keep only the first `kept` tokens of the last step: a speculative
+        step may commit tokens past the one that completes a stop string,
+        which are cut from the text and so not counted either."""
+        self.tokens = self.tokens[: len(self.tokens) - len(last.token_ids) + kept]
         self.accepted -= last.accepted - min(last.accepted, kept)
 
     def usage(self) -> dict:
@@ -200,8 +218,7 @@ class Api:
         except ApiError as error:
             return error.response()
         outcome = Outcome(prepared.mode, len(prepared.prompt_ids))
-        tokenizer = prepared.engine.base.tokenizer
-        pieces = texts(decoding, changed, request, generation, outcome, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        pieces = texts(decoding, changed, request, generation, outcome, prepared.engine.base.tokenizer)
         reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         shape = Shape(reply_id, int(time.time()), prepared.engine.base.name, chat, prepared.clipped_from)
         if generation.stream:
@@ -295,13 +312,11 @@ def wake_up(event: asyncio.Event) -> Callable[[], None]:
 
 
 async def texts(
-    decoding: Decoding, changed: asyncio.Event, request: Request, generation: Generation, outcome: Outcome,
-    decode: Callable[[list[int]], str],
+    decoding: Decoding, changed: asyncio.Event, request: Request, generation: Generation, outcome: Outcome, tokenizer
 ) -> AsyncIterator[str]:
     """The reply's text as the steps commit, cut at a stop string. The decoding
-    is cancelled when this ends early: a stop string, or the client gone.
-    decode: token ids to text, as the engine's detokenizer reads them."""
-    scanner = StopScanner(generation.stop)
+    is cancelled when this ends early: a stop string, or the client gone."""
+    scanner = StopScanner(generation.stop, tokenizer)
     cursor = 0
     try:
         while True:
@@ -316,9 +331,10 @@ async def texts(
             for step in read_steps(decoding, cursor):
                 cursor += 1
                 outcome.add(step)
-                text, stopped = scanner.push(step.text)
+                text, kept = scanner.scan(step)
+                stopped = kept is not None
                 if stopped:
-                    outcome.end_at_stop(step, decode, generation.stop)
+                    outcome.cut(step, kept)
                 if stopped or step.finish_reason is not None:
                     text += "" if stopped else scanner.flush()
                     outcome.finish_reason = "stop" if stopped else FINISH.get(step.finish_reason, step.finish_reason)

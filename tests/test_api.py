@@ -173,6 +173,35 @@ def test_a_stop_string_counts_the_same_completion_tokens_in_every_mode(client, e
         assert reply.usage.completion_tokens == expected, mode
 
 
+def test_stop_strings_are_met_token_by_token_however_many_tokens_a_step_commits(engine):
+    """Two stop strings, the second starting later but complete sooner: one
+    token a step meets the second first, and so must a step that commits every
+    token at once (which holds both): the same text, the same token count."""
+    from app.api import StopScanner
+    from core.engine import Step
+
+    tokenizer = engine.base.tokenizer
+    ids = tuple(tokenizer("w1 w2 w3 w4 w5", add_special_tokens=False)["input_ids"])
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    stops = (text[text.index(" w2") :], text[text.index("2 w3") : text.index(" w4")])
+
+    def scanned(steps: list[tuple[int, ...]]) -> tuple[str, int]:
+        scanner, sent, decoded, counted = StopScanner(stops, tokenizer), "", "", 0
+        for tokens in steps:
+            so_far = tokenizer.decode(list(ids[: counted + len(tokens)]), skip_special_tokens=True)
+            piece, decoded = so_far[len(decoded) :], so_far
+            out, kept = scanner.scan(Step(tokens, piece, len(tokens) - 1, len(tokens), 0.0, 0.0, None))
+            sent += out
+            if kept is not None:
+                return sent, counted + kept
+            counted += len(tokens)
+        raise AssertionError("no stop string met")
+
+    one_by_one = scanned([(token,) for token in ids])
+    assert one_by_one == (text[: text.index(stops[1])], ids.index(tokenizer("w3", add_special_tokens=False)["input_ids"][0]) + 1)
+    assert scanned([ids]) == one_by_one and scanned([ids[:2], ids[2:]]) == one_by_one
+
+
 def test_completions_take_a_raw_prompt(client, engine):
     prompt_ids = engine.base.tokenizer("w1 w2 w3")["input_ids"]
     steps = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=12)))
