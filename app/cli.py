@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     app_bench.add_argument("--json", dest="json_out", help="write the rows to this JSON file")
 
     train = commands.add_parser("train-head", help="train an EAGLE draft head on the model's own answers")
-    train.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and an 'id'")
+    train.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and optionally a unique 'id' (default: its line)")
     train.add_argument("--out", required=True, help="folder for the trained head (config.json, model.safetensors, report)")
     train.add_argument("--work", help="folder for the resumable caches: answers, features, checkpoints (default: OUT/work)")
     add_model_options(train, decoding=False)  # --init-head starts from a head
@@ -233,14 +233,17 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
-def check_writable(path: str, option: str) -> Path:
-    """Refuse an output file that cannot be written, before any work is done
-    (a long run would otherwise end in a traceback and lose its results)."""
+def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
+    """Refuse an output file that cannot be written, or that is the file the
+    command reads (`reads`), before any work is done (a long run would
+    otherwise end in a traceback and lose its results, or its input)."""
     import tempfile
 
     target = Path(path).expanduser()
     if target.is_dir():
         raise ValueError(f"{option} {path}: is a folder; name a file")
+    if reads is not None and target.exists() and target.resolve() == reads.expanduser().resolve():
+        raise ValueError(f"{option} {path}: is the file this command reads; name another file for the results")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", suffix=".check"):
@@ -248,6 +251,19 @@ def check_writable(path: str, option: str) -> Path:
     except OSError as error:
         raise ValueError(f"{option} {path}: cannot write there ({error.strerror or error})") from error
     return target
+
+
+def earlier_arch(out: Path) -> str | None:
+    """The --arch of the head an earlier train-head run wrote into `out`, from its report; None where unknown."""
+    import json
+
+    from core.training.report import REPORT_FILE
+
+    try:
+        arch = json.loads((out / REPORT_FILE).read_text(encoding="utf-8")).get("arch")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return arch if isinstance(arch, str) else None
 
 
 def check_head_folder(path: str, option: str) -> None:
@@ -345,7 +361,8 @@ def run_train_head(args) -> int:
 
     from core.training.answers import AnswerParams
     from core.training.features import FeatureParams
-    from core.training.pipeline import Budget, RunPaths, train_head
+    from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, train_head
+    from core.training.report import NOTES_FILE, REPORT_FILE
     from core.prompt import PromptFileError, prompt_rows
     from core.training.trainer import TrainParams
     from models.base import load_base
@@ -355,18 +372,27 @@ def run_train_head(args) -> int:
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: is a file; name a folder for the head")
-    if not any(True for _ in prompt_rows(Path(args.prompts).expanduser())):  # every line checked before the model loads
+    if not sum(1 for _ in prompt_rows(Path(args.prompts).expanduser())):  # every line checked before the model loads
         raise PromptFileError(f"{args.prompts}: no prompts")
     work = Path(args.work).expanduser() if args.work else out / "work"
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--work {work}: is a file; name a folder for the run's work")
     if work.is_dir() and any(work.iterdir()) and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
-    holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES))
+    check_writable(str(work / ANSWERS_FILE), "--work")
+    # what the run writes into --out: an earlier run's (resumed) or someone's own files are not replaced unasked
+    holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES, REPORT_FILE, NOTES_FILE))
     if args.init_head:
         check_head_folder(args.init_head, "--init-head")
         if Path(args.init_head).expanduser().resolve() == out.resolve():
             raise ValueError(f"--out {args.out}: is the --init-head folder; write the new head to another folder")
     if holds_head and not args.resume:
-        raise ValueError(f"--out {args.out}: already holds a head, which this run would replace; choose another folder")
+        raise ValueError(f"--out {args.out}: already holds a head or its notes ({CONFIG_FILE}, {REPORT_FILE}, {NOTES_FILE}), "
+                         "which this run would replace; choose another folder")  # fmt: skip
+    made = earlier_arch(out)
+    if holds_head and made not in (None, args.arch):
+        raise ValueError(f"--out {args.out}: holds an {made} head; this --arch {args.arch} run would replace it: "
+                         "give it another --out (and --work, or the same one to reuse its answers)")  # fmt: skip
     check_writable(str(out / "model.safetensors"), "--out")  # now, not after hours of work
     budget = Budget()
     if args.time_budget_minutes is not None:
@@ -410,13 +436,15 @@ def run_eval_heads(args) -> int:
 
     import torch
 
-    from app.session import load_draft_head
+    from app.session import default_head, load_draft_head
     from core.training.compare import drafted_accuracy
     from models.base import load_base
 
     set_threads(args.threads)
     json_out = check_writable(args.json_out, "--json") if args.json_out else None
     sources = ([args.head] if args.head else []) + args.heads
+    if not sources and default_head(args.model) is not None:
+        sources = [str(default_head(args.model))]  # the bundled head, as --head's help says
     if not sources:
         raise ValueError("name at least one head to judge (--head or HEAD ...)")
     features = Path(args.features).expanduser()
@@ -461,7 +489,7 @@ def run_bench_command(args) -> int:
         if name in others:
             raise ValueError(f"--other-head names {name} twice ({others[name]} and {source})")
         others[name] = source
-    json_out = check_writable(args.json_out, "--json") if args.json_out else None
+    json_out = check_writable(args.json_out, "--json", Path(args.prompts)) if args.json_out else None
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     planned = any(parse_mode(mode, tree)[0] == "eagle2" for mode in modes)
     engine = load_engine(args)

@@ -126,13 +126,15 @@ class PromptFileError(ValueError):
 def prompt_rows(path: Path):
     """(line index from 0, the row) of every prompt line in a JSONL file, each
     checked: a JSON object whose 'turns' list starts with the prompt as text.
-    Raises PromptFileError naming the file and line."""
+    Raises PromptFileError naming the file and line; also for an 'id' that an
+    earlier line has (answers and results are kept by id)."""
     if not path.is_file():
         raise PromptFileError(f"{path}: {'is a folder, not a prompt file' if path.is_dir() else 'no such prompt file'}")
     try:
         text = path.read_text(encoding="utf-8-sig")  # a BOM, as Windows editors write, is not part of the first line
     except UnicodeDecodeError as error:
         raise PromptFileError(f"{path}: not UTF-8 text (byte {error.start})") from error
+    lines = {}  # the line of each id
     for index, line in enumerate(text.split("\n")):  # not splitlines: JSON text may hold U+2028 and the like
         if not line.strip():
             continue
@@ -143,6 +145,10 @@ def prompt_rows(path: Path):
         turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
             raise PromptFileError(f"{path}:{index + 1}: needs a 'turns' list whose first item is the prompt")
+        if "id" in row:
+            if str(row["id"]) in lines:
+                raise PromptFileError(f"{path}:{index + 1}: id {str(row['id'])!r} is already the id of line {lines[str(row['id'])]}")
+            lines[str(row["id"])] = index + 1
         yield index, row
 
 

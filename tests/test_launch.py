@@ -161,6 +161,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["bench", "--prompts", str(prompts), "--modes", "vanilla,vanilla"], "--modes names vanilla more than once"),
         (["bench", "--prompts", str(prompts), "--limit", "0"], "--limit: must be at least 1"),
         (["bench", "--prompts", str(prompts), "--json", str(tmp_path)], "is a folder; name a file"),
+        (["bench", "--prompts", str(prompts), "--json", str(prompts)], "is the file this command reads"),
         (["bench", "--prompts", str(tmp_path)], "is a folder, not a prompt file"),
         (["train-head", "--prompts", str(prompts), "--out", str(prompts)], "--out"),
         (["train-head", "--prompts", str(tmp_path / "string-turns.jsonl"), "--out", str(tmp_path / "o")], "string-turns.jsonl:1: needs a 'turns' list"),

@@ -218,8 +218,17 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
     old = save_head(random_head(AutoModelForCausalLM.from_config(tiny_config())), tmp_path / "old-head")
     assert (old / "model.safetensors").stat().st_mode & 0o777 == 0o644  # readable by others, as config.json is
     typo = tmp_path / "typo"
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "TRAINING.md").write_text("my notes")
+    (old / "training_report.json").write_text(json.dumps({"arch": "eagle2"}))
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "x", "turns": ["w1"]}\n{"id": "y", "turns": ["w2"]}\n{"id": "x", "turns": ["w3"]}\n')
     cases = [
-        (["--out", str(old)], "already holds a head, which this run would replace"),
+        (["--out", str(old)], "already holds a head or its notes"),
+        (["--out", str(tmp_path / "mine")], "already holds a head or its notes"),  # someone's own TRAINING.md
+        (["--out", str(old), "--resume", "--arch", "eagle3"], "holds an eagle2 head; this --arch eagle3 run would replace it"),
+        (["--out", str(tmp_path / "new"), "--work", str(prompts_file)], "is a file; name a folder"),
+        (["--out", str(tmp_path / "new"), "--work", str(prompts_file / "sub")], "--work"),
         (["--out", str(old), "--init-head", str(old), "--resume"], "is the --init-head folder"),
         (["--out", str(tmp_path / "new"), "--init-head", str(typo)], f"--init-head {typo}: no such folder"),
         (["--out", str(tmp_path / "new"), "--init-head", str(tmp_path)], "no config.json or model.safetensors"),
@@ -227,6 +236,32 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
     for options, message in cases:
         assert main(["train-head", "--prompts", str(prompts_file), *options]) == 2
         assert message in capsys.readouterr().err, options
+    assert main(["train-head", "--prompts", str(dup), "--out", str(tmp_path / "new")]) == 2  # every line, not the first
+    assert f"{dup}:3: id 'x' is already the id of line 1" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "TRAINING.md").read_text() == "my notes"
+
+
+def test_a_resumed_run_keeps_the_answers_its_features_came_from(tiny_base, prompts_file, tmp_path, capsys):
+    """After features are extracted (a time budget stopped the answers, here:
+    fewer samples planned), a resumed run that plans more answers trains on
+    the same ones instead of answering more and refusing its own features."""
+    from dataclasses import replace
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    train_head(tiny_base, paths, replace(ANSWERS, samples_per_prompt=1), FEATURES, TRAIN, progress=False, draft_vocab=24)
+    answers = (paths.work / "answers.jsonl").read_text()
+    report = train_head(tiny_base, paths, ANSWERS, FEATURES, replace(TRAIN, epochs=3), progress=False, draft_vocab=24)
+    assert (paths.work / "answers.jsonl").read_text() == answers
+    assert report["data"]["answers"] == 16 and "holds the features of 16 of 32 planned answers" in capsys.readouterr().out
+
+
+def test_a_checkpoint_made_with_other_settings_names_them(tiny_base, features, tmp_path):
+    from dataclasses import replace
+
+    _, shards = features
+    Trainer(tiny_base, shards["train"], shards["eval"], tmp_path, TRAIN).run(progress=False, stop_at=4)
+    with pytest.raises(ValueError, match=r"other settings \(--epochs, --learning-rate\); resume with the earlier ones"):
+        Trainer(tiny_base, shards["train"], shards["eval"], tmp_path, replace(TRAIN, epochs=4, learning_rate=1e-3))
 
 
 def test_resumed_answers_must_come_from_the_same_prompts_and_settings(tiny_base, prompts_file, tmp_path):

@@ -85,6 +85,14 @@ def read_answers(path: Path) -> list[Answer]:
     return answers
 
 
+def cached_answers(prompts: list[Prompt], cache: Path, params: AnswerParams) -> list[Answer]:
+    """The answers in `cache`, checked as a resumed run checks them, none added."""
+    drop_partial_line(cache)
+    cached = read_answers(cache)
+    check_cache(prompts, cache, cached, params)
+    return cached
+
+
 def generate_answers(
     base, prompts: list[Prompt], cache: Path, params: AnswerParams, deadline: float | None = None, progress: bool = True
 ) -> list[Answer]:

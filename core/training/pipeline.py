@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.training.answers import AnswerParams, generate_answers, read_answers, read_prompts
-from core.training.features import FeatureParams, extract_features, is_held_out
+from core.training.answers import AnswerParams, cached_answers, generate_answers, read_prompts
+from core.training.features import MANIFEST, FeatureParams, extract_features, is_held_out
 from core.training.report import write_report
 from core.training.trainer import TrainParams, Trainer, frequent_tokens
 from models import eagle3
@@ -107,14 +107,23 @@ def train_head(
             f"note: none of the {len(prompts)} prompts falls in the held-out {feature_params.eval_fraction:.0%} "
             "(chosen by id), so there will be no held-out figures; about 50 prompts or more give some", flush=True,
         )  # fmt: skip
+    features = paths.work / f"features{suffix}"
     with clock.phase("answers"):
-        answers = generate_answers(
-            base, prompts, paths.work / ANSWERS_FILE, answer_params, budget.answers_deadline, progress
-        )
+        if (features / MANIFEST).is_file():  # features were taken from the answers so far: they stay as they are
+            answers = cached_answers(prompts, paths.work / ANSWERS_FILE, answer_params)
+            planned = len(prompts) * answer_params.samples_per_prompt
+            if len(answers) < planned:
+                print(f"note: {features} holds the features of {len(answers)} of {planned} planned answers, made before "
+                      "the time budget stopped the answers; they are kept as they are (a new --work answers every prompt)",
+                      flush=True)  # fmt: skip
+        else:
+            answers = generate_answers(
+                base, prompts, paths.work / ANSWERS_FILE, answer_params, budget.answers_deadline, progress
+            )
     if not answers:
         raise ValueError(f"{paths.work / ANSWERS_FILE}: no answers yet; give the answer phase more time")
     with clock.phase("features"):
-        shards = extract_features(base, answers, paths.work / f"features{suffix}", feature_params, progress)
+        shards = extract_features(base, answers, features, feature_params, progress)
     with clock.phase("training"):
         trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params)
         trainer.run(budget.train_deadline, progress)
@@ -159,7 +168,3 @@ def data_summary(paths, prompts, answers, shards, answer_params: AnswerParams, f
         "shards": len(files),
         "feature_megabytes": sum(path.stat().st_size for path in files) / 2**20,
     }
-
-
-def answers_in(work: Path) -> int:
-    return len(read_answers(work / ANSWERS_FILE))

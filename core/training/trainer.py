@@ -59,6 +59,14 @@ class TrainParams:
     arch: str = "eagle2"  # eagle2 (EAGLE-1/2 head) or eagle3 (its draft vocabulary is the loss vocabulary)
 
 
+# train-head's options for the settings a checkpoint must match
+OPTIONS = {
+    "epochs": "--epochs", "learning_rate": "--learning-rate", "batch_tokens": "--batch-tokens",
+    "unroll_steps": "--unroll-steps", "loss_vocab": "--draft-vocab", "bf16": "--precision", "seed": "--seed",
+    "init_head": "--init-head", "arch": "--arch",
+}  # fmt: skip
+
+
 @dataclass
 class Frozen:
     """The base model's pieces the head is trained against (never updated)."""
@@ -471,10 +479,14 @@ class Trainer:
 
     def _load(self) -> None:
         state = torch.load(self.folder / CHECKPOINT, map_location="cpu", weights_only=False)
-        if state["steps_per_epoch"] != self.steps_per_epoch or state["params"] != asdict(self.params):
+        now = asdict(self.params)
+        changed = [OPTIONS.get(name, name) for name in now if state["params"].get(name) != now[name]]
+        if state["steps_per_epoch"] != self.steps_per_epoch:
+            changed.append("the training data")
+        if changed:
             raise ValueError(
-                f"{self.folder / CHECKPOINT}: the checkpoint was made with other data or settings; "
-                "delete it to train from scratch"
+                f"{self.folder / CHECKPOINT}: the checkpoint was made with other settings ({', '.join(changed)}); "
+                "resume with the earlier ones, or delete it to train from scratch"
             )
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
