@@ -242,7 +242,7 @@ def test_export_downloads_markdown_and_json(page):
         response = page.request.get(href if href.startswith("http") else page.url.rstrip("/") + "/" + href.lstrip("/"))
         assert response.ok, f"{href}: {response.status}"
         bodies[href.rsplit(".", 1)[-1]] = response.text()
-    assert "**User:**\n\nw4 w5" in bodies["md"]
+    assert "**User:**\n\n> w4 w5" in bodies["md"]
     assert [message["content"] for message in json.loads(bodies["json"])["messages"]][0] == "w4 w5"
 
 
