@@ -143,6 +143,7 @@ class Outcome:
                 "mean_tree_size": round(s.mean_tree_size, 2) if s else 1.0,
                 "mean_tree_depth": round(s.mean_tree_depth, 2) if s else 0.0,
                 "tokens_per_second": round(s.tokens_per_s, 2) if s else 0.0,
+                "decoding_tokens_per_second": None if s is None or s.decoding_tokens_per_s is None else round(s.decoding_tokens_per_s, 2),
                 "time_to_first_token": None if s is None or s.time_to_first_token is None else round(s.time_to_first_token, 4),
             },
         }

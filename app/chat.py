@@ -177,6 +177,7 @@ def reply_summary(reply: Reply, mode: str, settings: dict | None = None) -> dict
         "tokens": snapshot.tokens,
         "seconds": round(snapshot.seconds, 3),
         "tokens_per_s": round(snapshot.tokens_per_s, 2),
+        **({} if snapshot.decoding_tokens_per_s is None else {"decoding_tokens_per_s": round(snapshot.decoding_tokens_per_s, 2)}),
         "tau": round(snapshot.mean_accepted_length, 3),
         "finish_reason": reply.finish_reason,
     }

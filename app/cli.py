@@ -348,7 +348,8 @@ def run_chat(args) -> int:
         print(step.text, end="", flush=True)
     stats = step.stats
     print(
-        f"\n\n[{mode}] {stats.tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
+        f"\n\n[{mode}] {stats.tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s"
+        f"{'' if stats.decoding_tokens_per_s is None else f' ({stats.decoding_tokens_per_s:.1f} after the first token)'}, "
         f"tau {stats.mean_accepted_length:.2f}, trees of {stats.mean_tree_size:.1f} nodes (depth {stats.mean_tree_depth:.1f}), "
         f"first token after {stats.time_to_first_token:.2f} s, "
         f"finished: {step.finish_reason}"
@@ -477,8 +478,9 @@ def run_bench_command(args) -> int:
 
     from app.session import load_draft_head, prepare_costs
     from app.store import write_atomic
-    from core.bench import format_table, parse_mode, run_bench
+    from core.bench import format_table, head_of, parse_mode, run_bench
     from core.engine import Engine
+    from models.head import local_head_folder
 
     modes = bench_modes(args.modes)
     others = {}
@@ -489,6 +491,12 @@ def run_bench_command(args) -> int:
         if name in others:
             raise ValueError(f"--other-head names {name} twice ({others[name]} and {source})")
         others[name] = source
+    for mode in modes:
+        name = head_of(mode)
+        if name is not None and name not in others:
+            raise ValueError(f"--modes {mode}: no other head called {name!r}; give --other-head {name}=FOLDER")
+    for source in others.values():
+        local_head_folder(source)  # a missing folder fails now, not after the model has loaded
     json_out = check_writable(args.json_out, "--json", Path(args.prompts)) if args.json_out else None
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     planned = any(parse_mode(mode, tree)[0] == "eagle2" for mode in modes)

@@ -311,6 +311,10 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def stats_html(
     snapshot: Snapshot | None, tree_size: int, session_tau: float | None, note: str = "", saved: dict | None = None
 ) -> str:
@@ -325,6 +329,7 @@ def stats_html(
 
         rows = [
             ("tokens/s", figure("tokens_per_s", "{:.1f}"), "tps"),
+            ("tokens/s after the first token", figure("decoding_tokens_per_s", "{:.1f}"), "tps-decoding"),
             ("tau (this reply)", figure("tau", "{:.2f}"), "tau"),
             ("tau (session)", session, "tau-session"),
         ]
@@ -335,6 +340,7 @@ def stats_html(
         share = f"{100 * snapshot.draft_seconds / busy:.0f}% / {100 * snapshot.verify_seconds / busy:.0f}%" if busy else "-"
         rows = [
             ("tokens/s", f"{snapshot.tokens_per_s:.1f}", "tps"),
+            ("tokens/s after the first token", _rate(snapshot.decoding_tokens_per_s), "tps-decoding"),
             ("tau (this reply)", f"{snapshot.mean_accepted_length:.2f}", "tau"),
             ("tau (session)", "-" if session_tau is None else f"{session_tau:.2f}", "tau-session"),
             ("tokens", str(snapshot.tokens), "tokens"),

@@ -20,6 +20,9 @@ class Snapshot:
     acceptance_by_depth: tuple[float, ...]  # [d-1]: share of steps whose tree reached depth d that accepted a token there
     mean_tree_size: float = 1.0  # nodes verified per step after the prefill, the root included
     mean_tree_depth: float = 0.0  # depth of those trees (0 for a root-only step)
+    # tokens after the first / seconds since it: the decoding rate without the time spent reading the
+    # prompt (None until a step after the first token has committed some)
+    decoding_tokens_per_s: float | None = None
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Recorder:
     tokens: int = 0
     forwards: int = 0
     first_token_at: float | None = None
+    first_tokens: int = 0  # tokens committed by the step that gave the first token
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     depth_offered: list[int] = field(default_factory=list)  # [d-1]: steps whose tree had depth >= d
@@ -43,7 +47,7 @@ class Recorder:
             self.tree_nodes += tree_size
             self.tree_depths += tree_depth
         if self.first_token_at is None and tokens:
-            self.first_token_at = now
+            self.first_token_at, self.first_tokens = now, tokens
         self.tokens += tokens
         self.forwards += 1
         self.draft_seconds += draft_seconds
@@ -56,7 +60,9 @@ class Recorder:
             self.depth_accepted[depth] += depth < accepted
 
     def snapshot(self) -> Snapshot:
-        seconds = time.perf_counter() - self.started
+        now = time.perf_counter()
+        seconds = now - self.started
+        later = self.tokens - self.first_tokens
         return Snapshot(
             tokens=self.tokens,
             forwards=self.forwards,
@@ -69,4 +75,5 @@ class Recorder:
             acceptance_by_depth=tuple(a / o for a, o in zip(self.depth_accepted, self.depth_offered)),
             mean_tree_size=self.tree_nodes / (self.forwards - 1) if self.forwards > 1 else 1.0,
             mean_tree_depth=self.tree_depths / (self.forwards - 1) if self.forwards > 1 else 0.0,
+            decoding_tokens_per_s=later / (now - self.first_token_at) if later and now > self.first_token_at else None,
         )

@@ -366,8 +366,9 @@ def _read_weights(file: Path) -> dict[str, torch.Tensor]:
         raise HeadFormatError(f"{file}: cannot read the weights ({type(error).__name__}: {error})") from error
 
 
-def resolve_head_folder(source: str) -> Path:
-    """A local folder as is; otherwise a Hugging Face repo id, downloaded to the HF cache."""
+def local_head_folder(source: str) -> Path | None:
+    """The folder `source` names; None where it can only be a Hugging Face repo id. A path that
+    is not a folder is an error at once, before any download or model load."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -376,6 +377,14 @@ def resolve_head_folder(source: str) -> Path:
         raise ModelNotFoundError(f"{source}: is a file; a draft head is the folder holding config.json and its weights{folder}")
     if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ModelNotFoundError(f"{source}: no such draft-head folder, and not a Hugging Face repo id")
+    return None
+
+
+def resolve_head_folder(source: str) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id, downloaded to the HF cache."""
+    path = local_head_folder(source)
+    if path is not None:
+        return path
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub
 

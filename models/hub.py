@@ -31,8 +31,25 @@ def reachable() -> bool:
         port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
     except ValueError:  # a port out of range: the request itself names the problem
         return True
-    try:
-        socket.create_connection((host, port), timeout=PROBE_S).close()
-    except OSError:  # no such name (no network, no DNS), refused, or timed out
-        return False
-    return True
+    return _connects(host, port)
+
+
+def _connects(host: str, port: int) -> bool:
+    """Whether (host, port) takes a connection within PROBE_S, the name's lookup included:
+    the lookup has no timeout of its own (an unanswering DNS server holds it for 10 s or
+    more), so the probe runs in a thread that is waited for PROBE_S at most."""
+    import threading
+
+    outcome: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=PROBE_S).close()
+            outcome.append(True)
+        except OSError:  # no such name (no network, no DNS), refused, or timed out
+            outcome.append(False)
+
+    thread = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(PROBE_S)
+    return bool(outcome and outcome[0])

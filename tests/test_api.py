@@ -110,8 +110,9 @@ def test_greedy_chat_equals_the_engine_and_vanilla(client, engine):
         assert speculative["mean_accepted_length"] == pytest.approx(usage["completion_tokens"] / speculative["forwards"], abs=1e-3)
         assert set(speculative) == {
             "mode", "mean_accepted_length", "forwards", "accepted_draft_tokens", "acceptance_by_depth",
-            "mean_tree_size", "mean_tree_depth", "tokens_per_second", "time_to_first_token",
+            "mean_tree_size", "mean_tree_depth", "tokens_per_second", "decoding_tokens_per_second", "time_to_first_token",
         }  # fmt: skip
+        assert speculative["decoding_tokens_per_second"] > 0  # 30 tokens: many after the first
         if mode == "vanilla":
             assert speculative["accepted_draft_tokens"] == 0 and speculative["acceptance_by_depth"] == []
             assert speculative["mean_tree_size"] == 1.0 and speculative["mean_tree_depth"] == 0.0

@@ -148,6 +148,24 @@ def test_two_heads_are_compared_in_one_run(tiny_base, tmp_path):
     assert main(["bench", "--prompts", str(path), "--other-head", "no name"]) == 2
 
 
+def test_bench_refuses_an_unknown_or_missing_other_head_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from app.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr("app.cli.load_engine", no_model)
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": "0", "turns": ["w1 w2"]}])
+    cases = [
+        (["--modes", "vanilla,eagle2@mine"], "--modes eagle2@mine: no other head called 'mine'"),
+        (["--modes", "eagle2@mine", "--other-head", f"mine={tmp_path / 'nope'}"], "nope: no such draft-head folder"),
+        (["--modes", "eagle2@mine", "--other-head", f"mine={path}"], "is a file; a draft head is the folder"),
+    ]
+    for extra, message in cases:
+        assert main(["bench", "--prompts", str(path), *extra]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_a_run_cut_short_keeps_the_prompts_it_finished(tiny_base, tmp_path, monkeypatch):
     """After each prompt's last mode the result so far is handed out ("complete"
     false); when the third prompt fails, the first two are still there."""

@@ -374,3 +374,18 @@ def test_a_sliding_window_model_reads_a_long_prompt_in_one_forward(tmp_path, mon
     monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 8)
     events = list(engine.stream(prompt, mode="vanilla", sampling=params, reading=True))
     assert tokens_of(events) == whole and events[0].stats.forwards == 1  # no Reading: one forward
+
+
+def test_the_decoding_rate_leaves_out_the_time_spent_reading_the_prompt(monkeypatch):
+    from core import stats
+
+    clock = iter([8.0, 8.0, 9.0, 10.0, 10.0])  # a prefill of 8 s gives a token; two steps of 1 s give 3 more
+    monkeypatch.setattr(stats.time, "perf_counter", lambda: next(clock))
+    recorder = stats.Recorder(started=0.0)
+    recorder.record(1, 0, 1, 0, 0.0, 8.0)
+    assert recorder.snapshot().decoding_tokens_per_s is None  # nothing after the first token yet
+    recorder.record(2, 1, 4, 2, 0.1, 0.9)
+    recorder.record(1, 0, 4, 2, 0.1, 0.9)
+    snapshot = recorder.snapshot()
+    assert snapshot.tokens == 4 and snapshot.tokens_per_s == pytest.approx(0.4)
+    assert snapshot.decoding_tokens_per_s == pytest.approx(1.5)  # 3 tokens in the 2 s after the first

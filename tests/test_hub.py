@@ -82,3 +82,25 @@ def test_a_cached_base_model_loads_offline_after_one_probe(offline, tiny_dir):
     with pytest.raises(NetworkError, match="someone/absent-base: not in the local cache"):
         load_base("someone/absent-base", dtype="float32")
     assert attempts == [("huggingface.co", 443)] * 2
+
+
+def test_a_name_lookup_that_hangs_counts_as_unreachable_within_the_probe_s_time(offline, monkeypatch):
+    """A DNS server that does not answer holds getaddrinfo for 10 s or more, which
+    create_connection's timeout does not cover."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def hanging(address, *args, **kwargs):
+        release.wait(30)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "create_connection", hanging)
+    monkeypatch.setattr(hub, "PROBE_S", 0.2)
+    started = time.monotonic()
+    try:
+        assert not hub.reachable()
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()

@@ -225,6 +225,7 @@ def test_a_chat_opened_or_reloaded_shows_its_last_reply_s_figures(handlers, engi
         handlers.open(chat["id"], new_chat(), True)[3],
     ):
         assert f'id="stat-tps">{stats["tokens_per_s"]:.1f}<' in panel
+        assert f'id="stat-tps-decoding">{stats["decoding_tokens_per_s"]:.1f}<' in panel
         assert f'id="stat-tau">{stats["tau"]:.2f}<' in panel and 'id="stat-tokens">4<' in panel
     damaged = {**chat, "messages": [*chat["messages"][:-1], {**chat["messages"][-1], "stats": {"tau": "x", "tokens": True}}]}
     panel = render.stats_html(None, 0, None, saved=last_reply_stats(damaged))
