@@ -361,7 +361,7 @@ def run_train_head(args) -> int:
     import time
 
     from core.training.answers import AnswerParams
-    from core.training.features import FeatureParams
+    from core.training.features import FeatureParams, FeaturesStopped
     from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, train_head
     from core.training.report import NOTES_FILE, REPORT_FILE
     from core.prompt import PromptFileError, prompt_rows
@@ -400,20 +400,19 @@ def run_train_head(args) -> int:
         start = time.time()
         seconds = 60 * args.time_budget_minutes
         budget = Budget(answers_deadline=start + args.answer_share * seconds, train_deadline=start + seconds)
+    paths = RunPaths(prompts=Path(args.prompts), out=out, work=work)
+    answers = AnswerParams(args.samples_per_prompt, args.max_new_tokens, args.answer_temperature, args.answer_batch, seed=args.seed)
+    params = TrainParams(
+        epochs=args.epochs, learning_rate=args.learning_rate, batch_tokens=args.batch_tokens,
+        unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed, arch=args.arch,
+        init_head=str(Path(args.init_head).expanduser().resolve()) if args.init_head else None,
+    )  # fmt: skip
     base = load_base(args.model, args.quantization, args.dtype, args.device)
-    report = train_head(
-        base,
-        RunPaths(prompts=Path(args.prompts), out=out, work=work),
-        AnswerParams(args.samples_per_prompt, args.max_new_tokens, args.answer_temperature, args.answer_batch, seed=args.seed),
-        FeatureParams(),
-        TrainParams(
-            epochs=args.epochs, learning_rate=args.learning_rate, batch_tokens=args.batch_tokens,
-            unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed, arch=args.arch,
-            init_head=str(Path(args.init_head).expanduser().resolve()) if args.init_head else None,
-        ),  # fmt: skip
-        budget,
-        draft_vocab=args.draft_vocab or None,
-    )
+    try:
+        report = train_head(base, paths, answers, FeatureParams(), params, budget, draft_vocab=args.draft_vocab or None)
+    except FeaturesStopped as stop:  # no head yet: its training has not started
+        print(f"stopped by the time budget ({stop}); run again with --resume to continue ({work})")
+        return 0
     training = report["training"]
     if training["total_steps"] < 1:
         print(

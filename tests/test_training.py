@@ -63,6 +63,23 @@ def test_answer_cache_resumes_without_regenerating(tiny_base, prompts_file, tmp_
     assert sorted(resumed, key=key) == sorted(full, key=key)  # the same batches, the same seeds
 
 
+def test_features_stop_between_shards_past_the_deadline_and_resume(tiny_base, features, tmp_path, monkeypatch):
+    from core.training import features as extraction
+
+    answers, shards = features
+    folder = tmp_path / "features"
+    clock = iter([0.0, 0.0, 2.0])  # two shards start before the deadline (1.0), the third after it
+    monkeypatch.setattr(extraction.time, "time", lambda: next(clock, 2.0))
+    with pytest.raises(extraction.FeaturesStopped, match=r"features: \d+ of \d+ shards are still to be taken"):
+        extract_features(tiny_base, answers, folder, FEATURES, progress=False, deadline=1.0)
+    assert len(list(folder.glob("*/shard-*.safetensors"))) == 2
+    resumed = extract_features(tiny_base, answers, folder, FEATURES, progress=False)
+    for split, paths in shards.items():
+        assert [path.name for path in resumed[split]] == [path.name for path in paths]
+        for mine, theirs in zip(resumed[split], paths):
+            assert all(torch.equal(a.features, b.features) for a, b in zip(read_shard(mine), read_shard(theirs)))
+
+
 def test_loss_mask_covers_exactly_the_answer(features):
     answers, shards = features
     by_tokens = {tuple(a.prompt_ids + a.answer_ids): a for a in answers}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,10 +76,16 @@ def plan_shards(answers: list[Answer], params: FeatureParams) -> list[list[Answe
     return shards
 
 
+class FeaturesStopped(Exception):
+    """The time budget ran out between shards; the shards written so far are kept for --resume."""
+
+
 def extract_features(
-    base, answers: list[Answer], folder: Path, params: FeatureParams, progress: bool = True
+    base, answers: list[Answer], folder: Path, params: FeatureParams, progress: bool = True,
+    deadline: float | None = None,
 ) -> dict[str, list[Path]]:
-    """Write train/ and eval/ shards under `folder`; returns the shard files per split."""
+    """Write train/ and eval/ shards under `folder`; returns the shard files per split.
+    Past `deadline` (time.time()) no new shard starts: FeaturesStopped names how far it got."""
     from tqdm import tqdm
 
     answers = [answer for answer in answers if len(answer.answer_ids) >= 2]
@@ -91,7 +98,11 @@ def extract_features(
     pending = [(split, index) for split, plan in plans.items() for index in range(len(plan)) if not files[split][index].is_file()]
     total = sum(len(a.prompt_ids) + len(a.answer_ids) for split, index in pending for a in plans[split][index])
     bar = tqdm(total=total, unit="token", unit_scale=True, desc="features", disable=not progress)
-    for split, index in pending:
+    for done, (split, index) in enumerate(pending):
+        if deadline is not None and time.time() > deadline:
+            bar.close()
+            left = len(pending) - done
+            raise FeaturesStopped(f"features: {left} of {sum(map(len, files.values()))} shards are still to be taken")
         sequences = [
             sequence for batch in _batches(plans[split][index], params.batch_tokens)
             for sequence in forward_batch(base, batch, params.layer_ids)

@@ -123,7 +123,7 @@ def train_head(
     if not answers:
         raise ValueError(f"{paths.work / ANSWERS_FILE}: no answers yet; give the answer phase more time")
     with clock.phase("features"):
-        shards = extract_features(base, answers, features, feature_params, progress)
+        shards = extract_features(base, answers, features, feature_params, progress, budget.train_deadline)
     with clock.phase("training"):
         trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params)
         trainer.run(budget.train_deadline, progress)
