@@ -126,6 +126,7 @@ class Outcome:
         which are cut from the text and so not counted either."""
         self.tokens = self.tokens[: len(self.tokens) - len(last.token_ids) + kept]
         self.accepted -= last.accepted - min(last.accepted, kept)
+        self.snapshot = self.snapshot.without_last(len(last.token_ids) - kept)  # tau and the rates too
 
     def usage(self) -> dict:
         s = self.snapshot

@@ -164,7 +164,7 @@ def with_seed(options: Options) -> Options:
     """Sampling without a seed gets one drawn here (within the Seed box's
     range), so that the reply's stored settings can make it again."""
     sampling = options.sampling
-    if sampling.temperature == 0 or sampling.seed is not None:
+    if sampling.greedy or sampling.seed is not None:
         return options
     return replace(options, sampling=replace(sampling, seed=secrets.randbelow(RANGES["seed"][1] + 1)))
 

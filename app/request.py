@@ -63,11 +63,14 @@ def parse_chat(body: dict) -> Generation:
     return _generation(body, messages=messages, prompt=None)
 
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
 def parse_completion(body: dict) -> Generation:
-    return _generation(body, messages=None, prompt=_prompt(body.get("prompt")))
+    return _generation(body, messages=None, prompt=_prompt(body.get("prompt")), default_max_tokens=COMPLETION_MAX_TOKENS)
 
 
-def _generation(body: dict, messages, prompt) -> Generation:
+def _generation(body: dict, messages, prompt, default_max_tokens: int | None = None) -> Generation:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model is required: the id of the loaded model (see GET /v1/models)", "model")
@@ -83,7 +86,7 @@ def _generation(body: dict, messages, prompt) -> Generation:
         raise RequestError(
             f"kestrel.{unknown[0]} is not a Kestrel setting; known: {', '.join(sorted(KESTREL_FIELDS))}", f"kestrel.{unknown[0]}"
         )
-    max_tokens = _max_tokens(body)
+    max_tokens = _max_tokens(body) or default_max_tokens
     top_k_source = kestrel if "top_k" in kestrel else body
     top_k_name = "kestrel.top_k" if "top_k" in kestrel else "top_k"
     sampling = SamplingParams(
@@ -91,7 +94,7 @@ def _generation(body: dict, messages, prompt) -> Generation:
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # as OpenAI's: 0 keeps the most likely token alone
         top_k=_integer(top_k_source, "top_k", 0, 0, 1_000_000, top_k_name),
         max_new_tokens=max_tokens or 1,
-        seed=_integer(body, "seed", None, 0, MAX_SEED),
+        seed=_seed(body),
     )
     mode = kestrel.get("mode")
     if mode is not None and mode not in MODES:
@@ -178,6 +181,13 @@ def _prompt(value) -> str | list[int]:
     if isinstance(value, list) and value and all(type(token) is int and token >= 0 for token in value):
         return value
     raise RequestError("prompt must be a non-empty string or list of token ids, or a list of one of these", "prompt")
+
+
+def _seed(body: dict) -> int | None:
+    """OpenAI's seed is any 64-bit integer; -1, which SillyTavern and text-generation-webui
+    send by default, means a fresh seed as no seed does."""
+    seed = _integer(body, "seed", None, -MAX_SEED - 1, MAX_SEED)
+    return None if seed == -1 else seed
 
 
 def _max_tokens(body: dict) -> int | None:

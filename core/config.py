@@ -28,7 +28,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or a filter that keeps the most likely token alone (top-k 1, top-p 0):
+        the exact argmax, which the lm_head's rounded logits could tie with another token."""
+        return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
 
 
 @dataclass(frozen=True)

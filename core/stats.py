@@ -4,7 +4,7 @@ base-model forward, the bonus token included; vanilla decoding has tau = 1."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,21 @@ class Snapshot:
     # tokens after the first / seconds since it: the decoding rate without the time spent reading the
     # prompt (None until a step after the first token has committed some)
     decoding_tokens_per_s: float | None = None
+    first_tokens: int = 0  # tokens committed by the step that gave the first token
+
+    def without_last(self, count: int) -> Snapshot:
+        """The figures as if the last `count` tokens had not been made (tokens a stop
+        string cuts from a reply); the time, forwards and trees stay as they were."""
+        tokens = self.tokens - count
+        later = tokens - self.first_tokens
+        decoding = self.seconds - (self.time_to_first_token or 0.0)
+        return replace(
+            self,
+            tokens=tokens,
+            tokens_per_s=tokens / self.seconds if self.seconds > 0 else 0.0,
+            mean_accepted_length=tokens / self.forwards if self.forwards else 0.0,
+            decoding_tokens_per_s=later / decoding if later > 0 and decoding > 0 else None,
+        )
 
 
 @dataclass
@@ -76,4 +91,5 @@ class Recorder:
             mean_tree_size=self.tree_nodes / (self.forwards - 1) if self.forwards > 1 else 1.0,
             mean_tree_depth=self.tree_depths / (self.forwards - 1) if self.forwards > 1 else 0.0,
             decoding_tokens_per_s=later / (now - self.first_token_at) if later and now > self.first_token_at else None,
+            first_tokens=self.first_tokens,
         )

@@ -172,6 +172,8 @@ def test_a_stop_string_counts_the_same_completion_tokens_in_every_mode(client, e
         reply = chat(client, engine.base.name, stop=stop, extra_body={"kestrel": {"mode": mode}})
         assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content == text[: text.index(stop)]
         assert reply.usage.completion_tokens == expected, mode
+        speculative = reply.usage.model_dump()["speculative"]  # its figures count the same tokens
+        assert speculative["mean_accepted_length"] * speculative["forwards"] == pytest.approx(expected, abs=1e-2), mode
 
 
 def test_stop_strings_are_met_token_by_token_however_many_tokens_a_step_commits(engine):
@@ -211,12 +213,19 @@ def test_completions_take_a_raw_prompt(client, engine):
     assert reply.usage.prompt_tokens == len(prompt_ids)
     by_ids = client.completions.create(model=engine.base.name, prompt=prompt_ids, max_tokens=12, temperature=0)
     assert by_ids.choices[0].text == reply.choices[0].text
+    short = client.completions.create(model=engine.base.name, prompt="w1 w2 w3", temperature=0)  # max_tokens left out
+    sixteen = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=16)))
+    assert short.choices[0].text == "".join(step.text for step in sixteen) and short.usage.completion_tokens <= 16
 
 
 def test_seeded_sampling_repeats(client, engine):
     first = chat(client, engine.base.name, temperature=1.0, top_p=0.9, seed=7)
     again = chat(client, engine.base.name, temperature=1.0, top_p=0.9, seed=7)
     assert first.choices[0].message.content == again.choices[0].message.content
+    negative = [chat(client, engine.base.name, temperature=1.0, seed=-7).choices[0].message.content for _ in range(2)]
+    assert negative[0] == negative[1]  # any 64-bit seed, as OpenAI's
+    fresh = {chat(client, engine.base.name, temperature=1.0, seed=-1).choices[0].message.content for _ in range(4)}
+    assert len(fresh) > 1  # -1, as some front-ends send it: a fresh seed each time
 
 
 @pytest.mark.parametrize(
@@ -232,7 +241,7 @@ def test_seeded_sampling_repeats(client, engine):
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
@@ -460,7 +469,8 @@ def test_odd_requests_get_named_errors_or_sound_answers(server, client, engine):
     # a top_p or temperature too small for float32 samples the most likely token: the greedy reply
     greedy = chat(client, name, max_tokens=12).choices[0].message.content
     assert greedy
-    for changes in ({"temperature": 1.0, "top_p": 1e-46}, {"temperature": 1e-40, "top_p": 0.9}, {"temperature": 1.0, "top_p": 0}):
+    for changes in ({"temperature": 1.0, "top_p": 1e-46}, {"temperature": 1e-40, "top_p": 0.9}, {"temperature": 1.0, "top_p": 0},
+                    {"temperature": 1.0, "extra_body": {"top_k": 1}, "seed": 3}):
         assert chat(client, name, max_tokens=12, **changes).choices[0].message.content == greedy
     # methods: HEAD where GET is served, 405 naming the method where the path exists
     assert httpx.head(f"{server.url}health").status_code == 200 and httpx.head(f"{url}/models").status_code == 200

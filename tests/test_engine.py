@@ -389,3 +389,6 @@ def test_the_decoding_rate_leaves_out_the_time_spent_reading_the_prompt(monkeypa
     snapshot = recorder.snapshot()
     assert snapshot.tokens == 4 and snapshot.tokens_per_s == pytest.approx(0.4)
     assert snapshot.decoding_tokens_per_s == pytest.approx(1.5)  # 3 tokens in the 2 s after the first
+    cut = snapshot.without_last(1)  # a stop string cuts the last token
+    assert (cut.tokens, cut.tokens_per_s, cut.mean_accepted_length, cut.decoding_tokens_per_s) == (3, 0.3, 1.0, 1.0)
+    assert snapshot.without_last(3).decoding_tokens_per_s is None

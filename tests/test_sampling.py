@@ -101,3 +101,10 @@ def test_top_p_over_the_largest_probabilities_equals_the_rule_over_a_full_sort(s
             assert torch.equal(probs > 0, expected > 0)
             assert torch.allclose(probs, expected, rtol=1e-5, atol=0)
             assert torch.allclose(probabilities(logits[1], SamplingParams(temperature=1.0, top_p=top_p)), probs[1])
+
+
+def test_a_filter_that_keeps_one_token_is_greedy():
+    """top-k 1 and top-p 0 keep the most likely token alone: the exact argmax that greedy
+    decoding takes, not a draw among tokens that the lm_head's rounded logits tie."""
+    assert SamplingParams(temperature=1.0, top_k=1).greedy and SamplingParams(temperature=0.7, top_p=0).greedy
+    assert not SamplingParams(temperature=1.0, top_k=2).greedy and not SamplingParams(temperature=1.0, top_p=1e-9).greedy
