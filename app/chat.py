@@ -179,6 +179,10 @@ def reply_summary(reply: Reply, mode: str, settings: dict | None = None) -> dict
         "tokens_per_s": round(snapshot.tokens_per_s, 2),
         **({} if snapshot.decoding_tokens_per_s is None else {"decoding_tokens_per_s": round(snapshot.decoding_tokens_per_s, 2)}),
         "tau": round(snapshot.mean_accepted_length, 3),
+        "forwards": snapshot.forwards,
+        **({} if snapshot.time_to_first_token is None else {"time_to_first_token": round(snapshot.time_to_first_token, 3)}),
+        "mean_tree_size": round(snapshot.mean_tree_size, 2),
+        "mean_tree_depth": round(snapshot.mean_tree_depth, 2),
         "finish_reason": reply.finish_reason,
     }
 
@@ -266,6 +270,7 @@ class ChatHandlers:
         self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
         self.unsaved: set[str] = set()  # ids of chats whose latest save failed: their disk copy is older, not another tab's
         self.sent: set[str] = set()  # ids of chats whose accepted message waits for the model (send not started)
+        self.colours: dict[str, bool] = {}  # the colouring of each reply being written, as the page's box has it now
 
     def accept(self, message: str, chat: dict | None, colour: bool) -> tuple:
         """At once on Send, before the reply waits for the model: the message
@@ -277,11 +282,14 @@ class ChatHandlers:
         overwrite the other's, and each has its own Stop.
         Outputs: message box, pending message, chatbot, chat state, notice."""
         text = (message or "").strip()
-        if not text or (chat and chat["id"] in self.replying):
-            return message, text, gr.skip(), gr.skip(), gr.skip()  # send then explains
+        if not text:  # no pending message: send does nothing
+            return message, "", gr.skip(), gr.skip(), notice_html("Type a message first.")
+        if self._busy(chat):  # being answered (from this tab or another): the text stays in the box, nothing is queued
+            return message, "", gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
         chat = copy.deepcopy(chat) if chat else new_chat()
         notes = []
         if self._stale(chat):
+            chat["copy_of"] = chat["id"]  # titled as a copy in Saved chats
             chat["id"] = new_chat()["id"]
             chat.pop(TAKEN_BACK, None)  # a copy: nothing of it is saved yet
             notes.append(FORKED_TEXT)
@@ -302,12 +310,12 @@ class ChatHandlers:
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
         """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot, calibration plot."""
+        message = (message or "").strip()
+        if not message:  # accept refused it and said why (or a caller of /send sent nothing)
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
+            return
         if chat:
             self.sent.discard(chat["id"])
-        message = (message or "").strip()
-        if not message:
-            yield gr.skip(), gr.skip(), chat, notice_html("Type a message first."), *SKIP_PANEL
-            return
         if chat and chat["id"] in self.replying:
             yield message, gr.skip(), chat, notice_html(BUSY_TEXT), *SKIP_PANEL
             return
@@ -371,11 +379,13 @@ class ChatHandlers:
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
         stats_throttle, plot_throttle = Throttle(PANEL_INTERVAL), Throttle(PLOT_INTERVAL)
-        history = display(chat, colour)  # rendered once; each update renders only the growing reply
+        history = display(chat, colour)  # rendered once (and again if the colouring changes); each update renders only the growing reply
         reply = None
         self.replying.add(chat["id"])
+        self.colours[chat["id"]] = colour
         try:
-            yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *SKIP_PANEL
+            empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
+            yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *empty_panel
             replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL)
             read = False  # whether the notice shows how far a long conversation is read
             for reply in replies:
@@ -385,6 +395,9 @@ class ChatHandlers:
                     read = True
                     yield gr.skip(), gr.skip(), gr.skip(), notice_html(f"{note} {reply.reading_text}".strip()), *SKIP_PANEL
                     continue
+                if self.colours[chat["id"]] != colour:  # ticked or unticked during the reply
+                    colour = self.colours[chat["id"]]
+                    history = display(chat, colour)
                 pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
                 stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
                 plots = self._plots(reply, engine, options.sampling) if plot_throttle.ready() else SKIP_PANEL[1:]
@@ -409,6 +422,7 @@ class ChatHandlers:
             return
         finally:
             self.replying.discard(chat["id"])
+            colour = self.colours.pop(chat["id"], colour)
         if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
@@ -594,6 +608,11 @@ class ChatHandlers:
         return [str(markdown), str(data)]
 
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
+        """The chat shown with or without colours; while its reply is written, that reply's
+        next update (and its end) takes the new setting instead: the view lacks the reply so far."""
+        if chat and chat["id"] in self.colours:
+            self.colours[chat["id"]] = colour
+            return gr.skip()
         return display(chat or new_chat(), colour)
 
     def remember(self, system: str, *values):

@@ -334,7 +334,12 @@ def stats_html(
             ("tau (session)", session, "tau-session"),
         ]
         if saved:
-            rows.append(("tokens", figure("tokens", "{:.0f}"), "tokens"))
+            rows += [
+                ("tokens", figure("tokens", "{:.0f}"), "tokens"),
+                ("base-model forwards", figure("forwards", "{:.0f}"), "forwards"),
+                ("time to first token", figure("time_to_first_token", "{:.2f} s"), "ttft"),
+                ("mean tree: nodes / depth", figure("mean_tree_size", "{:.1f}") + " / " + figure("mean_tree_depth", "{:.1f}"), "tree-mean"),
+            ]
     else:
         busy = snapshot.draft_seconds + snapshot.verify_seconds
         share = f"{100 * snapshot.draft_seconds / busy:.0f}% / {100 * snapshot.verify_seconds / busy:.0f}%" if busy else "-"

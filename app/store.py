@@ -72,9 +72,11 @@ def new_chat(system: str = "") -> dict:
 
 
 def chat_title(chat: dict) -> str:
+    """The first message, shortened; a chat that another tab's change split off is marked a copy."""
     first = next((m["content"] for m in chat["messages"] if m["role"] == "user"), "")
     title = " ".join(first.split())
-    return (title[:48] + "...") if len(title) > 48 else (title or "New chat")
+    title = (title[:48] + "...") if len(title) > 48 else (title or "New chat")
+    return f"{title} (copy)" if chat.get("copy_of") else title
 
 
 class Store:
@@ -244,7 +246,8 @@ def made_with(stats) -> str:
                   if is_number(settings.get(key))]  # fmt: skip
     elif "temperature" in settings:
         parts.append("greedy")
-    figures = (("tokens", "{} tokens"), ("tokens_per_s", "{:.1f} tokens/s"), ("tau", "tau {:.2f}"))
+    figures = (("tokens", "{} tokens"), ("tokens_per_s", "{:.1f} tokens/s"),
+               ("decoding_tokens_per_s", "{:.1f} tokens/s after the first token"), ("tau", "tau {:.2f}"))  # fmt: skip
     parts += [form.format(stats[key]) for key, form in figures if is_number(stats.get(key))]
     endings = {"cancelled": "stopped before its end", "length": "cut at the token limit", "context": "cut at the context window"}
     if stats.get("finish_reason") in endings:

@@ -163,7 +163,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 load_notice = gr.HTML()
 
         chat_outputs = [message, chatbot, chat_state, notice, stats, depth_plot, rate_plot, calibration_plot]
-        refresh = {"fn": lambda: gr.update(choices=chat_choices(store)), "outputs": chats}
+        refresh = {"fn": lambda: gr.update(choices=chat_choices(store)), "outputs": chats, "show_progress": "hidden"}
         # the sent message, on its way from accept to send: a hidden box rather than a State, so
         # that the page's /send endpoint (gradio_client) still takes the message as its first input
         pending = gr.Textbox(visible=False)
@@ -171,32 +171,34 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             # accept at once (the message leaves the box and is saved; Stop applies from here), then wait for the model
             trigger(
                 chat.accept, [message, chat_state, colour], [message, pending, chatbot, chat_state, notice],
-                concurrency_limit=None, show_progress="hidden", api_name=False,
+                concurrency_limit=None, show_progress="hidden", api_name=False, trigger_mode="multiple",  # a Send during a reply is refused, not dropped
             ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)  # fmt: skip
         refused = gr.Checkbox(False, visible=False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
         regenerate.click(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
         ).then(**refresh)
         stop.click(chat.stop, chat_state, None, concurrency_limit=None)
-        edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice]).then(**refresh)
+        edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
         confirmed = gr.Checkbox(False, visible=False)
         ask = "() => confirm('{}')".format
         ask_clear = ask("Clear this chat? Its messages are deleted from the saved chats.")
         clear.click(None, None, confirmed, js=ask_clear, api_name=False).then(
-            chat.clear, [chat_state, confirmed], [chatbot, chat_state, stats, depth_plot, rate_plot, notice]
+            chat.clear, [chat_state, confirmed], [chatbot, chat_state, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         ).then(**refresh)
         # the chatbot's own trash icon empties the view at once: the same question, and the chat shown again if refused
         chatbot.clear(None, None, confirmed, js=ask_clear, api_name=False).then(
-            chat.clear, [chat_state, confirmed, colour], [chatbot, chat_state, stats, depth_plot, rate_plot, notice]
+            chat.clear, [chat_state, confirmed, colour], [chatbot, chat_state, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         ).then(**refresh)
-        new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, depth_plot, rate_plot, chats, notice])
-        chats.input(chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice])
-        delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(
-            chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice]
+        new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden")
+        chats.input(
+            chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden"
         )
-        export.click(chat.export, chat_state, exported)
-        colour.change(chat.recolour, [chat_state, colour], chatbot)
+        delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(
+            chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice], show_progress="hidden"
+        )
+        export.click(chat.export, chat_state, exported, show_progress="hidden")
+        colour.change(chat.recolour, [chat_state, colour], chatbot, show_progress="hidden")
         gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], notice, show_progress="hidden")
 
         run_compare.click(

@@ -166,6 +166,29 @@ def test_regenerate_while_a_reply_is_written_is_refused_at_once(page, data_dir):
     assert chats[0]["messages"][-1]["stats"]["tokens"] == 6 and len(chats[0]["messages"]) == 2
 
 
+def test_send_or_enter_while_a_reply_is_written_is_refused_and_keeps_the_text(page, data_dir):
+    """Both say so at once and leave the typed text in the box; nothing is sent when the
+    reply ends (Enter used to queue the text silently and send it then, Send did nothing)."""
+    settings(page, 200)
+    box = page.locator("#message textarea")
+    for number, press in enumerate((lambda: page.locator("#send").click(), lambda: box.press("Enter"))):
+        page.locator("#new-chat").click()
+        send(page, f"w4 w{number}")
+        page.wait_for_function("document.querySelector('#stat-tokens') && +document.querySelector('#stat-tokens').innerText > 5")
+        box.fill("w6 w7")
+        press()
+        page.locator("#notice").get_by_text("A reply is being written").wait_for(timeout=3_000)
+        assert box.input_value() == "w6 w7"
+        page.locator("#stop").click()
+        page.locator("#notice").get_by_text("Stopped.").wait_for(timeout=5_000)
+        time.sleep(1.0)  # a queued send would have started by now
+        assert box.input_value() == "w6 w7" and page.locator("#notice").inner_text().strip() == "Stopped."
+        saved = [json.loads(path.read_text()) for path in (data_dir / "chats").glob("*.json")]
+        kept = [chat for chat in saved if chat["messages"] and chat["messages"][0]["content"] == f"w4 w{number}"]
+        assert len(kept) == 1 and [m["role"] for m in kept[0]["messages"]] == ["user", "assistant"]
+    box.fill("")
+
+
 def test_a_setting_typed_out_of_range_gets_no_unnamed_error(page):
     """Typing into a slider's box sends each value as typed: Gradio's own check
     answered "Value 5 is greater than maximum value 2." in toasts that named no

@@ -173,6 +173,7 @@ def test_a_reply_stores_its_settings_and_seed_and_they_make_it_again(handlers, e
     assert again[-1][2]["messages"][-1]["content"] == chat["messages"][-1]["content"]
     markdown = open(handlers.export(chat)[0]).read()
     assert f"temperature 0.9, top-p 1.0, top-k 20, seed {settings['seed']}" in markdown and "tokens/s" in markdown
+    assert "tokens/s after the first token" in markdown  # the rate without the prompt's reading, as the panel shows it
     greedy = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]["messages"][-1]["stats"]
     assert greedy["settings"]["seed"] is None and "greedy" in store_module.made_with(greedy)
     assert store_module.made_with(greedy).endswith("cut at the token limit")  # 4 of 4 tokens
@@ -226,6 +227,8 @@ def test_a_chat_opened_or_reloaded_shows_its_last_reply_s_figures(handlers, engi
     ):
         assert f'id="stat-tps">{stats["tokens_per_s"]:.1f}<' in panel
         assert f'id="stat-tps-decoding">{stats["decoding_tokens_per_s"]:.1f}<' in panel
+        assert f'id="stat-forwards">{stats["forwards"]}<' in panel and f'id="stat-ttft">{stats["time_to_first_token"]:.2f} s<' in panel
+        assert f'id="stat-tree-mean">{stats["mean_tree_size"]:.1f} / {stats["mean_tree_depth"]:.1f}<' in panel
         assert f'id="stat-tau">{stats["tau"]:.2f}<' in panel and 'id="stat-tokens">4<' in panel
     damaged = {**chat, "messages": [*chat["messages"][:-1], {**chat["messages"][-1], "stats": {"tau": "x", "tokens": True}}]}
     panel = render.stats_html(None, 0, None, saved=last_reply_stats(damaged))
@@ -1064,3 +1067,54 @@ def test_a_long_conversation_shows_how_far_it_is_read_and_stop_gives_it_back(han
     handlers.stop(chat)
     final = list(stream)[-1]
     assert "Stopped before the reply started" in final[3] and final[0] == message and final[2]["messages"] == []
+
+
+def test_a_message_sent_during_its_chat_s_reply_is_refused_at_once_and_stays_in_the_box(handlers, store):
+    """Enter (or Send) while this tab's reply is written: said at once, the text kept, nothing
+    queued to be sent later with the old text (which then cleared what was typed meanwhile)."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    _, pending, _, chat, _ = handlers.accept("w2", chat, True)
+    stream = handlers.send(pending, chat, "", *values(max_new_tokens=200, mode="vanilla"))
+    writing = next(stream)[2]
+    box, pending, shown_chat, state, notice = handlers.accept("w3", writing, True)
+    assert (box, pending) == ("w3", "") and is_skip(shown_chat) and is_skip(state) and "A reply is being written" in notice
+    handlers.stop(writing)
+    final = list(stream)[-1][2]
+    assert all(is_skip(update) for update in list(handlers.send(pending, final, "", *values()))[-1])  # nothing to send
+    assert [m["content"] for m in store.load_chat(chat["id"])["messages"] if m["role"] == "user"] == ["w1", "w2"]
+    assert "Type a message first" in handlers.accept("  ", final, True)[4]
+
+
+def test_a_message_from_another_tab_during_a_reply_keeps_the_reply(handlers, store):
+    """Tab B shows the chat that tab A is being answered in. B's message is refused while
+    the reply is written (it used to wait, then save B's older view over A's exchange);
+    sent again afterwards it starts a copy, titled so."""
+    first = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    tab_a = tab_b = first
+    _, pending_a, _, tab_a, _ = handlers.accept("w2", tab_a, True)
+    stream = handlers.send(pending_a, tab_a, "", *values(max_new_tokens=200, mode="vanilla"))
+    next(stream)
+    box, pending_b, _, _, notice = handlers.accept("w3", tab_b, True)
+    assert (box, pending_b) == ("w3", "") and "A reply is being written" in notice
+    handlers.stop(tab_a)
+    list(stream)
+    _, pending_b, _, tab_b, notice = handlers.accept("w3", tab_b, True)
+    assert pending_b == "w3" and tab_b["id"] != first["id"] and "changed in another tab" in notice
+    list(handlers.send(pending_b, tab_b, "", *values(max_new_tokens=4)))
+    assert [m["content"] for m in store.load_chat(first["id"])["messages"] if m["role"] == "user"] == ["w1", "w2"]
+    assert [m["content"] for m in store.load_chat(tab_b["id"])["messages"] if m["role"] == "user"] == ["w1", "w3"]
+    titles = dict((chat_id, title) for title, chat_id in chat_module.chat_choices(store))
+    assert titles[tab_b["id"]].startswith("w1 (copy) (") and titles[first["id"]].startswith("w1 (")
+
+
+def test_a_new_reply_clears_the_panel_of_the_last_one_and_follows_the_colour_box(handlers):
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    stream = handlers.send("w2", chat, "", *values(max_new_tokens=40, mode="eagle2", colour=True))
+    first = next(stream)
+    assert 'id="stat-tps">-<' in first[4] and 'id="stat-tokens"' not in first[4]  # not the last reply's figures
+    writing = first[2]
+    assert is_skip(handlers.recolour(writing, False))  # the view lacks the reply so far: the reply takes it up
+    updates = list(stream)
+    final = updates[-1][2]
+    assert 'class="kd"' in str(chat_module.display(final, True))  # drafted runs that colouring would show
+    assert updates[-1][1] == chat_module.display(final, False)  # the finished reply uncoloured, as the box now says
