@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +54,7 @@ class DraftVocabulary:
         target ids (None: the whole vocabulary, in order); norm: applied to
         the head's output first (EAGLE-3's own final norm)."""
         weight = weight.detach()
+        self.size = weight.shape[0]  # draft tokens: the widest choice a node can have
         self.norm = norm
         self.packed = self.weight = None
         own = int8.own_kernel_takes(weight)
@@ -125,11 +126,13 @@ class Drafter:
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else base_model.get_input_embeddings()
         self.vocabulary = vocabulary or draft_vocabulary(head, base_model)
-        self.params = params
+        size = self.vocabulary.size  # a node has at most this many children: wider settings are cut to it
+        self.params = replace(params, top_k=min(params.top_k, size))
+        static_paths = [path for path in static_paths or () if max(path) < size]
         self.static_paths = sorted(static_paths, key=lambda path: (len(path), path)) if static_paths else None
         self.cache = HeadCache()
         self.last_hidden: torch.Tensor | None = None  # (H,) predicted feature at the root's position
-        self.index = ContextIndex()  # committed tokens after the first, ending with the root: for the context branch
+        self.index = ContextIndex()  # the committed tokens, ending with the root: for the context branch
         self.planning = planning
         self.drafted: Drafted | None = None  # the last tree's nodes, for calibration
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the head has not read yet
@@ -196,6 +199,10 @@ class Drafter:
             return
         self.resting = min(2**self.unprofitable, MAX_REST)
         self.unprofitable += 1
+
+    def discard(self) -> None:
+        """The last tree was not verified (it would not fit in the context window): it teaches calibration nothing."""
+        self.drafted = None
 
     def observe(self, path: list[int]) -> None:
         """Teach calibration which nodes of the last planned tree were accepted (path: tree nodes, root first)."""

@@ -360,6 +360,8 @@ class _Run:
 
     def _commit_prompt(self, start: int, end: int, head_features: torch.Tensor, next_token: int) -> None:
         if self.drafter is not None:
+            if start == 0:  # the context branch matches from the conversation's first token (the head reads pairs after it)
+                self.drafter.index.extend(self.prompt_ids[:1])
             next_tokens = self.prompt_ids[start + 1 : end] + [next_token]
             self.drafter.commit(head_features, torch.tensor(next_tokens, device=self.device))
 
@@ -411,7 +413,10 @@ class _Run:
             return root_only
         tree = self.drafter.draft(self.root)
         room = self.engine.context_limit - self.committed - 1  # positions left after the root's
-        return tree if int(tree.depths.max()) < room else root_only
+        if int(tree.depths.max()) < room:
+            return tree
+        self.drafter.discard()
+        return root_only
 
     def cancelled(self) -> Step:
         self.finish_reason = "cancelled"

@@ -392,3 +392,57 @@ def test_the_decoding_rate_leaves_out_the_time_spent_reading_the_prompt(monkeypa
     cut = snapshot.without_last(1)  # a stop string cuts the last token
     assert (cut.tokens, cut.tokens_per_s, cut.mean_accepted_length, cut.decoding_tokens_per_s) == (3, 0.3, 1.0, 1.0)
     assert snapshot.without_last(3).decoding_tokens_per_s is None
+
+
+def test_a_tree_that_does_not_fit_before_the_context_window_teaches_calibration_nothing(tmp_path, monkeypatch):
+    """Near the window's end a drafted tree is dropped for the root alone; its nodes were
+    never verified, so they must not count as rejected (they shrank later trees)."""
+    from core import drafter as drafter_module
+    from core import engine as engine_module
+    from tests.test_planner import GPU_LIKE
+
+    base = load_base(str(save_tiny_model(tmp_path / "m", "llama", vocab_size=48, max_position_embeddings=64)), dtype="float64")
+    engine = Engine(base, random_head(base.model, seed=1))
+    engine.costs = GPU_LIKE  # nodes nearly free: the planner drafts deep trees
+    observed, verified = [], []
+    observe, verify = drafter_module.Drafter.observe, engine_module.verify_tree
+
+    def spy_observe(self, path):
+        observed.append(0 if self.drafted is None else len(self.drafted.depths))
+        observe(self, path)
+
+    def spy_verify(model, tree, *args, **kwargs):
+        verified.append(tree.size - 1)
+        return verify(model, tree, *args, **kwargs)
+
+    monkeypatch.setattr(drafter_module.Drafter, "observe", spy_observe)
+    monkeypatch.setattr(engine_module, "verify_tree", spy_verify)
+    tree = TreeParams(depth=4, top_k=3)
+    steps = list(engine.stream([8, 9, 10, 11], "eagle2", SamplingParams(max_new_tokens=200), tree))
+    assert steps[-1].finish_reason == "context" and 0 in verified[-5:]  # steps that verified the root alone
+    assert all(nodes in (0, drafted) for nodes, drafted in zip(observed, verified))
+
+
+def test_the_context_branch_matches_from_the_prompt_s_first_token(engine64):
+    """The head reads pairs after the first token, but the context index holds them all:
+    a continuation copied from a match at position 0 is found."""
+    run = run_of(engine64, [5, 6, 9, 10, 11, 5], TreeParams(10, 3, 3, lookup_tokens=6))
+    run.prefill()
+    assert run.drafter.index.tokens[:6] == [5, 6, 9, 10, 11, 5]
+
+
+def run_of(engine, prompt, tree):
+    from core.engine import _Run
+
+    return _Run(engine, prompt, engine._drafter("eagle2", tree, SamplingParams()), SamplingParams())
+
+
+def test_a_draft_vocabulary_narrower_than_top_k_drafts_what_it_has(tmp_path):
+    from tests.factory import random_eagle3_head
+
+    base = load_base(str(save_tiny_model(tmp_path / "m", "llama", seed=3, vocab_size=12, sharpness=3.0)), dtype="float64")
+    engine = Engine(base, random_eagle3_head(base.model, seed=2, draft_ids=torch.tensor([2, 5, 7])))
+    vanilla = [t for step in engine.stream([5, 6, 7], "vanilla", SamplingParams(max_new_tokens=8)) for t in step.token_ids]
+    for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(10, 3, 6)), ("eagle2", TreeParams(depth=3, top_k=6))):
+        steps = list(engine.stream([5, 6, 7], mode, SamplingParams(max_new_tokens=8), tree))
+        assert [t for step in steps for t in step.token_ids] == vanilla, (mode, tree)
