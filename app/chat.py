@@ -266,11 +266,11 @@ class ChatHandlers:
         self.runtime = runtime
         self.store = store
         self.exports: tempfile.TemporaryDirectory | None = None  # one folder for every export, removed at exit
-        self.replying: set[str] = set()  # ids of the chats whose reply is being written
+        # the chats whose reply is being written: id -> that reply's colouring, as the page's box has it now
+        self.replying: dict[str, bool] = {}
         self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
         self.unsaved: set[str] = set()  # ids of chats whose latest save failed: their disk copy is older, not another tab's
         self.sent: set[str] = set()  # ids of chats whose accepted message waits for the model (send not started)
-        self.colours: dict[str, bool] = {}  # the colouring of each reply being written, as the page's box has it now
 
     def accept(self, message: str, chat: dict | None, colour: bool) -> tuple:
         """At once on Send, before the reply waits for the model: the message
@@ -381,8 +381,7 @@ class ChatHandlers:
         stats_throttle, plot_throttle = Throttle(PANEL_INTERVAL), Throttle(PLOT_INTERVAL)
         history = display(chat, colour)  # rendered once (and again if the colouring changes); each update renders only the growing reply
         reply = None
-        self.replying.add(chat["id"])
-        self.colours[chat["id"]] = colour
+        self.replying[chat["id"]] = colour
         try:
             empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
             yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *empty_panel
@@ -395,8 +394,8 @@ class ChatHandlers:
                     read = True
                     yield gr.skip(), gr.skip(), gr.skip(), notice_html(f"{note} {reply.reading_text}".strip()), *SKIP_PANEL
                     continue
-                if self.colours[chat["id"]] != colour:  # ticked or unticked during the reply
-                    colour = self.colours[chat["id"]]
+                if self.replying[chat["id"]] != colour:  # ticked or unticked during the reply
+                    colour = self.replying[chat["id"]]
                     history = display(chat, colour)
                 pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
                 stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
@@ -421,8 +420,7 @@ class ChatHandlers:
             yield from self._failed(chat, message, colour, str(error), kept)
             return
         finally:
-            self.replying.discard(chat["id"])
-            colour = self.colours.pop(chat["id"], colour)
+            colour = self.replying.pop(chat["id"])
         if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
@@ -610,8 +608,8 @@ class ChatHandlers:
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
         """The chat shown with or without colours; while its reply is written, that reply's
         next update (and its end) takes the new setting instead: the view lacks the reply so far."""
-        if chat and chat["id"] in self.colours:
-            self.colours[chat["id"]] = colour
+        if chat and chat["id"] in self.replying:
+            self.replying[chat["id"]] = colour
             return gr.skip()
         return display(chat or new_chat(), colour)
 

@@ -477,7 +477,7 @@ def run_bench_command(args) -> int:
 
     from app.session import load_draft_head, prepare_costs
     from app.store import write_atomic
-    from core.bench import format_table, head_of, parse_mode, run_bench
+    from core.bench import check_head_named, format_table, parse_mode, run_bench
     from core.engine import Engine
     from models.head import local_head_folder
 
@@ -491,9 +491,7 @@ def run_bench_command(args) -> int:
             raise ValueError(f"--other-head names {name} twice ({others[name]} and {source})")
         others[name] = source
     for mode in modes:
-        name = head_of(mode)
-        if name is not None and name not in others:
-            raise ValueError(f"--modes {mode}: no other head called {name!r}; give --other-head {name}=FOLDER")
+        check_head_named(mode, others)
     for source in others.values():
         local_head_folder(source)  # a missing folder fails now, not after the model has loaded
     json_out = check_writable(args.json_out, "--json", Path(args.prompts)) if args.json_out else None

@@ -115,6 +115,14 @@ def head_of(label: str) -> str | None:
     return label.partition(":")[0].partition("@")[2] or None
 
 
+def check_head_named(label: str, names) -> None:
+    """A mode "eagle2@NAME" needs an other head called NAME among `names`."""
+    name = head_of(label)
+    if name is not None and name not in names:
+        known = ", ".join(sorted(names)) or "none given"
+        raise ValueError(f"--modes {label}: no other head called {name!r} (known: {known}); give --other-head {name}=FOLDER")
+
+
 class BenchCancelled(KestrelError):
     """A benchmark stopped by its cancel signal; `result` holds the prompts it finished (None if none)."""
 
@@ -191,10 +199,8 @@ def run_bench(
     engines = {}
     for label in modes:
         mode, _ = parse_mode(label, tree)
+        check_head_named(label, other_heads)
         name = head_of(label)
-        if name is not None and name not in other_heads:
-            known = ", ".join(sorted(other_heads)) or "none given"
-            raise ValueError(f"mode {label}: no other head called {name!r} (known: {known}); give --other-head {name}=FOLDER")
         engines[label] = other_heads[name] if name else engine
         if mode in MODES and mode not in engines[label].modes:
             raise ValueError(f"mode {mode} needs a draft head; give --head")

@@ -20,23 +20,25 @@ class Snapshot:
     acceptance_by_depth: tuple[float, ...]  # [d-1]: share of steps whose tree reached depth d that accepted a token there
     mean_tree_size: float = 1.0  # nodes verified per step after the prefill, the root included
     mean_tree_depth: float = 0.0  # depth of those trees (0 for a root-only step)
-    # tokens after the first / seconds since it: the decoding rate without the time spent reading the
-    # prompt (None until a step after the first token has committed some)
-    decoding_tokens_per_s: float | None = None
     first_tokens: int = 0  # tokens committed by the step that gave the first token
+
+    @property
+    def decoding_tokens_per_s(self) -> float | None:
+        """Tokens after the first / seconds since it: the decoding rate without the time spent
+        reading the prompt (None until a step after the first token has committed some)."""
+        later = self.tokens - self.first_tokens
+        decoding = self.seconds - (self.time_to_first_token or 0.0)
+        return later / decoding if later > 0 and decoding > 0 else None
 
     def without_last(self, count: int) -> Snapshot:
         """The figures as if the last `count` tokens had not been made (tokens a stop
         string cuts from a reply); the time, forwards and trees stay as they were."""
         tokens = self.tokens - count
-        later = tokens - self.first_tokens
-        decoding = self.seconds - (self.time_to_first_token or 0.0)
         return replace(
             self,
             tokens=tokens,
             tokens_per_s=tokens / self.seconds if self.seconds > 0 else 0.0,
             mean_accepted_length=tokens / self.forwards if self.forwards else 0.0,
-            decoding_tokens_per_s=later / decoding if later > 0 and decoding > 0 else None,
         )
 
 
@@ -75,9 +77,7 @@ class Recorder:
             self.depth_accepted[depth] += depth < accepted
 
     def snapshot(self) -> Snapshot:
-        now = time.perf_counter()
-        seconds = now - self.started
-        later = self.tokens - self.first_tokens
+        seconds = time.perf_counter() - self.started
         return Snapshot(
             tokens=self.tokens,
             forwards=self.forwards,
@@ -90,6 +90,5 @@ class Recorder:
             acceptance_by_depth=tuple(a / o for a, o in zip(self.depth_accepted, self.depth_offered)),
             mean_tree_size=self.tree_nodes / (self.forwards - 1) if self.forwards > 1 else 1.0,
             mean_tree_depth=self.tree_depths / (self.forwards - 1) if self.forwards > 1 else 0.0,
-            decoding_tokens_per_s=later / (now - self.first_token_at) if later and now > self.first_token_at else None,
             first_tokens=self.first_tokens,
         )
