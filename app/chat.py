@@ -332,6 +332,7 @@ class ChatHandlers:
         if self._busy(chat):
             return notice_html(BUSY_TEXT), True
         if chat:
+            self.runtime.cancel_event(chat["id"]).clear()  # here, so that a Stop pressed while it waits applies
             self.sent.add(chat["id"])  # busy while the regeneration waits for the model
         return gr.skip(), False
 
@@ -347,8 +348,7 @@ class ChatHandlers:
         if self._stale(chat):
             yield gr.skip(), gr.skip(), chat, notice_html(STALE_TEXT), *SKIP_PANEL
             return
-        chat = copy.deepcopy(chat) if chat else new_chat()
-        self.runtime.cancel_event(chat["id"]).clear()
+        chat = copy.deepcopy(chat) if chat else new_chat()  # its Stop was released by check_idle, at the click
         chat["system"] = system or ""
         kept = chat["messages"].pop() if chat["messages"] and chat["messages"][-1]["role"] == "assistant" else None
         if not chat["messages"]:

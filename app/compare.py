@@ -11,13 +11,14 @@ import gradio as gr
 import pandas as pd
 
 from app import render
-from app.chat import MODE_LABELS, Options
+from app.chat import MODE_LABELS, Options, with_seed
 from app.reply import Reply, follow_reply
 from app.runtime import Runtime, TurnCancelled
 from models import int8
 from models.errors import KestrelError
 
 QUICK_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "quick.jsonl"
+SHORT_REPLY = 32  # tokens: below this, a reply's speed is mostly its prompt's reading time
 PANE_INTERVAL = 0.5  # seconds between pane updates (the decoding never waits for them; see chat.TEXT_INTERVAL)
 
 
@@ -61,7 +62,9 @@ class Divergence:
         return render.escape(where + why)
 
 
-def verdict_html(replies: dict[str, Reply], greedy: bool, divergences: dict[str, Divergence | None] | None = None) -> str:
+def verdict_html(
+    replies: dict[str, Reply], greedy: bool, divergences: dict[str, Divergence | None] | None = None, seed: int | None = None
+) -> str:
     """tokens/s, tau and tokens per mode; speedup over vanilla; identity at temperature 0."""
     base = replies["vanilla"].snapshot.tokens_per_s
     rows = []
@@ -77,6 +80,10 @@ def verdict_html(replies: dict[str, Reply], greedy: bool, divergences: dict[str,
     lines = []
     if "eagle2" in replies and base:
         lines.append(f"EAGLE-2 speedup: <b id='verdict-speedup'>{replies['eagle2'].snapshot.tokens_per_s / base:.2f}x</b>")
+    shortest = min(reply.snapshot.tokens for reply in replies.values())
+    if shortest < SHORT_REPLY:
+        lines.append(f"<span id='verdict-short'>The shortest reply has {shortest} tokens, too short to time well (reading "
+                     "the prompt takes much of its time); for a speed comparison let the replies run longer (Max new tokens).</span>")  # fmt: skip
     if greedy:
         for mode, reply in replies.items():
             if mode == "vanilla":
@@ -90,7 +97,8 @@ def verdict_html(replies: dict[str, Reply], greedy: bool, divergences: dict[str,
                 text = divergence.explain(MODE_LABELS[mode])
             lines.append(f"<span id='verdict-{mode}-identity'>{text}</span>")
     else:
-        lines.append("Temperature > 0: the outputs are samples, so they are not compared token by token.")
+        with_seed = "" if seed is None else f" (seed {seed}, the same for every mode)"
+        lines.append(f"Sampling{with_seed}: the outputs are samples, so they are not compared token by token.")
     return f'<div class="kestrel-stats" id="verdict"><table>{header}{"".join(rows)}</table><p>{"<br>".join(lines)}</p></div>'
 
 
@@ -106,29 +114,49 @@ def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply) -> D
     return Divergence(index, decode([ours]), decode([theirs]), margin, dtype, engine.exact)
 
 
+def speculation_refused(engine, what: str) -> str | None:
+    """Why `what` (a comparison with EAGLE-2) cannot run on this engine, or None."""
+    if "eagle2" in engine.modes:
+        return None
+    if engine.head is not None and (problem := engine.speculation_problem()):
+        return f"{what} needs speculative decoding, which is off for this model ({problem})."
+    return f"{what} needs a draft head; load a model with one in the Models tab."
+
+
 class CompareHandlers:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
 
-    def compare(self, prompt: str, with_eagle: bool, chat: dict, *values) -> Iterator[tuple]:
-        """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict."""
+    def arm(self, request: gr.Request = None) -> tuple:
+        """Compare pressed, before the run waits for the model: this tab's Stop is
+        released here, so that a Stop pressed while the run waits still applies,
+        and the last comparison leaves the screen. Outputs: the three panes, verdict."""
+        self.runtime.cancel_event(compare_key(request)).clear()
+        return "", "", "", "Waiting for the model..."
+
+    def arm_benchmark(self, request: gr.Request = None) -> tuple:
+        """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice."""
+        self.runtime.cancel_event(compare_key(request)).clear()
+        return None, None, None, "Waiting for the model..."
+
+    def compare(self, prompt: str, with_eagle: bool, request: gr.Request, *values) -> Iterator[tuple]:
+        """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict. The tab's
+        Stop signal is released by arm (at the click), not here."""
         prompt = (prompt or "").strip()
         try:
             if not prompt:
                 raise ValueError("Type a prompt to compare.")
-            options = Options.from_values(values)
+            options = with_seed(Options.from_values(values))  # one seed for every mode
             engine = self.runtime.require()
+            if refused := speculation_refused(engine, "Comparing"):
+                raise ValueError(refused)
         except (KestrelError, ValueError) as error:
-            yield gr.skip(), gr.skip(), gr.skip(), render.escape(str(error))
-            return
-        if "eagle2" not in engine.modes:
-            yield gr.skip(), gr.skip(), gr.skip(), "Comparing needs a draft head; load a model with one in the Models tab."
+            yield "", "", "", render.escape(str(error))
             return
         modes = ("vanilla", "eagle", "eagle2") if with_eagle else ("vanilla", "eagle2")
         panes = {mode: "" for mode in ("vanilla", "eagle", "eagle2")}
         replies: dict[str, Reply] = {}
-        cancel = self.runtime.cancel_event(compare_key(chat))
-        cancel.clear()
+        cancel = self.runtime.cancel_event(compare_key(request))
         messages = [{"role": "user", "content": prompt}]
         yield *panes.values(), "Running vanilla..."
         for mode in modes:
@@ -145,7 +173,8 @@ class CompareHandlers:
                 yield *panes.values(), "Stopped."
                 return
             replies[mode] = reply
-        yield *panes.values(), verdict_html(replies, options.sampling.greedy, self._divergences(engine, messages, replies))
+        greedy = options.sampling.greedy
+        yield *panes.values(), verdict_html(replies, greedy, self._divergences(engine, messages, replies), options.sampling.seed)
 
     def _divergences(self, engine, messages: list[dict], replies: dict[str, Reply]) -> dict[str, Divergence | None]:
         """Where each speculative reply parts from vanilla's (one forward each,
@@ -160,22 +189,22 @@ class CompareHandlers:
         except KestrelError:  # the queue is full: the verdict names the token without the margin
             return {}
 
-    def stop(self, chat: dict | None) -> None:
-        """Compare's Stop: this tab's comparison or benchmark, never its chat reply."""
-        self.runtime.cancel(compare_key(chat))
+    def stop(self, request: gr.Request = None) -> None:
+        """Compare's Stop: this tab's comparison or benchmark, never its chat reply nor another tab's run."""
+        self.runtime.cancel(compare_key(request))
 
-    def benchmark(self, upload, limit: int, chat: dict | None, *values, progress=gr.Progress()) -> tuple:
-        """Outputs: summary table, tokens/s bar chart, full result (JSON), notice."""
-        cancel = self.runtime.cancel_event(compare_key(chat))
-        cancel.clear()
+    def benchmark(self, upload, limit: int, request: gr.Request, *values, progress=gr.Progress()) -> tuple:
+        """Outputs: summary table, tokens/s bar chart, full result (JSON), notice.
+        The tab's Stop signal is released by arm_benchmark (at the click)."""
+        cancel = self.runtime.cancel_event(compare_key(request))
         try:
             from core.bench import BenchCancelled, run_bench
             from core.prompt import load_prompts
 
-            options = Options.from_values(values)
+            options = with_seed(Options.from_values(values))  # one seed for every prompt and mode
             engine = self.runtime.require()
-            if "eagle2" not in engine.modes:
-                raise ValueError("the benchmark compares vanilla with EAGLE-2 and needs a draft head")
+            if refused := speculation_refused(engine, "The benchmark compares vanilla with EAGLE-2 and"):
+                raise ValueError(refused)
             path = upload if upload else QUICK_PROMPTS
             try:
                 prompts = load_prompts(path, limit=int(limit) if limit else None)
@@ -188,25 +217,31 @@ class CompareHandlers:
                 )  # fmt: skip
         except BenchCancelled as stopped:
             if stopped.result is None:
-                return gr.skip(), gr.skip(), gr.skip(), "Stopped before the first prompt finished."
+                return None, None, None, "Stopped before the first prompt finished."
             result = stopped.result
             finished = result["settings"]["prompts"]
             note = f"Stopped: the figures are those of the first {finished} of {len(prompts)} prompts."
             return summary_frame(result), speed_frame(result), result, note
         except TurnCancelled:
-            return gr.skip(), gr.skip(), gr.skip(), "Stopped before the benchmark started."
+            return None, None, None, "Stopped before the benchmark started."
         except (KestrelError, ValueError, ImportError) as error:
-            return gr.skip(), gr.skip(), gr.skip(), render.escape(str(error))
+            return None, None, None, render.escape(str(error))
         identical = result["summary"].get("identical_fraction")
-        note = "" if identical is None else f"EAGLE-2 output identical to vanilla on {100 * identical:.0f}% of the prompts."
+        if identical is not None:
+            note = f"EAGLE-2 output identical to vanilla on {100 * identical:.0f}% of the prompts."
+        else:
+            note = f"Sampled with seed {options.sampling.seed}, the same for every prompt and mode."
         if int(limit or 0) > len(prompts):
-            note = f"{note} The file holds {len(prompts)} prompts; all were run.".strip()
+            held = "1 prompt; it was" if len(prompts) == 1 else f"{len(prompts)} prompts; all were"
+            note = f"{note} The file holds {held} run."
         return summary_frame(result), speed_frame(result), result, note
 
 
-def compare_key(chat: dict | None) -> str:
-    """The cancel signal of a tab's Compare runs: its own, apart from the chat's (chat.py uses the chat id)."""
-    return f"compare:{chat['id'] if chat else 'local'}"
+def compare_key(request: gr.Request | None) -> str:
+    """The cancel signal of a tab's Compare runs: one per browser tab (Gradio's
+    session), apart from the chat's (chat.py uses the chat id) and other tabs'."""
+    session = getattr(request, "session_hash", None)
+    return f"compare:{session or 'local'}"
 
 
 def summary_frame(result: dict) -> pd.DataFrame:

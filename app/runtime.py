@@ -67,13 +67,17 @@ class ModelQueue:
 
     def wait(self, ticket: object, cancel: threading.Event | None = None) -> None:
         """Block until `ticket` is first and the model is free, then take the
-        model. TurnCancelled (and out of the queue) if `cancel` is set first."""
+        model. TurnCancelled (and out of the queue) if `cancel` is set first,
+        even when the model is free at once: a Stop pressed before a request's
+        turn means that it never runs."""
         with self._condition:
-            while self._running or self._waiting[0] is not ticket:
+            while True:
                 if cancel is not None and cancel.is_set():
                     self._waiting.remove(ticket)
                     self._condition.notify_all()
                     raise TurnCancelled
+                if not self._running and self._waiting[0] is ticket:
+                    break
                 self._condition.wait(1.0)  # woken by leave() or wake(); the timeout is only a backstop
             self._waiting.popleft()
             self._running = True
@@ -135,9 +139,12 @@ class Runtime:
         engine = self.engine
         if engine is None:
             return "No model loaded."
-        head = "with an EAGLE draft head" if engine.head is not None else "without a draft head (vanilla only)"
+        from models.eagle3 import Eagle3Head
+
+        kind = "EAGLE-3" if isinstance(engine.head, Eagle3Head) else "EAGLE"
+        head = f"with an {kind} draft head" if engine.head is not None else "without a draft head (vanilla only)"
         if engine.head is not None and (problem := engine.speculation_problem()):
-            head = f"with an EAGLE draft head, but vanilla only: {problem}"
+            head = f"with an {kind} draft head, but vanilla only: {problem}"
         elif engine.exact:
             head += "; tree passes compute bit for bit as vanilla steps (greedy replies identical)"
         quantization = "" if engine.base.quantization == "none" else f", {engine.base.quantization}"

@@ -111,7 +111,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 with gr.Row():
                     prompt = gr.Textbox(placeholder="Prompt to compare", show_label=False, scale=5, elem_id="compare-prompt")
                     run_compare = gr.Button("Compare", variant="primary", scale=1, elem_id="compare-run")
-                    stop_compare = gr.Button("Stop", variant="stop", scale=1)
+                    stop_compare = gr.Button("Stop", variant="stop", scale=1, elem_id="compare-stop")
                 with_eagle = gr.Checkbox(False, label="Also run EAGLE (static tree)")
                 gr.HTML(render.LEGEND)
                 with gr.Row():
@@ -156,7 +156,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 trained = gr.Dropdown([], label="Heads you trained for this base (overrides the head box)")
                 with gr.Row():
                     quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF, else int8 where it is faster")
-                    dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16"], value="auto", label="Compute dtype")
+                    dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16", "float64"], value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")
                     unload = gr.Button("Unload (free memory)")
@@ -201,15 +201,18 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         colour.change(chat.recolour, [chat_state, colour], chatbot, show_progress="hidden")
         gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], notice, show_progress="hidden")
 
-        run_compare.click(
-            compare.compare, [prompt, with_eagle, chat_state, *controls],
-            [pane_vanilla, pane_eagle, pane_eagle2, verdict], api_name="compare", **STREAM,
+        # Compare and the benchmark release the tab's Stop at the click (arm), not when their turn
+        # comes: a Stop pressed while they wait for the model then applies
+        panes = [pane_vanilla, pane_eagle, pane_eagle2, verdict]
+        run_compare.click(compare.arm, None, panes, concurrency_limit=None, show_progress="hidden", api_name=False).then(
+            compare.compare, [prompt, with_eagle, *controls], panes, api_name="compare", **STREAM
         )  # fmt: skip
-        stop_compare.click(compare.stop, chat_state, None, concurrency_limit=None)
+        stop_compare.click(compare.stop, None, None, concurrency_limit=None)
         with_eagle.change(lambda on: gr.update(visible=on), with_eagle, eagle_column)
-        run_bench.click(
-            compare.benchmark, [upload, limit, chat_state, *controls], [bench_table, bench_chart, bench_json, bench_notice], **MODEL
-        )
+        bench_outputs = [bench_table, bench_chart, bench_json, bench_notice]
+        run_bench.click(compare.arm_benchmark, None, bench_outputs, concurrency_limit=None, show_progress="hidden", api_name=False).then(
+            compare.benchmark, [upload, limit, *controls], bench_outputs, **MODEL
+        )  # fmt: skip
 
         entry.input(library.pick, entry, [model_box, head_box])
         load.click(library.load, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode], **MODEL).then(

@@ -214,9 +214,10 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
         tokenizer = AutoTokenizer.from_pretrained(
             location, local_files_only=cache_only, **({"gguf_file": gguf_file} if gguf_file else {})
         )
-        model = AutoModelForCausalLM.from_pretrained(location, **options)
+        model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **options)
     except Exception as error:  # translated into one specific, readable error
         raise _explain(error, name, quantization) from error
+    check_complete(info, name)
     if quantize is None:
         try:
             model.to(device)
@@ -237,6 +238,19 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
         if quantization != "none":
             (int4 if quantization == "int4" else int8).quantize_decoder(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)
+
+
+def check_complete(info: dict, name: str) -> None:
+    """Refuse a checkpoint that lacks some of the model's weights: transformers
+    fills them with random values, and the model would load and write noise.
+    (Tied output embeddings are not reported missing.)"""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise MissingWeightsError(
+            f"{name}: the checkpoint lacks {len(missing)} of the model's weights ({shown}); "
+            "the download may be incomplete or the files belong to another model"
+        )
 
 
 def _explain(error: Exception, name: str, quantization: str) -> Exception:

@@ -351,8 +351,32 @@ def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], 
     for name in WEIGHT_FILES:
         file = folder / name
         if file.is_file():
+            if _full_model_keys(file):
+                raise HeadFormatError(
+                    f"{file}: a whole model's weights (keys model.layers.*), not a draft head; "
+                    "give this folder as the base model and a head made for it as the draft head"
+                )
             return config, _read_weights(file), file
+    if any(folder.glob("*.safetensors.index.json")) or any(folder.glob("*.bin.index.json")):
+        raise HeadFormatError(
+            f"{folder}: a whole model's sharded weights, not a draft head; "
+            "give this folder as the base model and a head made for it as the draft head"
+        )
     raise HeadFormatError(f"{folder}: no weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def _full_model_keys(file: Path) -> bool:
+    """Whether a safetensors file holds a whole decoder's layers (model.layers.*),
+    read from its header alone: a base model given as the head."""
+    if file.suffix != ".safetensors":
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as weights:
+            return any(key.startswith("model.layers.") for key in weights.keys())
+    except Exception:  # an unreadable file is reported by _read_weights
+        return False
 
 
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def app_url(tiny_base, data_dir):
+def served(tiny_base, data_dir):
+    """The running app: its address and its runtime (whose queue a test can hold, as a busy model would)."""
     from app.runtime import Runtime
     from app.server import Server
     from app.ui import build_app
@@ -41,8 +42,13 @@ def app_url(tiny_base, data_dir):
     engine = SlowEngine(tiny_base, random_head(tiny_base.model))
     runtime = Runtime(engine)
     server = Server(build_app(runtime, data_dir), runtime, port=7990)
-    yield server.start()
+    yield server.start(), runtime
     server.close()
+
+
+@pytest.fixture(scope="module")
+def app_url(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +293,31 @@ def test_compare_shows_both_panes_and_verdict(page):
     page.locator("#bench-table").get_by_text("EAGLE-2").wait_for(timeout=60_000)
     assert "identical to vanilla on 100%" in page.locator("#bench-notice").inner_text()
     screenshot(page, "compare")
+
+
+def test_compare_stop_is_the_tabs_own_and_applies_while_waiting(page, browser, served):
+    """Two browser tabs press Compare while the model is busy; the second one's
+    Stop, pressed while both wait, stops its own run and not the first tab's."""
+    url, runtime = served
+    other = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        other.goto(url)
+        other.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        for tab in (page, other):
+            settings(tab, 8)
+            tab.get_by_role("tab", name="Compare").click()
+            tab.locator("#compare-prompt textarea").fill("w4 w5")
+        with runtime.queue.turn():  # the model is busy (another reply)
+            for tab in (page, other):
+                tab.locator("#compare-run").click()
+                tab.locator("#verdict-box").get_by_text("Waiting for the model...").wait_for(timeout=10_000)
+            other.locator("#compare-stop").click()
+            time.sleep(1)  # the Stop reaches the server
+        page.locator("#verdict-speedup").wait_for(timeout=60_000)
+        other.locator("#verdict-box").get_by_text("Stopped.").wait_for(timeout=30_000)
+        assert not other.locator("#pane-vanilla").inner_text().strip()
+    finally:
+        other.close()
 
 
 def test_models_tab(page):

@@ -175,6 +175,9 @@ def test_an_eagle3_head_loads_with_its_base_through_the_app(tmp_path):
     eagle3.save(random_eagle3_head(base.model), tmp_path / "head")
     engine = load_pair(str(folder), str(tmp_path / "head"), dtype="float32", device="cpu")
     assert engine.modes == ("vanilla", "eagle", "eagle2") and engine.capture is not None
+    from app.runtime import Runtime
+
+    assert "with an EAGLE-3 draft head" in Runtime(engine).describe()
     steps = list(engine.stream([5, 6, 7], "eagle2", SamplingParams(max_new_tokens=8), TreeParams(8, 3, 3)))
     assert len(tokens_of(steps)) == 8 or steps[-1].finish_reason == "stop"
 

@@ -153,3 +153,15 @@ def test_reduced_draft_vocabulary_round_trip_and_decoding(tmp_path, tiny_base):
         drafter.commit(torch.randn(3, 64, dtype=torch.float64), torch.tensor([8, 9, 10]))
         drafter_tokens.update(drafter.draft(10).tokens[1:].tolist())
     assert drafter_tokens <= set(subset.tolist())
+
+
+def test_a_base_model_given_as_the_head_is_named_so(tmp_path, tiny_dir):
+    """A whole model's folder in the head box: said plainly, before reading its weights."""
+    with pytest.raises(HeadFormatError, match=r"a whole model's weights \(keys model\.layers\.\*\), not a draft head; give this folder as the base model"):
+        load_head(tiny_dir, 64, 64)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(HeadFormatError, match="a whole model's sharded weights, not a draft head"):
+        load_head(sharded, 64, 64)

@@ -109,3 +109,20 @@ def test_non_gguf_file_is_refused(tmp_path):
     file.write_bytes(b"0")
     with pytest.raises(ModelNotFoundError, match="gguf"):
         load_base(str(file))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_checkpoint_missing_a_weight_is_refused(tmp_path, tied):
+    """transformers fills a missing weight with random values; such a model
+    must not load as if it were whole (tied output embeddings are not missing)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.factory import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "model", tie_word_embeddings=tied)
+    assert load_base(str(folder), dtype="float32").model is not None
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MissingWeightsError, match=r"lacks 1 of the model's weights \(model\.layers\.1\.mlp\.up_proj\.weight\)"):
+        load_base(str(folder), dtype="float32")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import gradio as gr
 import pandas as pd
@@ -396,11 +398,15 @@ def test_oldest_turns_dropped_to_fit_context(engine):
 
 def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
     monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
-    updates = list(CompareHandlers(Runtime(engine)).compare("w3 w4", True, new_chat(), *values(max_new_tokens=20)))
+    updates = list(CompareHandlers(Runtime(engine)).compare("w3 w4", True, None, *values(max_new_tokens=20)))
     assert any(u[0] and not u[2] for u in updates), "vanilla streams before EAGLE-2 starts"
     vanilla, eagle, eagle2, verdict = updates[-1]
     assert vanilla and eagle and eagle2
     assert "identical to vanilla" in verdict and "verdict-eagle2-tps" in verdict
+    assert "too short to time well" in verdict  # 20 tokens at most
+    verdict = list(CompareHandlers(Runtime(engine)).compare("w3 w4", False, None, *values(max_new_tokens=60)))[-1][3]
+    tokens = [int(n) for n in re.findall(r'-tau">[^<]*</td><td class="value">(\d+)</td>', verdict)]
+    assert len(tokens) == 2 and ("too short" in verdict) == (min(tokens) < compare_module.SHORT_REPLY)
     assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1], [1]) is None
 
 
@@ -457,33 +463,92 @@ def test_benchmark_button(engine, tmp_path):
     upload.write_text('{"turns": ["w1"]}\n{"turns": [\n')
     *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 1, None, *values(max_new_tokens=8), progress=no_progress)
     assert notice.startswith("mine.jsonl:2: not valid JSON") and "0123456789abcdef" not in notice
+    upload.write_text('{"turns": ["w1"]}\n')
+    *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 3, None, *values(max_new_tokens=8), progress=no_progress)
+    assert notice.endswith("of the prompts. The file holds 1 prompt; it was run.")
+
+
+def tab(name: str) -> SimpleNamespace:
+    """A browser tab as a handler sees it: Gradio's request, with the tab's session."""
+    return SimpleNamespace(session_hash=name)
 
 
 def test_compare_stop_and_chat_stop_each_stop_their_own(handlers, engine, monkeypatch):
     """The Compare tab's Stop ends its comparison or benchmark, never the chat's
-    reply, and the chat's Stop never a comparison."""
+    reply nor another browser tab's comparison, and the chat's Stop never a comparison."""
     monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
     compare = CompareHandlers(handlers.runtime)
-    chat = new_chat()
+    chat, mine, other = new_chat(), tab("mine"), tab("other")
     reply = handlers.send("w1", chat, "", *values(max_new_tokens=200, mode="vanilla"))
     next(reply), next(reply)
-    compare.stop(chat)
+    compare.stop(mine)
     assert list(reply)[-1][2]["messages"][-1]["stats"]["finish_reason"] != "cancelled"
-    runs = compare.compare("w3 w4", False, chat, *values(max_new_tokens=200))
+    assert compare.arm(mine) == ("", "", "", "Waiting for the model...")
+    runs = compare.compare("w3 w4", False, mine, *values(max_new_tokens=200))
     next(runs), next(runs)
     handlers.stop(chat)
+    compare.stop(other)
     assert "verdict-eagle2-tps" in list(runs)[-1][3]
-    runs = compare.compare("w3 w4", False, chat, *values(max_new_tokens=200))
+    compare.arm(mine)
+    runs = compare.compare("w3 w4", False, mine, *values(max_new_tokens=200))
     next(runs), next(runs)
-    compare.stop(chat)
+    compare.stop(mine)
     assert list(runs)[-1][3] == "Stopped."
+
+
+def test_stop_pressed_while_a_comparison_waits_for_the_model_applies(engine):
+    """Stop between the click (arm) and the run's turn: the run must not start
+    with the signal released, in the comparison and in the benchmark."""
+    compare = CompareHandlers(Runtime(engine))
+    compare.arm(tab("mine"))
+    compare.stop(tab("mine"))
+    updates = list(compare.compare("w4 w5", False, tab("mine"), *values(max_new_tokens=200)))
+    assert updates[-1][3] == "Stopped." and not any(update[0] for update in updates)  # not even the first token
+    assert compare.arm_benchmark(tab("mine")) == (None, None, None, "Waiting for the model...")
+    compare.stop(tab("mine"))
+    assert compare.benchmark(None, 1, tab("mine"), *values(max_new_tokens=8), progress=no_progress) == (
+        None, None, None, "Stopped before the benchmark started."
+    )  # fmt: skip
+
+
+def test_compare_with_sampling_uses_one_seed_for_every_mode(engine, monkeypatch):
+    """Seed -1 (random): one seed is drawn per comparison, used by every mode and shown."""
+    import app.reply
+
+    seeds = []
+
+    def follow(queue, engine, messages, mode, sampling, *rest):
+        seeds.append(sampling.seed)
+        yield from app.reply.follow_reply(queue, engine, messages, mode, sampling, *rest)
+
+    monkeypatch.setattr(compare_module, "follow_reply", follow)
+    compare = CompareHandlers(Runtime(engine))
+    verdict = list(compare.compare("w3 w4", True, None, *values(max_new_tokens=6, temperature=0.8, seed=-1)))[-1][3]
+    assert len(seeds) == 3 and len(set(seeds)) == 1 and seeds[0] is not None
+    assert f"seed {seeds[0]}, the same for every mode" in verdict
+    *_, notice = compare.benchmark(None, 1, None, *values(max_new_tokens=6, temperature=0.8, seed=-1), progress=no_progress)
+    assert notice.startswith("Sampled with seed ") and notice.endswith("the same for every prompt and mode.")
+
+
+def test_compare_names_why_speculation_is_off(engine, tiny_base, monkeypatch):
+    """A head is loaded but the model refuses speculation: say why, not 'needs a
+    draft head'; and an error clears the last comparison's results."""
+    compare = CompareHandlers(Runtime(engine))
+    monkeypatch.setattr(type(engine), "speculation_problem", lambda self: "speculative decoding does not support sliding-window attention (mistral)")
+    message = "Comparing needs speculative decoding, which is off for this model (speculative decoding does not support sliding-window attention (mistral))."
+    assert list(compare.compare("w3 w4", False, None, *values()))[-1] == ("", "", "", message)
+    *cleared, notice = compare.benchmark(None, 1, None, *values(), progress=no_progress)
+    assert cleared == [None, None, None] and "off for this model (speculative decoding does not support sliding-window" in notice
+    monkeypatch.undo()
+    compare = CompareHandlers(Runtime(Engine(tiny_base)))
+    assert list(compare.compare("w3 w4", False, None, *values()))[-1][3] == "Comparing needs a draft head; load a model with one in the Models tab."
 
 
 def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypatch):
     import core.bench
 
     handlers = CompareHandlers(Runtime(engine))
-    chat = new_chat()
+    mine = tab("mine")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [f"w{i} w{i + 1}"]}) for i in range(1, 6)), encoding="utf-8-sig")
     run_once = core.bench.run_once
@@ -492,19 +557,21 @@ def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypa
     def counted(*args, **kwargs):  # Stop pressed during the third prompt's EAGLE-2 run
         calls.append(1)
         if len(calls) == 2 + 6:  # after the warm-up's two runs
-            handlers.stop(chat)
+            handlers.stop(mine)
         return run_once(*args, **kwargs)
 
     monkeypatch.setattr(core.bench, "run_once", counted)
-    table, _, result, notice = handlers.benchmark(str(prompts), 5, chat, *values(max_new_tokens=8), progress=no_progress)
+    handlers.arm_benchmark(mine)
+    table, _, result, notice = handlers.benchmark(str(prompts), 5, mine, *values(max_new_tokens=8), progress=no_progress)
     assert notice == "Stopped: the figures are those of the first 2 of 5 prompts."
     assert result["complete"] is False and len(result["prompts"]) == 4 and len(table) == 2
     monkeypatch.setattr(core.bench, "run_once", run_once)
-    table, _, result, notice = handlers.benchmark(str(prompts), 5, chat, *values(max_new_tokens=8), progress=no_progress)
+    handlers.arm_benchmark(mine)
+    table, _, result, notice = handlers.benchmark(str(prompts), 5, mine, *values(max_new_tokens=8), progress=no_progress)
     assert result["complete"] and len(result["prompts"]) == 10  # a new run starts with Stop released
 
     prompts.write_text(json.dumps({"turns": ["w1"]}) + "\n" + json.dumps({"id": "long", "turns": [" ".join(["w2"] * 300)]}))
-    *_, notice = handlers.benchmark(str(prompts), 5, chat, *values(max_new_tokens=8), progress=no_progress)
+    *_, notice = handlers.benchmark(str(prompts), 5, mine, *values(max_new_tokens=8), progress=no_progress)
     assert notice.startswith("prompt long: ") and "context window is 256" in notice
 
 
@@ -815,11 +882,22 @@ def test_send_accepts_at_once_and_a_stop_before_its_turn_holds(handlers, store):
     assert final[0] == "w3" and "Stopped before the reply started" in final[3]
     assert store.load_chat(chat["id"]) is None  # the message went back to the box, not left saved alone
 
+    chat = list(handlers.send("w4", new_chat(), "", *values(max_new_tokens=8)))[-1][2]
+    handlers.stop(chat)  # pressed earlier: Regenerate's click releases it
+    assert handlers.check_idle(chat)[1] is False
+    chat = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=8)))[-1][2]
+    assert chat["messages"][-1]["stats"]["finish_reason"] == "length"
+    assert handlers.check_idle(chat)[1] is False
+    handlers.stop(chat)  # pressed while Regenerate waits for its turn
+    final = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=8)))[-1]
+    assert "Stopped before the reply started" in final[3] and final[2]["messages"] == chat["messages"]  # the reply kept
+
 
 def test_clear_new_and_edit_wait_for_the_reply_being_written(handlers, store):
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=8)))[-1][2]
     stream = handlers.send("w2", chat, "", *values(max_new_tokens=200, mode="vanilla"))
     writing = next(stream)[2]
+    next(stream)  # the decoding has started (a Stop before that would give the message back)
     for outcome in (handlers.clear(writing), handlers.new(writing, ""), handlers.edit_last(writing, True),
                     handlers.delete(writing), handlers.open(chat["id"], writing, True), handlers.check_idle(writing)[:1]):  # fmt: skip
         assert "A reply is being written" in outcome[-1]
@@ -1076,6 +1154,7 @@ def test_a_message_sent_during_its_chat_s_reply_is_refused_at_once_and_stays_in_
     _, pending, _, chat, _ = handlers.accept("w2", chat, True)
     stream = handlers.send(pending, chat, "", *values(max_new_tokens=200, mode="vanilla"))
     writing = next(stream)[2]
+    next(stream)  # the decoding has started
     box, pending, shown_chat, state, notice = handlers.accept("w3", writing, True)
     assert (box, pending) == ("w3", "") and is_skip(shown_chat) and is_skip(state) and "A reply is being written" in notice
     handlers.stop(writing)
@@ -1093,7 +1172,7 @@ def test_a_message_from_another_tab_during_a_reply_keeps_the_reply(handlers, sto
     tab_a = tab_b = first
     _, pending_a, _, tab_a, _ = handlers.accept("w2", tab_a, True)
     stream = handlers.send(pending_a, tab_a, "", *values(max_new_tokens=200, mode="vanilla"))
-    next(stream)
+    next(stream), next(stream)  # the decoding has started
     box, pending_b, _, _, notice = handlers.accept("w3", tab_b, True)
     assert (box, pending_b) == ("w3", "") and "A reply is being written" in notice
     handlers.stop(tab_a)
