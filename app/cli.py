@@ -61,11 +61,11 @@ def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) ->
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--temperature", type=number(0.0), default=0.0, help="0 = greedy (default); higher = more random")
+    group.add_argument("--temperature", type=number(0.0, 2.0), default=0.0, help="0 = greedy (default); higher = more random (at most 2, as on the page and in the API)")
     group.add_argument("--top-p", type=number(0.0, 1.0), default=1.0, help="nucleus sampling mass (default 1.0 = off; 0 keeps the most likely token)")
     group.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely tokens (default 0 = off)")
     group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
-    group.add_argument("--seed", type=integer(0), help="random seed for sampling (default: fresh each run)")
+    group.add_argument("--seed", type=integer(0), help="random seed for sampling (default: one drawn each run, and shown)")
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--install-shortcut", action="store_true", help="create a desktop/menu shortcut and exit")
 
     chat = commands.add_parser("chat", help="answer one prompt in the terminal")
-    chat.add_argument("prompt", help="the user message")
+    chat.add_argument("prompt", help="the user message; - reads it from standard input")
     add_model_options(chat)
     add_sampling_options(chat, max_new_tokens=256)
     add_tree_options(chat)
@@ -312,7 +312,13 @@ def load_engine(args):
 def sampling_from(args):
     from core.config import SamplingParams
 
-    return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
+    if sampling.greedy or sampling.seed is not None:
+        return sampling
+    import secrets
+    from dataclasses import replace
+
+    return replace(sampling, seed=secrets.randbelow(2**32))  # drawn here, so that the output can name it
 
 
 def tree_from(args):
@@ -324,6 +330,8 @@ def tree_from(args):
 
 def run_chat(args) -> int:
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the message to answer")
     engine = load_engine(args)
@@ -352,7 +360,7 @@ def run_chat(args) -> int:
         f"{'' if stats.decoding_tokens_per_s is None else f' ({stats.decoding_tokens_per_s:.1f} after the first token)'}, "
         f"tau {stats.mean_accepted_length:.2f}, trees of {stats.mean_tree_size:.1f} nodes (depth {stats.mean_tree_depth:.1f}), "
         f"first token after {stats.time_to_first_token:.2f} s, "
-        f"finished: {step.finish_reason}"
+        f"{'' if sampling.greedy else f'seed {sampling.seed}, '}finished: {step.finish_reason}"
     )
     return 0
 
@@ -362,7 +370,7 @@ def run_train_head(args) -> int:
 
     from core.training.answers import AnswerParams
     from core.training.features import FeatureParams, FeaturesStopped
-    from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, train_head
+    from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, TrainingStopped, train_head
     from core.training.report import NOTES_FILE, REPORT_FILE
     from core.prompt import PromptFileError, prompt_rows
     from core.training.trainer import TrainParams
@@ -380,7 +388,7 @@ def run_train_head(args) -> int:
         raise ValueError(f"--work {work}: is a file; name a folder for the run's work")
     if work.is_dir() and any(work.iterdir()) and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
-    check_writable(str(work / ANSWERS_FILE), "--work")
+    check_writable(str(work / ANSWERS_FILE), "--work" if args.work else "--out")  # the option the user gave
     # what the run writes into --out: an earlier run's (resumed) or someone's own files are not replaced unasked
     holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES, REPORT_FILE, NOTES_FILE))
     if args.init_head:
@@ -410,8 +418,8 @@ def run_train_head(args) -> int:
     base = load_base(args.model, args.quantization, args.dtype, args.device)
     try:
         report = train_head(base, paths, answers, FeatureParams(), params, budget, draft_vocab=args.draft_vocab or None)
-    except FeaturesStopped as stop:  # no head yet: its training has not started
-        print(f"stopped by the time budget ({stop}); run again with --resume to continue ({work})")
+    except (FeaturesStopped, TrainingStopped) as stop:  # no head yet: its training has not started
+        print(f"stopped by the time budget ({stop}); no head was written; run again with --resume to continue ({work})")
         return 0
     training = report["training"]
     if training["total_steps"] < 1:
@@ -422,10 +430,16 @@ def run_train_head(args) -> int:
         return 2
     final = report["final_eval"]
     held_out = (
-        f"held-out top-1 {', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])})"
+        f"held-out top-1 {', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])}, "
+        f"measured as trained, in {args.precision}; eval-heads scores the written head in float32)"
         if final["accuracy"] else "no held-out figures (no prompt was held out)"
     )  # fmt: skip
     print(f"head written to {out}: {training['steps']}/{training['total_steps']} steps, {held_out}")
+    data = report["data"]
+    planned = data["prompts"] * data["samples_per_prompt"]
+    if data["answers"] < planned:
+        print(f"note: the time budget stopped the answers at {data['answers']} of {planned}; this head learned from those "
+              f"only, and --resume keeps them as they are (a new --work answers every prompt)")  # fmt: skip
     if training["steps"] < training["total_steps"]:
         print(f"stopped by the time budget; run again with --resume to continue ({work})")
     return 0
@@ -496,6 +510,8 @@ def run_bench_command(args) -> int:
         local_head_folder(source)  # a missing folder fails now, not after the model has loaded
     json_out = check_writable(args.json_out, "--json", Path(args.prompts)) if args.json_out else None
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
+    if "llama.cpp" in modes and not args.llama_python:
+        raise ValueError("mode llama.cpp needs --llama-python: a Python with llama-cpp-python installed")
     planned = any(parse_mode(mode, tree)[0] == "eagle2" for mode in modes)
     engine = load_engine(args)
     other_heads = {
@@ -505,14 +521,14 @@ def run_bench_command(args) -> int:
         for chosen in [engine, *other_heads.values()]:
             prepare_costs(chosen, args.calibrate)
 
-    def show(done: int, total: int, description: str) -> None:
-        print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", flush=True)
+    def show(done: int, total: int, description: str) -> None:  # on the terminal only: a saved table stays clean
+        print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
     def write(result: dict) -> None:  # whole, or not at all: a file cut mid-write would lose the earlier prompts too
-        write_atomic(json_out, json.dumps(result, indent=1))
+        write_atomic(json_out, json.dumps(result, indent=1), shared=True)
 
     result = run_bench(
-        engine, prompts, modes, sampling, tree, args.warmup, show, args.llama_python, other_heads,
+        engine, prompts, modes, sampling, tree, args.warmup, show if sys.stderr.isatty() else None, args.llama_python, other_heads,
         partial=write if json_out else None,
     )  # fmt: skip
     print(format_table(result))

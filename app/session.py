@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from core.engine import Engine
@@ -46,8 +47,13 @@ def prepare_costs(engine: Engine, remeasure: bool = False) -> None:
     progress line in the terminal (a few seconds, once per device, model,
     dtype and thread count): the planner sizes draft trees by them."""
 
-    def show(done: int, total: int, description: str) -> None:
-        end = "" if done < total else "\n"
-        print(f"\rMeasuring this device's step costs (once): [{done}/{total}] {description:<28}", end=end, flush=True)
+    terminal = sys.stderr.isatty()
+
+    def show(done: int, total: int, description: str) -> None:  # on stderr: `chat ... > reply.txt` keeps the reply alone
+        if terminal:
+            end = "" if done < total else "\n"
+            print(f"\rMeasuring this device's step costs (once): [{done}/{total}] {description:<28}", end=end, file=sys.stderr, flush=True)
+        elif done in (0, total):  # a log gets the start and the end, not every update
+            print(f"Measuring this device's step costs (once): {'done' if done else f'{total} measurements'}", file=sys.stderr, flush=True)
 
     engine.prepare_costs(show, remeasure)

@@ -30,7 +30,10 @@ def data_dir() -> Path:
     return Path(override) if override else Path(platformdirs.user_data_dir("kestrel"))
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, shared: bool = False) -> None:
+    """Write `text` whole or not at all. The file is readable by its owner
+    only (chats, settings), unless `shared` (results meant to be passed on):
+    then as the user's umask makes new files."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -38,10 +41,18 @@ def write_atomic(path: Path, text: str) -> None:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
+        if shared:
+            os.chmod(temp, 0o666 & ~current_umask())
         replace(Path(temp), path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: put back at once
+    os.umask(mask)
+    return mask
 
 
 def replace(source: Path, target: Path) -> None:

@@ -238,9 +238,10 @@ def access_from(args) -> Access:
     if api_key is not None and len(api_key) < 8:
         raise ValueError("--api-key must be at least 8 characters (or auto to generate one)")
     if args.listen and (credentials is None or api_key is None):
+        missing = [option for option, value in (("--auth USER:PASS", credentials), ("--api-key auto", api_key)) if value is None]
         raise ValueError(
             "--listen makes Kestrel reachable from other machines, so it needs a page password and an API key: "
-            "add --auth USER:PASS --api-key auto (or drop --listen to stay on this computer)"
+            f"add {' '.join(missing)} (or drop --listen to stay on this computer)"
         )
     origins = tuple(origin.rstrip("/") for origin in args.allow_origin or ())
     bad = [origin for origin in origins if not origin.startswith(("http://", "https://")) or origin.count("/") != 2]
@@ -276,6 +277,8 @@ def serve(args) -> int:
     # a process started in the background inherits SIGINT ignored; "Press Ctrl+C to stop" must still hold
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:  # from here on a stop, however early, closes the server (saving the replies being written)
+        if server.port != args.port:
+            print(f"Port {args.port} is in use; using {server.port}.", flush=True)
         where = LOCALHOST if access.loopback else f"{access.host} (all interfaces; password and API key required)"
         print(f"Kestrel is running at {server.url} on {where}. Press Ctrl+C to stop.", flush=True)
         print(f"OpenAI-compatible API: base_url={server.url}v1  model={engine.base.name!r}", flush=True)

@@ -23,6 +23,7 @@ from models.errors import KestrelError
 
 # transformers' generate, plain and with prompt-lookup decoding; llama.cpp on the same GGUF (core/llama_stick.py)
 BASELINES = ("generate", "prompt-lookup", "llama.cpp")
+SHORT_REPLY = 32  # tokens: replies shorter than this on average are mostly their prompts' reading time
 PROMPT_LOOKUP_TOKENS = 10  # drafted tokens per step for the prompt-lookup baseline
 
 
@@ -356,9 +357,18 @@ def format_table(result: dict) -> str:
             f"{tau_text:>7}{speed:>9}{shape}  {split_text}"
         )
     summary = result["summary"]
+    sampling = result["settings"]["sampling"]
     if summary["speedup"] is not None:
+        identical = summary["identical_fraction"]
         lines.append(f"eagle2 speedup {summary['speedup']:.2f}x, tau {summary['mean_accepted_length']:.2f}, "
-                     f"identical_fraction {summary['identical_fraction']}")  # fmt: skip
+                     f"identical_fraction {'n/a (sampling)' if identical is None else identical}")  # fmt: skip
+    greedy = sampling["temperature"] == 0 or sampling["top_k"] == 1 or sampling["top_p"] == 0
+    if not greedy and sampling["seed"] is not None:
+        lines.append(f"sampled with seed {sampling['seed']} (--seed {sampling['seed']} repeats it)")
+    rows = result["prompts"]
+    if rows and (mean := sum(row["tokens"] for row in rows) / len(rows)) < SHORT_REPLY:
+        lines.append(f"note: the replies average {mean:.0f} tokens, too few to time well (reading each prompt "
+                     "takes much of a reply's time); raise --max-new-tokens for speed figures")  # fmt: skip
     for source, taus in summary["tau_by_source"].items():
         lines.append(f"tau on {source}: " + ", ".join(f"{m} {t:.2f}" for m, t in taus.items() if t is not None))
     return "\n".join(lines)

@@ -346,7 +346,7 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
         setattr(model, ATTRIBUTE, compiled)
         start = time.perf_counter()
         if progress:
-            progress("Compiling the model (once; cached afterwards)...")
+            progress("Compiling the model (about a minute the first time; later starts read the cache)...")
         compiled.warm()
         problem = _loop_problem(compiled)
         if progress:
@@ -555,7 +555,7 @@ def compile_head(head, embed, progress: Callable[[str], None] | None = None) -> 
         compiled = CompiledHead(head)
         start = time.perf_counter()
         if progress:
-            progress("Compiling the draft head (once; cached afterwards)...")
+            progress("Compiling the draft head (cached for later starts)...")
         problem = _head_problem(compiled, embed)
         if progress:
             progress(f"Compiled in {time.perf_counter() - start:.0f} s")

@@ -145,6 +145,8 @@ def prompt_rows(path: Path):
         turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
             raise PromptFileError(f"{path}:{index + 1}: needs a 'turns' list whose first item is the prompt")
+        if not turns[0].strip():
+            raise PromptFileError(f"{path}:{index + 1}: the prompt is empty")
         if "id" in row:
             if str(row["id"]) in lines:
                 raise PromptFileError(f"{path}:{index + 1}: id {str(row['id'])!r} is already the id of line {lines[str(row['id'])]}")

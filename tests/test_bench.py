@@ -68,8 +68,11 @@ def test_bench_in_float64_is_identical_and_complete(tiny_base, tmp_path):
 def test_sampling_bench_has_no_identical_fraction(tiny_base, tmp_path):
     engine = Engine(tiny_base, random_head(tiny_base.model))
     path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"]}])
-    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), SamplingParams(temperature=1.0, max_new_tokens=8), warmup=0)
+    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), SamplingParams(temperature=1.0, max_new_tokens=8, seed=7), warmup=0)
     assert result["summary"]["identical_fraction"] is None
+    table = format_table(result)
+    assert "identical_fraction n/a (sampling)" in table and "sampled with seed 7 (--seed 7 repeats it)" in table
+    assert "note: the replies average" in table and "too few to time well" in table  # 8 tokens at most
 
 
 def test_unknown_mode_is_named(tiny_base, tmp_path):
@@ -215,3 +218,18 @@ def test_the_bench_command_leaves_a_json_file_when_stopped(tiny_dir, tmp_path, m
     saved = json.loads(out.read_text())
     assert saved["complete"] is False and [row["id"] for row in saved["prompts"]] == ["0"]
     assert not out.with_name("bench.json.partial").exists()
+
+
+def test_results_files_follow_the_umask_and_chats_stay_private(tmp_path):
+    import os
+
+    from app.store import write_atomic
+
+    mask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "result.json", "{}", shared=True)
+        write_atomic(tmp_path / "chat.json", "{}")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "result.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "chat.json").stat().st_mode & 0o777 == 0o600

@@ -146,6 +146,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     prompts.write_text('{"turns": ["w1 w2"]}\n')
     (tmp_path / "string-turns.jsonl").write_text('{"turns": "w1 w2"}\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "blank-prompt.jsonl").write_text('{"turns": ["w1"]}\n{"turns": ["  "]}\n')
     (tmp_path / "same-ids.jsonl").write_text('{"id": "a", "turns": ["w1"]}\n{"id": "a", "turns": ["w2"]}\n')
     (tmp_path / "features" / "train").mkdir(parents=True)
     (tmp_path / "features" / "train" / "shard-00000.safetensors").write_bytes(b"")
@@ -158,8 +159,13 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["ui", "--max-queue", "0"], "--max-queue: must be at least 1"),
         (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be at least 1"),
         (["chat", "hi", "--temperature", "nan"], "--temperature: must be a number"),
+        (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
+        (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),
+        (["ui", "--listen", "--auth", "user:secret"], "needs a page password and an API key: add --api-key auto (or drop"),
+        (["train-head", "--prompts", str(prompts), "--out", "/proc/kestrel-head"], "--out /proc/kestrel-head/work"),
         (["bench", "--prompts", str(prompts), "--modes", "vanilla,vanilla"], "--modes names vanilla more than once"),
         (["bench", "--prompts", str(prompts), "--limit", "0"], "--limit: must be at least 1"),
+        (["bench", "--prompts", str(prompts), "--modes", "vanilla,llama.cpp"], "mode llama.cpp needs --llama-python"),
         (["bench", "--prompts", str(prompts), "--json", str(tmp_path)], "is a folder; name a file"),
         (["bench", "--prompts", str(prompts), "--json", str(prompts)], "is the file this command reads"),
         (["bench", "--prompts", str(tmp_path)], "is a folder, not a prompt file"),
@@ -198,6 +204,30 @@ def test_chat_writes_the_reply_to_stdout_and_progress_to_stderr(tiny_dir, capsys
     captured = capsys.readouterr()
     assert code == 0 and "[vanilla] 4 tokens" in captured.out
     assert "a progress message" in captured.err and "a progress message" not in captured.out
+
+
+def test_chat_reads_the_prompt_from_stdin_and_names_the_seed_it_drew(tiny_dir, capsys, monkeypatch):
+    """`chat -` takes the message from standard input; a sampled reply without
+    --seed names the seed it drew, and --seed with it writes the same reply."""
+    import io
+
+    from app import cli
+
+    options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "6"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2\n"))
+    assert cli.main(["chat", "-", *options]) == 0
+    reply = lambda out: out.split("\n\n[")[0]  # noqa: E731 (the statistics line holds timings)
+    assert reply(capsys.readouterr().out) == reply(cli_reply(cli, ["chat", "w1 w2\n", *options], capsys))
+    assert cli.main(["chat", "w1 w2", *options, "--temperature", "1"]) == 0
+    sampled = capsys.readouterr().out
+    seed = int(sampled.split(", seed ")[1].split(",")[0])
+    again = cli_reply(cli, ["chat", "w1 w2", *options, "--temperature", "1", "--seed", str(seed)], capsys)
+    assert reply(again) == reply(sampled) and f"seed {seed}, finished" in again
+
+
+def cli_reply(cli, argv: list[str], capsys) -> str:
+    assert cli.main(argv) == 0
+    return capsys.readouterr().out
 
 
 def test_a_second_start_waits_for_the_first_one_s_setup(monkeypatch, tmp_path, capsys):

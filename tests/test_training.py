@@ -424,3 +424,30 @@ def test_a_running_phase_writes_its_time_before_it_ends(tmp_path, monkeypatch):
     after = json.loads(path.read_text())["answers"]
     assert 100.05 < during <= after and after >= 100.5
     assert not path.with_name("phases.json.partial").exists()
+
+
+def test_a_budget_spent_before_the_first_training_step_writes_no_head(tiny_base, prompts_file, tmp_path, monkeypatch, capsys):
+    """A random head is no result: the run says that none was written, and a
+    run cut in its answers says how many it learned from."""
+    from app.cli import main
+    from core.training import pipeline
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    monkeypatch.setattr(Trainer, "run", lambda self, deadline, progress: None)  # the deadline passed before step 1
+    with pytest.raises(pipeline.TrainingStopped):
+        train_head(tiny_base, paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
+    assert not (paths.out / "model.safetensors").exists() and not (paths.out / REPORT_FILE).exists()
+
+    monkeypatch.setattr("models.base.load_base", lambda *args, **kwargs: tiny_base)
+    options = ["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "cli"), "--threads", "1"]
+    assert main([*options, "--time-budget-minutes", "1"]) == 0
+    assert "stopped by the time budget (before the first training step); no head was written; run again with --resume" in capsys.readouterr().out
+    monkeypatch.undo()
+    report = {"data": {"prompts": 16, "samples_per_prompt": 2, "answers": 5}, "training": {"steps": 4, "total_steps": 4},
+              "final_eval": {"accuracy": [0.5, 0.25]}}  # fmt: skip
+    monkeypatch.setattr(pipeline, "train_head", lambda *args, **kwargs: report)
+    monkeypatch.setattr("models.base.load_base", lambda *args, **kwargs: tiny_base)
+    assert main([*options, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out top-1 50.0%, 25.0% (draft steps 1..2, measured as trained, in bf16" in out
+    assert "the time budget stopped the answers at 5 of 32; this head learned from those only" in out

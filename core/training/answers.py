@@ -104,15 +104,13 @@ def generate_answers(
     cached = read_answers(cache)
     check_cache(prompts, cache, cached, params)
     done = {(answer.id, answer.sample) for answer in cached}
-    batches = [
-        (index, batch)
-        for index, batch in enumerate(plan_batches(prompts, params))
-        if not all((prompt.id, sample) in done for prompt, sample in batch)
-    ]
+    planned = list(enumerate(plan_batches(prompts, params)))
+    batches = [(index, batch) for index, batch in planned if not all((prompt.id, sample) in done for prompt, sample in batch)]
     stops = sorted(stop_token_ids(base.model, base.tokenizer))
     pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else stops[0]
     cache.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=sum(len(batch) for _, batch in batches), unit="answer", desc="answers", disable=not progress)
+    total = sum(len(batch) for _, batch in planned)  # every planned answer; a resumed run starts at those it has
+    bar = tqdm(total=total, initial=total - sum(len(batch) for _, batch in batches), unit="answer", desc="answers", disable=not progress)
     with open(cache, "a", encoding="utf-8") as out:
         for index, batch in batches:
             if deadline is not None and time.time() > deadline:

@@ -79,6 +79,10 @@ class PhaseClock:
             partial.replace(self.path)
 
 
+class TrainingStopped(Exception):
+    """The time budget ran out before any training step; the run's work is kept for --resume."""
+
+
 def train_head(
     base,
     paths: RunPaths,
@@ -127,6 +131,8 @@ def train_head(
     with clock.phase("training"):
         trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params)
         trainer.run(budget.train_deadline, progress)
+        if trainer.step == 0 and trainer.total_steps > 0:  # a random head is no result: nothing is written
+            raise TrainingStopped("before the first training step")
         final = trainer.final_eval()
     head = trainer.head.eval()
     if third:
