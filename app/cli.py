@@ -474,7 +474,9 @@ def run_eval_heads(args) -> int:
         head = load_draft_head(base, source, torch.float32)
         figures = drafted_accuracy(base, head, shards, args.steps)
         results[source] = figures
-        chain = ", ".join(f"{100 * a:.1f}%" for a in figures["chain_accuracy"])
+        chain = ", ".join(  # each step's share of the chains that reached it, with that count
+            f"{100 * a:.1f}% of {int(n)}" for a, n in zip(figures["chain_accuracy"], figures["chain_positions"])
+        )
         print(f"{source}: top-1 {', '.join(f'{100 * a:.1f}%' for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
     if json_out:
         json_out.write_text(json.dumps(results, indent=1) + "\n")

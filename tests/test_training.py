@@ -330,7 +330,7 @@ def test_training_can_start_from_a_saved_head(tiny_base, features, tmp_path):
         Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "c", replace(TRAIN, init_head=str(tmp_path / "other")))
 
 
-def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_dir, features, tmp_path):
+def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_dir, features, tmp_path, capsys):
     """eval-heads' top-1 equals training's own evaluation for a head that drafts
     the whole vocabulary; an EAGLE-3 head is judged on the same positions, and a
     draft vocabulary without the base model's choices scores nothing."""
@@ -374,6 +374,8 @@ def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_di
     assert main([*command, "--json", str(tmp_path / "figures.json"), str(tmp_path / "head")]) == 0
     figures = json.loads((tmp_path / "figures.json").read_text())[str(tmp_path / "head")]
     assert figures["accuracy"] == judged["accuracy"]
+    printed = capsys.readouterr().out
+    assert f"; chain {100 * figures['chain_accuracy'][0]:.1f}% of {figures['chain_positions'][0]}, " in printed  # with its count
     assert main(command) == 2  # no head named
     assert main(["eval-heads", "--features", str(tmp_path / "nowhere"), str(tmp_path / "head")]) == 2
 
