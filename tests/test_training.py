@@ -375,7 +375,7 @@ def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_di
     figures = json.loads((tmp_path / "figures.json").read_text())[str(tmp_path / "head")]
     assert figures["accuracy"] == judged["accuracy"]
     printed = capsys.readouterr().out
-    assert f"; chain {100 * figures['chain_accuracy'][0]:.1f}% of {figures['chain_positions'][0]}, " in printed  # with its count
+    assert f"; chain {100 * figures['chain_accuracy'][0]:.1f}% of {int(figures['chain_positions'][0])}, " in printed  # with its count
     assert main(command) == 2  # no head named
     assert main(["eval-heads", "--features", str(tmp_path / "nowhere"), str(tmp_path / "head")]) == 2
 
