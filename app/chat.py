@@ -352,7 +352,7 @@ class ChatHandlers:
         chat["system"] = system or ""
         kept = chat["messages"].pop() if chat["messages"] and chat["messages"][-1]["role"] == "assistant" else None
         if not chat["messages"]:
-            yield "", gr.skip(), chat, notice_html("Nothing to regenerate."), *SKIP_PANEL
+            yield gr.skip(), gr.skip(), chat, notice_html("Nothing to regenerate."), *SKIP_PANEL
             return
         yield from self._respond(chat, values, None, kept)
 
@@ -384,7 +384,8 @@ class ChatHandlers:
         self.replying[chat["id"]] = colour
         try:
             empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
-            yield "", [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *empty_panel
+            # the message box is left alone: accept emptied it, and what is typed there now is the next message
+            yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *empty_panel
             replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL)
             read = False  # whether the notice shows how far a long conversation is read
             for reply in replies:
@@ -469,7 +470,8 @@ class ChatHandlers:
                 self.store.save_chat(restored) if restored["messages"] else self.store.delete_chat(chat["id"])
             except OSError:
                 pass
-        yield message or "", display(chat, colour), chat, notice_html(error), *SKIP_PANEL
+        box = message if message is not None else gr.skip()  # a regeneration leaves what is typed in the box alone
+        yield box, display(chat, colour), chat, notice_html(error), *SKIP_PANEL
 
     def _stats(self, chat: dict, reply: Reply, finished: bool = False) -> str:
         """The stats panel; a finished reply is already in the session totals."""

@@ -889,8 +889,12 @@ def test_send_accepts_at_once_and_a_stop_before_its_turn_holds(handlers, store):
     assert chat["messages"][-1]["stats"]["finish_reason"] == "length"
     assert handlers.check_idle(chat)[1] is False
     handlers.stop(chat)  # pressed while Regenerate waits for its turn
-    final = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=8)))[-1]
+    updates = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=8)))
+    final = updates[-1]
     assert "Stopped before the reply started" in final[3] and final[2]["messages"] == chat["messages"]  # the reply kept
+    assert all(is_skip(update[0]) for update in updates)  # what is typed in the box meanwhile stays there
+    _, pending, _, chat, _ = handlers.accept("w5", chat, True)
+    assert all(is_skip(update[0]) for update in handlers.send(pending, chat, "", *values(max_new_tokens=8)))  # the next draft too
 
 
 def test_clear_new_and_edit_wait_for_the_reply_being_written(handlers, store):
