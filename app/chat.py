@@ -227,6 +227,14 @@ def notice_html(text: str) -> str:
 
 
 BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
+BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
+
+
+def busy_notice() -> str:
+    """The refusal of an action during a reply: in the notice line and, for a
+    few seconds, as a toast that the reply being written cannot redraw."""
+    gr.Warning(BUSY_TEXT, duration=BUSY_TOAST_S)
+    return notice_html(BUSY_TEXT)
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
 STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
 EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
@@ -285,7 +293,7 @@ class ChatHandlers:
         if not text:  # no pending message: send does nothing
             return message, "", gr.skip(), gr.skip(), notice_html("Type a message first.")
         if self._busy(chat):  # being answered (from this tab or another): the text stays in the box, nothing is queued
-            return message, "", gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+            return message, "", gr.skip(), gr.skip(), busy_notice()
         chat = copy.deepcopy(chat) if chat else new_chat()
         notes = []
         if self._stale(chat):
@@ -317,7 +325,7 @@ class ChatHandlers:
         if chat:
             self.sent.discard(chat["id"])
         if chat and chat["id"] in self.replying:
-            yield message, gr.skip(), chat, notice_html(BUSY_TEXT), *SKIP_PANEL
+            yield message, gr.skip(), chat, busy_notice(), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
         chat["system"] = system or ""
@@ -330,7 +338,7 @@ class ChatHandlers:
         reply). Outputs: notice, refused (a hidden box that `regenerate` reads:
         its value travels with that event, so a later click cannot change it)."""
         if self._busy(chat):
-            return notice_html(BUSY_TEXT), True
+            return busy_notice(), True
         if chat:
             self.runtime.cancel_event(chat["id"]).clear()  # here, so that a Stop pressed while it waits applies
             self.sent.add(chat["id"])  # busy while the regeneration waits for the model
@@ -343,7 +351,7 @@ class ChatHandlers:
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
             return
         if chat and chat["id"] in self.replying:
-            yield gr.skip(), gr.skip(), chat, notice_html(BUSY_TEXT), *SKIP_PANEL
+            yield gr.skip(), gr.skip(), chat, busy_notice(), *SKIP_PANEL
             return
         if self._stale(chat):
             yield gr.skip(), gr.skip(), chat, notice_html(STALE_TEXT), *SKIP_PANEL
@@ -524,7 +532,7 @@ class ChatHandlers:
         loses nothing.
         Outputs: message box, chatbot, chat state, notice."""
         if self._busy(chat):
-            return gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+            return gr.skip(), gr.skip(), gr.skip(), busy_notice()
         if self._stale(chat):
             return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
         chat = copy.deepcopy(chat) if chat else new_chat()
@@ -545,7 +553,7 @@ class ChatHandlers:
         if not confirmed:
             return shown_again, *(gr.skip(),) * 5
         if self._busy(chat):
-            return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+            return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), busy_notice()
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
@@ -558,7 +566,7 @@ class ChatHandlers:
         """Keep the current chat on disk and start another.
         Outputs: chatbot, chat, stats, depth plot, rate plot, chat list, notice."""
         if self._busy(chat):
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(BUSY_TEXT)
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), busy_notice()
         chat = new_chat(system or "")
         self._opened(None)
         choices = gr.update(choices=chat_choices(self.store), value=None)
@@ -570,7 +578,7 @@ class ChatHandlers:
             choices = chat_choices(self.store)  # the reply's chat is saved with its message, maybe not yet listed
             current = chat["id"] if chat["id"] in {chat_id for _, chat_id in choices} else None
             back = gr.update(choices=choices, value=current)
-            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), back, notice_html(BUSY_TEXT)
+            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), back, busy_notice()
         loaded = self.store.load_chat(chat_id) if chat_id else None
         if loaded is None:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
@@ -584,7 +592,7 @@ class ChatHandlers:
         if not confirmed:
             return (gr.skip(),) * 7
         if self._busy(chat):  # its reply would save it again when it ends
-            return *(gr.skip(),) * 6, notice_html(BUSY_TEXT)
+            return *(gr.skip(),) * 6, busy_notice()
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:

@@ -184,6 +184,8 @@ def test_send_or_enter_while_a_reply_is_written_is_refused_and_keeps_the_text(pa
         box.fill("w6 w7")
         press()
         page.locator("#notice").get_by_text("A reply is being written").wait_for(timeout=3_000)
+        # and as a toast, which the reply's next frames cannot redraw
+        page.locator("[data-testid='toast-body']").get_by_text("A reply is being written").first.wait_for(timeout=3_000)
         assert box.input_value() == "w6 w7"
         page.locator("#stop").click()
         page.locator("#notice").get_by_text("Stopped.").wait_for(timeout=5_000)
