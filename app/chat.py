@@ -227,6 +227,7 @@ def notice_html(text: str) -> str:
 
 
 BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
+STOPPING_TEXT = "Stopping..."
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 
 
@@ -491,8 +492,12 @@ class ChatHandlers:
         curve = render.calibration_frame(engine.calibration_curve(sampling))
         return render.depth_frame(reply.snapshot), render.rate_frame(reply.rate_points), curve
 
-    def stop(self, chat: dict | None) -> None:
+    def stop(self, chat: dict | None) -> str:
+        """Stop this chat's reply, or the one waiting for the model. Output: the
+        notice, said at once (a waiting reply ends only when its turn would come)."""
+        busy = self._busy(chat)
         self.runtime.cancel(chat["id"] if chat else None)
+        return notice_html(STOPPING_TEXT) if busy else gr.skip()
 
     def _busy(self, chat: dict | None) -> bool:
         """Whether this chat's reply is being written, or its sent message waits

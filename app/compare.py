@@ -126,22 +126,31 @@ def speculation_refused(engine, what: str) -> str | None:
 class CompareHandlers:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
+        self.pending: dict[str, str] = {}  # tab's cancel key -> "compare" or "benchmark", from the click to the run's end
 
     def arm(self, request: gr.Request = None) -> tuple:
         """Compare pressed, before the run waits for the model: this tab's Stop is
         released here, so that a Stop pressed while the run waits still applies,
         and the last comparison leaves the screen. Outputs: the three panes, verdict."""
         self.runtime.cancel_event(compare_key(request)).clear()
+        self.pending[compare_key(request)] = "compare"
         return "", "", "", "Waiting for the model..."
 
     def arm_benchmark(self, request: gr.Request = None) -> tuple:
         """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice."""
         self.runtime.cancel_event(compare_key(request)).clear()
+        self.pending[compare_key(request)] = "benchmark"
         return None, None, None, "Waiting for the model..."
 
     def compare(self, prompt: str, with_eagle: bool, request: gr.Request, *values) -> Iterator[tuple]:
         """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict. The tab's
         Stop signal is released by arm (at the click), not here."""
+        try:
+            yield from self._compare(prompt, with_eagle, request, values)
+        finally:
+            self.pending.pop(compare_key(request), None)
+
+    def _compare(self, prompt: str, with_eagle: bool, request, values) -> Iterator[tuple]:
         prompt = (prompt or "").strip()
         try:
             if not prompt:
@@ -189,13 +198,23 @@ class CompareHandlers:
         except KestrelError:  # the queue is full: the verdict names the token without the margin
             return {}
 
-    def stop(self, request: gr.Request = None) -> None:
-        """Compare's Stop: this tab's comparison or benchmark, never its chat reply nor another tab's run."""
-        self.runtime.cancel(compare_key(request))
+    def stop(self, request: gr.Request = None) -> tuple:
+        """Compare's Stop: this tab's comparison or benchmark, never its chat reply nor another tab's run.
+        Outputs: verdict, benchmark notice ("Stopping..." at once where a run is on or waits for the model)."""
+        key = compare_key(request)
+        self.runtime.cancel(key)
+        running = self.pending.get(key)
+        return tuple("Stopping..." if running == kind else gr.skip() for kind in ("compare", "benchmark"))
 
     def benchmark(self, upload, limit: int, request: gr.Request, *values, progress=gr.Progress()) -> tuple:
         """Outputs: summary table, tokens/s bar chart, full result (JSON), notice.
         The tab's Stop signal is released by arm_benchmark (at the click)."""
+        try:
+            return self._benchmark(upload, limit, request, values, progress)
+        finally:
+            self.pending.pop(compare_key(request), None)
+
+    def _benchmark(self, upload, limit: int, request, values, progress) -> tuple:
         cancel = self.runtime.cancel_event(compare_key(request))
         try:
             from core.bench import BenchCancelled, run_bench

@@ -177,7 +177,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         regenerate.click(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
         ).then(**refresh)
-        stop.click(chat.stop, chat_state, None, concurrency_limit=None)
+        stop.click(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
         edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
         confirmed = gr.Checkbox(False, visible=False)
@@ -207,7 +207,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         run_compare.click(compare.arm, None, panes, concurrency_limit=None, show_progress="hidden", api_name=False).then(
             compare.compare, [prompt, with_eagle, *controls], panes, api_name="compare", **STREAM
         )  # fmt: skip
-        stop_compare.click(compare.stop, None, None, concurrency_limit=None)
+        stop_compare.click(compare.stop, None, [verdict, bench_notice], concurrency_limit=None, show_progress="hidden")
         with_eagle.change(lambda on: gr.update(visible=on), with_eagle, eagle_column)
         bench_outputs = [bench_table, bench_chart, bench_json, bench_notice]
         run_bench.click(compare.arm_benchmark, None, bench_outputs, concurrency_limit=None, show_progress="hidden", api_name=False).then(

@@ -314,7 +314,7 @@ def test_compare_stop_is_the_tabs_own_and_applies_while_waiting(page, browser, s
                 tab.locator("#compare-run").click()
                 tab.locator("#verdict-box").get_by_text("Waiting for the model...").wait_for(timeout=10_000)
             other.locator("#compare-stop").click()
-            time.sleep(1)  # the Stop reaches the server
+            other.locator("#verdict-box").get_by_text("Stopping...").wait_for(timeout=5_000)  # said at once
         page.locator("#verdict-speedup").wait_for(timeout=60_000)
         other.locator("#verdict-box").get_by_text("Stopped.").wait_for(timeout=30_000)
         assert not other.locator("#pane-vanilla").inner_text().strip()

@@ -500,12 +500,14 @@ def test_stop_pressed_while_a_comparison_waits_for_the_model_applies(engine):
     """Stop between the click (arm) and the run's turn: the run must not start
     with the signal released, in the comparison and in the benchmark."""
     compare = CompareHandlers(Runtime(engine))
+    assert all(is_skip(update) for update in compare.stop(tab("mine")))  # nothing to stop: nothing said
     compare.arm(tab("mine"))
-    compare.stop(tab("mine"))
+    verdict, bench_notice = compare.stop(tab("mine"))
+    assert verdict == "Stopping..." and is_skip(bench_notice)  # said at once, not when the turn would come
     updates = list(compare.compare("w4 w5", False, tab("mine"), *values(max_new_tokens=200)))
     assert updates[-1][3] == "Stopped." and not any(update[0] for update in updates)  # not even the first token
     assert compare.arm_benchmark(tab("mine")) == (None, None, None, "Waiting for the model...")
-    compare.stop(tab("mine"))
+    assert compare.stop(tab("mine"))[1] == "Stopping..."
     assert compare.benchmark(None, 1, tab("mine"), *values(max_new_tokens=8), progress=no_progress) == (
         None, None, None, "Stopped before the benchmark started."
     )  # fmt: skip
@@ -854,11 +856,12 @@ def test_verdict_explains_where_and_why_greedy_replies_differ(engine):
 
 
 def test_stop_while_waiting_for_the_model_gives_the_message_back(handlers):
+    assert is_skip(handlers.stop(new_chat()))  # nothing to stop
     chat = new_chat()
     with handlers.runtime.queue.turn():  # another request holds the model
         updates = handlers.send("w1 w2", chat, "", *values())
         next(updates)  # the pending reply is shown; its decoding waits for a turn
-        handlers.stop(chat)
+        assert "Stopping..." in handlers.stop(chat)  # said at once
         final = list(updates)[-1]
     assert "Stopped before the reply started" in final[3] and final[0] == "w1 w2" and final[2]["messages"] == []
     assert handlers.runtime.queue.waiting == 0
