@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -163,10 +162,7 @@ def run_settings(engine: Engine, mode: str, options: Options) -> dict:
 def with_seed(options: Options) -> Options:
     """Sampling without a seed gets one drawn here (within the Seed box's
     range), so that the reply's stored settings can make it again."""
-    sampling = options.sampling
-    if sampling.greedy or sampling.seed is not None:
-        return options
-    return replace(options, sampling=replace(sampling, seed=secrets.randbelow(RANGES["seed"][1] + 1)))
+    return replace(options, sampling=options.sampling.seeded())
 
 
 def reply_summary(reply: Reply, mode: str, settings: dict | None = None) -> dict:
@@ -229,6 +225,9 @@ def notice_html(text: str) -> str:
 BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
 STOPPING_TEXT = "Stopping..."
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
+FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
+STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
+EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
 
 
 def busy_notice() -> str:
@@ -236,9 +235,6 @@ def busy_notice() -> str:
     few seconds, as a toast that the reply being written cannot redraw."""
     gr.Warning(BUSY_TEXT, duration=BUSY_TOAST_S)
     return notice_html(BUSY_TEXT)
-FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
-STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
-EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
 
 
 def damage_text(folder: Path, settings: str | None, chats: list[str]) -> str:

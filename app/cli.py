@@ -313,12 +313,7 @@ def sampling_from(args):
     from core.config import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
-    if sampling.greedy or sampling.seed is not None:
-        return sampling
-    import secrets
-    from dataclasses import replace
-
-    return replace(sampling, seed=secrets.randbelow(2**32))  # drawn here, so that the output can name it
+    return sampling.seeded()  # drawn here, so that the output can name it
 
 
 def tree_from(args):

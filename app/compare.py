@@ -14,11 +14,11 @@ from app import render
 from app.chat import MODE_LABELS, Options, with_seed
 from app.reply import Reply, follow_reply
 from app.runtime import Runtime, TurnCancelled
+from core.stats import SHORT_REPLY
 from models import int8
 from models.errors import KestrelError
 
 QUICK_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "quick.jsonl"
-SHORT_REPLY = 32  # tokens: below this, a reply's speed is mostly its prompt's reading time
 PANE_INTERVAL = 0.5  # seconds between pane updates (the decoding never waits for them; see chat.TEXT_INTERVAL)
 
 
@@ -132,15 +132,18 @@ class CompareHandlers:
         """Compare pressed, before the run waits for the model: this tab's Stop is
         released here, so that a Stop pressed while the run waits still applies,
         and the last comparison leaves the screen. Outputs: the three panes, verdict."""
-        self.runtime.cancel_event(compare_key(request)).clear()
-        self.pending[compare_key(request)] = "compare"
+        self._armed(request, "compare")
         return "", "", "", "Waiting for the model..."
 
     def arm_benchmark(self, request: gr.Request = None) -> tuple:
         """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice."""
-        self.runtime.cancel_event(compare_key(request)).clear()
-        self.pending[compare_key(request)] = "benchmark"
+        self._armed(request, "benchmark")
         return None, None, None, "Waiting for the model..."
+
+    def _armed(self, request, kind: str) -> None:
+        key = compare_key(request)
+        self.runtime.cancel_event(key).clear()
+        self.pending[key] = kind
 
     def compare(self, prompt: str, with_eagle: bool, request: gr.Request, *values) -> Iterator[tuple]:
         """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict. The tab's

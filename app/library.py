@@ -136,7 +136,8 @@ class LibraryHandlers:
                 engine.prepare_costs()  # read from the cache, or measured once for this model (a few seconds)
         except (KestrelError, ValueError) as error:
             kept = "The previous model is still loaded." if self.runtime.engine is not None else "No model is loaded."
-            text = str(error) if str(error).endswith((".", "?", "!")) else f"{error}."
+            text = str(error)
+            text = text if text.endswith((".", "?", "!")) else f"{text}."
             return self.status(), f"Loading failed: {render.escape(text)} {kept}", gr.skip()
         modes = engine.modes
         mode_update = gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=modes[-1])

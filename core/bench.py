@@ -19,11 +19,11 @@ from core import compiled
 from core.config import MODES, SamplingParams, TreeParams
 from core.engine import Engine
 from core.prompt import BenchPrompt
+from core.stats import SHORT_REPLY
 from models.errors import KestrelError
 
 # transformers' generate, plain and with prompt-lookup decoding; llama.cpp on the same GGUF (core/llama_stick.py)
 BASELINES = ("generate", "prompt-lookup", "llama.cpp")
-SHORT_REPLY = 32  # tokens: replies shorter than this on average are mostly their prompts' reading time
 PROMPT_LOOKUP_TOKENS = 10  # drafted tokens per step for the prompt-lookup baseline
 
 

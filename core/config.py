@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, replace
 
 MODES = ("vanilla", "eagle", "eagle2")
+
+SEED_LIMIT = 2**32  # seeds drawn for sampling settings without one are below this
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,13 @@ class SamplingParams:
         """Temperature 0, or a filter that keeps the most likely token alone (top-k 1, top-p 0):
         the exact argmax, which the lm_head's rounded logits could tie with another token."""
         return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
+
+    def seeded(self) -> SamplingParams:
+        """These settings with a seed drawn (below 2**32) where they sample
+        without one, so that what was made with them can name its seed."""
+        if self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=secrets.randbelow(SEED_LIMIT))
 
 
 @dataclass(frozen=True)

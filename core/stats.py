@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+SHORT_REPLY = 32  # tokens: a reply shorter than this is timed mostly by its prompt's reading, not its decoding
+
 
 @dataclass(frozen=True)
 class Snapshot:
