@@ -301,12 +301,13 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def load_engine(args):
-    """The base model and its head from the command-line options."""
+def load_engine(args, with_head: bool = True):
+    """The base model and its head from the command-line options (the base
+    model alone where with_head is False)."""
     from app.session import load_pair
 
     set_threads(args.threads)
-    return load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
+    return load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile, with_head)
 
 
 def sampling_from(args):
@@ -329,7 +330,7 @@ def run_chat(args) -> int:
         args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the message to answer")
-    engine = load_engine(args)
+    engine = load_engine(args, with_head=args.mode != "vanilla")  # vanilla needs no head: not loaded, not compiled
     from core.engine import Reading
 
     if tree.planned and args.mode in (None, "eagle2"):

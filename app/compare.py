@@ -63,9 +63,16 @@ class Divergence:
 
 
 def verdict_html(
-    replies: dict[str, Reply], greedy: bool, divergences: dict[str, Divergence | None] | None = None, seed: int | None = None
+    replies: dict[str, Reply],
+    greedy: bool,
+    divergences: dict[str, Divergence | None] | None = None,
+    seed: int | None = None,
+    exact: bool = False,
 ) -> str:
-    """tokens/s, tau and tokens per mode; speedup over vanilla; identity at temperature 0."""
+    """tokens/s, tau and tokens per mode; speedup over vanilla; whether each
+    reply is vanilla's token for token: greedy ones always, sampled ones too,
+    since one seed makes the same sample in every mode (core/sampling.Noise).
+    exact: whether tree passes were checked bit for bit against one-token steps at load."""
     base = replies["vanilla"].snapshot.tokens_per_s
     rows = []
     for mode, reply in replies.items():
@@ -84,22 +91,32 @@ def verdict_html(
     if shortest < SHORT_REPLY:
         lines.append(f"<span id='verdict-short'>The shortest reply has {shortest} tokens, too short to time well (reading "
                      "the prompt takes much of its time); for a speed comparison let the replies run longer (Max new tokens).</span>")  # fmt: skip
-    if greedy:
-        for mode, reply in replies.items():
-            if mode == "vanilla":
-                continue
-            divergence = (divergences or {}).get(mode)
-            if divergence is None:
-                index = first_difference(replies["vanilla"].token_ids, reply.token_ids)
-                same = "is identical to vanilla" if index is None else f"differs from vanilla from token {index}"
-                text = f"{MODE_LABELS[mode]} output {same}"
-            else:
-                text = divergence.explain(MODE_LABELS[mode])
-            lines.append(f"<span id='verdict-{mode}-identity'>{text}</span>")
-    else:
-        with_seed = "" if seed is None else f" (seed {seed}, the same for every mode)"
-        lines.append(f"Sampling{with_seed}: the outputs are samples, so they are not compared token by token.")
+    if not greedy:
+        with_seed = "" if seed is None else f" with seed {seed}"
+        lines.append(f"Sampled{with_seed} in every mode: one seed makes the same sample whatever trees were drafted.")
+    for mode, reply in replies.items():
+        if mode == "vanilla":
+            continue
+        divergence = (divergences or {}).get(mode) if greedy else None
+        if divergence is None:
+            index = first_difference(replies["vanilla"].token_ids, reply.token_ids)
+            same = "is identical to vanilla" if index is None else f"differs from vanilla from token {index}"
+            text = f"{MODE_LABELS[mode]} output {same}"
+            if index is not None and not greedy:
+                text += "." + sampled_difference(exact)
+        else:
+            text = divergence.explain(MODE_LABELS[mode])
+        lines.append(f"<span id='verdict-{mode}-identity'>{render.escape(text) if divergence is None else text}</span>")
     return f'<div class="kestrel-stats" id="verdict"><table>{header}{"".join(rows)}</table><p>{"<br>".join(lines)}</p></div>'
+
+
+def sampled_difference(exact: bool) -> str:
+    """Why a sampled reply may part from vanilla's with the same seed."""
+    if exact:
+        return (" This engine computes every tree node bit for bit as a one-token step would (checked when the model "
+                "loaded), so with one seed the samples should have been identical: please report it with the prompt and settings.")  # fmt: skip
+    return (" The tree pass and the one-token pass round differently, which can flip a choice that the seed's noise made "
+            "close; from there on the two replies are different samples, each one the model could write.")  # fmt: skip
 
 
 def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply) -> Divergence | None:
@@ -186,7 +203,8 @@ class CompareHandlers:
                 return
             replies[mode] = reply
         greedy = options.sampling.greedy
-        yield *panes.values(), verdict_html(replies, greedy, self._divergences(engine, messages, replies), options.sampling.seed)
+        divergences = self._divergences(engine, messages, replies) if greedy else {}
+        yield *panes.values(), verdict_html(replies, greedy, divergences, options.sampling.seed, engine.exact)
 
     def _divergences(self, engine, messages: list[dict], replies: dict[str, Reply]) -> dict[str, Divergence | None]:
         """Where each speculative reply parts from vanilla's (one forward each,
@@ -249,10 +267,9 @@ class CompareHandlers:
         except (KestrelError, ValueError, ImportError) as error:
             return None, None, None, render.escape(str(error))
         identical = result["summary"].get("identical_fraction")
+        note = "" if options.sampling.greedy else f"Sampled with seed {options.sampling.seed}, the same for every prompt and mode. "
         if identical is not None:
-            note = f"EAGLE-2 output identical to vanilla on {100 * identical:.0f}% of the prompts."
-        else:
-            note = f"Sampled with seed {options.sampling.seed}, the same for every prompt and mode."
+            note += f"EAGLE-2 output identical to vanilla on {100 * identical:.0f}% of the prompts."
         if int(limit or 0) > len(prompts):
             held = "1 prompt; it was" if len(prompts) == 1 else f"{len(prompts)} prompts; all were"
             note = f"{note} The file holds {held} run."

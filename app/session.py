@@ -27,9 +27,11 @@ def load_pair(
     dtype: str = "auto",
     device: str = "auto",
     compile: str = "off",
+    with_head: bool = True,
 ) -> Engine:
+    """with_head False: the base model alone (vanilla decoding), no head loaded or compiled."""
     base = load_base(model, quantization, dtype, device)
-    head_source = head or default_head(model)
+    head_source = (head or default_head(model)) if with_head else None
     draft_head = None if head_source is None else load_draft_head(base, head_source)
     return Engine(base, draft_head, head or "bundled", compile)
 

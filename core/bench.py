@@ -321,13 +321,15 @@ def summarize(rows: list[dict], modes: tuple[str, ...], sampling: SamplingParams
         "vanilla_tokens_per_s": vanilla["tokens_per_s"] if vanilla else None,
         "eagle2_tokens_per_s": eagle2["tokens_per_s"] if eagle2 else None,
     }
-    if sampling.greedy and vanilla:
+    # greedy replies are compared in every mode; sampled ones where one seed drew them all in
+    # Kestrel's own modes, which then make the same sample (core/sampling.Noise), not other engines'
+    if vanilla and (sampling.greedy or sampling.seed is not None):
         outputs = {(row["id"], row["mode"]): row["output_ids"] for row in rows}
         ids = sorted({row["id"] for row in rows})
         identical = {
             mode: sum(outputs[(i, mode)] == outputs[(i, "vanilla")] for i in ids) / len(ids)
             for mode in modes
-            if mode != "vanilla"
+            if mode != "vanilla" and (sampling.greedy or totals[mode]["mean_accepted_length"] is not None)
         }
         summary["identical_fraction"] = identical.get("eagle2")
         summary["identical_fraction_by_mode"] = identical
@@ -361,7 +363,7 @@ def format_table(result: dict) -> str:
     if summary["speedup"] is not None:
         identical = summary["identical_fraction"]
         lines.append(f"eagle2 speedup {summary['speedup']:.2f}x, tau {summary['mean_accepted_length']:.2f}, "
-                     f"identical_fraction {'n/a (sampling)' if identical is None else identical}")  # fmt: skip
+                     f"identical_fraction {'n/a (sampled without a seed)' if identical is None else identical}")  # fmt: skip
     greedy = sampling["temperature"] == 0 or sampling["top_k"] == 1 or sampling["top_p"] == 0
     if not greedy and sampling["seed"] is not None:
         lines.append(f"sampled with seed {sampling['seed']} (--seed {sampling['seed']} repeats it)")

@@ -111,10 +111,9 @@ class Engine:
         self._tree_problem = tree_problem(self.model) if head is not None and self._setup_problem() is None else None
         # whether tree passes compute every node bit for bit as a vanilla step would (core/attention.py);
         # asked on CPUs only: GPU libraries pick kernels by shape, and a per-row attention over
-        # 60-node trees would cost a GPU thousands of small launches per pass
-        self.exact = (
-            head is not None and self.speculation_problem() is None and base.device.type == "cpu" and self._make_exact()
-        )
+        # 60-node trees would cost a GPU thousands of small launches per pass. Asked with or without
+        # a head, so that the model's own replies (vanilla) do not depend on whether a head is loaded
+        self.exact = self.speculation_problem() is None and base.device.type == "cpu" and self._make_exact()
         # EAGLE-3 heads read hidden states of chosen base layers, captured during each base forward
         self.capture = LayerCapture(self.model, head.layer_ids) if head is not None and head.layer_ids else None
         if self.capture is not None and self.compiled is not None:

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -65,14 +66,22 @@ def test_bench_in_float64_is_identical_and_complete(tiny_base, tmp_path):
     assert "eagle2" in format_table(result)
 
 
-def test_sampling_bench_has_no_identical_fraction(tiny_base, tmp_path):
+def test_sampled_bench_compares_replies_made_with_one_seed(tiny_base, tmp_path):
+    """One seed makes the same sample in vanilla and the speculative modes, so
+    a seeded sampled run reports identity too; other engines' samplers are
+    not compared, and without a seed nothing is."""
     engine = Engine(tiny_base, random_head(tiny_base.model))
-    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"]}])
-    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), SamplingParams(temperature=1.0, max_new_tokens=8, seed=7), warmup=0)
-    assert result["summary"]["identical_fraction"] is None
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"]}, {"turns": ["w3 w1 w2"]}])
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7)
+    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2", "generate"), sampling, warmup=0)
+    assert result["summary"]["identical_fraction"] == 1.0
+    assert result["summary"]["identical_fraction_by_mode"] == {"eagle2": 1.0}
     table = format_table(result)
-    assert "identical_fraction n/a (sampling)" in table and "sampled with seed 7 (--seed 7 repeats it)" in table
+    assert "identical_fraction 1.0" in table and "sampled with seed 7 (--seed 7 repeats it)" in table
     assert "note: the replies average" in table and "too few to time well" in table  # 8 tokens at most
+    unseeded = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), replace(sampling, seed=None), warmup=0)
+    assert unseeded["summary"]["identical_fraction"] is None
+    assert "identical_fraction n/a (sampled without a seed)" in format_table(unseeded)
 
 
 def test_unknown_mode_is_named(tiny_base, tmp_path):

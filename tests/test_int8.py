@@ -313,6 +313,22 @@ def test_greedy_eagle2_equals_vanilla_bit_for_bit_in_the_default_setting(bundled
     assert all(reply == first for reply in replies.values())
 
 
+@needs_kernel
+def test_the_model_s_own_reply_does_not_depend_on_whether_a_head_is_loaded(bundled_auto):
+    """An engine without a head (a model with none, or `chat --mode vanilla`)
+    runs the same row-invariant attention as one with a head, so vanilla
+    replies are the same bits either way (with sdpa they part ways here)."""
+    messages = [{"role": "user", "content": "Write a short poem about the sea and explain its meaning."}]
+    sampling = SamplingParams(max_new_tokens=160)
+    with_head = [t for step in bundled_auto.chat(messages, "vanilla", sampling) for t in step.token_ids]
+    alone = Engine(bundled_auto.base)
+    try:
+        assert alone.head is None and alone.exact
+        assert [t for step in alone.chat(messages, "vanilla", sampling) for t in step.token_ids] == with_head
+    finally:
+        Engine(bundled_auto.base, bundled_auto.head, "bundled")  # the fixture's model as it was (exact attention)
+
+
 def test_row_attention_refuses_what_it_does_not_model():
     query, key = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8)
     mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)

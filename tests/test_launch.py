@@ -225,6 +225,19 @@ def test_chat_reads_the_prompt_from_stdin_and_names_the_seed_it_drew(tiny_dir, c
     assert reply(again) == reply(sampled) and f"seed {seed}, finished" in again
 
 
+def test_chat_in_vanilla_mode_loads_no_head(tiny_dir, capsys, monkeypatch):
+    """`chat --mode vanilla` decodes with the base model alone: the head is
+    neither loaded nor compiled, which saves seconds at every start."""
+    from app import cli, session
+
+    loaded = []
+    monkeypatch.setattr(session, "load_draft_head", lambda base, source, dtype=None: loaded.append(source))
+    monkeypatch.setattr(session, "default_head", lambda model: "some head")
+    options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "3"]
+    assert "[vanilla] 3 tokens" in cli_reply(cli, ["chat", "w1 w2", *options, "--mode", "vanilla"], capsys)
+    assert loaded == []
+
+
 def cli_reply(cli, argv: list[str], capsys) -> str:
     assert cli.main(argv) == 0
     return capsys.readouterr().out

@@ -527,9 +527,9 @@ def test_compare_with_sampling_uses_one_seed_for_every_mode(engine, monkeypatch)
     compare = CompareHandlers(Runtime(engine))
     verdict = list(compare.compare("w3 w4", True, None, *values(max_new_tokens=6, temperature=0.8, seed=-1)))[-1][3]
     assert len(seeds) == 3 and len(set(seeds)) == 1 and seeds[0] is not None
-    assert f"seed {seeds[0]}, the same for every mode" in verdict
+    assert f"Sampled with seed {seeds[0]} in every mode" in verdict and "EAGLE-2 output is identical to vanilla" in verdict
     *_, notice = compare.benchmark(None, 1, None, *values(max_new_tokens=6, temperature=0.8, seed=-1), progress=no_progress)
-    assert notice.startswith("Sampled with seed ") and notice.endswith("the same for every prompt and mode.")
+    assert notice.startswith("Sampled with seed ") and "the same for every prompt and mode. EAGLE-2 output identical to vanilla on 100% of the prompts." in notice
 
 
 def test_compare_names_why_speculation_is_off(engine, tiny_base, monkeypatch):
@@ -853,6 +853,26 @@ def test_verdict_explains_where_and_why_greedy_replies_differ(engine):
     assert "near-tie in bfloat16" in near and "different texts" in near and "&#x27;a&#x27;" in near
     exact = Divergence(5, "a", "b", 0.3, "bfloat16", exact=True).explain("EAGLE-2")
     assert "bit for bit" in exact and "please report" in exact and "near-tie" not in exact
+
+
+def test_verdict_compares_sampled_replies_made_with_one_seed(engine):
+    """Compare draws one seed for every mode, which makes the same sample in
+    each, so sampled replies are compared token by token too."""
+    from app.compare import verdict_html
+
+    messages = [{"role": "user", "content": "w1 w2"}]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10, seed=11)
+    replies = {}
+    for mode in ("vanilla", "eagle2"):
+        steps = list(engine.chat(messages, mode, sampling))
+        replies[mode] = Reply(token_ids=[t for step in steps for t in step.token_ids], snapshot=steps[-1].stats)
+    assert replies["eagle2"].token_ids == replies["vanilla"].token_ids
+    verdict = verdict_html(replies, False, seed=11)
+    assert "with seed 11" in verdict and "EAGLE-2 output is identical to vanilla" in verdict
+    other = replace(replies["eagle2"], token_ids=replies["vanilla"].token_ids[:3] + [(replies["vanilla"].token_ids[3] + 1) % 60 + 8])
+    parted = verdict_html({"vanilla": replies["vanilla"], "eagle2": other}, False, seed=11, exact=False)
+    assert "differs from vanilla from token 3" in parted and "different samples" in parted
+    assert "please report" in verdict_html({"vanilla": replies["vanilla"], "eagle2": other}, False, seed=11, exact=True)
 
 
 def test_stop_while_waiting_for_the_model_gives_the_message_back(handlers):
