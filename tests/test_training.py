@@ -453,3 +453,17 @@ def test_a_budget_spent_before_the_first_training_step_writes_no_head(tiny_base,
     out = capsys.readouterr().out
     assert "held-out top-1 50.0%, 25.0% (draft steps 1..2, measured as trained, in bf16" in out
     assert "the time budget stopped the answers at 5 of 32; this head learned from those only" in out
+
+
+def test_a_short_run_warms_up_for_a_tenth_of_its_steps():
+    """The default 50 warm-up steps would leave a 30-step run below its peak
+    rate throughout; a short run warms up for a tenth of its steps instead."""
+    from core.training.trainer import learning_rate, warmup_steps
+
+    params = TrainParams(learning_rate=1e-3)
+    assert warmup_steps(30, params) == 3 and warmup_steps(2000, params) == 50 and warmup_steps(5, params) == 1
+    rates = [learning_rate(step, 30, params) for step in range(30)]
+    assert rates[2] == pytest.approx(1e-3) and max(rates) == pytest.approx(1e-3)
+    assert rates[-1] < 0.15e-3  # decayed towards the floor (x0.1) by the end
+    assert learning_rate(49, 2000, params) == pytest.approx(1e-3) and learning_rate(10, 2000, params) < 0.3e-3
+

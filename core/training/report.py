@@ -65,7 +65,7 @@ def render_markdown(report: dict) -> str:
     ]
     params = training["params"]
     lines.append(
-        f"- AdamW lr {params['learning_rate']} (warm-up {params['warmup_steps']}, cosine to x{params['min_lr_ratio']}), "
+        f"- AdamW lr {params['learning_rate']} (warm-up {training.get('warmup_steps', params['warmup_steps'])}, cosine to x{params['min_lr_ratio']}), "
         f"betas 0.9/0.95, gradient value clip {params['grad_clip']}, input noise +-{params['noise']} x rms, "
         f"{params['unroll_steps']} unrolled steps (weights decay x{params['step_decay']}), "
         f"{'bf16 autocast' if params['bf16'] else 'fp32'}, seed {params['seed']}"

@@ -346,10 +346,17 @@ def plan_epoch(shards: list[Path], lengths: list[list[int]], batch_tokens: int, 
     return plan
 
 
+def warmup_steps(total: int, params: TrainParams) -> int:
+    """Warm-up steps: params.warmup_steps, but at most a tenth of a short run's
+    steps, so that a short run still trains mostly at its peak rate and decays."""
+    return max(1, min(params.warmup_steps, total // 10))
+
+
 def learning_rate(step: int, total: int, params: TrainParams) -> float:
-    if step < params.warmup_steps:
-        return params.learning_rate * (step + 1) / params.warmup_steps
-    progress = min(1.0, (step - params.warmup_steps) / max(1, total - params.warmup_steps))
+    warmup = warmup_steps(total, params)
+    if step < warmup:
+        return params.learning_rate * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     floor = params.min_lr_ratio
     return params.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -497,6 +504,7 @@ class Trainer:
         return {
             "steps": self.step,
             "total_steps": self.total_steps,
+            "warmup_steps": warmup_steps(self.total_steps, self.params),
             "steps_per_epoch": self.steps_per_epoch,
             "seconds": round(self.seconds, 1),
             "history": self.history,
