@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -30,6 +31,7 @@ TEXT_INTERVAL = 0.5  # seconds between chat text updates: each one costs the bro
 # of the reply and of Gradio's component state, taken from the decoding on small machines
 PANEL_INTERVAL = 0.5  # seconds between updates of the statistics
 PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost the browser most to redraw)
+SAVE_INTERVAL = 5.0  # seconds between saves of a new reply as it grows: a crash loses at most this much of it
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 
 
@@ -190,9 +192,8 @@ def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
     return tokens / forwards if forwards else None
 
 
-# In a tab's chat state after Edit: the messages taken back, which the saved chat keeps until a
-# reply to the edited message (or a regenerated one) is saved: a reload, or a send that fails,
-# loses nothing
+# In a tab's chat state after Edit: the messages taken back, which the saved chat keeps until the
+# edited message is sent (a failed send saves them back): a reload before then loses nothing
 TAKEN_BACK = "taken_back"
 
 
@@ -266,10 +267,31 @@ def _when(seconds: float) -> str:
         return "no date"
 
 
+class LiveReply:
+    """A reply being written, for the server's stop to save as far as it got.
+    The reply's last save happens once, whoever comes first: the reply's own
+    end (or a closed page) on the page's thread, or the server's stop on
+    the main thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._claimed = False
+        self.reply: Reply | None = None  # the latest state the page was shown
+
+    def claim(self) -> bool:
+        """True for the first caller only: that one saves the reply's end."""
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+            return not claimed
+
+
 class ChatHandlers:
     def __init__(self, runtime: Runtime, store: Store):
         self.runtime = runtime
         self.store = store
+        # the replies being written: chat id -> what saves it as far as it got, when the server stops
+        self.live: dict[str, Callable[[], None]] = {}
+        runtime.on_stop.append(self.save_live)
         self.exports: tempfile.TemporaryDirectory | None = None  # one folder for every export, removed at exit
         # the chats whose reply is being written: id -> that reply's colouring, as the page's box has it now
         self.replying: dict[str, bool] = {}
@@ -387,6 +409,9 @@ class ChatHandlers:
         history = display(chat, colour)  # rendered once (and again if the colouring changes); each update renders only the growing reply
         reply = None
         self.replying[chat["id"]] = colour
+        live = LiveReply()
+        self.live[chat["id"]] = lambda: live.claim() and self._keep_stopped(chat, live.reply, kept, mode, made_with)
+        save_throttle = Throttle(SAVE_INTERVAL)
         try:
             empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
             # the message box is left alone: accept emptied it, and what is typed there now is the next message
@@ -396,6 +421,7 @@ class ChatHandlers:
             for reply in replies:
                 if reply.finish_reason is not None:
                     continue
+                live.reply = reply
                 if reply.snapshot is None:  # no token yet: a long conversation being read
                     read = True
                     yield gr.skip(), gr.skip(), gr.skip(), notice_html(f"{note} {reply.reading_text}".strip()), *SKIP_PANEL
@@ -408,16 +434,17 @@ class ChatHandlers:
                 plots = self._plots(reply, engine, options.sampling) if plot_throttle.ready() else SKIP_PANEL[1:]
                 notice = notice_html(note) if read else gr.skip()
                 read = False
+                if kept is None and save_throttle.ready():  # a regeneration keeps the saved reply until it ends
+                    self._save_progress(chat, reply, mode, made_with)
                 yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), notice, stats, *plots
         except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
             cancel.set()
-            self._keep_interrupted(chat, reply, mode, made_with)
+            if live.claim():
+                self._keep_interrupted(chat, reply, mode, made_with)
             raise
         except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
-            if kept is not None and (reply is None or reply.snapshot is None):
-                chat["messages"].append(kept)  # a regeneration that had not begun: the saved reply stays as it is
-            else:
-                self._keep_interrupted(chat, reply, mode, made_with)
+            if live.claim():
+                self._keep_stopped(chat, reply, kept, mode, made_with)
             yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *SKIP_PANEL
             return
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
@@ -427,6 +454,10 @@ class ChatHandlers:
             return
         finally:
             colour = self.replying.pop(chat["id"])
+            self.live.pop(chat["id"], None)
+        if not live.claim():  # the server's stop saved it already
+            yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *SKIP_PANEL
+            return
         if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
@@ -451,6 +482,30 @@ class ChatHandlers:
             self.unsaved.add(chat["id"])
             note = f"{note} The chat could not be saved ({error}).".strip()
         return note
+
+    def _save_progress(self, chat: dict, reply: Reply, mode: str, settings: dict) -> None:
+        """Save the message with the reply so far, marked "interrupted", so that a
+        crash or a killed server loses at most SAVE_INTERVAL of it; the chat in
+        memory is left as it is (the reply's end saves it whole)."""
+        stats = {**reply_summary(reply, mode, settings), "finish_reason": "interrupted"}
+        message = {"role": "assistant", "content": reply.text, "segments": [list(run) for run in reply.segments], "stats": stats}
+        try:
+            self.store.save_chat({**stored(chat), "messages": [*chat["messages"], message]})
+        except OSError:
+            pass  # the reply's end saves it, or says why it cannot
+
+    def save_live(self) -> None:
+        """The server is stopping: save every reply being written as far as it got."""
+        for keep in list(self.live.values()):
+            keep()
+
+    def _keep_stopped(self, chat: dict, reply: Reply | None, kept: dict | None, mode: str, settings: dict) -> None:
+        """The server stopped during this reply: keep the message and the reply so
+        far, as Stop does; a regeneration that had not begun keeps the saved reply."""
+        if kept is not None and (reply is None or reply.snapshot is None):
+            chat["messages"].append(kept)  # the saved reply stays as it is
+        else:
+            self._keep_interrupted(chat, reply, mode, settings)
 
     def _keep_interrupted(self, chat: dict, reply: Reply | None, mode: str, settings: dict) -> None:
         """Save the message and the reply so far (as a stopped reply) when nobody is left to show them to."""
@@ -528,9 +583,9 @@ class ChatHandlers:
 
     def edit_last(self, chat: dict | None, colour: bool) -> tuple:
         """Take back the last user message (and the reply to it) for editing.
-        The saved chat keeps them until a reply to the edited message is
-        saved, so a reload, another chat opened meanwhile or a send that fails
-        loses nothing.
+        The saved chat keeps them until the edited message is sent (and again
+        if that send fails), so a reload or another chat opened meanwhile
+        loses nothing; from the send on, the saved chat holds the edited message.
         Outputs: message box, chatbot, chat state, notice."""
         if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), busy_notice()

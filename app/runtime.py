@@ -4,6 +4,7 @@ one queue in front of it; and the cancel signals of the page's requests."""
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 
 from core.engine import Engine
 from models.errors import KestrelError
+
+log = logging.getLogger("kestrel")
 
 
 class NoModelError(KestrelError):
@@ -113,6 +116,15 @@ class Runtime:
         self._cancels: dict[str, threading.Event] = {}
         self.queue = ModelQueue(max_waiting)
         self.loading: str | None = None  # what is being loaded, while a load runs
+        self.on_stop: list[Callable[[], None]] = []  # run when the server stops (the chat page saves its replies)
+
+    def stopping(self) -> None:
+        """The server is stopping: let every part keep what it holds (each once)."""
+        for action in self.on_stop:
+            try:
+                action()
+            except Exception:  # noqa: BLE001 (one part's failure must not keep the others from saving)
+                log.exception("saving on stop failed")
 
     @property
     def engine(self) -> Engine | None:

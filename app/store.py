@@ -142,7 +142,12 @@ class Store:
         return as_chat(self._read(self.chat_path(chat_id)), chat_id)
 
     def delete_chat(self, chat_id: str) -> None:
-        self.chat_path(chat_id).unlink(missing_ok=True)
+        path = self.chat_path(chat_id)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            if path.exists() or path.is_symlink():  # a read-only folder refuses even a missing file's unlink
+                raise
 
     def list_chats(self) -> list[dict]:
         """(id, title, updated) of every readable chat, newest first."""
@@ -260,7 +265,8 @@ def made_with(stats) -> str:
     figures = (("tokens", "{} tokens"), ("tokens_per_s", "{:.1f} tokens/s"),
                ("decoding_tokens_per_s", "{:.1f} tokens/s after the first token"), ("tau", "tau {:.2f}"))  # fmt: skip
     parts += [form.format(stats[key]) for key, form in figures if is_number(stats.get(key))]
-    endings = {"cancelled": "stopped before its end", "length": "cut at the token limit", "context": "cut at the context window"}
+    endings = {"cancelled": "stopped before its end", "length": "cut at the token limit", "context": "cut at the context window",
+               "interrupted": "cut short: Kestrel stopped while writing it"}  # fmt: skip
     if stats.get("finish_reason") in endings:
         parts.append(endings[stats["finish_reason"]])
     return ", ".join(parts)

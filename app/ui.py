@@ -293,5 +293,6 @@ def serve(args) -> int:
         except OSError:  # the terminal is gone (SIGHUP); the replies are saved all the same
             pass
     finally:
+        runtime.stopping()  # the replies being written are saved as far as they got, before the process ends
         server.close()
     return 0

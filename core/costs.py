@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -91,14 +92,25 @@ class Costs:
 
     @classmethod
     def from_dict(cls, data: dict) -> Costs:
-        return cls(
-            sizes=tuple(data["sizes"]),
-            contexts=tuple(data["contexts"]),
-            verify=tuple(tuple(row) for row in data["verify"]),
-            widths=tuple(data["widths"]),
-            expand=tuple(data["expand"]),
+        """The table as saved; ValueError where it is not one that measure()
+        makes (a damaged or hand-edited file is then measured again)."""
+        costs = cls(
+            sizes=tuple(int(size) for size in data["sizes"]),
+            contexts=tuple(int(context) for context in data["contexts"]),
+            verify=tuple(tuple(float(seconds) for seconds in row) for row in data["verify"]),
+            widths=tuple(int(width) for width in data["widths"]),
+            expand=tuple(float(seconds) for seconds in data["expand"]),
             overhead=float(data["overhead"]),
         )
+        increasing = lambda values: bool(values) and all(a < b for a, b in zip(values, values[1:]))  # noqa: E731
+        times = [seconds for row in costs.verify for seconds in row] + list(costs.expand) + [costs.overhead]
+        if not (increasing(costs.sizes) and increasing(costs.contexts) and increasing(costs.widths)):
+            raise ValueError("sizes, contexts and widths must be increasing and not empty")
+        if len(costs.verify) != len(costs.contexts) or any(len(row) != len(costs.sizes) for row in costs.verify):
+            raise ValueError("verify must hold one time per size for each context")
+        if len(costs.expand) != len(costs.widths) or not all(math.isfinite(t) and t >= 0 for t in times):
+            raise ValueError("expand must hold one time per width, and every time must be a finite number >= 0")
+        return costs
 
 
 def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:
@@ -168,8 +180,8 @@ def load_cached(folder: Path, key: dict) -> Costs | None:
     path = cache_file(folder, key)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return Costs.from_dict(data["costs"]) if data.get("key") == key else None
-    except (OSError, ValueError, KeyError, TypeError):
+        return Costs.from_dict(data["costs"]) if isinstance(data, dict) and data.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable or damaged: measured again
         return None
 
 

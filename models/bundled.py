@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import platformdirs
@@ -51,10 +52,19 @@ def gguf_path() -> Path:
 def converted_folder() -> Path:
     """The cached safetensors copy of the bundled model, made on first use."""
     folder = cache_root() / "models" / DEFAULT_NAME
-    if (folder / "model.safetensors").is_file():
+    if complete(folder):
         return folder
     convert(gguf_path(), folder)
     return folder
+
+
+# what a finished conversion holds: a folder without one of these is made again
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+STALE_STAGING_SECONDS = 3600  # a staging folder this old belongs to a conversion that was stopped
+
+
+def complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in CONVERTED_FILES)
 
 
 def convert(gguf: Path, folder: Path) -> None:
@@ -73,11 +83,28 @@ def convert(gguf: Path, folder: Path) -> None:
     config = AutoConfig.for_model(**settings)
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(loaded.state_dict(), strict=True)
-    staging = folder.with_name(folder.name + ".partial")
+    # staged per process: two first starts at once each write their own, and the first renamed into place wins
+    staging = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for stale in folder.parent.glob(f"{folder.name}.partial*"):  # left by a conversion that was killed
+        try:
+            old = time.time() - stale.stat().st_mtime > STALE_STAGING_SECONDS
+            if stale.name.endswith(".partial") or (stale != staging and old):  # ".partial": the name before per-process staging
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging.mkdir()
     plain.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.rename(folder)
+    if complete(folder):  # another start finished first: use its copy
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    shutil.rmtree(folder, ignore_errors=True)  # an incomplete or damaged copy
+    try:
+        staging.rename(folder)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not complete(folder):  # not a lost race: a real failure
+            raise
     log.info(f"Bundled model ready in {folder}")

@@ -1,5 +1,7 @@
 import json
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,3 +128,58 @@ def test_checkpoint_missing_a_weight_is_refused(tmp_path, tied):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(MissingWeightsError, match=r"lacks 1 of the model's weights \(model\.layers\.1\.mlp\.up_proj\.weight\)"):
         load_base(str(folder), dtype="float32")
+
+
+def test_two_first_starts_converting_at_once_both_end_with_the_bundled_model(tmp_path, monkeypatch):
+    """Each conversion stages in a folder of its own process; one that finds the
+    model already converted by another start uses that copy; a staging folder
+    left by a killed conversion is removed, and a copy lacking its tokenizer is
+    made again rather than used."""
+    import os
+    import shutil
+
+    import transformers
+
+    class Saved:
+        def __init__(self, name):
+            self.name = name
+
+        def save_pretrained(self, folder):
+            (Path(folder) / self.name).write_text("{}")
+            if self.name == "model.safetensors":
+                (Path(folder) / "config.json").write_text("{}")
+                if finish_first:  # another start renames its copy into place meanwhile
+                    other = tmp_path / "models" / "M.partial-1"
+                    other.mkdir()
+                    for name in bundled.CONVERTED_FILES:
+                        (other / name).write_text("other")
+                    other.rename(tmp_path / "models" / "M")
+
+    class Loaded:
+        config = SimpleNamespace(to_dict=lambda: {"model_type": "llama"})
+
+        def state_dict(self):
+            return {}
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Saved("tokenizer.json"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Loaded())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda config: SimpleNamespace(
+        load_state_dict=lambda *a, **k: None, save_pretrained=Saved("model.safetensors").save_pretrained))
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", lambda **settings: None)
+    folder = tmp_path / "models" / "M"
+    (tmp_path / "models" / "M.partial").mkdir(parents=True)  # left by a killed conversion
+    (folder).mkdir()
+    (folder / "model.safetensors").write_text("{}")  # a copy without its tokenizer: not complete
+    assert not bundled.complete(folder)
+    finish_first = False
+    bundled.convert(tmp_path / "x.gguf", folder)
+    assert bundled.complete(folder) and (folder / "tokenizer.json").read_text() == "{}"
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["M"]
+
+    shutil.rmtree(folder)
+    finish_first = True
+    bundled.convert(tmp_path / "x.gguf", folder)  # the other start won the race: its copy is used, no error
+    assert (folder / "tokenizer.json").read_text() == "other"
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["M"]
+    assert not (tmp_path / "models" / f"M.partial-{os.getpid()}").exists()
+

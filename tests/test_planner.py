@@ -1,6 +1,8 @@
 """The planner, calibration, the context branch and the cost cache: pure
 functions on synthetic tables, then the engine with the planner on."""
 
+import json
+
 import pytest
 import torch
 
@@ -319,6 +321,24 @@ def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir,
     Engine(base, random_head(base.model)).prepare_costs()
     assert len(measured) == 5
     assert Engine(base, None).prepare_costs() is None  # nothing to plan without a head
+
+
+def test_a_damaged_cost_file_is_measured_again(tmp_path):
+    """A cost file that is not a table measure() makes (JSON null, a list, a
+    short row, a negative time) is read as missing, so it is measured again
+    instead of stopping the start or failing every planned step."""
+    costs = costs_module.Costs(sizes=(1, 2, 4), contexts=(64, 512), verify=((1.0, 1.2, 1.5), (1.1, 1.3, 1.6)),
+                               widths=(1, 2), expand=(0.1, 0.2), overhead=0.05)  # fmt: skip
+    key = {"model": "m"}
+    path = costs_module.save_cached(tmp_path, key, costs)
+    assert costs_module.load_cached(tmp_path, key) == costs
+    good = json.loads(path.read_text())
+    for damaged in (None, [], "x", {"key": key, "costs": {**good["costs"], "sizes": []}},
+                    {"key": key, "costs": {**good["costs"], "verify": [[1.0, 1.2], [1.1, 1.3, 1.6]]}},
+                    {"key": key, "costs": {**good["costs"], "expand": [0.1, -1]}},
+                    {"key": key, "costs": {**good["costs"], "sizes": "abc"}}):  # fmt: skip
+        path.write_text(json.dumps(damaged))
+        assert costs_module.load_cached(tmp_path, key) is None, damaged
 
 
 def test_a_slow_moment_on_a_small_tree_does_not_make_it_dearer_than_bigger_ones():

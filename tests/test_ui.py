@@ -1097,6 +1097,26 @@ def test_a_read_only_data_folder_still_replies_and_says_what_was_not_saved(handl
     assert handlers.remember("w2", *values()) == gr.skip()  # saved: the notice is left as it is
 
 
+def test_deleting_a_chat_never_saved_works_in_a_read_only_folder(store, monkeypatch):
+    """A read-only file system refuses unlink even for a file that is not there
+    (EROFS before ENOENT): a chat with nothing on disk is deleted all the same."""
+    from pathlib import Path
+
+    real = Path.unlink
+
+    def read_only(path, missing_ok=False):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    store.delete_chat("never-saved")  # nothing to delete: no error
+    monkeypatch.setattr(Path, "unlink", real)
+    store.save_chat({**new_chat(), "id": "saved", "messages": [{"role": "user", "content": "w1"}]})
+    assert store.chat_path("saved").exists()
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(OSError, match="Read-only"):
+        store.delete_chat("saved")  # a saved chat that stays on disk is still an error to report
+
+
 def test_after_a_failed_save_regenerate_and_edit_still_work_and_blame_no_other_tab(handlers, store, monkeypatch):
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
 
@@ -1143,6 +1163,40 @@ def test_the_server_stopping_mid_reply_keeps_the_message_and_the_reply_so_far(ha
     kept = store.load_chat(chat["id"])
     final = list(handlers.regenerate(kept, False, "", *values()))[-1]
     assert store.load_chat(chat["id"])["messages"] == kept["messages"]  # the reply a regeneration would replace stays
+
+
+def test_a_reply_is_saved_as_it_grows_and_on_the_server_s_stop(handlers, store, monkeypatch):
+    """A new reply is saved every SAVE_INTERVAL while it is written (marked
+    "interrupted"), so a killed server loses at most that much; the server's
+    stop saves it as far as the page saw it, once, even when the page's
+    generator is never resumed; a regeneration keeps the saved reply until it ends."""
+    monkeypatch.setattr(chat_module, "SAVE_INTERVAL", 0.0)
+    chat = new_chat()
+    _, pending, _, chat, _ = handlers.accept("w1 w2", chat, True)
+    stream = handlers.send(pending, chat, "", *values(max_new_tokens=200, mode="vanilla"))
+    for _ in range(4):
+        next(stream)
+    saved = store.load_chat(chat["id"])["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"] and saved[1]["content"]
+    assert saved[1]["stats"]["finish_reason"] == "interrupted" and 0 < saved[1]["stats"]["tokens"] < 200
+    assert "cut short: Kestrel stopped while writing it" in store_module.to_markdown(store.load_chat(chat["id"]))
+
+    handlers.runtime.stopping()  # Ctrl+C: the main thread saves before the process ends
+    saved = store.load_chat(chat["id"])["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"] and saved[1]["stats"]["finish_reason"] == "cancelled"
+    rest = list(stream)  # were the page's generator resumed, it would not save a second reply
+    assert "server is stopping" in rest[-1][3]
+    assert store.load_chat(chat["id"])["messages"] == saved and not handlers.live
+
+    finished = list(handlers.send("w3", new_chat(), "", *values(max_new_tokens=12, mode="vanilla")))[-1][2]
+    assert [m["role"] for m in store.load_chat(finished["id"])["messages"]] == ["user", "assistant"]
+    assert store.load_chat(finished["id"])["messages"][-1]["stats"]["finish_reason"] == "length"
+    before = store.load_chat(finished["id"])["messages"]
+    stream = handlers.regenerate(finished, False, "", *values(max_new_tokens=200, mode="vanilla"))
+    for _ in range(4):
+        next(stream)
+    assert store.load_chat(finished["id"])["messages"] == before  # the reply being replaced stays until the new one ends
+    list(stream)
 
 
 def test_a_failed_regeneration_keeps_the_reply_it_would_replace(handlers, store):
