@@ -238,16 +238,18 @@ def busy_notice() -> str:
     return notice_html(BUSY_TEXT)
 
 
-def damage_text(folder: Path, settings: str | None, chats: list[str]) -> str:
+def damage_text(folder: Path, settings: str | None, chats: list[str], reasons: dict[str, str] | None = None) -> str:
     """What a page load found unreadable in the data folder: the settings file
-    (by the name it is kept under) and the chat files, which stay as they are."""
+    (by the name it is kept under) and the chat files, which stay as they are
+    (each named with what is wrong with it, where `reasons` says)."""
     notes = []
     if settings == SETTINGS_FILE:
         notes.append(f"The saved settings ({folder / settings}) cannot be read: the defaults are in use.")
     elif settings:
         notes.append(f"The saved settings could not be read: the defaults are in use, and the file is kept as {folder / settings}.")
     if chats:
-        names = ", ".join(chats[:5]) + (f" and {len(chats) - 5} more" if len(chats) > 5 else "")
+        named = [f"{name} ({reasons[name]})" if reasons and name in reasons else name for name in chats[:5]]
+        names = ", ".join(named) + (f" and {len(chats) - 5} more" if len(chats) > 5 else "")
         if len(chats) == 1:
             notes.append(f"A saved chat cannot be read and is not listed; the file is left as it is: {folder / CHATS_FOLDER / names}.")
         else:
@@ -720,5 +722,5 @@ class ChatHandlers:
             *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
             gr.update(choices=chat_choices(self.store, chats), value=chat["id"] if latest else None),
             render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat)),
-            notice_html(damage_text(self.store.folder, damaged, unreadable)),
+            notice_html(damage_text(self.store.folder, damaged, unreadable, {name: self.store.why_unreadable(name) for name in unreadable[:5]})),
         )  # fmt: skip

@@ -30,12 +30,71 @@ def data_dir() -> Path:
     return Path(override) if override else Path(platformdirs.user_data_dir("kestrel"))
 
 
+LOCK_FILE = "kestrel.lock"
+LOCKED_BYTE = 1 << 16  # where Windows locks the file: past the address it holds
+
+
+class DataLock:
+    """One running page per data folder: two would each save their own view of
+    a chat over the other's. Held as an OS file lock, which ends with the
+    process however it ends (no stale lock after a crash); the file names the
+    holder's address, for a second start to open instead."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / LOCK_FILE
+        self._file = None
+
+    def acquire(self) -> bool:
+        """True when this process now holds the folder; False when another does."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open while the lock is held)
+        try:
+            if os.name == "nt":
+                import msvcrt
+
+                file.seek(LOCKED_BYTE)  # a byte past the address, so that a second start can read that
+                msvcrt.locking(file.fileno(), msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            file.close()
+            return False
+        self._file = file
+        file.truncate(0)  # a previous holder's address is no longer served
+        file.flush()
+        return True
+
+    def announce(self, url: str) -> None:
+        """Name this process's address in the lock file, for a second start."""
+        self._file.truncate(0)
+        self._file.seek(0)
+        self._file.write(url)
+        self._file.flush()
+
+    def holder(self) -> str:
+        """The address the holding process announced ("" while it starts)."""
+        try:
+            return self.path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return ""
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the file releases the lock
+            self._file = None
+
+
 def write_atomic(path: Path, text: str, shared: bool = False) -> None:
     """Write `text` whole or not at all. The file is readable by its owner
     only (chats, settings), unless `shared` (results meant to be passed on):
     then as the user's umask makes new files."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:  # named by the file meant, not by the hidden temporary one
+        raise OSError(error.errno, error.strerror, str(path)) from error
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
@@ -44,9 +103,22 @@ def write_atomic(path: Path, text: str, shared: bool = False) -> None:
         if shared:
             os.chmod(temp, 0o666 & ~current_umask())
         replace(Path(temp), path)
-    except BaseException:
+    except BaseException as error:
         Path(temp).unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno is not None:
+            raise OSError(error.errno, error.strerror, str(path)) from error
         raise
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Remove the temporary files of writes cut short (a killed process) from
+    `folder` and its chats: only while no other process writes there (held DataLock)."""
+    for directory in (folder, folder / CHATS_FOLDER):
+        for temp in directory.glob(".*.tmp") if directory.is_dir() else ():
+            try:
+                temp.unlink()
+            except OSError:
+                pass
 
 
 def current_umask() -> int:
@@ -168,6 +240,35 @@ class Store:
             chats.append({"id": chat["id"], "title": chat["title"] or chat_title(chat), "updated": chat["updated"]})
         return sorted(chats, key=lambda chat: chat["updated"], reverse=True), sorted(unreadable)
 
+    def why_unreadable(self, name: str) -> str:
+        """What is wrong with the chat file `name` (one scan_chats found unreadable), in a few words."""
+        path = self.folder / CHATS_FOLDER / name
+        if path.is_dir():
+            return "a folder, not a file"
+        try:
+            text = path.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError:
+            return "not UTF-8 text"
+        except OSError as error:
+            return f"cannot be opened: {error.strerror or error}"
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            return "empty" if not text.strip() else f"not valid JSON: {error.msg}: line {error.lineno} column {error.colno}"
+        except (ValueError, RecursionError):
+            return "not valid JSON: nested too deep"
+        if not isinstance(value, dict):
+            return "not a chat: a JSON object is expected"
+        messages = value.get("messages")
+        if not isinstance(messages, list):
+            return "not a chat: its messages are not a list"
+        for index, message in enumerate(messages):
+            if not (isinstance(message, dict) and isinstance(message.get("content"), str)):
+                return f"message {index + 1} has no text"
+            if message.get("role") not in ("user", "assistant"):
+                return f"message {index + 1} has the role {str(message.get('role'))[:20]!r}, not user or assistant"
+        return "not a chat"
+
     @classmethod
     def _read(cls, path: Path) -> dict | None:
         """The JSON object in `path`; None when missing, unreadable or damaged
@@ -190,14 +291,16 @@ class Store:
 
 def as_chat(value: dict | None, chat_id: str) -> dict | None:
     """A stored chat with every field the app reads, or None when its messages
-    are not a list of {role, content} strings. The file's name is its id;
+    are not a list of {role, content} strings with the roles the page writes
+    (user and assistant: the system prompt is the chat's own field; a message
+    of another role would reach the model unseen on the page). The file's name is its id;
     fields it lacks (a file edited by hand, or from an older version) get
     new_chat's defaults, and a missing time sorts it last."""
     if value is None:
         return None
     messages = value.get("messages")
     if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str) for m in messages
     ):
         return None
     chat = {**new_chat(), "created": 0.0, "updated": 0.0, **value, "id": chat_id}

@@ -264,16 +264,28 @@ def serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     from app.session import load_pair, prepare_costs
+    from app.store import DataLock, remove_leftovers
 
+    store_dir = data_dir()
+    lock = DataLock(store_dir)
+    if not lock.acquire():  # a second start (a double-click twice): the running one keeps the chats
+        url = lock.holder()
+        where = f"at {url}" if url else "(still starting)"
+        print(f"Kestrel is already running {where} with the chats in {store_dir}; "
+              "a second one would save over its chats. Set KESTREL_DATA_DIR to run another with chats of its own.", flush=True)  # fmt: skip
+        if url and not args.no_browser:
+            webbrowser.open(url)
+        return 0
+    remove_leftovers(store_dir)
     print("Loading the model (the first run prepares the bundled one)...", flush=True)
     engine = load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
     prepare_costs(engine)
     runtime = Runtime(engine, max_waiting=args.max_queue)
     print(f"Loaded {runtime.describe()}", flush=True)
-    store_dir = data_dir()
     print(f"Chats and settings: {store_dir}", flush=True)
     server = Server(build_app(runtime, store_dir, args.device, args.compile), runtime, access, args.port)
     server.start()
+    lock.announce(server.url)
     # a process started in the background inherits SIGINT ignored; "Press Ctrl+C to stop" must still hold
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:  # from here on a stop, however early, closes the server (saving the replies being written)

@@ -228,7 +228,10 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
     folder = cache_root() / "kernels"
     path = folder / f"{stem}-{digest}.so"
     if path.is_file():
-        return path
+        if intact(path):
+            return path
+        log.warning(f"{what}: the cached kernel {path} is damaged (cut short); building it again")
+        path.unlink(missing_ok=True)
     log.info(f"Building the {stem} kernel (once; cached afterwards)...")
     folder.mkdir(parents=True, exist_ok=True)
     code = folder / f"{stem}-{digest}.{os.getpid()}.cpp"  # per process: builds may race
@@ -237,6 +240,8 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
         code.write_text(source)
         # the source comes first: with GNU ld, libraries must follow the objects that use them
         subprocess.run([tool, str(code), "-o", str(staging), *flags], check=True, capture_output=True, text=True, timeout=300)
+        with open(staging, "rb") as built:  # on disk before it takes the cached name: a power cut cannot leave it half there
+            os.fsync(built.fileno())
         staging.replace(path)  # atomic: another process never loads a half-written file
         return path
     except (OSError, subprocess.SubprocessError) as error:
@@ -246,6 +251,25 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
     finally:
         code.unlink(missing_ok=True)
         staging.unlink(missing_ok=True)
+
+
+def intact(path: Path) -> bool:
+    """Whether a built library is whole: an ELF file ends with its section
+    headers, so one cut short (a power cut while it was written) is shorter
+    than its header says; loading such a file kills the process (SIGBUS)."""
+    try:
+        with open(path, "rb") as file:
+            header = file.read(64)
+        size = path.stat().st_size
+    except OSError:
+        return False
+    if len(header) < 64 or header[:4] != b"\x7fELF":
+        return False
+    if header[4] != 2 or header[5] != 1:  # not 64-bit little-endian: no check made here
+        return True
+    section_headers = int.from_bytes(header[0x28:0x30], "little")
+    entry, count = int.from_bytes(header[0x3A:0x3C], "little"), int.from_bytes(header[0x3C:0x3E], "little")
+    return section_headers + entry * count <= size
 
 
 def load_operator(stem: str, source: str, what: str) -> bool:

@@ -60,3 +60,21 @@ def test_kernels_and_compiling_are_not_tried_off_linux(monkeypatch, platform):
     monkeypatch.setattr(sys, "platform", platform)
     assert native.compiler() is None and not compiled.compiler_available()
     assert native.build("probe", "int x;", [], "a probe") is None
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
+def test_a_damaged_cached_kernel_is_built_again(tmp_path, monkeypatch):
+    """A cached library cut short (a power cut while it was written) would kill
+    the process when loaded (SIGBUS): it is found by its ELF header and built
+    again; an empty one too."""
+    monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
+    source = "extern \"C\" int kestrel_answer() { return 42; }\n"
+    path = native.build("probe", source, ["-shared", "-fPIC", "-O1"], "a test")
+    assert path is not None and native.intact(path)
+    whole = path.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b""):
+        path.write_bytes(damaged)
+        assert not native.intact(path)
+        assert native.build("probe", source, ["-shared", "-fPIC", "-O1"], "a test") == path
+        assert path.read_bytes() == whole or native.intact(path)
+

@@ -343,6 +343,9 @@ def test_damaged_chat_file_is_skipped(store):
     assert store.list_chats() == [] and store.load_chat("broken") is None
     store.chat_path("odd").write_text(json.dumps({"messages": [{"role": "user"}]}))  # a message without content
     assert store.list_chats() == [] and store.load_chat("odd") is None
+    # a role the page does not write would reach the model unseen on the page: damaged, named, left on disk
+    store.chat_path("role").write_text(json.dumps({"messages": [{"role": "bogus", "content": "x"}, {"role": "user", "content": "y"}]}))
+    assert store.load_chat("role") is None and "role.json" in store.scan_chats()[1] and store.chat_path("role").exists()
 
 
 def test_chat_file_lacking_fields_loads_with_defaults(store, handlers):
@@ -1022,7 +1025,9 @@ def test_unreadable_chats_and_settings_are_named_at_load_and_kept(handlers, stor
     restored = handlers.restore()
     notice = restored[-1]
     assert [chat_id for _, chat_id in restored[-3]["choices"]] == [good["id"]]  # the good chat, and no dotted name
-    assert "3 saved chats cannot be read" in notice and "cut.json, deep.json, list.json" in notice
+    assert "3 saved chats cannot be read" in notice
+    assert "cut.json (not valid JSON: Unterminated string starting at: line 1 column 24), deep.json (not valid JSON: nested too deep), " \
+           "list.json (not a chat: a JSON object is expected)" in notice
     assert "The saved settings could not be read" in notice and "settings.damaged-" in notice
     kept = list(store.folder.glob("settings.damaged-*.json"))
     assert len(kept) == 1 and kept[0].read_text() == '{"temperature": 0.7, "system": "be br'
@@ -1095,6 +1100,54 @@ def test_a_read_only_data_folder_still_replies_and_says_what_was_not_saved(handl
     assert "settings could not be saved" in handlers.remember("w2", *values(temperature=0.5)) and "Read-only" in handlers.remember("", *values())
     monkeypatch.undo()
     assert handlers.remember("w2", *values()) == gr.skip()  # saved: the notice is left as it is
+
+
+def test_one_running_page_per_data_folder(tmp_path, capsys, monkeypatch):
+    """A second start on the same data folder (a double-click twice) does not
+    serve a second page that would save over the first one's chats: it names
+    the running one's address and opens it. The lock ends with its holder."""
+    from app import ui
+    from app.store import DataLock
+
+    first = DataLock(tmp_path)
+    assert first.acquire()
+    first.announce("http://127.0.0.1:7860/")
+    assert not DataLock(tmp_path).acquire() and DataLock(tmp_path).holder() == "http://127.0.0.1:7860/"
+    opened = []
+    monkeypatch.setenv("KESTREL_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(ui.webbrowser, "open", opened.append)
+    monkeypatch.setattr("app.session.load_pair", lambda *a, **k: pytest.fail("a second start must not load a model"))
+    args = SimpleNamespace(install_shortcut=False, listen=False, auth=None, api_key=None, allow_origin=[], threads=None, no_browser=False)
+    assert ui.serve(args) == 0
+    assert opened == ["http://127.0.0.1:7860/"] and "already running at http://127.0.0.1:7860/" in capsys.readouterr().out
+    first.release()  # the first one ended (a crash too: the OS drops its lock)
+    again = DataLock(tmp_path)
+    assert again.acquire() and again.holder() == ""  # the old address is gone while this one starts
+    again.release()
+
+
+def test_a_failed_save_names_the_file_meant_and_leftovers_are_removed_at_start(store, tmp_path, monkeypatch):
+    """A save refused by the disk names the chat file, not the hidden temporary
+    one it was writing; temporary files left by a killed save are removed when
+    a page starts (it then holds the data folder alone)."""
+    import tempfile
+
+    from app.store import remove_leftovers
+
+    def refused(*args, **kwargs):
+        raise OSError(30, "Read-only file system", str(store.chat_path("x").parent / ".x.json.abc.tmp"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    with pytest.raises(OSError) as error:
+        store.save_chat({**new_chat(), "id": "x", "messages": [{"role": "user", "content": "w1"}]})
+    assert error.value.filename == str(store.chat_path("x")) and ".tmp" not in str(error.value)
+    monkeypatch.undo()
+    store.save_chat({**new_chat(), "id": "x", "messages": [{"role": "user", "content": "w1"}]})
+    left = [store.chat_path("x").parent / ".x.json.k1l2.tmp", store.folder / ".settings.json.q9.tmp"]
+    for path in left:
+        path.write_text("{")
+    remove_leftovers(store.folder)
+    assert not any(path.exists() for path in left) and store.load_chat("x")["messages"]
 
 
 def test_deleting_a_chat_never_saved_works_in_a_read_only_folder(store, monkeypatch):
