@@ -238,11 +238,16 @@ def busy_notice() -> str:
     return notice_html(BUSY_TEXT)
 
 
-def damage_text(folder: Path, settings: str | None, chats: list[str], reasons: dict[str, str] | None = None) -> str:
+def damage_text(
+    folder: Path, settings: str | None, chats: list[str], reasons: dict[str, str] | None = None, unwritable: str | None = None
+) -> str:
     """What a page load found unreadable in the data folder: the settings file
     (by the name it is kept under) and the chat files, which stay as they are
-    (each named with what is wrong with it, where `reasons` says)."""
+    (each named with what is wrong with it, where `reasons` says); and why
+    nothing can be saved there (`unwritable`), where that shows already."""
     notes = []
+    if unwritable:
+        notes.append(f"Chats and settings cannot be saved: {unwritable}. Replies still come, but a closed page loses them.")
     if settings == SETTINGS_FILE:
         notes.append(f"The saved settings ({folder / settings}) cannot be read: the defaults are in use.")
     elif settings:
@@ -722,5 +727,6 @@ class ChatHandlers:
             *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
             gr.update(choices=chat_choices(self.store, chats), value=chat["id"] if latest else None),
             render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat)),
-            notice_html(damage_text(self.store.folder, damaged, unreadable, {name: self.store.why_unreadable(name) for name in unreadable[:5]})),
+            notice_html(damage_text(self.store.folder, damaged, unreadable, {name: self.store.why_unreadable(name) for name in unreadable[:5]},
+                                    self.store.write_problem())),
         )  # fmt: skip

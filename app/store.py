@@ -187,6 +187,20 @@ class Store:
             return path.name
         return kept.name
 
+    def write_problem(self) -> str | None:
+        """Why chats and settings cannot be saved here, where that shows before
+        a save (a file where a folder belongs, a folder that cannot be written); None otherwise."""
+        chats, settings = self.folder / CHATS_FOLDER, self.folder / SETTINGS_FILE
+        for path in (self.folder, chats):
+            if path.exists() and not path.is_dir():
+                return f"{path} is a file, not a folder"
+        if settings.is_dir():
+            return f"{settings} is a folder, not a file"
+        for path in (chats, self.folder):
+            if path.is_dir():
+                return None if os.access(path, os.W_OK) else f"{path} cannot be written"
+        return None
+
     def save_settings(self, settings: dict) -> None:
         write_atomic(self.folder / SETTINGS_FILE, json.dumps(settings, indent=2))
 

@@ -7,7 +7,9 @@ where it is measured faster."""
 from __future__ import annotations
 
 import json
+import logging
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,8 @@ DTYPES = {
 }
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+log = logging.getLogger("kestrel")
 
 
 @dataclass
@@ -115,7 +119,15 @@ def load_base(
             raise ModelNotFoundError(f"{source}: no such file or folder, and not a Hugging Face repo id (owner/name)")
     four_bit = quantization == "auto" and gguf is not None and _four_bit(gguf)
     chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
-    return _load(location, gguf_file, name, chosen, torch_dtype, torch_device, quantization == "auto")
+    try:
+        return _load(location, gguf_file, name, chosen, torch_dtype, torch_device, quantization == "auto")
+    except (CorruptedFileError, MissingWeightsError) as error:
+        if name != bundled.DEFAULT_NAME or gguf_file is not None:
+            raise
+        # Kestrel's own converted copy (a power cut after the conversion, a disk error): made again from the GGUF
+        log.warning(f"The converted copy of the bundled model in {location} cannot be read ({error}); converting it again")
+        shutil.rmtree(location, ignore_errors=True)
+        return _load(str(bundled.converted_folder()), None, name, chosen, torch_dtype, torch_device, quantization == "auto")
 
 
 def _four_bit(locate) -> bool:

@@ -183,3 +183,40 @@ def test_two_first_starts_converting_at_once_both_end_with_the_bundled_model(tmp
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["M"]
     assert not (tmp_path / "models" / f"M.partial-{os.getpid()}").exists()
 
+
+def test_a_damaged_converted_bundled_model_is_converted_again(tmp_path, monkeypatch):
+    """The bundled model's converted copy is Kestrel's own cache: one that cannot
+    be read (cut short by a power cut) is removed and made again from the GGUF,
+    once; a user's own folder that cannot be read is an error naming it."""
+    import models.base as base_module
+    from models.errors import CorruptedFileError
+
+    folder = tmp_path / "models" / bundled.DEFAULT_NAME
+    conversions, loads = [], []
+
+    def converted_folder():
+        if not folder.exists():
+            conversions.append(1)
+            folder.mkdir(parents=True)
+        return folder
+
+    def load(location, *args, **kwargs):
+        loads.append(location)
+        if len(loads) == 1:
+            raise CorruptedFileError(f"{bundled.DEFAULT_NAME}: cannot read the model files (SafetensorError: incomplete metadata)")
+        return "loaded"
+
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(bundled, "converted_folder", converted_folder)
+    monkeypatch.setattr(base_module, "_load", load)
+    assert load_base(None, quantization="none") == "loaded"
+    assert conversions == [1] and loads == [str(folder), str(folder)]
+    loads.clear()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    (mine / "model.safetensors").write_text("x")
+    with pytest.raises(CorruptedFileError):  # not Kestrel's to delete: named, left as it is
+        load_base(str(mine), quantization="none")
+    assert (mine / "model.safetensors").exists() and loads == [str(mine)]
+

@@ -1150,6 +1150,21 @@ def test_a_failed_save_names_the_file_meant_and_leftovers_are_removed_at_start(s
     assert not any(path.exists() for path in left) and store.load_chat("x")["messages"]
 
 
+def test_a_data_folder_that_cannot_be_saved_to_is_named_when_the_page_loads(handlers, store, monkeypatch):
+    """Said at page load, not only at the first save: a file where the chats
+    folder belongs, a folder where the settings file belongs, a read-only folder."""
+    store.folder.mkdir(parents=True)
+    assert store.write_problem() is None and "cannot be saved" not in handlers.restore()[-1]
+    (store.folder / "chats").write_text("")
+    assert "chats is a file, not a folder" in handlers.restore()[-1] and "a closed page loses them" in handlers.restore()[-1]
+    (store.folder / "chats").unlink()
+    (store.folder / "settings.json").mkdir()
+    assert "settings.json is a folder, not a file" in handlers.restore()[-1]
+    (store.folder / "settings.json").rmdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only file system (root may write anywhere else)
+    assert f"{store.folder} cannot be written" in handlers.restore()[-1]
+
+
 def test_deleting_a_chat_never_saved_works_in_a_read_only_folder(store, monkeypatch):
     """A read-only file system refuses unlink even for a file that is not there
     (EROFS before ENOENT): a chat with nothing on disk is deleted all the same."""
