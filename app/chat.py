@@ -197,6 +197,25 @@ def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
 TAKEN_BACK = "taken_back"
 
 
+# In a saved assistant message: the replies that regenerations replaced, oldest first (Earlier reply shows them)
+EARLIER = "earlier"
+EARLIER_LIMIT = 20  # replies kept per message
+
+
+def earlier_replies(message: dict) -> list[dict]:
+    """The message's earlier replies that can be shown (a hand-edited file may hold others)."""
+    earlier = message.get(EARLIER)
+    if not isinstance(earlier, list):
+        return []
+    return [m for m in earlier if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)]
+
+
+def with_earlier(replaced: dict) -> list[dict]:
+    """The earlier replies of a regenerated message: those of the reply it replaces, and that reply."""
+    alone = {key: value for key, value in replaced.items() if key != EARLIER}
+    return [*earlier_replies(replaced), alone][-EARLIER_LIMIT:]
+
+
 def stored(chat: dict) -> dict:
     """The chat as it is saved: without the page's own TAKEN_BACK."""
     return {key: value for key, value in chat.items() if key != TAKEN_BACK}
@@ -447,7 +466,7 @@ class ChatHandlers:
         except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
             cancel.set()
             if live.claim():
-                self._keep_interrupted(chat, reply, mode, made_with)
+                self._keep_interrupted(chat, reply, mode, made_with, kept)
             raise
         except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
             if live.claim():
@@ -468,15 +487,19 @@ class ChatHandlers:
         if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
-        note = self._finish(chat, reply, mode, note, made_with)
+        note = self._finish(chat, reply, mode, note, made_with, kept)
         panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
         yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
 
-    def _finish(self, chat: dict, reply: Reply, mode: str, note: str, settings: dict) -> str:
-        """Add the reply to the chat and save it; returns the note to show."""
+    def _finish(self, chat: dict, reply: Reply, mode: str, note: str, settings: dict, kept: dict | None = None) -> str:
+        """Add the reply to the chat and save it; returns the note to show.
+        `kept`: the reply a regeneration replaces, kept with the new one as an earlier reply."""
         stats = reply_summary(reply, mode, settings)
         chat.pop(TAKEN_BACK, None)  # the reply is saved in place of the exchange Edit took back
-        chat["messages"].append({"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": stats})
+        message = {"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": stats}
+        if kept is not None:
+            message[EARLIER] = with_earlier(kept)
+        chat["messages"].append(message)
         chat["session"]["tokens"] += reply.snapshot.tokens
         chat["session"]["forwards"] += reply.snapshot.forwards
         endings = {"cancelled": "Stopped.", "length": "The reply reached the token limit.",
@@ -512,14 +535,14 @@ class ChatHandlers:
         if kept is not None and (reply is None or reply.snapshot is None):
             chat["messages"].append(kept)  # the saved reply stays as it is
         else:
-            self._keep_interrupted(chat, reply, mode, settings)
+            self._keep_interrupted(chat, reply, mode, settings, kept)
 
-    def _keep_interrupted(self, chat: dict, reply: Reply | None, mode: str, settings: dict) -> None:
+    def _keep_interrupted(self, chat: dict, reply: Reply | None, mode: str, settings: dict, kept: dict | None = None) -> None:
         """Save the message and the reply so far (as a stopped reply) when nobody is left to show them to."""
         try:
             if reply is not None and reply.snapshot is not None:
                 reply.finish_reason = "cancelled"
-                self._finish(chat, reply, mode, "", settings)
+                self._finish(chat, reply, mode, "", settings, kept)
             else:
                 self.store.save_chat(stored(chat))
         except OSError:
@@ -606,6 +629,31 @@ class ChatHandlers:
         chat[TAKEN_BACK] = chat["messages"][users[-1] :] + chat.get(TAKEN_BACK, [])
         del chat["messages"][users[-1] :]
         return text, display(chat, colour), chat, ""
+
+    def earlier_reply(self, chat: dict | None, colour: bool) -> tuple:
+        """Show the last message's previous reply: a regeneration keeps the
+        replies it replaces, and pressing again goes on through them, back to
+        the latest. The reply shown is the one saved and continued from.
+        Outputs: chatbot, chat state, notice."""
+        if self._busy(chat):
+            return gr.skip(), gr.skip(), busy_notice()
+        if self._stale(chat):
+            return gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+        last = chat["messages"][-1] if chat and chat["messages"] else None
+        earlier = earlier_replies(last) if last and last["role"] == "assistant" else []
+        if not earlier:
+            return gr.skip(), gr.skip(), notice_html("This reply has no earlier versions: Regenerate keeps the replies it replaces.")
+        chat = copy.deepcopy(chat)
+        current = {key: value for key, value in last.items() if key != EARLIER}
+        chat["messages"][-1] = {**earlier[-1], EARLIER: [current, *earlier[:-1]]}  # the others in turn, then this one again
+        note = f"An earlier reply ({len(earlier) + 1} kept for this message; press Earlier reply again for the next)."
+        try:
+            self.store.save_chat(stored(chat))
+            self.unsaved.discard(chat["id"])
+        except OSError as error:
+            self.unsaved.add(chat["id"])
+            note = f"{note} The chat could not be saved ({error})."
+        return display(chat, colour), chat, notice_html(note)
 
     def clear(self, chat: dict, confirmed: bool = True, colour: bool | None = None) -> tuple:
         """Empty this chat (delete its saved copy and go on as a new chat),

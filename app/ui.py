@@ -62,6 +62,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                             stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
                         with gr.Row():
                             regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+                            earlier = gr.Button("Earlier reply", size="sm", elem_id="earlier-reply")
                             edit = gr.Button("Edit last message", size="sm", elem_id="edit")
                             clear = gr.Button("Clear", size="sm", elem_id="clear")
                             new = gr.Button("New chat", size="sm", elem_id="new-chat")
@@ -178,6 +179,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
         ).then(**refresh)
         stop.click(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
+        earlier.click(chat.earlier_reply, [chat_state, colour], [chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
         edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
         confirmed = gr.Checkbox(False, visible=False)

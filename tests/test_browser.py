@@ -170,6 +170,12 @@ def test_regenerate_while_a_reply_is_written_is_refused_at_once(page, data_dir):
             break
         time.sleep(0.1)
     assert chats[0]["messages"][-1]["stats"]["tokens"] == 6 and len(chats[0]["messages"]) == 2
+    assert chats[0]["messages"][-1]["earlier"][0]["stats"]["finish_reason"] == "cancelled"  # the replaced reply is kept
+    page.locator("#earlier-reply").click()  # and shown again
+    page.locator("#notice").get_by_text("2 kept for this message").wait_for(timeout=10_000)
+    chat = json.loads((data_dir / "chats" / f"{kept[0]['id']}.json").read_text())
+    assert chat["messages"][-1]["content"] == kept[0]["messages"][-1]["content"]
+    assert " ".join(kept[0]["messages"][-1]["content"].split())[:20] in " ".join(assistant_text(page).split())
 
 
 def test_send_or_enter_while_a_reply_is_written_is_refused_and_keeps_the_text(page, data_dir):

@@ -1267,6 +1267,36 @@ def test_a_reply_is_saved_as_it_grows_and_on_the_server_s_stop(handlers, store, 
     list(stream)
 
 
+def test_regenerate_keeps_the_replies_it_replaces_and_earlier_reply_shows_them(handlers, store):
+    """A regeneration, finished or stopped, keeps the reply it replaces with the
+    new one; Earlier reply shows them in turn (saved, and continued from), back
+    to the latest."""
+    chat = list(handlers.send("w1 w2", new_chat(), "", *values(max_new_tokens=10, temperature=1.0, seed=1)))[-1][2]
+    first = chat["messages"][-1]["content"]
+    assert "no earlier versions" in handlers.earlier_reply(chat, True)[2]
+    chat = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=10, temperature=1.0, seed=2)))[-1][2]
+    second = chat["messages"][-1]["content"]
+    stream = handlers.regenerate(chat, False, "", *values(max_new_tokens=200, temperature=1.0, seed=3, mode="vanilla"))
+    for _ in range(3):
+        next(stream)
+    handlers.stop(chat)
+    chat = list(stream)[-1][2]
+    third = chat["messages"][-1]
+    assert third["stats"]["finish_reason"] == "cancelled"  # stopped: the replies it replaced are kept with it
+    assert [m["content"] for m in third["earlier"]] == [first, second] and "earlier" not in third["earlier"][0]
+    assert store.load_chat(chat["id"])["messages"][-1]["earlier"] == third["earlier"]
+    shown = []
+    for _ in range(3):
+        view, chat, notice = handlers.earlier_reply(chat, True)
+        shown.append(chat["messages"][-1]["content"])
+        assert "3 kept for this message" in notice and store.load_chat(chat["id"])["messages"][-1]["content"] == shown[-1]
+        assert shown[-1] in str(view) and len(chat["messages"]) == 2
+    assert shown == [second, first, third["content"]]  # back to the latest
+    _, pending, _, chat, _ = handlers.accept("w3", chat, True)  # not a copy: the chat shown is the one saved
+    chat = list(handlers.send(pending, chat, "", *values(max_new_tokens=4)))[-1][2]  # continued from the reply shown
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "user", "assistant"]
+
+
 def test_a_failed_regeneration_keeps_the_reply_it_would_replace(handlers, store):
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=6)))[-1][2]
     final = list(handlers.regenerate(chat, False, "", *values(total_tokens=1)))[-1]  # a setting that is refused
