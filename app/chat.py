@@ -19,7 +19,7 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, new_chat, to_json, to_markdown
+from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, new_chat, to_json, to_markdown
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine
 from models.errors import KestrelError
@@ -207,7 +207,7 @@ def earlier_replies(message: dict) -> list[dict]:
     earlier = message.get(EARLIER)
     if not isinstance(earlier, list):
         return []
-    return [m for m in earlier if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)]
+    return [as_message(m) for m in earlier if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)]
 
 
 def with_earlier(replaced: dict) -> list[dict]:
@@ -219,6 +219,19 @@ def with_earlier(replaced: dict) -> list[dict]:
 def stored(chat: dict) -> dict:
     """The chat as it is saved: without the page's own TAKEN_BACK."""
     return {key: value for key, value in chat.items() if key != TAKEN_BACK}
+
+
+EDIT_PENDING_TEXT = ("An edit is pending: send the edited message first, or open the chat again from Saved chats "
+                     "to leave it as it was.")  # fmt: skip
+
+
+def cut_short_text(chat: dict) -> str:
+    """A notice for a chat whose last reply a crash or a killed server cut short."""
+    stats = last_reply_stats(chat)
+    if chat["messages"] and chat["messages"][-1]["role"] == "assistant" and stats and stats.get("finish_reason") == "interrupted":
+        return ("The last reply was cut short: Kestrel stopped while writing it. Regenerate writes it again "
+                "(the cut one is kept: Earlier reply shows it).")  # fmt: skip
+    return ""
 
 
 def last_reply_stats(chat: dict) -> dict | None:
@@ -384,6 +397,8 @@ class ChatHandlers:
         its value travels with that event, so a later click cannot change it)."""
         if self._busy(chat):
             return busy_notice(), True
+        if chat and chat.get(TAKEN_BACK):  # it would replace the reply before the exchange Edit took back, and save over that
+            return notice_html(EDIT_PENDING_TEXT), True
         if chat:
             self.runtime.cancel_event(chat["id"]).clear()  # here, so that a Stop pressed while it waits applies
             self.sent.add(chat["id"])  # busy while the regeneration waits for the model
@@ -634,26 +649,31 @@ class ChatHandlers:
         """Show the last message's previous reply: a regeneration keeps the
         replies it replaces, and pressing again goes on through them, back to
         the latest. The reply shown is the one saved and continued from.
-        Outputs: chatbot, chat state, notice."""
+        Outputs: chatbot, chat state, stats, notice."""
         if self._busy(chat):
-            return gr.skip(), gr.skip(), busy_notice()
+            return gr.skip(), gr.skip(), gr.skip(), busy_notice()
         if self._stale(chat):
-            return gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+        if chat and chat.get(TAKEN_BACK):  # the saved chat still ends with the exchange Edit took back
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(EDIT_PENDING_TEXT)
         last = chat["messages"][-1] if chat and chat["messages"] else None
-        earlier = earlier_replies(last) if last and last["role"] == "assistant" else []
+        if last is None or last["role"] != "assistant":
+            return gr.skip(), gr.skip(), gr.skip(), notice_html("There is no reply to show earlier versions of.")
+        earlier = earlier_replies(last)
         if not earlier:
-            return gr.skip(), gr.skip(), notice_html("This reply has no earlier versions: Regenerate keeps the replies it replaces.")
+            return gr.skip(), gr.skip(), gr.skip(), notice_html("This reply has no earlier versions: Regenerate keeps the replies it replaces.")
         chat = copy.deepcopy(chat)
         current = {key: value for key, value in last.items() if key != EARLIER}
         chat["messages"][-1] = {**earlier[-1], EARLIER: [current, *earlier[:-1]]}  # the others in turn, then this one again
-        note = f"An earlier reply ({len(earlier) + 1} kept for this message; press Earlier reply again for the next)."
+        note = f"Another kept reply ({len(earlier) + 1} kept for this message; press Earlier reply again for the next)."
         try:
             self.store.save_chat(stored(chat))
             self.unsaved.discard(chat["id"])
         except OSError as error:
             self.unsaved.add(chat["id"])
             note = f"{note} The chat could not be saved ({error})."
-        return display(chat, colour), chat, notice_html(note)
+        stats = render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat))
+        return display(chat, colour), chat, stats, notice_html(note)
 
     def clear(self, chat: dict, confirmed: bool = True, colour: bool | None = None) -> tuple:
         """Empty this chat (delete its saved copy and go on as a new chat),
@@ -695,7 +715,7 @@ class ChatHandlers:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         self._opened(loaded["id"])
         stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
-        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), ""
+        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), notice_html(cut_short_text(loaded))
 
     def delete(self, chat: dict, confirmed: bool = True) -> tuple:
         """Delete the current chat, once the page's dialog is confirmed.
@@ -775,6 +795,8 @@ class ChatHandlers:
             *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
             gr.update(choices=chat_choices(self.store, chats), value=chat["id"] if latest else None),
             render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat)),
-            notice_html(damage_text(self.store.folder, damaged, unreadable, {name: self.store.why_unreadable(name) for name in unreadable[:5]},
-                                    self.store.write_problem())),
+            notice_html(" ".join(filter(None, (
+                damage_text(self.store.folder, damaged, unreadable, {name: self.store.why_unreadable(name) for name in unreadable[:5]},
+                            self.store.write_problem()),
+                cut_short_text(chat))))),
         )  # fmt: skip

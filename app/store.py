@@ -45,9 +45,14 @@ class DataLock:
         self._file = None
 
     def acquire(self) -> bool:
-        """True when this process now holds the folder; False when another does."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open while the lock is held)
+        """True when this process now holds the folder, or when nothing can be
+        written there at all (no lock can be taken; the page names the problem
+        at load and no chat is saved); False when another process holds it."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open while the lock is held)
+        except OSError:  # a read-only folder, or a file where the folder belongs
+            return True
         try:
             if os.name == "nt":
                 import msvcrt
@@ -68,6 +73,8 @@ class DataLock:
 
     def announce(self, url: str) -> None:
         """Name this process's address in the lock file, for a second start."""
+        if self._file is None:  # no lock could be taken (nothing can be written there)
+            return
         self._file.truncate(0)
         self._file.seek(0)
         self._file.write(url)
@@ -318,7 +325,7 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
     ):
         return None
     chat = {**new_chat(), "created": 0.0, "updated": 0.0, **value, "id": chat_id}
-    chat["messages"] = [_as_message(m) for m in messages]
+    chat["messages"] = [as_message(m) for m in messages]
     for key, kind, default in (("title", str, ""), ("system", str, ""), ("updated", (int, float), 0.0), ("created", (int, float), 0.0)):
         if not isinstance(chat[key], kind):
             chat[key] = default
@@ -331,7 +338,7 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
     return chat
 
 
-def _as_message(message: dict) -> dict:
+def as_message(message: dict) -> dict:
     """A stored message; its coloured segments are dropped (the text shows
     uncoloured) unless they are [text, origin] pairs that make up its content."""
     segments = message.get("segments")

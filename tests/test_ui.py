@@ -1165,6 +1165,28 @@ def test_a_data_folder_that_cannot_be_saved_to_is_named_when_the_page_loads(hand
     assert f"{store.folder} cannot be written" in handlers.restore()[-1]
 
 
+def test_a_reply_cut_short_by_a_crash_is_said_when_its_chat_opens(handlers, store):
+    chat = {**new_chat(), "messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2",
+            "stats": {"tokens": 1, "finish_reason": "interrupted"}}]}  # fmt: skip
+    store.save_chat(chat)
+    assert "cut short" in handlers.open(chat["id"], new_chat(), True)[-1] and "cut short" in handlers.restore()[-1]
+    chat["messages"][-1]["stats"]["finish_reason"] = "length"
+    store.save_chat(chat)
+    assert "cut short" not in handlers.open(chat["id"], new_chat(), True)[-1]
+
+
+def test_a_data_folder_that_cannot_be_written_still_starts_the_page(tmp_path):
+    """No lock can be taken where nothing can be written (a read-only folder,
+    a file in the folder's place): the page starts and names the problem."""
+    from app.store import DataLock
+
+    (tmp_path / "file").write_text("")
+    lock = DataLock(tmp_path / "file")
+    assert lock.acquire() and lock.holder() == ""
+    lock.announce("http://127.0.0.1:7860/")  # nothing to write to: no error
+    assert "is a file, not a folder" in Store(tmp_path / "file").write_problem()
+
+
 def test_deleting_a_chat_never_saved_works_in_a_read_only_folder(store, monkeypatch):
     """A read-only file system refuses unlink even for a file that is not there
     (EROFS before ENOENT): a chat with nothing on disk is deleted all the same."""
@@ -1273,7 +1295,8 @@ def test_regenerate_keeps_the_replies_it_replaces_and_earlier_reply_shows_them(h
     to the latest."""
     chat = list(handlers.send("w1 w2", new_chat(), "", *values(max_new_tokens=10, temperature=1.0, seed=1)))[-1][2]
     first = chat["messages"][-1]["content"]
-    assert "no earlier versions" in handlers.earlier_reply(chat, True)[2]
+    assert "no earlier versions" in handlers.earlier_reply(chat, True)[3]
+    assert "no reply to show" in handlers.earlier_reply(new_chat(), True)[3]
     chat = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=10, temperature=1.0, seed=2)))[-1][2]
     second = chat["messages"][-1]["content"]
     stream = handlers.regenerate(chat, False, "", *values(max_new_tokens=200, temperature=1.0, seed=3, mode="vanilla"))
@@ -1287,11 +1310,20 @@ def test_regenerate_keeps_the_replies_it_replaces_and_earlier_reply_shows_them(h
     assert store.load_chat(chat["id"])["messages"][-1]["earlier"] == third["earlier"]
     shown = []
     for _ in range(3):
-        view, chat, notice = handlers.earlier_reply(chat, True)
+        view, chat, stats, notice = handlers.earlier_reply(chat, True)
         shown.append(chat["messages"][-1]["content"])
+        assert f">{chat['messages'][-1]['stats']['tokens']}<" in stats  # the panel shows the figures of the reply shown
         assert "3 kept for this message" in notice and store.load_chat(chat["id"])["messages"][-1]["content"] == shown[-1]
         assert shown[-1] in str(view) and len(chat["messages"]) == 2
     assert shown == [second, first, third["content"]]  # back to the latest
+    text, _, edited, _ = handlers.edit_last(chat, True)  # while an edit is pending, the saved chat ends with the exchange taken back
+    assert "An edit is pending" in handlers.earlier_reply(edited, True)[3] and handlers.check_idle(edited)[1] is True
+    assert "An edit is pending" in handlers.check_idle(edited)[0]
+    saved = store.load_chat(chat["id"])
+    saved["messages"][-1]["earlier"][-1]["segments"] = [["not the text", "base"]]  # a hand-edited file: shown uncoloured
+    store.save_chat(saved)
+    view, chat, _, notice = handlers.earlier_reply(saved, True)
+    assert "Another kept reply" in notice and "segments" not in chat["messages"][-1]
     _, pending, _, chat, _ = handlers.accept("w3", chat, True)  # not a copy: the chat shown is the one saved
     chat = list(handlers.send(pending, chat, "", *values(max_new_tokens=4)))[-1][2]  # continued from the reply shown
     assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "user", "assistant"]
