@@ -72,6 +72,12 @@ def restored_settings(saved: dict) -> dict:
     return settings
 
 
+def invalid_settings(saved: dict) -> list[str]:
+    """The saved settings that restored_settings replaced by their defaults (named in the page's notice)."""
+    restored = restored_settings(saved)
+    return [name for name in default_settings() if name in saved and saved[name] != restored[name]]
+
+
 @dataclass(frozen=True)
 class Options:
     mode: str
@@ -223,6 +229,13 @@ def stored(chat: dict) -> dict:
 
 EDIT_PENDING_TEXT = ("An edit is pending: send the edited message first, or open the chat again from Saved chats "
                      "to leave it as it was.")  # fmt: skip
+
+
+def invalid_text(names: list[str]) -> str:
+    if not names:
+        return ""
+    shown = ", ".join(LABELS.get(name, name.replace("_", " ")) for name in names)
+    return f"Some saved settings were not valid, so their defaults are in use (a change saves the new value): {shown}."
 
 
 def cut_short_text(chat: dict) -> str:
@@ -798,5 +811,6 @@ class ChatHandlers:
             notice_html(" ".join(filter(None, (
                 damage_text(self.store.folder, damaged, unreadable, {name: self.store.why_unreadable(name) for name in unreadable[:5]},
                             self.store.write_problem()),
+                invalid_text(invalid_settings(saved)),
                 cut_short_text(chat))))),
         )  # fmt: skip

@@ -185,8 +185,17 @@ def load_cached(folder: Path, key: dict) -> Costs | None:
         return None
 
 
+STALE_SECONDS = 3600  # a temporary cost file this old was left by a killed process
+
+
 def save_cached(folder: Path, key: dict, costs: Costs) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("costs-*.tmp"):  # left by a process killed while it wrote (others finish within seconds)
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_SECONDS:
+                stale.unlink()
+        except OSError:
+            pass
     path = cache_file(folder, key)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")  # per process: two starts may measure at once
     temporary.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1), encoding="utf-8")

@@ -2,6 +2,7 @@
 functions on synthetic tables, then the engine with the planner on."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -330,8 +331,12 @@ def test_a_damaged_cost_file_is_measured_again(tmp_path):
     costs = costs_module.Costs(sizes=(1, 2, 4), contexts=(64, 512), verify=((1.0, 1.2, 1.5), (1.1, 1.3, 1.6)),
                                widths=(1, 2), expand=(0.1, 0.2), overhead=0.05)  # fmt: skip
     key = {"model": "m"}
+    stale, fresh = tmp_path / "costs-0123.99.tmp", tmp_path / "costs-0123.98.tmp"
+    for left in (stale, fresh):
+        left.write_text("{")
+    os.utime(stale, (0, 0))  # left by a process killed long ago; the fresh one may be another start's, still writing
     path = costs_module.save_cached(tmp_path, key, costs)
-    assert costs_module.load_cached(tmp_path, key) == costs
+    assert costs_module.load_cached(tmp_path, key) == costs and not stale.exists() and fresh.exists()
     good = json.loads(path.read_text())
     for damaged in (None, [], "x", {"key": key, "costs": {**good["costs"], "sizes": []}},
                     {"key": key, "costs": {**good["costs"], "verify": [[1.0, 1.2], [1.1, 1.3, 1.6]]}},

@@ -1165,6 +1165,14 @@ def test_a_data_folder_that_cannot_be_saved_to_is_named_when_the_page_loads(hand
     assert f"{store.folder} cannot be written" in handlers.restore()[-1]
 
 
+def test_saved_settings_that_are_not_valid_are_named_at_page_load(handlers, store):
+    store.save_settings({"temperature": "hot", "max_new_tokens": 1e9, "colour": "yes", "top_p": 0.5})
+    notice = handlers.restore()[-1]
+    assert "not valid" in notice and "Temperature, Max new tokens, colour" in notice and "Top-p" not in notice
+    store.save_settings({"temperature": 0.5})
+    assert "not valid" not in handlers.restore()[-1]
+
+
 def test_a_reply_cut_short_by_a_crash_is_said_when_its_chat_opens(handlers, store):
     chat = {**new_chat(), "messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2",
             "stats": {"tokens": 1, "finish_reason": "interrupted"}}]}  # fmt: skip
