@@ -349,9 +349,11 @@ class ChatHandlers:
         self.replying: dict[str, bool] = {}
         self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
         self.unsaved: set[str] = set()  # ids of chats whose latest save failed: their disk copy is older, not another tab's
-        self.sent: set[str] = set()  # ids of chats whose accepted message waits for the model (send not started)
+        # ids of chats whose accepted message (or regeneration) waits for the model, not yet started -> the
+        # browser tab's session: a tab closed meanwhile never starts it, and its unload forgets the mark
+        self.sent: dict[str, str | None] = {}
 
-    def accept(self, message: str, chat: dict | None, colour: bool) -> tuple:
+    def accept(self, message: str, chat: dict | None, colour: bool, request: gr.Request = None) -> tuple:
         """At once on Send, before the reply waits for the model: the message
         leaves the box for the chat (saved, so a reload keeps it), the chat's
         Stop signal is reset (a Stop from now on stops this reply, even while it
@@ -376,7 +378,7 @@ class ChatHandlers:
         if self.runtime.queue.waiting or self.replying:
             notes.append("Waiting for the model...")
         self.runtime.cancel_event(chat["id"]).clear()
-        self.sent.add(chat["id"])
+        self.sent[chat["id"]] = getattr(request, "session_hash", None)
         sent = copy.deepcopy(stored(chat))
         sent["messages"].append({"role": "user", "content": text})
         try:
@@ -394,7 +396,7 @@ class ChatHandlers:
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
             return
         if chat:
-            self.sent.discard(chat["id"])
+            self.sent.pop(chat["id"], None)
         if chat and chat["id"] in self.replying:
             yield message, gr.skip(), chat, busy_notice(), *SKIP_PANEL
             return
@@ -403,7 +405,7 @@ class ChatHandlers:
         chat["messages"].append({"role": "user", "content": message})
         yield from self._respond(chat, values, message)
 
-    def check_idle(self, chat: dict | None) -> tuple:
+    def check_idle(self, chat: dict | None, request: gr.Request = None) -> tuple:
         """At once on Regenerate, before it waits for the model: refused while
         this chat's reply is being written (it would wait, then replace that
         reply). Outputs: notice, refused (a hidden box that `regenerate` reads:
@@ -414,12 +416,12 @@ class ChatHandlers:
             return notice_html(EDIT_PENDING_TEXT), True
         if chat:
             self.runtime.cancel_event(chat["id"]).clear()  # here, so that a Stop pressed while it waits applies
-            self.sent.add(chat["id"])  # busy while the regeneration waits for the model
+            self.sent[chat["id"]] = getattr(request, "session_hash", None)  # busy while the regeneration waits for the model
         return gr.skip(), False
 
     def regenerate(self, chat: dict | None, refused: bool, system: str, *values) -> Iterator[tuple]:
         if chat and not refused:
-            self.sent.discard(chat["id"])
+            self.sent.pop(chat["id"], None)
         if refused:  # check_idle said why
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
             return
@@ -607,6 +609,14 @@ class ChatHandlers:
         busy = self._busy(chat)
         self.runtime.cancel(chat["id"] if chat else None)
         return notice_html(STOPPING_TEXT) if busy else gr.skip()
+
+    def forget_session(self, request: gr.Request = None) -> None:
+        """A browser tab closed: its requests that had not started never will,
+        so the chats they marked as waiting are free again."""
+        session = getattr(request, "session_hash", None)
+        if session is not None:
+            for chat_id in [chat_id for chat_id, owner in self.sent.items() if owner == session]:
+                self.sent.pop(chat_id, None)
 
     def _busy(self, chat: dict | None) -> bool:
         """Whether this chat's reply is being written, or its sent message waits

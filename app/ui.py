@@ -179,6 +179,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
         ).then(**refresh)
         stop.click(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
+        demo.unload(chat.forget_session)  # a closed tab's waiting Send or Regenerate no longer holds its chat
         earlier.click(chat.earlier_reply, [chat_state, colour], [chatbot, chat_state, stats, notice], show_progress="hidden").then(**refresh)
         edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)

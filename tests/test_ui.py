@@ -890,6 +890,19 @@ def test_stop_while_waiting_for_the_model_gives_the_message_back(handlers):
     assert handlers.runtime.queue.waiting == 0
 
 
+def test_a_closed_tab_s_waiting_request_no_longer_holds_its_chat(handlers):
+    """Send or Regenerate marks its chat busy at the click while it waits for
+    the model; a tab closed meanwhile never starts it, and its unload frees the chat."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    with handlers.runtime.queue.turn():  # another reply is being written
+        assert handlers.check_idle(chat, SimpleNamespace(session_hash="tab-1"))[1] is False  # Regenerate pressed in tab 1
+        assert handlers._busy(chat) and "being written" in handlers.edit_last(chat, True)[3]
+        handlers.forget_session(SimpleNamespace(session_hash="tab-2"))  # another tab closed: still waiting
+        assert handlers._busy(chat)
+        handlers.forget_session(SimpleNamespace(session_hash="tab-1"))  # tab 1 closed before its turn came
+        assert not handlers._busy(chat) and handlers.edit_last(chat, True)[0] == "w1"
+
+
 def test_send_accepts_at_once_and_a_stop_before_its_turn_holds(handlers, store):
     """Send's first step (accept) saves the message and resets Stop, so a Stop
     pressed while the reply waits for the model stops it, and an old Stop does not."""
