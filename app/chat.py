@@ -72,9 +72,8 @@ def restored_settings(saved: dict) -> dict:
     return settings
 
 
-def invalid_settings(saved: dict) -> list[str]:
-    """The saved settings that restored_settings replaced by their defaults (named in the page's notice)."""
-    restored = restored_settings(saved)
+def invalid_settings(saved: dict, restored: dict) -> list[str]:
+    """The saved settings that restored_settings(saved) replaced by their defaults (named in the page's notice)."""
     return [name for name in default_settings() if name in saved and saved[name] != restored[name]]
 
 
@@ -218,13 +217,17 @@ def earlier_replies(message: dict) -> list[dict]:
 
 def with_earlier(replaced: dict) -> list[dict]:
     """The earlier replies of a regenerated message: those of the reply it replaces, and that reply."""
-    alone = {key: value for key, value in replaced.items() if key != EARLIER}
-    return [*earlier_replies(replaced), alone][-EARLIER_LIMIT:]
+    return [*earlier_replies(replaced), without(replaced, EARLIER)][-EARLIER_LIMIT:]
+
+
+def without(mapping: dict, key: str) -> dict:
+    """A shallow copy of `mapping` without `key`."""
+    return {name: value for name, value in mapping.items() if name != key}
 
 
 def stored(chat: dict) -> dict:
     """The chat as it is saved: without the page's own TAKEN_BACK."""
-    return {key: value for key, value in chat.items() if key != TAKEN_BACK}
+    return without(chat, TAKEN_BACK)
 
 
 EDIT_PENDING_TEXT = ("An edit is pending: send the edited message first, or open the chat again from Saved chats "
@@ -535,13 +538,18 @@ class ChatHandlers:
         endings = {"cancelled": "Stopped.", "length": "The reply reached the token limit.",
                    "context": "The reply reached the context window."}  # fmt: skip
         note = f"{note} {endings.get(reply.finish_reason, '')}".strip()
+        return f"{note} {self._save(chat)}".strip()
+
+    def _save(self, chat: dict) -> str:
+        """Save the chat; "" or why it could not be saved (its disk copy is then
+        older than this tab's view, which is not another tab's change)."""
         try:
-            self.store.save_chat(chat)
+            self.store.save_chat(stored(chat))
             self.unsaved.discard(chat["id"])
+            return ""
         except OSError as error:
             self.unsaved.add(chat["id"])
-            note = f"{note} The chat could not be saved ({error}).".strip()
-        return note
+            return f"The chat could not be saved ({error})."
 
     def _save_progress(self, chat: dict, reply: Reply, mode: str, settings: dict) -> None:
         """Save the message with the reply so far, marked "interrupted", so that a
@@ -686,15 +694,9 @@ class ChatHandlers:
         if not earlier:
             return gr.skip(), gr.skip(), gr.skip(), notice_html("This reply has no earlier versions: Regenerate keeps the replies it replaces.")
         chat = copy.deepcopy(chat)
-        current = {key: value for key, value in last.items() if key != EARLIER}
-        chat["messages"][-1] = {**earlier[-1], EARLIER: [current, *earlier[:-1]]}  # the others in turn, then this one again
+        chat["messages"][-1] = {**earlier[-1], EARLIER: [without(last, EARLIER), *earlier[:-1]]}  # the others in turn, then this one again
         note = f"Another kept reply ({len(earlier) + 1} kept for this message; press Earlier reply again for the next)."
-        try:
-            self.store.save_chat(stored(chat))
-            self.unsaved.discard(chat["id"])
-        except OSError as error:
-            self.unsaved.add(chat["id"])
-            note = f"{note} The chat could not be saved ({error})."
+        note = f"{note} {self._save(chat)}".strip()
         stats = render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat))
         return display(chat, colour), chat, stats, notice_html(note)
 
@@ -821,6 +823,6 @@ class ChatHandlers:
             notice_html(" ".join(filter(None, (
                 damage_text(self.store.folder, damaged, unreadable, {name: self.store.why_unreadable(name) for name in unreadable[:5]},
                             self.store.write_problem()),
-                invalid_text(invalid_settings(saved)),
+                invalid_text(invalid_settings(saved, settings)),
                 cut_short_text(chat))))),
         )  # fmt: skip
