@@ -101,6 +101,7 @@ class Options:
         return cls(v["mode"], sampling, tree, bool(v["colour"]))
 
 
+TREE_SETTINGS = ("total_tokens", "depth", "tree_top_k")
 LABELS = {
     "temperature": "Temperature", "top_p": "Top-p", "top_k": "Top-k", "max_new_tokens": "Max new tokens", "seed": "Seed",
     "total_tokens": "Tree: tokens verified per step", "depth": "Tree: depth", "tree_top_k": "Tree: top-k per node",
@@ -453,6 +454,8 @@ class ChatHandlers:
             return
         self._update_settings({**dict(zip(SETTINGS, values)), "system": chat["system"], "open_chat": chat["id"]})
         mode, note = mode_for(engine, options.mode)
+        if mode == "eagle2" and (short := options.tree.shortfall(tuple(f'"{LABELS[name]}"' for name in TREE_SETTINGS))):
+            note = f"{note} {short}".strip()
         made_with = run_settings(engine, mode, options)
         if chat["id"] in self.forked:
             self.forked.discard(chat["id"])

@@ -318,9 +318,14 @@ def sampling_from(args):
 
 
 def tree_from(args):
+    """The tree settings; a fixed --total-tokens that --depth and --tree-top-k cannot fill is said on stderr."""
     from core.config import TreeParams
 
-    return TreeParams(args.total_tokens, args.depth, args.tree_top_k, args.min_path_prob, args.lookup_tokens, args.context_branches)
+    tree = TreeParams(args.total_tokens, args.depth, args.tree_top_k, args.min_path_prob, args.lookup_tokens, args.context_branches)
+    note = tree.shortfall(("--total-tokens", "--depth", "--tree-top-k"))
+    if note:
+        print(f"Note: {note}", file=sys.stderr, flush=True)
+    return tree
 
 
 

@@ -77,3 +77,23 @@ class TreeParams:
     def planned(self) -> bool:
         """Whether the planner sizes each tree (total_tokens 0)."""
         return self.total_tokens == 0
+
+    @property
+    def head_capacity(self) -> int:
+        """Most nodes the head can draft into a fixed tree, the root included:
+        top_k at the first depth and top_k children of top_k nodes at each
+        deeper one (EAGLE-2's expansion, core/drafter.py)."""
+        return 1 + self.top_k + (self.depth - 1) * self.top_k**2
+
+    def shortfall(self, labels: tuple[str, str, str] = ("total tokens", "depth", "top-k")) -> str | None:
+        """A note where a fixed total_tokens is more than depth and top_k can
+        draft (the trees then hold fewer nodes than asked), else None.
+        labels: how the user names total_tokens, depth and top_k."""
+        if self.planned or self.total_tokens <= self.head_capacity:
+            return None
+        total, depth, top_k = labels
+        return (
+            f"{total} {self.total_tokens} is more than {depth} {self.depth} and {top_k} {self.top_k} can draft: "
+            f"trees hold at most {self.head_capacity} tokens (the root included, before any copied from the "
+            f"context). Raise {depth} or {top_k} for bigger trees."
+        )

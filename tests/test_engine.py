@@ -232,7 +232,9 @@ def test_tree_invariants_over_random_drafts(engine64):
             drafter.commit(features, torch.tensor([9, 10, 11, 12, 13]))
             tree = drafter.draft(13)
         candidates = params.top_k + (params.depth - 1) * params.top_k**2
+        assert params.head_capacity == 1 + candidates  # what the settings' note says a tree can hold
         assert tree.size == min(params.total_tokens, 1 + candidates)
+        assert (params.shortfall() is None) == (params.total_tokens <= tree.size)
         assert drafter.cache.length == 5  # drafted entries were dropped
         mask = ancestor_mask(tree.parents)
         for node in range(tree.size):

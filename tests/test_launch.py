@@ -238,6 +238,16 @@ def test_chat_in_vanilla_mode_loads_no_head(tiny_dir, capsys, monkeypatch):
     assert loaded == []
 
 
+def test_chat_says_when_a_fixed_tree_is_more_than_depth_and_top_k_can_draft(tiny_dir, capsys):
+    from app import cli
+
+    options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "3"]
+    assert cli.main(["chat", "w1 w2", *options, "--total-tokens", "40", "--depth", "3", "--tree-top-k", "3"]) == 0
+    assert "Note: --total-tokens 40 is more than --depth 3 and --tree-top-k 3 can draft: trees hold at most 22 tokens" in capsys.readouterr().err
+    assert cli.main(["chat", "w1 w2", *options, "--total-tokens", "22", "--depth", "3", "--tree-top-k", "3"]) == 0
+    assert "Note:" not in capsys.readouterr().err
+
+
 def cli_reply(cli, argv: list[str], capsys) -> str:
     assert cli.main(argv) == 0
     return capsys.readouterr().out

@@ -3,6 +3,7 @@ the models tab and the launched server."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -958,6 +959,16 @@ def test_session_tau_shows_before_a_reply_and_the_tree_slider_at_1_is_named(hand
     assert 'id="stat-tau-session">2.50<' in render.stats_html(None, 0, 2.5)
     final = list(handlers.send("w1", new_chat(), "", *values(total_tokens=1)))[-1]
     assert "Tree: tokens verified per step" in final[3] and final[0] == "w1"
+
+
+def test_a_fixed_tree_bigger_than_its_depth_and_top_k_can_draft_is_said(handlers):
+    """60 tokens at depth 2 and top-k 2: the head drafts at most 1 + 2 + 4 nodes, and the notice says so."""
+    updates = list(handlers.send("w1", new_chat(), "", *values(total_tokens=60, depth=2, tree_top_k=2, max_new_tokens=4)))
+    notice = html.unescape(" ".join(u[3] for u in updates if isinstance(u[3], str)))
+    assert '"Tree: tokens verified per step" 60 is more than "Tree: depth" 2' in notice and "at most 7 tokens" in notice
+    assert updates[-1][2]["messages"][-1]["stats"]["tokens"] == 4  # the reply is written all the same
+    fits = list(handlers.send("w1", new_chat(), "", *values(total_tokens=7, depth=2, tree_top_k=2, max_new_tokens=4)))
+    assert not any("is more than" in u[3] for u in fits if isinstance(u[3], str))
 
 
 def test_a_chat_cleared_in_one_tab_and_continued_in_another_keeps_both(handlers, store):
