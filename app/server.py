@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -25,7 +26,7 @@ import gradio as gr
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from app import render
@@ -72,18 +73,19 @@ class Guard:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        origin = headers.get("origin")
+        if scope["type"] == "http" and is_api(scope["path"]) and origin in self.access.allow_origins:
+            send = with_cors(send, origin)  # refusals too: the page on that origin can then read why
         refusal = self._refusal(scope, headers)
         if refusal is not None:
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008})
             return await refusal(scope, receive, send)
-        origin = headers.get("origin")
         if scope["type"] == "http" and not is_api(scope["path"]):
             send = with_headers(send, PAGE_POLICY)
         if scope["type"] == "http" and is_api(scope["path"]) and origin in self.access.allow_origins:
             if scope["method"] == "OPTIONS":  # a CORS preflight from an allowed origin
-                return await self._preflight(origin)(scope, receive, send)
-            send = with_cors(send, origin)
+                return await self._preflight(headers.get("access-control-request-headers", ""))(scope, receive, send)
         return await self.app(scope, receive, send)
 
     def _refusal(self, scope, headers: dict) -> Response | None:
@@ -107,11 +109,16 @@ class Guard:
         return None
 
     @staticmethod
-    def _preflight(origin: str) -> JSONResponse:
-        return JSONResponse(None, status_code=204, headers={
-            "Access-Control-Allow-Origin": origin, "Vary": "Origin",
+    def _preflight(requested: str) -> Response:
+        """An allowed origin's preflight: no body (a 204 has none). The headers
+        it asks to send are allowed as asked: clients add their own (the official
+        JavaScript SDK sends X-Stainless-* on every request), and the origin is
+        already trusted."""
+        names = [name.strip() for name in requested.split(",") if HEADER_NAME.fullmatch(name.strip())]
+        return Response(status_code=204, headers={
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": "Authorization, Content-Type", "Access-Control-Max-Age": "600",
+            "Access-Control-Allow-Headers": ", ".join(dict.fromkeys(["Authorization", "Content-Type", *names])),
+            "Access-Control-Max-Age": "600", "Vary": "Access-Control-Request-Headers",
         })  # fmt: skip
 
 
@@ -131,6 +138,9 @@ def with_headers(send, added: list[tuple[bytes, bytes]]):
         await send(message)
 
     return send_with_headers
+
+
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP header name (RFC 9110's token)
 
 
 def with_cors(send, origin: str):

@@ -335,13 +335,28 @@ def test_host_and_origin_checks_and_no_cors_by_default(server, engine):
 
 
 def test_allowed_origin_gets_cors_headers(engine, tmp_path_factory):
-    server = start(engine, tmp_path_factory, Access(allow_origins=("http://localhost:3000",)))
+    """A preflight from an allowed origin is an empty 204 that allows the headers
+    asked for (the official JavaScript SDK adds X-Stainless-* to every request)
+    and keeps the connection open; refusals to that origin carry the CORS header,
+    so its page can read why."""
+    server = start(engine, tmp_path_factory, Access(api_key="key-1", allow_origins=("http://localhost:3000",)))
     try:
         url = f"{server.url}v1/models"
-        preflight = httpx.options(url, headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
-        assert preflight.status_code == 204 and preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
-        allowed = httpx.get(url, headers={"Origin": "http://localhost:3000"})
-        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+        site = {"Origin": "http://localhost:3000"}
+        with httpx.Client() as connection:  # one kept-alive connection for the preflight and the requests after it
+            asked = "authorization, content-type, x-stainless-os, x-stainless-retry-count"
+            preflight = connection.options(url, headers={**site, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked})
+            assert preflight.status_code == 204 and preflight.content == b""
+            assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+            allowed = {name.strip().lower() for name in preflight.headers["access-control-allow-headers"].split(",")}
+            assert {"authorization", "content-type", "x-stainless-os", "x-stainless-retry-count"} <= allowed
+            ok = connection.get(url, headers={**site, "Authorization": "Bearer key-1", "X-Stainless-OS": "Linux"})
+            assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:3000"
+            refused = connection.get(url, headers=site)
+            assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "http://localhost:3000"
+            assert "API key" in refused.json()["error"]["message"]
+        odd = httpx.options(url, headers={**site, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "x-a, bad header, (x)"})
+        assert odd.headers["access-control-allow-headers"] == "Authorization, Content-Type, x-a"
         assert httpx.get(url, headers={"Origin": "http://localhost:4000"}).status_code == 403
     finally:
         server.close()
