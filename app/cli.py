@@ -266,6 +266,19 @@ def earlier_arch(out: Path) -> str | None:
     return arch if isinstance(arch, str) else None
 
 
+def check_initial_head(path: str, arch: str) -> None:
+    """--init-head of the kind this run trains, before the model loads (its
+    shapes are checked against the base model before any answer is made)."""
+    from models import eagle3
+    from models.head import read_checkpoint
+
+    if arch == "eagle3":
+        raise ValueError("--init-head continues EAGLE-1/2 heads (--arch eagle2) only; an EAGLE-3 head is trained from scratch")
+    _, state, _ = read_checkpoint(Path(path).expanduser())
+    if eagle3.is_eagle3(state):
+        raise ValueError(f"--init-head {path}: is an EAGLE-3 head; --init-head continues EAGLE-1/2 heads (--arch eagle2) only")
+
+
 def check_head_folder(path: str, option: str) -> None:
     """A head folder's files are there (its shapes are checked when it loads)."""
     from models.head import CONFIG_FILE, WEIGHT_FILES
@@ -373,7 +386,8 @@ def run_train_head(args) -> int:
     from core.training.features import FeatureParams, FeaturesStopped
     from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, TrainingStopped, train_head
     from core.training.report import NOTES_FILE, REPORT_FILE
-    from core.prompt import PromptFileError, prompt_rows
+    from core.prompt import PromptFileError
+    from core.training.answers import training_ids
     from core.training.trainer import TrainParams
     from models.base import load_base
     from models.head import CONFIG_FILE, WEIGHT_FILES
@@ -382,12 +396,13 @@ def run_train_head(args) -> int:
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: is a file; name a folder for the head")
-    if not sum(1 for _ in prompt_rows(Path(args.prompts).expanduser())):  # every line checked before the model loads
+    if not training_ids(Path(args.prompts).expanduser()):  # every line checked before the model loads
         raise PromptFileError(f"{args.prompts}: no prompts")
     work = Path(args.work).expanduser() if args.work else out / "work"
     if work.exists() and not work.is_dir():
         raise ValueError(f"--work {work}: is a file; name a folder for the run's work")
-    if work.is_dir() and any(work.iterdir()) and not args.resume:
+    earlier_run = work.is_dir() and any(work.iterdir())
+    if earlier_run and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
     check_writable(str(work / ANSWERS_FILE), "--work" if args.work else "--out")  # the option the user gave
     # what the run writes into --out: an earlier run's (resumed) or someone's own files are not replaced unasked
@@ -396,6 +411,7 @@ def run_train_head(args) -> int:
         check_head_folder(args.init_head, "--init-head")
         if Path(args.init_head).expanduser().resolve() == out.resolve():
             raise ValueError(f"--out {args.out}: is the --init-head folder; write the new head to another folder")
+        check_initial_head(args.init_head, args.arch)
     if holds_head and not args.resume:
         raise ValueError(f"--out {args.out}: already holds a head or its notes ({CONFIG_FILE}, {REPORT_FILE}, {NOTES_FILE}), "
                          "which this run would replace; choose another folder")  # fmt: skip
@@ -403,6 +419,9 @@ def run_train_head(args) -> int:
     if holds_head and made not in (None, args.arch):
         raise ValueError(f"--out {args.out}: holds an {made} head; this --arch {args.arch} run would replace it: "
                          "give it another --out (and --work, or the same one to reuse its answers)")  # fmt: skip
+    if holds_head and not earlier_run:  # --resume with nothing to resume: the head there is someone's, not this run's
+        raise ValueError(f"--out {args.out}: already holds a head or its notes, and {work} holds no earlier run for "
+                         "--resume to continue; choose another --out (or the --work of the run that wrote it)")  # fmt: skip
     check_writable(str(out / "model.safetensors"), "--out")  # now, not after hours of work
     budget = Budget()
     if args.time_budget_minutes is not None:
@@ -422,25 +441,24 @@ def run_train_head(args) -> int:
     except (FeaturesStopped, TrainingStopped) as stop:  # no head yet: its training has not started
         print(f"stopped by the time budget ({stop}); no head was written; run again with --resume to continue ({work})")
         return 0
-    training = report["training"]
-    if training["total_steps"] < 1:
-        print(
-            f"error: no training step was possible: the training split of {args.prompts} gave too few positions"
-            f" (the head in {out} is untrained); add prompts or lower --batch-tokens", file=sys.stderr,
+    training, data, final = report["training"], report["data"], report["final_eval"]
+    if final["accuracy"]:
+        held_out = (
+            f"held-out top-1 {', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])}, "
+            f"measured as trained, in {args.precision}; eval-heads scores the written head in float32)"
         )  # fmt: skip
-        return 2
-    final = report["final_eval"]
-    held_out = (
-        f"held-out top-1 {', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])}, "
-        f"measured as trained, in {args.precision}; eval-heads scores the written head in float32)"
-        if final["accuracy"] else "no held-out figures (no prompt was held out)"
-    )  # fmt: skip
+    elif data.get("eval_prompts"):  # held out, but the budget skipped their answers, or each is too short to judge
+        held_out = f"no held-out figures (none of the {data['eval_prompts']} held-out prompts has an answer of 2 tokens or more here)"
+    else:
+        held_out = "no held-out figures (no prompt was held out)"
     print(f"head written to {out}: {training['steps']}/{training['total_steps']} steps, {held_out}")
-    data = report["data"]
-    planned = data["prompts"] * data["samples_per_prompt"]
-    if data["answers"] < planned:
-        print(f"note: the time budget stopped the answers at {data['answers']} of {planned}; this head learned from those "
-              f"only, and --resume keeps them as they are (a new --work answers every prompt)")  # fmt: skip
+    unanswered, planned = data.get("unanswered", 0), data.get("planned_answers", 0)
+    if unanswered and data.get("features_kept"):
+        print(f"note: {unanswered} of the {planned} answers this run plans were not made: the features in {work} were taken "
+              f"from the answers made before, and --resume keeps them as they are (a new --work answers every prompt)")  # fmt: skip
+    elif unanswered:
+        print(f"note: the time budget stopped the answers at {planned - unanswered} of {planned}; this head learned from those "
+              f"only, and --resume keeps them as they are, their features taken (a new --work answers every prompt)")  # fmt: skip
     if training["steps"] < training["total_steps"]:
         print(f"stopped by the time budget; run again with --resume to continue ({work})")
     return 0

@@ -225,8 +225,9 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
     from transformers import AutoModelForCausalLM
 
     from app.cli import main
+    from models import eagle3
     from models.head import save_head
-    from tests.factory import random_head, tiny_config
+    from tests.factory import random_eagle3_head, random_head, tiny_config
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not load")
@@ -238,6 +239,7 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "TRAINING.md").write_text("my notes")
     (old / "training_report.json").write_text(json.dumps({"arch": "eagle2"}))
+    third = eagle3.save(random_eagle3_head(AutoModelForCausalLM.from_config(tiny_config())), tmp_path / "eagle3-head")
     dup = tmp_path / "dup.jsonl"
     dup.write_text('{"id": "x", "turns": ["w1"]}\n{"id": "y", "turns": ["w2"]}\n{"id": "x", "turns": ["w3"]}\n')
     cases = [
@@ -249,12 +251,18 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
         (["--out", str(old), "--init-head", str(old), "--resume"], "is the --init-head folder"),
         (["--out", str(tmp_path / "new"), "--init-head", str(typo)], f"--init-head {typo}: no such folder"),
         (["--out", str(tmp_path / "new"), "--init-head", str(tmp_path)], "no config.json or model.safetensors"),
+        (["--out", str(old), "--resume"], "holds no earlier run for --resume to continue"),  # nothing to resume: not replaced
+        (["--out", str(tmp_path / "new"), "--init-head", str(third)], f"--init-head {third}: is an EAGLE-3 head"),
+        (["--out", str(tmp_path / "new"), "--init-head", str(old), "--arch", "eagle3"], "an EAGLE-3 head is trained from scratch"),
     ]
     for options, message in cases:
         assert main(["train-head", "--prompts", str(prompts_file), *options]) == 2
         assert message in capsys.readouterr().err, options
     assert main(["train-head", "--prompts", str(dup), "--out", str(tmp_path / "new")]) == 2  # every line, not the first
     assert f"{dup}:3: id 'x' is already the id of line 1" in capsys.readouterr().err
+    dup.write_text('{"id": "1", "turns": ["w1"]}\n{"turns": ["w2"]}\n')  # line 2's id would be its index, 1
+    assert main(["train-head", "--prompts", str(dup), "--out", str(tmp_path / "new")]) == 2
+    assert f"{dup}:2: has no id, and the one it would get (its line index from 0, '1') is the id of line 1" in capsys.readouterr().err
     assert (tmp_path / "mine" / "TRAINING.md").read_text() == "my notes"
 
 
@@ -269,7 +277,10 @@ def test_a_resumed_run_keeps_the_answers_its_features_came_from(tiny_base, promp
     answers = (paths.work / "answers.jsonl").read_text()
     report = train_head(tiny_base, paths, ANSWERS, FEATURES, replace(TRAIN, epochs=3), progress=False, draft_vocab=24)
     assert (paths.work / "answers.jsonl").read_text() == answers
-    assert report["data"]["answers"] == 16 and "holds the features of 16 of 32 planned answers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert report["data"]["answers"] == 16 and "holds the features of 16 answers, taken before this run" in out
+    assert "16 of the 32 answers this run plans are not among them" in out and report["data"]["unanswered"] == 16
+    assert report["data"]["features_kept"] and report["data"]["eval_answers"] > 0
 
 
 def test_a_checkpoint_made_with_other_settings_names_them(tiny_base, features, tmp_path):
@@ -445,7 +456,8 @@ def test_a_budget_spent_before_the_first_training_step_writes_no_head(tiny_base,
     assert main([*options, "--time-budget-minutes", "1"]) == 0
     assert "stopped by the time budget (before the first training step); no head was written; run again with --resume" in capsys.readouterr().out
     monkeypatch.undo()
-    report = {"data": {"prompts": 16, "samples_per_prompt": 2, "answers": 5}, "training": {"steps": 4, "total_steps": 4},
+    report = {"data": {"prompts": 16, "samples_per_prompt": 2, "answers": 5, "planned_answers": 32, "unanswered": 27},
+              "training": {"steps": 4, "total_steps": 4},
               "final_eval": {"accuracy": [0.5, 0.25]}}  # fmt: skip
     monkeypatch.setattr(pipeline, "train_head", lambda *args, **kwargs: report)
     monkeypatch.setattr("models.base.load_base", lambda *args, **kwargs: tiny_base)
@@ -467,3 +479,85 @@ def test_a_short_run_warms_up_for_a_tenth_of_its_steps():
     assert rates[-1] < 0.15e-3  # decayed towards the floor (x0.1) by the end
     assert learning_rate(49, 2000, params) == pytest.approx(1e-3) and learning_rate(10, 2000, params) < 0.3e-3
 
+
+
+def test_a_work_folder_is_resumed_only_with_the_base_model_that_made_it(tiny_base, prompts_file, tmp_path):
+    """Another model (same sizes, other weights), or the same one quantized
+    otherwise, is refused before any answer: its answers and features would
+    be mixed with the first one's."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.factory import tiny_config
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    train_head(tiny_base, paths, replace(ANSWERS, samples_per_prompt=1), FEATURES, TRAIN, progress=False, draft_vocab=24)
+    answers = (paths.work / "answers.jsonl").read_text()
+    torch.manual_seed(5)
+    other = replace(tiny_base, model=AutoModelForCausalLM.from_config(tiny_config()).eval(), name="other-model")
+    with pytest.raises(ValueError, match=f"came from another base model \\({tiny_base.name}\\); this run loads other-model"):
+        train_head(other, paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
+    with pytest.raises(ValueError, match="with --quantization none, and this run loads it with int8: give --quantization none"):
+        train_head(replace(tiny_base, quantization="int8"), paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
+    assert (paths.work / "answers.jsonl").read_text() == answers
+    same = replace(tiny_base, model=tiny_base.model.to(torch.float64), name=str(tmp_path / "elsewhere"))  # the same weights
+    try:
+        assert train_head(same, paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)["data"]["answers"] == 16
+    finally:
+        tiny_base.model.to(torch.float32)
+
+
+def test_answers_stopped_before_any_feature_are_completed_and_those_of_removed_prompts_left_out(tiny_base, prompts_file, tmp_path):
+    """Features stopped before their first shard fix nothing: a resumed run
+    answers what its plan still lacks, and trains on its own prompts only."""
+    from dataclasses import replace
+
+    from core.training.features import FeaturesStopped
+
+    work = tmp_path / "work"
+    prompts = read_prompts(prompts_file, tiny_base.tokenizer)
+    first = generate_answers(tiny_base, prompts, work / "answers.jsonl", replace(ANSWERS, samples_per_prompt=1), progress=False)
+    with pytest.raises(FeaturesStopped):
+        extract_features(tiny_base, first, work / "features", FEATURES, progress=False, deadline=0.0)
+    assert (work / "features" / "manifest.json").is_file()
+    half = tmp_path / "half.jsonl"
+    half.write_text("".join(line + "\n" for line in prompts_file.read_text().splitlines()[:8]))
+    report = train_head(tiny_base, RunPaths(half, tmp_path / "head", work), ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
+    data = report["data"]
+    assert (data["prompts"], data["answers"], data["planned_answers"], data["unanswered"]) == (8, 16, 16, 0)
+    assert not data["features_kept"] and len(read_answers(work / "answers.jsonl")) == 16 + 8
+
+
+def test_a_run_with_nothing_to_train_on_writes_no_head_and_says_why(tiny_base, prompts_file, tmp_path):
+    from dataclasses import replace
+
+    from models.errors import HeadFormatError
+    from models.head import save_head
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    every = replace(FEATURES, eval_fraction=1.0)  # every prompt held out
+    with pytest.raises(ValueError, match="nothing to train on: of the 32 answers, 32 answer held-out prompts .* and 0 are shorter"):
+        train_head(tiny_base, paths, ANSWERS, every, TRAIN, progress=False, draft_vocab=24)
+    assert not paths.out.exists()
+    config = head_config_for(tiny_base.model.config)
+    save_head(new_head(replace(config, intermediate_size=config.intermediate_size + 1), 0), tmp_path / "other")
+    fresh = RunPaths(prompts_file, tmp_path / "head2", tmp_path / "work2")
+    with pytest.raises(HeadFormatError, match="does not fit"):  # before any answer is made
+        train_head(tiny_base, fresh, ANSWERS, FEATURES, replace(TRAIN, init_head=str(tmp_path / "other")), progress=False)
+    assert not (fresh.work / "answers.jsonl").exists()
+
+
+def test_the_last_line_says_why_a_run_has_no_held_out_figures(tiny_base, prompts_file, tmp_path, monkeypatch, capsys):
+    from app.cli import main
+    from core.training import pipeline
+
+    report = {"data": {"prompts": 16, "samples_per_prompt": 1, "answers": 14, "eval_prompts": 2, "eval_answers": 0,
+                       "planned_answers": 16, "unanswered": 2, "features_kept": True},
+              "training": {"steps": 4, "total_steps": 4}, "final_eval": {"accuracy": []}}  # fmt: skip
+    monkeypatch.setattr(pipeline, "train_head", lambda *args, **kwargs: report)
+    monkeypatch.setattr("models.base.load_base", lambda *args, **kwargs: tiny_base)
+    assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "h"), "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "no held-out figures (none of the 2 held-out prompts has an answer of 2 tokens or more here)" in out
+    assert "note: 2 of the 16 answers this run plans were not made: the features in" in out and "time budget" not in out

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from core.prompt import encode_chat, prompt_rows, stop_token_ids
+from core.prompt import PromptFileError, encode_chat, prompt_rows, stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,11 @@ def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512) -> list[Pr
     as bench's are (PromptFileError names the file and line). A prompt without
     an id is known by its line index from 0."""
     prompts, skipped = [], 0
-    for index, record in prompt_rows(Path(path)):
+    for prompt_id, record in training_ids(Path(path)).items():
         messages = [{"role": "user", "content": record["turns"][0]}]
         ids = encode_chat(tokenizer, messages)
         if len(ids) <= max_prompt_tokens:
-            prompts.append(Prompt(str(record.get("id", index)), tuple(ids)))
+            prompts.append(Prompt(prompt_id, tuple(ids)))
         else:
             skipped += 1
     if skipped:
@@ -62,6 +62,24 @@ def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512) -> list[Pr
     if not prompts:
         raise ValueError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens; training needs shorter ones")
     return prompts
+
+
+def training_ids(path: Path) -> dict[str, dict]:
+    """id -> row of every prompt line (prompt_rows checks each line), a line
+    without an id known by its line index from 0. PromptFileError where that
+    index is another line's id: their answers would be taken for each other's."""
+    rows = list(prompt_rows(Path(path)))
+    explicit = {str(row["id"]): index for index, row in rows if "id" in row}
+    ids = {}
+    for index, row in rows:
+        prompt_id = str(row.get("id", index))
+        if "id" not in row and prompt_id in explicit:
+            raise PromptFileError(
+                f"{path}:{index + 1}: has no id, and the one it would get (its line index from 0, {prompt_id!r}) is "
+                f"the id of line {explicit[prompt_id] + 1}; give it an id"
+            )
+        ids[prompt_id] = row
+    return ids
 
 
 def plan_batches(prompts: list[Prompt], params: AnswerParams) -> list[list[tuple[Prompt, int]]]:

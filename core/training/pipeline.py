@@ -14,12 +14,13 @@ from pathlib import Path
 from core.training.answers import AnswerParams, cached_answers, generate_answers, read_prompts
 from core.training.features import MANIFEST, FeatureParams, extract_features, is_held_out
 from core.training.report import write_report
-from core.training.trainer import TrainParams, Trainer, frequent_tokens
+from core.training.trainer import TrainParams, Trainer, frequent_tokens, head_config_for, initial_weights, new_head
 from models import eagle3
 from models.head import save_head, with_draft_vocabulary
 
 ANSWERS_FILE = "answers.jsonl"
 PHASES_FILE = "phases.json"
+BASE_FILE = "base-model.json"  # which base model (and quantization) made the work folder's answers and features
 # Tokens the head drafts among: on the bundled 135M model the 8192 most frequent
 # answer tokens cut drafting time by more than half and tau by about 5% (README).
 DRAFT_VOCAB = 8192
@@ -83,6 +84,55 @@ class TrainingStopped(Exception):
     """The time budget ran out before any training step; the run's work is kept for --resume."""
 
 
+def check_base_model(work: Path, base) -> None:
+    """Refuse to resume a work folder whose answers and features another base
+    model made (or the same one quantized otherwise): they would be mixed
+    with this one's, or fail hours later on a shape. The model is known by
+    its sizes and its embedding's weights (in bf16, so a float32 or bfloat16
+    load of the same weights is the same model), not by how it was named;
+    a work folder from before this record gets it now."""
+    import hashlib
+
+    import torch
+
+    config = base.model.config
+    embedding = base.model.get_input_embeddings().weight.detach().to("cpu", torch.bfloat16).contiguous()
+    identity = {
+        "name": base.name,
+        "quantization": base.quantization,
+        "sizes": [config.model_type, config.hidden_size, config.num_hidden_layers, embedding.shape[0]],
+        "embedding": hashlib.sha256(embedding.view(torch.int16).numpy().tobytes()).hexdigest()[:16],
+    }
+    path = work / BASE_FILE
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):
+        recorded = None  # unreadable: recorded again below
+    if isinstance(recorded, dict):
+        if (recorded.get("sizes"), recorded.get("embedding")) != (identity["sizes"], identity["embedding"]):
+            raise ValueError(
+                f"{work}: its answers and features came from another base model ({recorded.get('name')}); this run "
+                f"loads {base.name}: give --model {recorded.get('name')}, or another --work for this model"
+            )
+        if recorded.get("quantization") != identity["quantization"]:
+            raise ValueError(
+                f"{work}: its answers and features came from {recorded.get('name')} with --quantization "
+                f"{recorded.get('quantization')}, and this run loads it with {base.quantization}: give --quantization "
+                f"{recorded.get('quantization')}, or another --work"
+            )
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
+
+
+def held_out_and_short(answers, fraction: float) -> tuple[int, int]:
+    """(answers to held-out prompts, answers shorter than 2 tokens, which teach nothing) of `answers`."""
+    return (
+        sum(is_held_out(answer.id, fraction) for answer in answers),
+        sum(len(answer.answer_ids) < 2 for answer in answers),
+    )
+
+
 def train_head(
     base,
     paths: RunPaths,
@@ -104,6 +154,9 @@ def train_head(
         feature_params = replace(feature_params, layer_ids=layers)
         train_params = replace(train_params, loss_vocab=draft_vocab)
     suffix = "-eagle3" if third else ""
+    if train_params.init_head:  # the shapes now, not after hours of answers and features
+        initial_weights(Path(train_params.init_head), new_head(head_config_for(base.model.config), 0))
+    check_base_model(paths.work, base)
     clock = PhaseClock(paths.work / PHASES_FILE)
     prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)
     if not any(is_held_out(prompt.id, feature_params.eval_fraction) for prompt in prompts):
@@ -112,22 +165,30 @@ def train_head(
             "(chosen by id), so there will be no held-out figures; about 50 prompts or more give some", flush=True,
         )  # fmt: skip
     features = paths.work / f"features{suffix}"
+    plan = {(prompt.id, sample) for prompt in prompts for sample in range(answer_params.samples_per_prompt)}
+    taken = any(features.glob("*/shard-*.safetensors"))  # a plan with no shard yet (stopped before one) may change
+    if not taken:
+        (features / MANIFEST).unlink(missing_ok=True)
     with clock.phase("answers"):
-        if (features / MANIFEST).is_file():  # features were taken from the answers so far: they stay as they are
+        if taken:  # features were taken from the answers so far: they stay as they are
             answers = cached_answers(prompts, paths.work / ANSWERS_FILE, answer_params)
-            planned = len(prompts) * answer_params.samples_per_prompt
-            if len(answers) < planned:
-                print(f"note: {features} holds the features of {len(answers)} of {planned} planned answers, made before "
-                      "the time budget stopped the answers; they are kept as they are (a new --work answers every prompt)",
-                      flush=True)  # fmt: skip
+            note_kept_answers(features, answers, plan)
         else:
             answers = generate_answers(
                 base, prompts, paths.work / ANSWERS_FILE, answer_params, budget.answers_deadline, progress
             )
+            answers = [answer for answer in answers if (answer.id, answer.sample) in plan]  # not those of removed prompts
     if not answers:
         raise ValueError(f"{paths.work / ANSWERS_FILE}: no answers yet; give the answer phase more time")
     with clock.phase("features"):
         shards = extract_features(base, answers, features, feature_params, progress, budget.train_deadline)
+    if not shards["train"]:  # no training step is possible: a head would be written untrained
+        held, short = held_out_and_short(answers, feature_params.eval_fraction)
+        raise ValueError(
+            f"nothing to train on: of the {len(answers)} answers, {held} answer held-out prompts (about "
+            f"{feature_params.eval_fraction:.0%} of prompts, chosen by id) and {short} are shorter than 2 tokens; "
+            "give more prompts, or a larger --max-new-tokens; no head was written"
+        )
     with clock.phase("training"):
         trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params)
         trainer.run(budget.train_deadline, progress)
@@ -145,7 +206,9 @@ def train_head(
     report = {
         "base_model": base.name,
         "arch": train_params.arch,
-        "data": data_summary(paths, prompts, answers, shards, answer_params, feature_params),
+        "data": {**data_summary(paths, prompts, answers, shards, answer_params, feature_params),
+                 "planned_answers": len(plan), "unanswered": len(plan - {(a.id, a.sample) for a in answers}),
+                 "features_kept": taken},
         "training": trainer.summary(),
         "final_eval": final,
         "draft_vocab": draft_vocab,
@@ -153,6 +216,20 @@ def train_head(
     }
     write_report(paths.out, report)
     return report
+
+
+def note_kept_answers(features: Path, answers, plan: set) -> None:
+    """Say where the answers whose features were taken differ from what this
+    run plans (a time budget stopped them, or the prompts or samples changed)."""
+    made = {(answer.id, answer.sample) for answer in answers}
+    missing, extra = len(plan - made), len(made - plan)
+    if not missing and not extra:
+        return
+    parts = [f"{missing} of the {len(plan)} answers this run plans are not among them"] if missing else []
+    if extra:
+        parts.append(f"{extra} answer prompts or samples this run does not plan, and are trained on")
+    print(f"note: {features} holds the features of {len(answers)} answers, taken before this run and kept as they are: "
+          f"{'; '.join(parts)} (a new --work answers exactly this run's prompts)", flush=True)  # fmt: skip
 
 
 def data_summary(paths, prompts, answers, shards, answer_params: AnswerParams, feature_params: FeatureParams) -> dict:
@@ -164,6 +241,7 @@ def data_summary(paths, prompts, answers, shards, answer_params: AnswerParams, f
         "prompts_file": str(paths.prompts),
         "prompts": len(prompts),
         "eval_prompts": sum(is_held_out(prompt.id, feature_params.eval_fraction) for prompt in prompts),
+        "eval_answers": sum(is_held_out(answer.id, feature_params.eval_fraction) for answer in answers),
         "answers": len(answers),
         "samples_per_prompt": answer_params.samples_per_prompt,
         "temperature": answer_params.temperature,
