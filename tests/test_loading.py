@@ -1,4 +1,5 @@
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -182,6 +183,73 @@ def test_two_first_starts_converting_at_once_both_end_with_the_bundled_model(tmp
     assert (folder / "tokenizer.json").read_text() == "other"
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["M"]
     assert not (tmp_path / "models" / f"M.partial-{os.getpid()}").exists()
+
+
+def test_a_stopped_or_failed_conversion_leaves_no_half_copy(tmp_path, monkeypatch):
+    """Ctrl+C or a full disk while the bundled model is written removes its
+    staging folder (a full disk is one line naming the cache), and a start that
+    finds the model converted removes the staging folder of a conversion whose
+    process is gone (killed outright)."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    from models.errors import KestrelError
+
+    def fail_with(error):
+        def save_pretrained(folder):
+            (Path(folder) / "model.safetensors").write_text("half")
+            raise error
+
+        return save_pretrained
+
+    class Loaded:
+        config = SimpleNamespace(to_dict=lambda: {"model_type": "llama"})
+
+        def state_dict(self):
+            return {}
+
+    saving = {}
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: SimpleNamespace(save_pretrained=lambda f: None))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Loaded())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda config: SimpleNamespace(
+        load_state_dict=lambda *a, **k: None, save_pretrained=lambda folder: saving["run"](folder)))
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", lambda **settings: None)
+    folder = tmp_path / "models" / "M"
+    saving["run"] = fail_with(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        bundled.convert(tmp_path / "x.gguf", folder)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == []
+    saving["run"] = fail_with(OSError(28, "No space left on device"))
+    with pytest.raises(KestrelError, match=f"cannot be written into Kestrel's cache {tmp_path / 'models'} .*No space left.*KESTREL_CACHE_DIR"):
+        bundled.convert(tmp_path / "x.gguf", folder)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == []
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "models" / f"M.partial-{gone}").mkdir()  # a conversion killed outright (kill -9)
+    (tmp_path / "models" / f"M.partial-{os.getpid()}").mkdir()  # this process's own: not stale
+    folder.mkdir()
+    for name in bundled.CONVERTED_FILES:
+        (folder / name).write_text("{}")
+    monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bundled, "DEFAULT_NAME", "M")
+    assert bundled.converted_folder() == folder
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["M", f"M.partial-{os.getpid()}"]
+
+
+def test_an_unwritable_cache_folder_leaves_torch_s_compile_cache_where_it_is(tmp_path, monkeypatch):
+    """torch makes its compile cache folder when it is imported: one in a cache
+    that cannot be written would stop every start, a model of one's own too."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("KESTREL_CACHE_DIR", str(blocked / "cache"))
+    bundled.use_compile_cache()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path / "cache"))
+    bundled.use_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
 
 
 def test_a_damaged_converted_bundled_model_is_converted_again(tmp_path, monkeypatch):
