@@ -156,7 +156,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
                 trained = gr.Dropdown([], label="Heads you trained for this base (overrides the head box)")
                 with gr.Row():
-                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF, else int8 where it is faster")
+                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF where Kestrel's kernel is built, else int8 where it is faster")
                     dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16", "float64"], value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -216,27 +217,58 @@ def torch_flags() -> list[str]:
             f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]  # fmt: skip
 
 
+_said: set[str] = set()  # what this process has said about its kernels, once each
+
+
+def say_once(key: str, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        log.info(message)
+
+
+def unsupported() -> str | None:
+    """Why Kestrel's kernels cannot be built here, or None: they are x86-64
+    code that needs AVX2 and FMA, built with GCC's flags on Linux."""
+    if compiler() is None:
+        return "no C++ compiler (g++ or clang++) found" if sys.platform.startswith("linux") else "they are built on Linux only"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"they need an x86-64 CPU with AVX2 (this one is {platform.machine()})"
+    flags = set(cpu_flags().split())
+    if Path("/proc/cpuinfo").is_file() and not {"avx2", "fma"} <= flags:
+        return "they need a CPU with AVX2 and FMA"
+    return None
+
+
 def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
     """The shared library built from `source` (building it if not cached), or
-    None where no compiler is found or the build fails (logged, naming `what`)."""
-    tool = compiler()
-    if tool is None:
-        found = "no C++ compiler found" if sys.platform.startswith("linux") else "built on Linux only"
-        log.info(f"{what}: {found} for its kernel")
+    None where it cannot be built here (said once per process, in one line for
+    all kernels) or its build failed. A failed build is recorded beside the
+    cache with the compiler's error, and not tried again at every start until
+    the compiler changes (the first line of the error is said, once)."""
+    why = unsupported()
+    if why is not None:
+        eager = ", and the model runs eagerly (install g++ for the fast path)" if compiler() is None and sys.platform.startswith("linux") else ""
+        say_once("unsupported", f"Kestrel's own kernels are off ({why}): torch's run instead, slower{eager}")
         return None
+    tool = compiler()
     digest = hashlib.sha256((source + " ".join(flags) + tool + torch.__version__ + cpu_flags()).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
     path = folder / f"{stem}-{digest}.so"
+    failed = folder / f"{stem}-{digest}.failed.txt"
     if path.is_file():
         if intact(path):
             return path
         log.warning(f"{what}: the cached kernel {path} is damaged (cut short); building it again")
         path.unlink(missing_ok=True)
+    compiler_id = compiler_stamp(tool)
+    if failed.is_file() and failed.read_text(errors="replace").startswith(compiler_id + "\n"):
+        say_once(f"failed-{stem}", f"{what}: its kernel did not build here (see {failed}); torch's kernel runs instead")
+        return None
     log.info(f"Building the {stem} kernel (once; cached afterwards)...")
-    folder.mkdir(parents=True, exist_ok=True)
     code = folder / f"{stem}-{digest}.{os.getpid()}.cpp"  # per process: builds may race
     staging = code.with_suffix(".so")
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         code.write_text(source)
         # the source comes first: with GNU ld, libraries must follow the objects that use them
         subprocess.run([tool, str(code), "-o", str(staging), *flags], check=True, capture_output=True, text=True, timeout=300)
@@ -245,12 +277,27 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
         staging.replace(path)  # atomic: another process never loads a half-written file
         return path
     except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or ""
-        log.warning(f"{what}: building its kernel failed ({type(error).__name__}: {error}) {detail[-500:]}")
+        detail = (getattr(error, "stderr", None) or str(error)).strip()
+        errors = [line for line in detail.splitlines() if "error" in line.lower()] or detail.splitlines() or [type(error).__name__]
+        if isinstance(error, subprocess.CalledProcessError):  # the compiler refused it: not worth trying at every start
+            try:
+                failed.write_text(f"{compiler_id}\n{' '.join(map(str, error.cmd))}\n\n{detail}\n")
+            except OSError:
+                pass
+        log.warning(f"{what}: building its kernel failed ({errors[0].strip()[:200]}); torch's kernel runs instead")
         return None
     finally:
         code.unlink(missing_ok=True)
         staging.unlink(missing_ok=True)
+
+
+def compiler_stamp(tool: str) -> str:
+    """The compiler's path and modification time: a recorded failure holds while they do."""
+    real = os.path.realpath(tool)
+    try:
+        return f"{real} {os.stat(real).st_mtime_ns}"
+    except OSError:
+        return real
 
 
 def intact(path: Path) -> bool:

@@ -141,10 +141,15 @@ def _four_bit(locate) -> bool:
 
 
 def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype, four_bit_source: bool = False) -> str:
-    """auto on CPUs computing in float32 or bf16: int4 for a 4-bit GGUF (its
-    own format, the fastest kernel here), else int8 where the int8 kernel
-    beats products in `dtype` (a probe of a few milliseconds), else none; on
-    GPUs none. int4 and int8 are refused where they cannot run."""
+    """auto on CPUs computing in float32 or bf16: int4 for a 4-bit GGUF where
+    Kestrel's int4 kernel is built (it reads the GGUF's blocks exactly: the
+    fastest kernel here), else int8 where the int8 kernel beats products in
+    `dtype` (a probe of a few milliseconds), else none; on GPUs none. torch's
+    own int4 kernel (where Kestrel's cannot be built) is only asked for by
+    name: it holds each group's scale and minimum in bf16, which moves the
+    weights further from the GGUF's than bf16 rounding does (about 0.5% per
+    weight), enough to change a greedy reply. int4 and int8 are refused where
+    they cannot run."""
     from models import int4, int8
 
     if quantization not in QUANTIZATIONS:
@@ -152,7 +157,7 @@ def resolve_quantization(quantization: str, device: torch.device, dtype: torch.d
     if quantization == "auto":
         if dtype not in (torch.float32, torch.bfloat16):
             return "none"
-        if four_bit_source and int4.kernel_available(device):
+        if four_bit_source and device.type == "cpu" and int4.own_kernel():
             return "int4"
         return "int8" if int8.kernel_available(device) and int8.pays(dtype) else "none"
     if quantization in ("int4", "int8"):

@@ -254,6 +254,21 @@ def test_int8_is_off_where_it_does_not_pay():
         resolve_quantization("int8", torch.device("meta"), torch.float32)
 
 
+def test_auto_takes_int4_for_a_4_bit_gguf_only_through_kestrel_s_own_kernel(monkeypatch):
+    """torch's int4 kernel rounds each group's scale and minimum to bf16 (a
+    greedy reply of the bundled model changed with it): without Kestrel's own
+    kernel (no compiler) auto takes the rule of other models, and int4 by name
+    still runs through torch's."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(int4, "own_kernel", lambda: True)
+    assert resolve_quantization("auto", cpu, torch.bfloat16, four_bit_source=True) == "int4"
+    monkeypatch.setattr(int4, "own_kernel", lambda: False)
+    other = resolve_quantization("auto", cpu, torch.bfloat16, four_bit_source=False)
+    assert resolve_quantization("auto", cpu, torch.bfloat16, four_bit_source=True) == other != "int4"
+    if int4.torch_kernel(cpu):
+        assert resolve_quantization("int4", cpu, torch.bfloat16) == "int4"
+
+
 @needs_kernel
 def test_int8_base_loads_with_every_decoder_linear_quantized(tiny_dir):
     base = load_base(str(tiny_dir), quantization="int8", dtype="float32")

@@ -78,3 +78,56 @@ def test_a_damaged_cached_kernel_is_built_again(tmp_path, monkeypatch):
         assert native.build("probe", source, ["-shared", "-fPIC", "-O1"], "a test") == path
         assert path.read_bytes() == whole or native.intact(path)
 
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
+def test_a_kernel_that_does_not_build_is_not_tried_again_at_every_start(tmp_path, monkeypatch, caplog):
+    """A build the compiler refuses is recorded beside the cache with its
+    error (one line of it said) and skipped at later starts, until the
+    compiler changes; a working build is cached as before."""
+    import logging
+
+    monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
+    runs = []
+    real_run = subprocess.run
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+    broken = '#error "this CPU cannot take it"\n'
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        assert native.build("probe", broken, ["-shared", "-fPIC"], "a test kernel") is None
+    assert len(runs) == 1 and "building its kernel failed" in caplog.text and "this CPU cannot take it" in caplog.text
+    assert len(max(caplog.text.splitlines(), key=len)) < 400  # not the compiler's whole command line
+    record = next(tmp_path.glob("kernels/probe-*.failed.txt"))
+    assert "this CPU cannot take it" in record.read_text()
+    native._said.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        assert native.build("probe", broken, ["-shared", "-fPIC"], "a test kernel") is None
+    assert len(runs) == 1 and f"did not build here (see {record})" in caplog.text  # not built again
+    stamp = record.read_text().split("\n", 1)
+    record.write_text("/usr/bin/another-g++ 1\n" + stamp[1])  # the compiler changed: tried again
+    assert native.build("probe", broken, ["-shared", "-fPIC"], "a test kernel") is None and len(runs) == 2
+    assert native.build("probe", "int x;\n", ["-shared", "-fPIC"], "a test kernel") is not None and len(runs) == 3
+
+
+def test_kernels_are_not_built_for_cpus_they_cannot_run_on(monkeypatch, caplog):
+    """x86-64 code with AVX2 and FMA: elsewhere no build is tried, and one line says so once."""
+    import logging
+
+    monkeypatch.setattr(native, "compiler", lambda: "/usr/bin/g++")
+    said = set(native._said)
+    native._said.clear()
+    try:
+        monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+        assert native.unsupported() == "they need an x86-64 CPU with AVX2 (this one is aarch64)"
+        with caplog.at_level(logging.INFO, logger="kestrel"):
+            assert native.build("probe", "int x;", [], "a probe") is None
+            assert native.build("other", "int y;", [], "another") is None
+        assert caplog.text.count("Kestrel's own kernels are off (they need an x86-64 CPU with AVX2") == 1
+        monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+        monkeypatch.setattr(native, "cpu_flags", lambda: "flags fpu sse2 avx")
+        assert native.unsupported() == "they need a CPU with AVX2 and FMA" or not Path("/proc/cpuinfo").is_file()
+        monkeypatch.setattr(native, "compiler", lambda: None)
+        assert native.unsupported() == "no C++ compiler (g++ or clang++) found"
+    finally:
+        native._said.clear()
+        native._said.update(said)
