@@ -29,9 +29,15 @@ def load_pair(
     compile: str = "off",
     with_head: bool = True,
 ) -> Engine:
-    """with_head False: the base model alone (vanilla decoding), no head loaded or compiled."""
-    base = load_base(model, quantization, dtype, device)
+    """with_head False: the base model alone (vanilla decoding), no head loaded or compiled.
+    A head that is missing or not a head is said before the base model loads (a large one takes minutes)."""
+    from models.head import head_files, resolve_head_folder
+
     head_source = (head or default_head(model)) if with_head else None
+    if head_source is not None:
+        head_source = resolve_head_folder(str(head_source))
+        head_files(head_source)
+    base = load_base(model, quantization, dtype, device)
     draft_head = None if head_source is None else load_draft_head(base, head_source)
     return Engine(base, draft_head, head or "bundled", compile)
 

@@ -337,6 +337,13 @@ def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = N
 
 
 def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], Path]:
+    config, file = head_files(folder)
+    return config, _read_weights(file), file
+
+
+def head_files(folder: Path) -> tuple[HeadConfig, Path]:
+    """A head folder's config and weights file, checked without reading the
+    weights (a whole model's keys are told from the file's header)."""
     config_file = folder / CONFIG_FILE
     if not config_file.is_file():
         raise HeadFormatError(f"{folder}: no {CONFIG_FILE}; not a draft-head folder")
@@ -356,7 +363,7 @@ def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], 
                     f"{file}: a whole model's weights (keys model.layers.*), not a draft head; "
                     "give this folder as the base model and a head made for it as the draft head"
                 )
-            return config, _read_weights(file), file
+            return config, file
     if any(folder.glob("*.safetensors.index.json")) or any(folder.glob("*.bin.index.json")):
         raise HeadFormatError(
             f"{folder}: a whole model's sharded weights, not a draft head; "

@@ -288,3 +288,27 @@ def test_a_damaged_converted_bundled_model_is_converted_again(tmp_path, monkeypa
         load_base(str(mine), quantization="none")
     assert (mine / "model.safetensors").exists() and loads == [str(mine)]
 
+
+
+def test_a_bad_head_is_said_before_the_base_model_loads(tmp_path, monkeypatch, tiny_dir):
+    """The page and `chat` name a missing or malformed head at once, not after
+    the base model has loaded (minutes for a large one)."""
+    from app import session
+    from models.errors import HeadFormatError, ModelNotFoundError
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the base model must not load")
+
+    monkeypatch.setattr(session, "load_base", no_model)
+    (tmp_path / "nothead").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    cases = [
+        (tmp_path / "nothead", HeadFormatError, "no config.json; not a draft-head folder"),
+        (tmp_path / "broken", HeadFormatError, "not valid JSON"),
+        (tmp_path / "missing", ModelNotFoundError, "no such draft-head folder"),
+        (tiny_dir, HeadFormatError, "a whole model's weights"),
+    ]
+    for head, error, message in cases:
+        with pytest.raises(error, match=message):
+            session.load_pair(str(tiny_dir), str(head))
