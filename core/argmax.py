@@ -93,7 +93,7 @@ class ScreenedArgmax:
         # plain product is used.
         self.own = int8.own_kernel_takes(weight)
         self.enabled = lm_head.bias is None and (
-            (weight.dtype in (torch.float32, torch.float64) and (self.own or int8.available(weight.device)))
+            (weight.dtype in (torch.float32, torch.float64) and (self.own or int8.torch_kernel_takes(weight)))
             or (weight.dtype == torch.bfloat16 and self.own)
         )
         self.exact_dtype = torch.float32 if weight.dtype == torch.bfloat16 else weight.dtype  # what logits are computed in

@@ -60,7 +60,7 @@ class DraftVocabulary:
         own = int8.own_kernel_takes(weight)
         if weight.device.type == "cpu" and weight.shape[1] % int4.GROUP == 0 and int4.tiles_available():
             self.packed = int4.TileRows(weight)  # 4-bit groups in the tile layout: a quarter of bf16's bytes per call
-        elif own or int8.available(weight.device):
+        elif own or int8.torch_kernel_takes(weight):
             self.packed = int8.PackedRows(weight, own, tiles=own and int8.tiles_available())  # half of bf16's bytes
         else:
             if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64) and cpu_has_native_bf16():

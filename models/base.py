@@ -252,6 +252,12 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
                     "that are multiples of 16; use int8"
                 )
             quantization = resolve_quantization("auto", device, dtype)  # int8 where it pays, else none
+        if quantization == "int8" and not int8.fits(model):
+            if not automatic:
+                raise QuantizationUnavailableError(
+                    f"{name}: int8 needs layer input sizes that are multiples of {int8.STEP}; use none"
+                )
+            quantization = "none"
         if quantization != "none":
             (int4 if quantization == "int4" else int8).quantize_decoder(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)

@@ -506,10 +506,29 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top.values, top.indices
 
 
+STEP = 16  # both int8 kernels take inputs of a multiple of 16 columns: torch's reads past its weights otherwise
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Whether the int8 kernels can multiply by `weight` (N, K): K a multiple of
+    their step of 16. torch's kernel does not check it, and for K = 8, 24 or
+    40 returns products of 1e23 and more, or crashes the process."""
+    return weight.shape[1] % STEP == 0
+
+
 def own_kernel_takes(weight: torch.Tensor) -> bool:
-    """Whether Kestrel's int8 kernel is built and can multiply by `weight` (N, K):
-    on the CPU, K a multiple of its step of 16."""
-    return weight.device.type == "cpu" and weight.shape[1] % 16 == 0 and own_kernel()
+    """Whether Kestrel's int8 kernel is built and can multiply by `weight` (N, K)."""
+    return weight.device.type == "cpu" and takes(weight) and own_kernel()
+
+
+def torch_kernel_takes(weight: torch.Tensor) -> bool:
+    """Whether torch's int8 kernel can multiply by `weight` and pays on its device (`available`)."""
+    return takes(weight) and available(weight.device)
+
+
+def fits(model: nn.Module) -> bool:
+    """Whether the int8 kernels take every decoder linear of `model`."""
+    return all(takes(linear.weight) for linear in _linears(model.get_decoder().layers))
 
 
 def tiles_available() -> bool:
@@ -626,7 +645,7 @@ def drafting_head(head: nn.Module) -> nn.Module:
     else the head itself. Decided by the kernels built, not by a timing, so
     every process of a machine drafts alike."""
     linears = _linears(head)
-    if linears and (_own_takes_all(linears) or available(linears[0].weight.device)):
+    if linears and (_own_takes_all(linears) or all(torch_kernel_takes(linear.weight) for linear in linears)):
         return with_int8_linears(head)
     return head
 

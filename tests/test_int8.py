@@ -468,3 +468,30 @@ def test_sampled_eagle2_equals_vanilla_for_one_seed_through_the_screened_lm_head
     assert replies[("vanilla", 3)] == replies[("eagle2", 3)] and len(replies[("vanilla", 3)]) > 20
     assert replies[("vanilla", 4)] == replies[("eagle2", 4)]
     assert replies[("vanilla", 3)] != replies[("vanilla", 4)]
+
+
+@needs_kernel
+def test_layers_the_int8_kernels_cannot_take_keep_plain_products(tmp_path):
+    """torch's int8 kernel reads past its weights where a layer's input size is
+    not a multiple of 16 (products of 1e23 and more, or a crash): such layers
+    keep plain products, so greedy vanilla equals transformers' generate and
+    eagle2 equals vanilla, and int8 by name is refused."""
+    from core.argmax import ScreenedArgmax
+
+    assert int8.takes(torch.zeros(3, 48)) and not int8.takes(torch.zeros(3, 40))
+    folder = save_tiny_model(tmp_path / "k40", hidden_size=40, intermediate_size=120, num_attention_heads=4, num_key_value_heads=2)
+    base = load_base(str(folder), dtype="float32", quantization="auto")
+    assert base.quantization == "none"
+    assert not ScreenedArgmax(base.model.get_output_embeddings()).enabled
+    head = random_head(base.model)
+    assert int8.drafting_head(head) is head
+    assert DraftVocabulary(base.model.get_output_embeddings().weight, None).packed is None or int8.takes(base.model.get_output_embeddings().weight)
+    engine = Engine(base, head)
+    prompt = [5, 9, 13, 21, 8]
+    reference = base.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=sorted(engine.stop_ids), pad_token_id=0)
+    expected = reference[0, len(prompt) :].tolist()
+    for mode in ("vanilla", "eagle2"):
+        steps = list(engine.stream(prompt, mode=mode, sampling=SamplingParams(max_new_tokens=20)))
+        assert [token for step in steps for token in step.token_ids] == expected, mode
+    with pytest.raises(QuantizationUnavailableError, match="int8 needs layer input sizes that are multiples of 16"):
+        load_base(str(folder), dtype="float32", quantization="int8")
