@@ -253,6 +253,9 @@ class Engine:
                     return
                 if reading:
                     yield Reading(done, len(run.prompt_ids))
+            if cancel is not None and cancel.is_set():  # before the prompt's last chunk too: a Stop already pressed costs no forward
+                yield run.cancelled()
+                return
             yield run.prefill()
             while run.finish_reason is None:
                 if cancel is not None and cancel.is_set():

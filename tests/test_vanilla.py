@@ -67,6 +67,20 @@ def test_cancel_between_steps(tiny_base):
     assert steps[-1].finish_reason == "cancelled" and len(steps) == 4
 
 
+def test_a_stop_pressed_before_decoding_starts_reads_no_prompt(tiny_base, monkeypatch):
+    """A cancel already set when a short prompt (one chunk) reaches the engine
+    ends it at once, with no forward and no token, as a long prompt's does."""
+    from core import engine as engine_module
+
+    engine = Engine(tiny_base)
+    cancel = threading.Event()
+    cancel.set()
+    forwards = []
+    monkeypatch.setattr(engine_module, "base_forward", lambda *args: forwards.append(1))
+    steps = list(engine.stream([8, 9, 10], mode="vanilla", cancel=cancel))
+    assert [(step.token_ids, step.finish_reason) for step in steps] == [((), "cancelled")] and not forwards
+
+
 def test_prompt_longer_than_context_is_refused(tiny_base):
     engine = Engine(tiny_base)
     with pytest.raises(ContextOverflowError, match="context window"):
