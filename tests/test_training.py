@@ -481,7 +481,7 @@ def test_a_short_run_warms_up_for_a_tenth_of_its_steps():
 
 
 
-def test_a_work_folder_is_resumed_only_with_the_base_model_that_made_it(tiny_base, prompts_file, tmp_path):
+def test_a_work_folder_is_resumed_only_with_the_base_model_that_made_it(tiny_base, tiny_dir, prompts_file, tmp_path):
     """Another model (same sizes, other weights), or the same one quantized
     otherwise, is refused before any answer: its answers and features would
     be mixed with the first one's."""
@@ -489,6 +489,7 @@ def test_a_work_folder_is_resumed_only_with_the_base_model_that_made_it(tiny_bas
 
     from transformers import AutoModelForCausalLM
 
+    from models.base import load_base
     from tests.factory import tiny_config
 
     paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
@@ -501,11 +502,9 @@ def test_a_work_folder_is_resumed_only_with_the_base_model_that_made_it(tiny_bas
     with pytest.raises(ValueError, match="with --quantization none, and this run loads it with int8: give --quantization none"):
         train_head(replace(tiny_base, quantization="int8"), paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
     assert (paths.work / "answers.jsonl").read_text() == answers
-    same = replace(tiny_base, model=tiny_base.model.to(torch.float64), name=str(tmp_path / "elsewhere"))  # the same weights
-    try:
-        assert train_head(same, paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)["data"]["answers"] == 16
-    finally:
-        tiny_base.model.to(torch.float32)
+    same = load_base(str(tiny_dir), dtype="float32")  # the same weights, in another dtype
+    assert same.dtype != tiny_base.dtype
+    assert train_head(same, paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)["data"]["answers"] == 16
 
 
 def test_answers_stopped_before_any_feature_are_completed_and_those_of_removed_prompts_left_out(tiny_base, prompts_file, tmp_path):
