@@ -13,6 +13,8 @@ in vLLM, SGLang and llama.cpp."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,6 +22,8 @@ from torch import nn
 
 from models.errors import HeadFormatError
 from models.head import CONFIG_FILE, MLP, Attention, HeadCache, HeadConfig, RMSNorm, check_keys, save_head
+
+log = logging.getLogger("kestrel")
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 MARKER = "midlayer.self_attn.q_proj.weight"  # a key only EAGLE-3 checkpoints have
@@ -164,11 +168,35 @@ def expected_shapes(config: HeadConfig, target_hidden_size: int, fc_norms: bool)
     return shapes
 
 
+def target_hidden_size(config: HeadConfig) -> int:
+    """The width of each base-model feature the head reads (its hidden size unless the config says otherwise)."""
+    return int(config.extra.get("target_hidden_size") or config.hidden_size)
+
+
+def completed(config: HeadConfig, state: dict[str, torch.Tensor], file: Path) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
+    """What published heads leave out and Kestrel can tell: draft_vocab_size
+    (absent or null in some configs) from lm_head's rows; d2t where the draft
+    vocabulary is the whole vocabulary (every offset 0); t2d, which drafting
+    never reads, from d2t. The rest is checked strictly by `check_state`."""
+    state = dict(state)
+    if not config.draft_vocab_size and "lm_head.weight" in state:
+        config = replace(config, draft_vocab_size=int(state["lm_head.weight"].shape[0]))
+    if not config.draft_vocab_size:
+        raise HeadFormatError(f"{file.parent / CONFIG_FILE}: an EAGLE-3 head needs draft_vocab_size (or an lm_head.weight to tell it)")
+    if "d2t" not in state and config.draft_vocab_size == config.vocab_size:
+        state["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
+    if "t2d" not in state and "d2t" in state and state["d2t"].shape == (config.draft_vocab_size,):
+        target_ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
+        if 0 <= int(target_ids.min()) and int(target_ids.max()) < config.vocab_size:
+            state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
+    return config, state
+
+
 def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) -> None:
     """Strict: every expected key with its shape, nothing unexpected."""
     if not config.draft_vocab_size:
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: an EAGLE-3 head needs draft_vocab_size")
-    target = int(config.extra.get("target_hidden_size") or config.hidden_size)
+    target = target_hidden_size(config)
     shapes = expected_shapes(config, target, fc_norms="fc_norm.0.weight" in state)
     check_keys(state, shapes, config, file, " in an EAGLE-3 head")
     target_ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
@@ -181,6 +209,16 @@ def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_l
     if config.extra.get("norm_output"):
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_output heads (an EAGLE-3.1 variant) are not supported")
     layer_ids = configured_layer_ids(config) or default_layer_ids(base_layers)
+    default = default_layer_ids(base_layers)
+    if configured_layer_ids(config) is not None:
+        if layer_ids == tuple(layer - 1 for layer in default):
+            # the default layers counted by the layer whose output is taken (SGLang's, SpecForge's and
+            # ModelOpt's numbering): one less than the input-of-layer numbering read here
+            log.info(f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} read as the outputs of those layers, "
+                     f"that is the inputs of layers {list(default)}")
+            layer_ids = default
+        else:
+            log.info(f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} read as the inputs of those layers")
     if max(layer_ids) > base_layers:
         raise HeadFormatError(
             f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} do not exist in a {base_layers}-layer base model"

@@ -77,6 +77,11 @@ class HeadConfig:
         extra = {key: value for key, value in settings.items() if key not in known and key not in written}
         for name, value in values.items():
             _check_field(name, value)
+        if values["num_attention_heads"] % values["num_key_value_heads"]:
+            raise ValueError(
+                f"num_key_value_heads {values['num_key_value_heads']} does not divide num_attention_heads "
+                f"{values['num_attention_heads']}"
+            )
         return cls(**values, extra=extra)
 
     def to_dict(self) -> dict:
@@ -95,7 +100,9 @@ class HeadConfig:
         if rope_scaling and "rope_type" not in rope_scaling and "type" in rope_scaling:
             rope_scaling["rope_type"] = rope_scaling.pop("type")
         return LlamaConfig(
-            hidden_size=self.hidden_size,
+            # the rotary embedding reads head_dim alone: heads x head_dim as the width keeps transformers'
+            # check (width a multiple of the heads) from refusing heads whose head_dim is explicit
+            hidden_size=self.num_attention_heads * self.dim_per_head,
             num_attention_heads=self.num_attention_heads,
             head_dim=self.dim_per_head,
             rope_theta=self.rope_theta,
@@ -355,6 +362,10 @@ def head_files(folder: Path) -> tuple[HeadConfig, Path]:
         raise HeadFormatError(f"{config_file}: missing field {error.args[0]}") from error
     except (ValueError, TypeError) as error:  # a field of the wrong kind, or a settings file that is not an object
         raise HeadFormatError(f"{config_file}: {error}") from error
+    try:
+        config.rotary_config()  # transformers' checks of rope_scaling now, not after the base model has loaded
+    except Exception as error:  # KeyError, ValueError and transformers' own validation errors
+        raise HeadFormatError(f"{config_file}: rope_scaling {config.rope_scaling!r} is not one transformers reads ({error})") from error
     for name in WEIGHT_FILES:
         file = folder / name
         if file.is_file():
@@ -364,11 +375,13 @@ def head_files(folder: Path) -> tuple[HeadConfig, Path]:
                     "give this folder as the base model and a head made for it as the draft head"
                 )
             return config, file
-    if any(folder.glob("*.safetensors.index.json")) or any(folder.glob("*.bin.index.json")):
-        raise HeadFormatError(
-            f"{folder}: a whole model's sharded weights, not a draft head; "
-            "give this folder as the base model and a head made for it as the draft head"
-        )
+    for index in [*folder.glob("*.safetensors.index.json"), *folder.glob("*.bin.index.json")]:
+        if any(key.startswith("model.layers.") for key in _sharded_keys(index)):
+            raise HeadFormatError(
+                f"{folder}: a whole model's sharded weights, not a draft head; "
+                "give this folder as the base model and a head made for it as the draft head"
+            )
+        return config, index  # a draft head in shards (a large one): _read_weights reads them all
     raise HeadFormatError(f"{folder}: no weights ({' or '.join(WEIGHT_FILES)})")
 
 
@@ -386,7 +399,26 @@ def _full_model_keys(file: Path) -> bool:
         return False
 
 
+def _sharded_keys(index: Path) -> dict[str, str]:
+    """key -> shard file name, from a sharded checkpoint's index."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise TypeError("weight_map is not a map of keys to file names")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise HeadFormatError(f"{index}: not a readable index of shards ({type(error).__name__}: {error})") from error
+    return weight_map
+
+
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    if file.name.endswith(".index.json"):
+        state = {}
+        for name in sorted(set(_sharded_keys(file).values())):
+            shard = file.parent / name
+            if not shard.is_file() or shard.parent != file.parent:
+                raise HeadFormatError(f"{file}: names the shard {name}, which is not in {file.parent}")
+            state.update(_read_weights(shard))
+        return state
     try:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -454,13 +486,27 @@ def load_head(
     config, state, file = read_checkpoint(folder)
     if config.hidden_act != "silu":
         raise HeadFormatError(f"{folder / CONFIG_FILE}: hidden_act {config.hidden_act!r} is not supported (only silu)")
-    if config.hidden_size != hidden_size:
+    from models import eagle3
+
+    third = eagle3.is_eagle3(state)
+    if third:  # the features it reads are the base's (target_hidden_size); its own layer may be narrower
+        config, state = eagle3.completed(config, state, file)
+        target = eagle3.target_hidden_size(config)
+        if target != hidden_size:
+            raise HeadFormatError(
+                f"{file}: the head reads features {target} wide (target_hidden_size; fc.weight takes 3 x {target}), "
+                f"and the base model's hidden size is {hidden_size}"
+            )
+        if config.hidden_size != hidden_size and "embed_tokens.weight" not in state:
+            raise HeadFormatError(
+                f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}, and the head "
+                "has no embed_tokens of its own to embed tokens at its width"
+            )
+    elif config.hidden_size != hidden_size:
         raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if config.vocab_size != vocab_size:
         raise HeadFormatError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
-    from models import eagle3
-
-    if eagle3.is_eagle3(state):
+    if third:
         eagle3.check_state(state, config, file)
         if base_layers is None:
             raise ValueError("loading an EAGLE-3 head needs the base model's number of layers")

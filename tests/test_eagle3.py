@@ -190,3 +190,94 @@ def test_eagle3_heads_decode_exactly_after_a_prompt_read_in_chunks(engine3, monk
     reference = tokens_of(engine3.stream(prompt, mode="vanilla", sampling=params))
     monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 9)
     assert tokens_of(engine3.stream(prompt, mode="eagle2", sampling=params, tree=TreeParams(12, 4, 3))) == reference
+
+
+def test_published_variants_load_as_the_head_they_are(base64, tmp_path):
+    """What published heads leave out and can be told: t2d (never read),
+    draft_vocab_size null (lm_head's rows), d2t for a whole-vocabulary head
+    (identity); a head in shards; aux ids in the output-of-layer numbering
+    (the default layers minus one) read as the layers they mean."""
+    head, folder = saved(base64, tmp_path / "head")
+    reference = load(base64, folder)
+    rewrite(folder, lambda state: state.pop("t2d"))
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, "draft_vocab_size": None}))
+    loaded = load(base64, folder)
+    assert torch.equal(loaded.t2d, reference.t2d) and loaded.lm_head.weight.shape == reference.lm_head.weight.shape
+    for key, value in reference.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+
+    whole, whole_folder = saved(base64, tmp_path / "whole", draft_ids=torch.arange(48))
+    rewrite(whole_folder, lambda state: [state.pop("d2t"), state.pop("t2d")])
+    assert load(base64, whole_folder).draft_token_ids.tolist() == list(range(48))
+
+    state = load_file(str(folder / "model.safetensors"))
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+    for name, part in shards.items():
+        save_file({key: state[key] for key in part}, str(folder / name))
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: n for n, part in shards.items() for k in part}}))
+    sharded = load(base64, folder)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, sharded.state_dict()[key]), key
+
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, "eagle_aux_hidden_state_layer_ids": [1, 15, 28]}))
+    config = base64.model.config
+    assert load_head(folder, config.hidden_size, config.vocab_size, base_layers=32).layer_ids == (2, 16, 29)
+    (folder / "config.json").write_text(json.dumps({**settings, "eagle_aux_hidden_state_layer_ids": [3, 15, 28]}))
+    assert load_head(folder, config.hidden_size, config.vocab_size, base_layers=32).layer_ids == (3, 15, 28)
+
+
+def test_an_eagle3_head_is_checked_against_the_width_of_the_features_it_reads(base64, tmp_path):
+    """target_hidden_size is the base model's width that fc reads: another one
+    is refused at load (it failed at the first draft); a head narrower than the
+    base with its own embedding drafts, exactly."""
+    from models.head import HeadConfig
+
+    _, folder = saved(base64, tmp_path / "head")
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, "target_hidden_size": 32}))
+    rewrite(folder, lambda state: state.update({"fc.weight": torch.zeros(64, 96)}))
+    with pytest.raises(HeadFormatError, match=r"reads features 32 wide \(target_hidden_size; fc.weight takes 3 x 32\), and the base model's hidden size is 64"):
+        load(base64, folder)
+
+    config = base64.model.config
+    narrow = HeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=config.vocab_size, bias=False, draft_vocab_size=24, extra={"target_hidden_size": 64})  # fmt: skip
+    torch.manual_seed(3)
+    head = eagle3.Eagle3Head(narrow, (0, 1, 2), own_embedding=True)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+        head.d2t.copy_(torch.arange(0, 48, 2) - torch.arange(24))
+        head.t2d.zero_()
+        head.t2d[torch.arange(0, 48, 2)] = True
+    loaded = load(base64, eagle3.save(head, tmp_path / "narrow"))
+    engine = Engine(base64, loaded)
+    prompt = [9, 14, 20, 31, 11]
+    reference = tokens_of(engine.stream(prompt, "vanilla", SamplingParams(max_new_tokens=24)))
+    assert tokens_of(engine.stream(prompt, "eagle2", SamplingParams(max_new_tokens=24), TreeParams(12, 4, 3))) == reference
+    rewrite(tmp_path / "narrow", lambda state: state.pop("embed_tokens.weight"))
+    with pytest.raises(HeadFormatError, match="no embed_tokens of its own"):
+        load(base64, tmp_path / "narrow")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling .* is not one transformers reads"),
+        ({"rope_scaling": "linear"}, "rope_scaling"),
+    ],
+    ids=["kv-heads", "rope-incomplete", "rope-not-a-map"],
+)
+def test_head_configs_transformers_cannot_build_are_refused_before_the_base_model_loads(base64, tmp_path, change, message):
+    from models.head import head_files
+
+    _, folder = saved(base64, tmp_path / "head")
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, **change}))
+    with pytest.raises(HeadFormatError, match=message):
+        head_files(folder)

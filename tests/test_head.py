@@ -162,6 +162,6 @@ def test_a_base_model_given_as_the_head_is_named_so(tmp_path, tiny_dir):
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     (sharded / "config.json").write_text((tiny_dir / "config.json").read_text())
-    (sharded / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": {"model.layers.0.mlp.up_proj.weight": "model-00001-of-00002.safetensors"}}')
     with pytest.raises(HeadFormatError, match="a whole model's sharded weights, not a draft head"):
         load_head(sharded, 64, 64)

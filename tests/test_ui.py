@@ -1440,3 +1440,15 @@ def test_a_new_reply_clears_the_panel_of_the_last_one_and_follows_the_colour_box
     final = updates[-1][2]
     assert 'class="kd"' in str(chat_module.display(final, True))  # drafted runs that colouring would show
     assert updates[-1][1] == chat_module.display(final, False)  # the finished reply uncoloured, as the box now says
+
+
+def test_catalog_estimates_keep_the_embedding_at_16_bits():
+    """Quantization (bitsandbytes, and the CPU kernels) leaves the embedding and
+    an untied lm_head at 16 bits: an 8B model with a 128k vocabulary needs about
+    1 GB more at 8 bits than all of it at 8 bits would, and is tight on 12 GB."""
+    llama = catalog.find("Llama-3.1-8B-Instruct (EAGLE-3)")
+    everything_at_8 = llama.parameters + llama.head_parameters * 2 + catalog.RUNTIME_OVERHEAD_GB
+    assert catalog.estimated_gb(llama, 8) == pytest.approx(everything_at_8 + llama.embedding_parameters)
+    assert catalog.estimated_gb(llama, 16) == pytest.approx(llama.parameters * 2 + llama.head_parameters * 2 + catalog.RUNTIME_OVERHEAD_GB)
+    assert catalog.fit(catalog.estimated_gb(llama, 8), 12.0) == "tight"
+    assert all(0 < entry.embedding_parameters < entry.parameters / 4 for entry in catalog.CATALOG)
