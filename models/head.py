@@ -307,6 +307,12 @@ def expected_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
 
 def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) -> None:
     """Strict: every expected key of an EAGLE-1/2 head with its shape, nothing unexpected."""
+    query = state.get("layers.0.self_attn.q_proj.weight")
+    if query is not None and query.dim() == 2 and query.shape[1] == 2 * config.hidden_size:
+        raise HeadFormatError(
+            f"{file}: an EAGLE-3 head (its attention reads 2 x {config.hidden_size}) whose layer is named layers.0.*; "
+            "Kestrel reads EAGLE-3 heads in the published layout, whose layer is midlayer.* (rename the keys to load it)"
+        )
     check_keys(state, expected_shapes(config), config, file, "; not an EAGLE-1/2 head?")
 
 

@@ -281,3 +281,10 @@ def test_head_configs_transformers_cannot_build_are_refused_before_the_base_mode
     (folder / "config.json").write_text(json.dumps({**settings, **change}))
     with pytest.raises(HeadFormatError, match=message):
         head_files(folder)
+
+
+def test_an_eagle3_head_with_its_layer_named_layers_0_is_named_so(base64, tmp_path):
+    _, folder = saved(base64, tmp_path / "head")
+    rewrite(folder, lambda state: state.update({key.replace("midlayer.", "layers.0."): state.pop(key) for key in list(state) if key.startswith("midlayer.")}))
+    with pytest.raises(HeadFormatError, match=r"an EAGLE-3 head \(its attention reads 2 x 64\) whose layer is named layers\.0\.\*"):
+        load(base64, folder)
