@@ -21,6 +21,7 @@ from models.head import save_head, with_draft_vocabulary
 ANSWERS_FILE = "answers.jsonl"
 PHASES_FILE = "phases.json"
 BASE_FILE = "base-model.json"  # which base model (and quantization) made the work folder's answers and features
+EMBEDDING_ROWS = 4096  # embedding rows that tell one base model from another
 # Tokens the head drafts among: on the bundled 135M model the 8192 most frequent
 # answer tokens cut drafting time by more than half and tau by about 5% (README).
 DRAFT_VOCAB = 8192
@@ -88,20 +89,21 @@ def check_base_model(work: Path, base) -> None:
     """Refuse to resume a work folder whose answers and features another base
     model made (or the same one quantized otherwise): they would be mixed
     with this one's, or fail hours later on a shape. The model is known by
-    its sizes and its embedding's weights (in bf16, so a float32 or bfloat16
-    load of the same weights is the same model), not by how it was named;
+    its sizes and its embedding's first rows (in bf16, so a float32 or
+    bfloat16 load of the same weights is the same model), not by how it was named;
     a work folder from before this record gets it now."""
     import hashlib
 
     import torch
 
     config = base.model.config
-    embedding = base.model.get_input_embeddings().weight.detach().to("cpu", torch.bfloat16).contiguous()
+    weight = base.model.get_input_embeddings().weight
+    rows = weight[:EMBEDDING_ROWS].detach().to("cpu", torch.bfloat16).contiguous()  # a large model's whole embedding is a GB
     identity = {
         "name": base.name,
         "quantization": base.quantization,
-        "sizes": [config.model_type, config.hidden_size, config.num_hidden_layers, embedding.shape[0]],
-        "embedding": hashlib.sha256(embedding.view(torch.int16).numpy().tobytes()).hexdigest()[:16],
+        "sizes": [config.model_type, config.hidden_size, config.num_hidden_layers, weight.shape[0]],
+        "embedding": hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16],
     }
     path = work / BASE_FILE
     try:
