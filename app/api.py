@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.decoding import Decoding
 from app.request import Generation, RequestError, parse_chat, parse_completion
-from app.runtime import ModelBusyError, ModelLoadingError, NoModelError, Runtime
+from app.runtime import ModelBusyError, ModelChangedError, ModelLoadingError, NoModelError, Runtime
 from core.detokenize import Detokenizer
 from core.engine import Engine, Step
 from core.stats import Snapshot
@@ -292,6 +292,10 @@ class Api:
         engine, generation = prepared.engine, prepared.generation
 
         def steps(cancel):
+            current = self.runtime.engine
+            if current is not engine:  # the Models tab loaded or unloaded a model while this waited: not on the old one
+                now = f"{current.base.name} is loaded now" if current is not None else "no model is loaded now"
+                raise ModelChangedError(f"{engine.base.name} was replaced while this request waited for its turn ({now}); send it again")
             return engine.stream(prepared.prompt_ids, prepared.mode, generation.sampling, generation.tree, cancel)
 
         try:
@@ -355,6 +359,8 @@ async def texts(
 def read_steps(decoding: Decoding, cursor: int) -> list[Step]:
     try:
         return decoding.read(cursor, timeout=0)
+    except ModelChangedError as error:
+        raise ApiError(503, str(error), code="model_changed") from error
     except KestrelError as error:
         raise ApiError(500, str(error), code="decoding_failed") from error
     except Exception as error:

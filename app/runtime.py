@@ -28,6 +28,10 @@ class ModelLoadingError(KestrelError):
     """A model is being loaded; nothing can run until it is."""
 
 
+class ModelChangedError(KestrelError):
+    """The model a request was prepared for was unloaded or replaced while it waited for its turn."""
+
+
 class TurnCancelled(Exception):
     """The request was cancelled while it waited for its turn."""
 

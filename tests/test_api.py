@@ -550,3 +550,31 @@ def test_launch_serves_the_page_and_the_api_with_a_generated_key(tiny_dir):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_a_request_waiting_while_the_model_is_replaced_does_not_run_on_the_old_one(engine, tmp_path_factory, paced):
+    """A request that joined the queue before a Load or Unload (which waits for
+    its own turn) would otherwise run on the old model after the new one had
+    loaded, keeping it in memory: it is answered 503 model_changed instead."""
+    import threading
+
+    server = start(engine, tmp_path_factory)
+    paced(0.1)  # the first reply holds the model for about 2 s
+    try:
+        body = {"model": engine.base.name, "messages": MESSAGES, "max_tokens": 20, "temperature": 0, "kestrel": {"mode": "vanilla"}}
+        with httpx.stream("POST", f"{server.url}v1/chat/completions", json={**body, "stream": True}, timeout=60) as first:
+            waiting = {}
+            second = threading.Thread(target=lambda: waiting.update(response=httpx.post(f"{server.url}v1/chat/completions", json=body, timeout=60)))
+            second.start()
+            deadline = time.time() + 10
+            while httpx.get(f"{server.url}health").json()["queue"]["waiting"] < 1 and time.time() < deadline:
+                time.sleep(0.05)
+            server.runtime.unload()  # as the Models tab's Unload does once it has the model
+            paced(0.0)
+            assert first.read().decode().endswith("data: [DONE]\n\n")  # the running reply ends on its model
+            second.join(30)
+        refused = waiting["response"]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_changed"
+        assert "was replaced while this request waited for its turn (no model is loaded now)" in refused.json()["error"]["message"]
+    finally:
+        server.close()
