@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from models.errors import KestrelError
+
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHAT_RATE = re.compile(r"\[\w+\] (\d+) tokens in [\d.]+ s: ([\d.]+) tokens/s")
@@ -76,7 +78,11 @@ def run_app_bench(
 def chat_command(root: Path, prompt: str, mode: str, max_new_tokens: int, threads: int, environment: dict) -> dict:
     command = [sys.executable, str(root / "launch.py"), "chat", prompt, "--mode", mode,
                "--max-new-tokens", str(max_new_tokens), "--threads", str(threads)]  # fmt: skip
-    output = subprocess.run(command, capture_output=True, text=True, env=environment, check=True).stdout
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
+    if done.returncode != 0:  # its own error line says why
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise KestrelError(f"the chat command ({mode}) failed: {last}")
+    output = done.stdout
     tokens, rate = CHAT_RATE.findall(output)[-1]
     return {"tokens": int(tokens), "tokens_per_s": float(rate)}
 
@@ -87,7 +93,7 @@ def wait_until_up(log: Path, server: subprocess.Popen, timeout: float = 600) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode}; see {log}")
+            raise KestrelError(f"the server exited with code {server.returncode}; see {log}")
         found = SERVER_URL.search(log.read_text(errors="replace"))
         if found:
             try:
@@ -97,7 +103,7 @@ def wait_until_up(log: Path, server: subprocess.Popen, timeout: float = 600) -> 
             except httpx.HTTPError:
                 pass
         time.sleep(1)
-    raise RuntimeError(f"the server did not start within {timeout:.0f} s; see {log}")
+    raise KestrelError(f"the server did not start within {timeout:.0f} s; see {log}")
 
 
 def api_model(url: str) -> str | None:
@@ -185,7 +191,7 @@ def settled(page, expected_tokens: int, quiet: float = 3.0, timeout: float = 600
     try:
         page.wait_for_function(SETTLED, arg=[str(expected_tokens), quiet], polling=250, timeout=timeout * 1000)
     except PlaywrightTimeout:
-        raise RuntimeError("the page's reply did not finish in time") from None
+        raise KestrelError("the page's reply did not finish in time") from None
     time.sleep(0.5)  # the final update carries the same statistics
 
 

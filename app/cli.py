@@ -470,7 +470,7 @@ def run_eval_heads(args) -> int:
     import torch
 
     from app.session import default_head, load_draft_head
-    from core.training.compare import drafted_accuracy
+    from core.training.compare import check_feature_shards, drafted_accuracy
     from models.base import load_base
 
     set_threads(args.threads)
@@ -488,6 +488,7 @@ def run_eval_heads(args) -> int:
         hint = f"; it has {other} shards (--split {other})" if other else " (run train-head first)"
         raise ValueError(f"{Path(args.features) / args.split}: no feature shards{hint}")
     base = load_base(args.model, args.quantization, args.dtype, args.device)
+    check_feature_shards(base, shards)  # before any head is judged: no figures are lost to a shard of another model
     results = {}
     for source in sources:
         head = load_draft_head(base, source, torch.float32)
@@ -564,7 +565,14 @@ def run_app_bench_command(args) -> int:
 
     from app.appbench import format_rows, run_app_bench
 
+    from core.config import MODES
+
     modes = list(bench_modes(args.modes))
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:  # the page and `chat --mode` decode in these alone (bench's baselines and tree shapes are bench's own)
+        raise ValueError(f"--modes {', '.join(unknown)}: bench-app measures {', '.join(MODES)}")
+    if not (Path(args.root) / "launch.py").is_file():
+        raise ValueError(f"--root {args.root}: no launch.py there; give the folder of the Kestrel to measure")
     json_out = check_writable(args.json_out, "--json") if args.json_out else None
     rows = run_app_bench(
         args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root), args.rounds,

@@ -40,10 +40,12 @@ def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
         raise ValueError(f"unknown mode {label!r}; choose from {', '.join(MODES + BASELINES)}")
     if not shape:
         return mode, tree
+    if mode == "eagle":
+        raise ValueError(f"bad mode {label!r}: eagle drafts EAGLE-1's fixed tree; tree shapes are for eagle2")
     try:
         numbers = [int(part) for part in shape.split("/")]
         fields = dict(zip(("total_tokens", "depth", "top_k", "lookup_tokens"), numbers, strict=False))
-        if len(numbers) not in (3, 4) or mode not in ("eagle", "eagle2"):
+        if len(numbers) not in (3, 4) or mode != "eagle2":
             raise ValueError
     except ValueError:
         raise ValueError(f"bad mode {label!r}: write eagle2:TOTAL/DEPTH/TOP_K[/LOOKUP]") from None
@@ -68,7 +70,7 @@ class LlamaStick:
         script = Path(__file__).with_name("llama_stick.py")
         try:
             self.process = subprocess.Popen(
-                [python, str(script), str(gguf), str(torch.get_num_threads())],
+                [python, str(script), str(gguf), str(torch.get_num_threads()), str(engine.context_limit)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
         except OSError as error:

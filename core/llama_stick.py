@@ -3,7 +3,7 @@
 Runs under another Python that has llama-cpp-python (it is not a dependency
 of Kestrel: `python3 -m venv DIR && DIR/bin/pip install llama-cpp-python`
 builds it), given with `--llama-python DIR/bin/python`. It imports nothing
-from Kestrel. Protocol: argv = GGUF path, threads; then one JSON request per
+from Kestrel. Protocol: argv = GGUF path, threads, context window; then one JSON request per
 stdin line ({"ids": prompt token ids, "max_new_tokens", "stop": token ids}),
 one JSON answer per stdout line ({"ids": generated ids, "seconds"}). Greedy
 only: each prompt is evaluated from scratch (no cache reuse), timed from the
@@ -20,7 +20,8 @@ def main() -> None:
     from llama_cpp import Llama
 
     path, threads = sys.argv[1], int(sys.argv[2])
-    model = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+    context = int(sys.argv[3]) if len(sys.argv) > 3 else 4096  # Kestrel's context window for the model: its prompts fit
+    model = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

@@ -98,7 +98,9 @@ def test_mode_labels_set_tree_shapes():
     tree = TreeParams(16, 5, 4, min_path_prob=0.1)
     assert parse_mode("eagle2", tree) == ("eagle2", tree)
     assert parse_mode("eagle2:8/4/2", tree) == ("eagle2", TreeParams(8, 4, 2, min_path_prob=0.1))
-    assert parse_mode("eagle:8/4/2/6", tree)[1].lookup_tokens == 6
+    assert parse_mode("eagle2:8/4/2/6", tree)[1].lookup_tokens == 6
+    with pytest.raises(ValueError, match="eagle drafts EAGLE-1's fixed tree; tree shapes are for eagle2"):
+        parse_mode("eagle@x:6/3/2", tree)  # the shape was shown in the table and ignored
     for bad in ("eagle2:8/4", "vanilla:8/4/2", "eagle2:a/b/c"):
         with pytest.raises(ValueError, match="bad mode"):
             parse_mode(bad, tree)
@@ -242,3 +244,14 @@ def test_results_files_follow_the_umask_and_chats_stay_private(tmp_path):
         os.umask(mask)
     assert (tmp_path / "result.json").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "chat.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_bench_app_refuses_modes_the_page_cannot_run_before_starting_a_server(capsys, tmp_path, monkeypatch):
+    from app import appbench
+    from app.cli import main
+
+    monkeypatch.setattr(appbench, "run_app_bench", lambda *args, **kwargs: pytest.fail("no server may start"))
+    assert main(["bench-app", "--modes", "vanilla,generate", "--threads", "1"]) == 2
+    assert "--modes generate: bench-app measures vanilla, eagle, eagle2" in capsys.readouterr().err
+    assert main(["bench-app", "--root", str(tmp_path), "--threads", "1"]) == 2
+    assert f"--root {tmp_path}: no launch.py there" in capsys.readouterr().err

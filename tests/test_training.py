@@ -560,3 +560,34 @@ def test_the_last_line_says_why_a_run_has_no_held_out_figures(tiny_base, prompts
     out = capsys.readouterr().out
     assert "no held-out figures (none of the 2 held-out prompts has an answer of 2 tokens or more here)" in out
     assert "note: 2 of the 16 answers this run plans were not made: the features in" in out and "time budget" not in out
+
+
+def test_eval_heads_names_features_of_another_model_or_a_damaged_shard(tiny_base, features, tmp_path):
+    """Before any head is judged: features of another width, token ids beyond
+    the vocabulary, a shard that cannot be read, and a work folder recorded as
+    another base model's are each one ValueError naming the shard or folder."""
+    from core.training.compare import check_feature_shards
+    from core.training.pipeline import BASE_FILE
+
+    _, shards = features
+    check_feature_shards(tiny_base, shards["eval"])  # the model's own: fine
+    sequence = read_shard(shards["eval"][0])[0]
+    narrow = tmp_path / "narrow" / "eval" / "shard-00000.safetensors"
+    write_shard(narrow, [Sequence(sequence.input_ids, sequence.loss_mask, sequence.features[:, :32])])
+    with pytest.raises(ValueError, match=f"{narrow}: features 32 wide, and the base model's hidden size is 64"):
+        check_feature_shards(tiny_base, [narrow])
+    beyond = tmp_path / "beyond" / "eval" / "shard-00000.safetensors"
+    write_shard(beyond, [Sequence(sequence.input_ids + 1000, sequence.loss_mask, sequence.features)])
+    with pytest.raises(ValueError, match="token id .* is outside the base model's vocabulary of 64"):
+        check_feature_shards(tiny_base, [beyond])
+    cut = tmp_path / "cut" / "eval" / "shard-00000.safetensors"
+    cut.parent.mkdir(parents=True)
+    cut.write_bytes(shards["eval"][0].read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{cut}: not a readable feature shard"):
+        check_feature_shards(tiny_base, [cut])
+    work = tmp_path / "work"
+    recorded = work / "features" / "eval" / "shard-00000.safetensors"
+    write_shard(recorded, [sequence])
+    (work / BASE_FILE).write_text(json.dumps({"name": "another", "quantization": "none", "sizes": [], "embedding": "x"}))
+    with pytest.raises(ValueError, match=r"came from another base model \(another\); this run loads .*: give --model another"):
+        check_feature_shards(tiny_base, [recorded])

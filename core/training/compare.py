@@ -22,6 +22,35 @@ from models.head import HeadCache
 
 
 @torch.no_grad()
+def check_feature_shards(base, shards: list[Path]) -> None:
+    """Each shard readable and of `base`: its features as wide as the base
+    model's hidden size (the captured layers three times that) and its tokens
+    inside its vocabulary; a work folder that records its base model
+    (train-head's) names another one. ValueError naming the shard; read from
+    the headers and token ids only, before any head is judged."""
+    from safetensors import safe_open
+
+    from core.training.pipeline import recorded_base_problem
+
+    hidden = base.model.config.hidden_size
+    vocabulary = base.model.get_input_embeddings().weight.shape[0]
+    problem = recorded_base_problem(shards[0].parent.parent.parent, base) if shards else None
+    if problem:
+        raise ValueError(f"{shards[0].parent.parent}: {problem}")
+    for path in shards:
+        try:
+            with safe_open(str(path), "pt") as shard:
+                width = shard.get_slice("features").get_shape()[1]
+                aux = shard.get_slice("aux").get_shape()[1] if "aux" in shard.keys() else None
+                largest = int(shard.get_tensor("input_ids").max())
+        except Exception as error:  # noqa: BLE001 (safetensors' own errors: a shard cut short or not one at all)
+            raise ValueError(f"{path}: not a readable feature shard ({type(error).__name__}: {error}); take the features again") from error
+        if width != hidden or aux not in (None, 3 * hidden):
+            raise ValueError(f"{path}: features {width} wide, and the base model's hidden size is {hidden}: they come from another model (give it with --model)")
+        if largest >= vocabulary:
+            raise ValueError(f"{path}: token id {largest} is outside the base model's vocabulary of {vocabulary}: the features come from another model (give it with --model)")
+
+
 def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_tokens: int = 2048) -> dict:
     """{"positions", "accuracy": [step 1, 2, ...], "chain_accuracy": [...]} over
     the answer positions of `shards` (EAGLE-3 shards hold both kinds of features)."""

@@ -85,13 +85,8 @@ class TrainingStopped(Exception):
     """The time budget ran out before any training step; the run's work is kept for --resume."""
 
 
-def check_base_model(work: Path, base) -> None:
-    """Refuse to resume a work folder whose answers and features another base
-    model made (or the same one quantized otherwise): they would be mixed
-    with this one's, or fail hours later on a shape. The model is known by
-    its sizes and its embedding's first rows (in bf16, so a float32 or
-    bfloat16 load of the same weights is the same model), not by how it was named;
-    a work folder from before this record gets it now."""
+def base_identity(base) -> dict:
+    """How a work folder records its base model (see check_base_model)."""
     import hashlib
 
     import torch
@@ -99,32 +94,52 @@ def check_base_model(work: Path, base) -> None:
     config = base.model.config
     weight = base.model.get_input_embeddings().weight
     rows = weight[:EMBEDDING_ROWS].detach().to("cpu", torch.bfloat16).contiguous()  # a large model's whole embedding is a GB
-    identity = {
+    return {
         "name": base.name,
         "quantization": base.quantization,
         "sizes": [config.model_type, config.hidden_size, config.num_hidden_layers, weight.shape[0]],
         "embedding": hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16],
     }
-    path = work / BASE_FILE
+
+
+def recorded_base(work: Path) -> dict | None:
+    """The base model recorded in `work` (check_base_model), or None."""
     try:
-        recorded = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        recorded = json.loads((work / BASE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        recorded = None  # unreadable: recorded again below
-    if isinstance(recorded, dict):
-        if (recorded.get("sizes"), recorded.get("embedding")) != (identity["sizes"], identity["embedding"]):
-            raise ValueError(
-                f"{work}: its answers and features came from another base model ({recorded.get('name')}); this run "
-                f"loads {base.name}: give --model {recorded.get('name')}, or another --work for this model"
-            )
-        if recorded.get("quantization") != identity["quantization"]:
-            raise ValueError(
-                f"{work}: its answers and features came from {recorded.get('name')} with --quantization "
-                f"{recorded.get('quantization')}, and this run loads it with {base.quantization}: give --quantization "
-                f"{recorded.get('quantization')}, or another --work"
-            )
-        return
-    work.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def recorded_base_problem(work: Path, base) -> str | None:
+    """Why `work`'s answers and features are not `base`'s, with what to give
+    instead; None where they are, or where nothing is recorded."""
+    recorded = recorded_base(work)
+    if recorded is None:
+        return None
+    identity, name = base_identity(base), recorded.get("name")
+    if (recorded.get("sizes"), recorded.get("embedding")) != (identity["sizes"], identity["embedding"]):
+        return f"its answers and features came from another base model ({name}); this run loads {base.name}: give --model {name}"
+    if recorded.get("quantization") != identity["quantization"]:
+        quantization = recorded.get("quantization")
+        return (f"its answers and features came from {name} with --quantization {quantization}, and this run loads it "
+                f"with {base.quantization}: give --quantization {quantization}")  # fmt: skip
+    return None
+
+
+def check_base_model(work: Path, base) -> None:
+    """Refuse to resume a work folder whose answers and features another base
+    model made (or the same one quantized otherwise): they would be mixed
+    with this one's, or fail hours later on a shape. The model is known by
+    its sizes and its embedding's first rows (in bf16, so a float32 or
+    bfloat16 load of the same weights is the same model), not by how it was
+    named; a work folder from before this record gets it now."""
+    problem = recorded_base_problem(work, base)
+    if problem:
+        raise ValueError(f"{work}: {problem}, or another --work")
+    if recorded_base(work) is None:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / BASE_FILE).write_text(json.dumps(base_identity(base), indent=2) + "\n", encoding="utf-8")
 
 
 def held_out_and_short(answers, fraction: float) -> tuple[int, int]:
