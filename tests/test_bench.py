@@ -132,7 +132,7 @@ def test_a_crashing_llama_cpp_helper_is_reported_as_a_crash(tmp_path):
     helper.chmod(0o755)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"")
-    engine = SimpleNamespace(base=SimpleNamespace(name=str(gguf)), stop_ids={2})
+    engine = SimpleNamespace(base=SimpleNamespace(name=str(gguf)), stop_ids={2}, context_limit=8192)
     stick = LlamaStick(str(helper), engine, SamplingParams())
     with pytest.raises(ValueError, match=r"crashed \(signal 11\)"):
         stick.run([1, 2, 3], 4)
