@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from models.errors import KestrelError
+
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM_ARGS = [
@@ -507,7 +509,7 @@ def test_bench_app_waits_in_the_page_for_the_count_or_for_quiet(browser):
         assert 1.0 < time.monotonic() - start < 10
         # no count at all: a timeout names what did not happen
         page.set_content("<p>no reply</p>")
-        with pytest.raises(RuntimeError, match="did not finish"):
+        with pytest.raises(KestrelError, match="did not finish"):  # one error line from the command, not a traceback
             settled(page, 9, quiet=1.0, timeout=2)
     finally:
         page.close()
