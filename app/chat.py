@@ -19,7 +19,7 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, new_chat, to_json, to_markdown
+from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, message_problem, new_chat, to_json, to_markdown
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine
 from models.errors import KestrelError
@@ -213,7 +213,7 @@ def earlier_replies(message: dict) -> list[dict]:
     earlier = message.get(EARLIER)
     if not isinstance(earlier, list):
         return []
-    return [as_message(m) for m in earlier if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)]
+    return [as_message(m) for m in earlier if not message_problem(m) and m["role"] == "assistant"]
 
 
 def with_earlier(replaced: dict) -> list[dict]:

@@ -284,10 +284,8 @@ class Store:
         if not isinstance(messages, list):
             return "not a chat: its messages are not a list"
         for index, message in enumerate(messages):
-            if not (isinstance(message, dict) and isinstance(message.get("content"), str)):
-                return f"message {index + 1} has no text"
-            if message.get("role") not in ("user", "assistant"):
-                return f"message {index + 1} has the role {str(message.get('role'))[:20]!r}, not user or assistant"
+            if problem := message_problem(message):
+                return f"message {index + 1} {problem}"
         return "not a chat"
 
     @classmethod
@@ -310,6 +308,18 @@ class Store:
         return value if isinstance(value, dict) else None
 
 
+ROLES = ("user", "assistant")  # the roles the page writes (the system prompt is the chat's own field)
+
+
+def message_problem(message) -> str | None:
+    """What keeps a stored message from being one the page shows and sends, in a few words; None where it is one."""
+    if not (isinstance(message, dict) and isinstance(message.get("content"), str)):
+        return "has no text"
+    if message.get("role") not in ROLES:
+        return f"has the role {str(message.get('role'))[:20]!r}, not user or assistant"
+    return None
+
+
 def as_chat(value: dict | None, chat_id: str) -> dict | None:
     """A stored chat with every field the app reads, or None when its messages
     are not a list of {role, content} strings with the roles the page writes
@@ -320,9 +330,7 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
     if value is None:
         return None
     messages = value.get("messages")
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str) for m in messages
-    ):
+    if not isinstance(messages, list) or any(message_problem(m) for m in messages):
         return None
     chat = {**new_chat(), "created": 0.0, "updated": 0.0, **value, "id": chat_id}
     chat["messages"] = [as_message(m) for m in messages]

@@ -8,6 +8,7 @@ it, so concurrent processes never load a half-written library."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -198,6 +199,7 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
+@functools.cache
 def cpu_flags() -> str:
     """The CPU's model and instruction-set flags (Linux), else torch's capability."""
     try:

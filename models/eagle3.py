@@ -208,10 +208,10 @@ def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_l
     """An Eagle3Head from a checked state; aux layers from the config or the default."""
     if config.extra.get("norm_output"):
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_output heads (an EAGLE-3.1 variant) are not supported")
-    layer_ids = configured_layer_ids(config) or default_layer_ids(base_layers)
-    default = default_layer_ids(base_layers)
-    if configured_layer_ids(config) is not None:
-        if layer_ids == tuple(layer - 1 for layer in default):
+    default, configured = default_layer_ids(base_layers), configured_layer_ids(config)
+    layer_ids = configured or default
+    if configured is not None:
+        if configured == tuple(layer - 1 for layer in default):
             # the default layers counted by the layer whose output is taken (SGLang's, SpecForge's and
             # ModelOpt's numbering): one less than the input-of-layer numbering read here
             log.info(f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} read as the outputs of those layers, "

@@ -21,7 +21,6 @@ from models.eagle3 import Eagle3Head
 from models.head import HeadCache
 
 
-@torch.no_grad()
 def check_feature_shards(base, shards: list[Path]) -> None:
     """Each shard readable and of `base`: its features as wide as the base
     model's hidden size (the captured layers three times that) and its tokens
@@ -51,6 +50,7 @@ def check_feature_shards(base, shards: list[Path]) -> None:
             raise ValueError(f"{path}: token id {largest} is outside the base model's vocabulary of {vocabulary}: the features come from another model (give it with --model)")
 
 
+@torch.no_grad()
 def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_tokens: int = 2048) -> dict:
     """{"positions", "accuracy": [step 1, 2, ...], "chain_accuracy": [...]} over
     the answer positions of `shards` (EAGLE-3 shards hold both kinds of features)."""
