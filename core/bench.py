@@ -170,6 +170,8 @@ def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: Sa
     if mode == "prompt-lookup":
         options["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
     inputs = torch.tensor([prompt_ids], device=engine.base.device)
+    if not sampling.greedy and sampling.seed is not None:
+        torch.manual_seed(sampling.seed)  # generate draws from torch's global generator: the seed repeats its sample
     started = time.perf_counter()
     with torch.inference_mode(), compiled.eager(engine.model):  # transformers' own code, as its users run it
         output = engine.model.generate(inputs, attention_mask=torch.ones_like(inputs), **options)
@@ -366,6 +368,10 @@ def format_table(result: dict) -> str:
         identical = summary["identical_fraction"]
         lines.append(f"eagle2 speedup {summary['speedup']:.2f}x, tau {summary['mean_accepted_length']:.2f}, "
                      f"identical_fraction {'n/a (sampled without a seed)' if identical is None else identical}")  # fmt: skip
+    for mode, fraction in summary.get("identical_fraction_by_mode", {}).items():
+        if mode != "eagle2" and fraction < 1:
+            lines.append(f"note: {mode}'s replies differ from vanilla's on {1 - fraction:.0%} of the prompts, "
+                         "so its tokens/s times other text")  # fmt: skip
     greedy = sampling["temperature"] == 0 or sampling["top_k"] == 1 or sampling["top_p"] == 0
     if not greedy and sampling["seed"] is not None:
         lines.append(f"sampled with seed {sampling['seed']} (--seed {sampling['seed']} repeats it)")

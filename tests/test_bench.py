@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.bench import LlamaStick, format_table, run_bench
+from core.bench import LlamaStick, format_table, run_bench, summarize
 from core.prompt import PromptFileError, load_prompts
 from core.config import SamplingParams, TreeParams
 from core.engine import Engine
@@ -79,9 +79,28 @@ def test_sampled_bench_compares_replies_made_with_one_seed(tiny_base, tmp_path):
     table = format_table(result)
     assert "identical_fraction 1.0" in table and "sampled with seed 7 (--seed 7 repeats it)" in table
     assert "note: the replies average" in table and "too few to time well" in table  # 8 tokens at most
+    again = run_bench(engine, load_prompts(path), ("vanilla", "generate"), sampling, warmup=0)
+    def generated(run):
+        return [row["output_ids"] for row in run["prompts"] if row["mode"] == "generate"]
+
+    assert generated(again) == generated(result)  # --seed repeats generate's sample too
     unseeded = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), replace(sampling, seed=None), warmup=0)
     assert unseeded["summary"]["identical_fraction"] is None
     assert "identical_fraction n/a (sampled without a seed)" in format_table(unseeded)
+
+
+def test_table_says_when_a_baseline_timed_other_text(tiny_base, tmp_path):
+    """A baseline whose greedy replies differ from vanilla's (another engine's
+    kernels at a near-tie) times other text: the table says so, not only the JSON."""
+    engine = Engine(tiny_base)
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"]}, {"turns": ["w3 w1"]}])
+    result = run_bench(engine, load_prompts(path), ("vanilla", "generate"), SamplingParams(max_new_tokens=4), warmup=0)
+    assert result["summary"]["identical_fraction_by_mode"] == {"generate": 1.0}
+    assert "differ from vanilla" not in format_table(result)
+    first = next(row for row in result["prompts"] if row["mode"] == "generate")
+    first["output_ids"] = first["output_ids"][:-1] + [first["output_ids"][-1] + 1]
+    result["summary"] = summarize(result["prompts"], ("vanilla", "generate"), SamplingParams(max_new_tokens=4))
+    assert "note: generate's replies differ from vanilla's on 50% of the prompts" in format_table(result)
 
 
 def test_unknown_mode_is_named(tiny_base, tmp_path):
