@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -233,6 +234,32 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def stop_on_interrupt():
+    """A signal that Ctrl+C sets while decoding, instead of raising where it
+    lands: raised inside a compiled layer's kernel it surfaced as a RuntimeError
+    traceback. The decoding stops within a step; a second Ctrl+C raises at once."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    # only where Ctrl+C would raise: an ignored SIGINT (a background job) stays ignored
+    if threading.current_thread() is not threading.main_thread() or previous is not signal.default_int_handler:
+        yield stop
+        return
+
+    def interrupted(signum, frame):
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
     """Refuse an output file that cannot be written, or that is the file the
     command reads (`reads`), before any work is done (a long run would
@@ -361,13 +388,16 @@ def run_chat(args) -> int:
     ]
     step = None
     progress = sys.stderr.isatty()  # how far a long prompt is read, on one line that the reply replaces
-    for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree, reading=progress):
-        if isinstance(step, Reading):
-            print(f"\rreading the prompt: {step.done / step.total:.0%} of {step.total:,} tokens", end="", file=sys.stderr, flush=True)
-            continue
-        if step.stats.forwards == 1 and progress:
-            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)  # no escape codes: old Windows consoles print them
-        print(step.text, end="", flush=True)
+    with stop_on_interrupt() as stop:
+        for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree, cancel=stop, reading=progress):
+            if isinstance(step, Reading):
+                print(f"\rreading the prompt: {step.done / step.total:.0%} of {step.total:,} tokens", end="", file=sys.stderr, flush=True)
+                continue
+            if step.stats.forwards == 1 and progress:
+                print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)  # no escape codes: old Windows consoles print them
+            print(step.text, end="", flush=True)
+    if step.finish_reason == "cancelled" and not step.stats.tokens:
+        raise KeyboardInterrupt  # stopped while reading the prompt: nothing to report
     stats = step.stats
     print(
         f"\n\n[{mode}] {stats.tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s"
@@ -376,7 +406,7 @@ def run_chat(args) -> int:
         f"first token after {stats.time_to_first_token:.2f} s, "
         f"{'' if sampling.greedy else f'seed {sampling.seed}, '}finished: {step.finish_reason}"
     )
-    return 0
+    return 130 if step.finish_reason == "cancelled" else 0
 
 
 def run_train_head(args) -> int:
@@ -513,7 +543,7 @@ def run_bench_command(args) -> int:
 
     from app.session import load_draft_head, prepare_costs
     from app.store import write_atomic
-    from core.bench import check_head_named, format_table, parse_mode, run_bench
+    from core.bench import BenchCancelled, check_head_named, format_table, parse_mode, run_bench
     from core.engine import Engine
     from models.head import local_head_folder
 
@@ -549,10 +579,19 @@ def run_bench_command(args) -> int:
     def write(result: dict) -> None:  # whole, or not at all: a file cut mid-write would lose the earlier prompts too
         write_atomic(json_out, json.dumps(result, indent=1), shared=True)
 
-    result = run_bench(
-        engine, prompts, modes, sampling, tree, args.warmup, show if sys.stderr.isatty() else None, args.llama_python, other_heads,
-        partial=write if json_out else None,
-    )  # fmt: skip
+    with stop_on_interrupt() as stop:
+        try:
+            result = run_bench(
+                engine, prompts, modes, sampling, tree, args.warmup, show if sys.stderr.isatty() else None, args.llama_python,
+                other_heads, partial=write if json_out else None, cancel=stop,
+            )  # fmt: skip
+        except BenchCancelled as stopped:
+            if stopped.result is not None:  # the prompts finished before Ctrl+C
+                print(format_table(stopped.result))
+                if json_out:
+                    write(stopped.result)
+                    print(f"wrote {args.json_out} (the prompts finished before the interrupt)")
+            raise KeyboardInterrupt from None
     print(format_table(result))
     if json_out:
         write(result)

@@ -248,6 +248,52 @@ def test_chat_says_when_a_fixed_tree_is_more_than_depth_and_top_k_can_draft(tiny
     assert "Note:" not in capsys.readouterr().err
 
 
+def test_ctrl_c_while_decoding_stops_the_reply_or_the_bench_with_what_it_has(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl+C during `chat` or `bench` stops the decoding within a step instead of
+    raising where it lands (inside a compiled layer's kernel that was a RuntimeError
+    traceback): chat keeps the reply so far and its statistics line, bench prints and
+    writes the prompts it finished; both exit with 130. A second Ctrl+C raises at once."""
+    import json
+    import os
+    import signal
+
+    from app import cli
+    from core.engine import Engine
+
+    stream = Engine.stream
+    calls = {"made": 0, "interrupted": 1}  # Ctrl+C as the third step of this call's reply is made
+
+    def interrupted_stream(self, *args, **kwargs):
+        calls["made"] += 1
+        for number, step in enumerate(stream(self, *args, **kwargs), 1):
+            if number == 3 and calls["made"] == calls["interrupted"]:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield step
+
+    monkeypatch.setattr(Engine, "stream", interrupted_stream)
+    options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1"]
+    assert cli.main(["chat", "w1 w2", *options, "--max-new-tokens", "12", "--mode", "vanilla"]) == 130
+    out = capsys.readouterr().out
+    assert "[vanilla] 3 tokens" in out and "finished: cancelled" in out
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"w{i} w2"]}) + "\n" for i in range(3)))
+    calls.update(made=0, interrupted=3)  # the warm-up's reply, the first prompt's, then the second prompt's
+    argv = ["bench", "--prompts", str(prompts), "--modes", "vanilla", "--warmup", "1", "--max-new-tokens", "6",
+            "--json", str(tmp_path / "r.json"), *options]  # fmt: skip
+    assert cli.main(argv) == 130
+    captured = capsys.readouterr()
+    assert "vanilla" in captured.out and "(the prompts finished before the interrupt)" in captured.out
+    assert "interrupted" in captured.err and "Traceback" not in captured.err
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["complete"] is False and [row["id"] for row in written["prompts"]] == ["0"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl+C raises again after the command
+    with pytest.raises(KeyboardInterrupt), cli.stop_on_interrupt() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.wait(5)
+        os.kill(os.getpid(), signal.SIGINT)  # the second one
+        time.sleep(5)
+
+
 def cli_reply(cli, argv: list[str], capsys) -> str:
     assert cli.main(argv) == 0
     return capsys.readouterr().out
