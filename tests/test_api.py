@@ -281,6 +281,41 @@ def test_max_tokens_is_clipped_to_the_context_and_says_so(client, engine):
     assert reply.model_dump()["kestrel"]["max_tokens_clipped"]["requested"] == 100_000
 
 
+def test_a_stop_token_ends_with_stop_and_the_context_window_with_length(client, engine, monkeypatch):
+    """The engine's own finish reasons as the API names them: a stop token
+    (end of turn) is "stop", the context window's end is "length"; streamed too."""
+    ids = [token for step in engine.chat(MESSAGES, "vanilla", SamplingParams(max_new_tokens=30)) for token in step.token_ids]
+    stop = next(token for token in ids[3:] if token not in ids[:3])  # the reply ends at its first use
+    monkeypatch.setattr(engine, "stop_ids", engine.stop_ids | {stop})
+    expected, reason = engine_text(engine, mode="vanilla")
+    assert reason == "stop" and expected
+    for stream in (False, True):
+        for mode in ("eagle2", "vanilla"):
+            kestrel = {"kestrel": {"mode": mode}}
+            if stream:
+                chunks = list(chat(client, engine.base.name, stream=True, extra_body=kestrel))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                final = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            else:
+                reply = chat(client, engine.base.name, extra_body=kestrel)
+                text, final = reply.choices[0].message.content, [reply.choices[0].finish_reason]
+            assert (text, final) == (expected, ["stop"]), (stream, mode)
+    monkeypatch.undo()
+    room = 6  # a prompt that leaves the reply six positions of the context window
+    words = ["w1"] * (engine.context_limit - room - len(engine.encode([{"role": "user", "content": "w1"}])) + 1)
+    messages = [{"role": "user", "content": " ".join(words)}]
+    assert engine.context_limit - len(engine.encode(messages)) == room
+    _, reason = engine_text(engine, messages, mode="vanilla", max_new_tokens=50)
+    assert reason == "context"
+    for stream in (False, True):
+        if stream:
+            chunks = list(chat(client, engine.base.name, messages=messages, max_tokens=50, stream=True))
+            final = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            final = [chat(client, engine.base.name, messages=messages, max_tokens=50).choices[0].finish_reason]
+        assert final == ["length"], stream
+
+
 def test_no_model_is_503(tmp_path_factory):
     server = start(None, tmp_path_factory)
     try:

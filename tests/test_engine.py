@@ -2,6 +2,7 @@
 in distribution when sampling."""
 
 import math
+from dataclasses import replace
 import threading
 
 import pytest
@@ -147,16 +148,18 @@ def chi_square_critical(dof: int, alpha_z: float = 3.09) -> float:
 @pytest.mark.parametrize(
     "params, case",
     [
-        (SamplingParams(temperature=1.0, max_new_tokens=2), "fixed"),
-        (SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=2), "fixed"),
-        (SamplingParams(temperature=1.0, max_new_tokens=2), "planned"),
-        (SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=2), "eagle3"),
+        (SamplingParams(temperature=1.0, max_new_tokens=3), "fixed"),
+        (SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=3), "fixed"),
+        (SamplingParams(temperature=1.0, max_new_tokens=3), "planned"),
+        (SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=3), "eagle3"),
     ],
     ids=["t1", "t0.8-p0.9", "t1-planned", "t0.8-p0.9-eagle3"],
 )
 def test_eagle2_sampling_keeps_the_base_distribution(tmp_path, params, case):
     """Chi-square test (alpha = 0.001, fixed seeds) of the joint distribution of
-    the first two generated tokens against the exact base-model distribution;
+    the first three generated tokens against the exact base-model distribution
+    (three, so that drafted nodes below the root's children are sampled and
+    counted: the first token is the prefill's);
     planned: trees sized by the planner on a GPU-like cost table, with the
     context branch copying from the prompt when the first token continues
     "6" as it did before ("6 7", "6 8"); eagle3: an EAGLE-3 head drafting
@@ -170,31 +173,33 @@ def test_eagle2_sampling_keeps_the_base_distribution(tmp_path, params, case):
     engine = Engine(base, head)
     if params.top_p == 1.0 and int8.own_kernel():
         assert engine.argmax.enabled  # whole-vocabulary sampling resolves from the screen here (NodeGumbel)
-    prompt, tree = [5, 6, 7, 8], TreeParams(8, 3, 3)
+    prompt, tree = [5, 6, 7, 8], TreeParams(24, 3, 4)
     if case == "planned":
         from tests.test_planner import GPU_LIKE
 
         engine.costs, prompt, tree = GPU_LIKE, [5, 6, 7, 3, 5, 6, 8, 5, 6], TreeParams(depth=3, top_k=3)
-    # exact distribution of (first, second) with stop tokens ending the reply
-    first = probabilities(base.model(torch.tensor([prompt])).logits[0, -1], params)
-    expected = {}
-    for a in range(vocab):
-        if a in engine.stop_ids:
-            expected[(a,)] = float(first[a])
-            continue
-        second = probabilities(base.model(torch.tensor([prompt + [a]])).logits[0, -1], params)
-        for b in range(vocab):
-            expected[(a, b)] = float(first[a] * second[b])
+    # exact distribution of the first three tokens, a stop token ending the reply
+    expected, open_ends = {}, {(): 1.0}
+    for length in range(params.max_new_tokens):
+        grown = {}
+        for reply, p in open_ends.items():
+            following = probabilities(base.model(torch.tensor([prompt + list(reply)])).logits[0, -1], params)
+            for token in range(vocab):
+                ended = token in engine.stop_ids or length + 1 == params.max_new_tokens
+                (expected if ended else grown)[reply + (token,)] = p * float(following[token])
+        open_ends = grown
     draws = 3000
     counts: dict[tuple, int] = {}
-    accepted = 0
+    accepted = deep = 0
     for seed in range(draws):
-        run = SamplingParams(params.temperature, params.top_p, params.top_k, 2, seed)
+        run = replace(params, seed=seed)
         steps = list(engine.stream(prompt, mode="eagle2", sampling=run, tree=tree))
         outcome = tuple(tokens_of(steps))
         counts[outcome] = counts.get(outcome, 0) + 1
         accepted += sum(step.accepted for step in steps)
-    assert accepted > draws // 10  # many second tokens came from accepted drafts
+        deep += any(step.accepted >= 2 for step in steps)
+    assert accepted > draws // 10  # many later tokens came from accepted drafts
+    assert deep > draws // 25  # and in many replies the third from a node below the root's children
     assert set(counts) <= {key for key, p in expected.items() if p > 0}
     # pool rare outcomes so every bin expects at least 5 draws
     statistic, pooled_expected, pooled_count, bins = 0.0, 0.0, 0, 0

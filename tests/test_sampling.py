@@ -28,6 +28,32 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert torch.allclose(probs[:2], full[:2] / full[:2].sum())
 
 
+def reference(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The documented order written out over a full sort: temperature, then
+    top-k, then top-p over what top-k left."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = torch.argsort(probs, descending=True).tolist()
+    kept, mass = [], 0.0
+    for rank, token in enumerate(order):
+        if (top_k and rank >= top_k) or (rank and mass >= top_p):
+            break
+        kept.append(token)
+        mass += float(probs[token]) / float(probs[order[: top_k or len(order)]].sum())
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept] / probs[kept].sum()
+    return out
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.5, 0, 0.7), (2.0, 0, 0.7), (0.5, 3, 0.8), (2.0, 4, 0.6), (1.7, 2, 1.0)])
+def test_temperature_comes_before_top_k_and_top_p(temperature, top_k, top_p):
+    """At T=0.5 the first token holds 0.83 of the mass, so top-p 0.7 keeps it
+    alone; choosing the nucleus at T=1 (0.55, then 0.20) would keep two."""
+    probs = probabilities(LOGITS, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    assert torch.allclose(probs, reference(LOGITS, temperature, top_k, top_p), atol=1e-12)
+    if (temperature, top_p) == (0.5, 0.7):
+        assert probs.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
 def test_top_p_always_keeps_the_first_token():
     probs = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=0.01))
     assert probs[0] == 1.0
