@@ -136,9 +136,32 @@ def test_captured_features_are_the_models_own_hidden_states(base64):
         capture.features()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def test_the_engine_feeds_the_head_its_own_layers_and_drafts_target_ids(base64, monkeypatch):
+    """Decoding is lossless whatever the head drafts, so exactness tests cannot
+    see a head fed the wrong layers or drafting unmapped ids: the engine
+    captures the head's layers in the head's order, and every drafted token is
+    one of the head's draft tokens (draft ids mapped through d2t)."""
+    from core.drafter import Drafter
+
+    draft_ids = torch.tensor([9, 17, 24, 30, 31, 33, 40, 41, 44, 46, 47])  # none below 9 = the draft vocabulary's size
+    head = random_eagle3_head(base64.model, seed=3, draft_ids=draft_ids, layer_ids=(2, 0, 1))
+    engine = Engine(base64, head)
+    decoder = base64.model.get_decoder()
+    assert len(decoder.layers) == 2  # hidden state 2 is the final norm's input
+    assert engine.capture.modules == [decoder.norm, decoder.layers[0], decoder.layers[1]]
+    trees = []
+    draft = Drafter.draft
+    monkeypatch.setattr(Drafter, "draft", lambda self, root: trees.append(draft(self, root)) or trees[-1])
+    for seed in range(3):
+        prompt = torch.randint(0, 48, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        sampling = SamplingParams(max_new_tokens=12) if seed else SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed)
+        list(engine.stream(prompt, "eagle2", sampling, TreeParams(10, 3, 3, lookup_tokens=0)))
+    drafted = [token for tree in trees for token in tree.tokens[1:].tolist()]
+    assert len(drafted) > 50 and set(drafted) <= set(draft_ids.tolist())
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
 def engine3(request, tmp_path_factory):
-    assert request.param in ARCHITECTURES
     folder = save_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, vocab_size=48)
     base = load_base(str(folder), dtype="float64")
     return Engine(base, random_eagle3_head(base.model, seed=1, qkv_bias=request.param == "qwen2"))

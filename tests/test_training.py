@@ -12,7 +12,7 @@ from core.training.answers import AnswerParams, generate_answers, read_answers, 
 from core.training.features import FeatureParams, Sequence, extract_features, read_shard, write_shard
 from core.training.pipeline import RunPaths, train_head
 from core.training.report import REPORT_FILE, NOTES_FILE
-from core.training.trainer import TrainParams, Trainer, evaluate, frozen_of, new_head, head_config_for, unrolled_mask
+from core.training.trainer import TrainParams, Trainer, evaluate, frozen_of, head_config_for, new_eagle3_head, new_head, unrolled_mask
 from models.head import load_head
 
 ANSWERS = AnswerParams(samples_per_prompt=2, max_new_tokens=24, batch_size=4, max_prompt_tokens=64)
@@ -150,8 +150,12 @@ def test_resume_continues_where_it_stopped(tiny_base, features, tmp_path):
     assert [r["eval"] for r in resumed.history] == [r["eval"] for r in straight.history]
 
 
-def assert_drafts_losslessly(base, head) -> None:
-    """The head drafts among its 24 tokens, and greedy eagle2 equals vanilla with it."""
+def assert_drafts_losslessly(base, head, untrained, work, params=TRAIN) -> None:
+    """The head drafts among its 24 tokens, greedy eagle2 equals vanilla with it,
+    and on what it learnt from its loss is below the head it started as (any
+    head decodes losslessly, an untrained one too)."""
+    from dataclasses import replace
+
     assert head.config.draft_vocab_size == 24 and len(set(head.draft_token_ids.tolist())) == 24
     engine = Engine(base, head)
     sampling = SamplingParams(max_new_tokens=20)
@@ -160,6 +164,12 @@ def assert_drafts_losslessly(base, head) -> None:
         eagle = [t for s in engine.stream(prompt, "eagle2", sampling, TreeParams(8, 3, 2)) for t in s.token_ids]
         vanilla = [t for s in engine.stream(prompt, "vanilla", sampling) for t in s.token_ids]
         assert eagle == vanilla
+    eagle3 = params.arch == "eagle3"
+    shards = sorted((work / ("features-eagle3" if eagle3 else "features") / "train").glob("*.safetensors"))
+    frozen = frozen_of(base, bf16=False, vocabulary=head.draft_token_ids.to(base.device) if eagle3 else None)
+    trained, before = (evaluate(one.to(base.device, base.dtype), shards, frozen, params)["cross_entropy"][0] for one in (head, untrained))
+    assert shards and trained < 0.9 * before, (trained, before)
+    head.eval()
 
 
 def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_file, tmp_path):
@@ -170,7 +180,7 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_f
     assert report["training"]["steps"] == report["training"]["total_steps"]
     config = tiny_base.model.config
     head = load_head(str(out), config.hidden_size, config.vocab_size, tiny_base.device, tiny_base.dtype)
-    assert_drafts_losslessly(tiny_base, head)
+    assert_drafts_losslessly(tiny_base, head, new_head(head_config_for(config), TRAIN.seed), paths.work)
 
 
 def test_eagle3_training_lowers_the_loss_and_the_head_decodes_losslessly(tiny_base, prompts_file, tmp_path):
@@ -189,10 +199,18 @@ def test_eagle3_training_lowers_the_loss_and_the_head_decodes_losslessly(tiny_ba
     assert "EAGLE-3 head" in notes and "EAGLE-1/2" not in notes and "SmoothL1" not in notes
     shard = read_shard(next((tmp_path / "work" / "features-eagle3" / "train").glob("*.safetensors")))[0]
     assert shard.aux.shape == (len(shard.input_ids), 3 * tiny_base.model.config.hidden_size)
+    from core.capture import LayerCapture  # checked against transformers' output_hidden_states in test_eagle3
+
+    capture = LayerCapture(tiny_base.model, (0, 1, 2))
+    with torch.no_grad(), capture.during():
+        tiny_base.model(shard.input_ids[None].to(tiny_base.device))
+    expected = capture.features().float().cpu()
+    assert torch.allclose(shard.aux.float(), expected, atol=2e-2 * float(expected.abs().max()))  # the layers the head reads
     config = tiny_base.model.config
     head = load_head(str(out), config.hidden_size, config.vocab_size, tiny_base.device, tiny_base.dtype, config.num_hidden_layers)
     assert isinstance(head, Eagle3Head) and head.layer_ids == (0, 1, 2)
-    assert_drafts_losslessly(tiny_base, head)
+    untrained = new_eagle3_head(tiny_base, head.draft_token_ids, TRAIN.seed)
+    assert_drafts_losslessly(tiny_base, head, untrained, paths.work, replace(TRAIN, arch="eagle3"))
 
 
 def test_read_answers_skips_a_cut_line(tmp_path):
