@@ -164,6 +164,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PYTEST_VALUED = ("-k", "-m", "-p", "-o", "-c", "-W", "--tb", "--durations", "--maxfail", "--rootdir", "--basetemp",
+                 "--deselect", "--ignore", "--junitxml", "--confcutdir")  # fmt: skip
+
+
+def pytest_arguments(extra: list[str], cwd: Path) -> list[str]:
+    """`launch.py test [ARGS]` -> pytest's arguments: the whole suite, or the
+    test files and folders named (`tests/test_tree.py`, `tests/test_api.py::test_x`),
+    read from the current folder or else from Kestrel's, wherever it is started."""
+    arguments, named = [], False
+    for index, argument in enumerate(extra):
+        valued = index and extra[index - 1] in PYTEST_VALUED
+        if not argument.startswith("-") and not valued:
+            path, _, test = argument.partition("::")
+            where = next((folder / path for folder in (cwd, ROOT) if (folder / path).exists()), None)
+            if where is not None:
+                argument, named = str(where) + (f"::{test}" if test else ""), True
+        arguments.append(argument)
+    return arguments if named else [str(ROOT / "tests"), *arguments]
+
+
 def main(argv: list[str]) -> int:
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
         print(f"error: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} (see launch.py --help)", file=sys.stderr)
@@ -173,10 +193,9 @@ def main(argv: list[str]) -> int:
     if argv[0] == "test":  # pytest owns every later argument
         import pytest
 
-        return pytest.main([str(ROOT / "tests"), *argv[1:]])
+        return pytest.main(pytest_arguments(argv[1:], Path.cwd()))
     args = build_parser().parse_args(argv)
     import logging
-    import warnings
 
     # Kestrel's own progress messages ("kestrel" logger) go to the terminal as plain lines, on
     # stderr: `chat ... > reply.txt` keeps the reply without "Compiling the model..."
@@ -186,9 +205,6 @@ def main(argv: list[str]) -> int:
     logging.getLogger("kestrel").setLevel(logging.INFO)
 
     from models.errors import KestrelError
-
-    # bitsandbytes' 8-bit CPU path warns on every matmul that it casts to fp16
-    warnings.filterwarnings("ignore", message="MatMul8bitLt")
 
     if args.command in ("train-head", "ui"):
         # kill, logout, shutdown or a closed terminal end these as Ctrl-C does:

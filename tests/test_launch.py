@@ -123,6 +123,26 @@ def test_every_command_explains_its_options(command):
     assert "usage: launch.py" in result.stdout and "--" in result.stdout
 
 
+def test_the_test_command_runs_the_files_it_is_given_from_any_folder(tmp_path):
+    """`launch.py test tests/test_tree.py` runs that file, not the whole suite
+    (which it did with the file as well), and finds it from another folder too."""
+    from app.cli import pytest_arguments
+
+    tests = str(ROOT / "tests")
+    assert pytest_arguments([], ROOT) == [tests]
+    assert pytest_arguments(["-q", "-k", "tests"], tmp_path) == [tests, "-q", "-k", "tests"]  # -k's value is no path
+    tree = str(ROOT / "tests" / "test_tree.py")
+    assert pytest_arguments(["-q", "tests/test_tree.py"], ROOT) == ["-q", tree]
+    assert pytest_arguments(["tests/test_tree.py::test_x", "-x"], tmp_path) == [f"{tree}::test_x", "-x"]
+    (tmp_path / "tests").mkdir()
+    assert pytest_arguments(["tests"], tmp_path) == [str(tmp_path / "tests")]  # the current folder's first
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "test", "--collect-only", "-q", "tests/test_tree.py"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path.parent,
+    )  # fmt: skip
+    assert result.returncode == 0 and "tests/test_tree.py::" in result.stdout and "test_api.py" not in result.stdout
+
+
 def test_bad_prompt_file_is_a_one_line_error(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), "bench", "--prompts", str(tmp_path / "missing.jsonl")],

@@ -30,6 +30,19 @@ def test_tiny_model_loads_and_runs(tiny_dir, quantization):
     assert torch.isfinite(out).all()
 
 
+def test_bitsandbytes_on_a_cpu_does_not_log_at_every_product(tiny_dir, caplog):
+    """Its 8-bit product logged a cast warning at every call (thousands of lines
+    around one reply in a terminal); Kestrel drops that line and no other."""
+    import logging
+
+    loaded = load_base(str(tiny_dir), quantization="8bit", dtype="bfloat16")
+    with caplog.at_level(logging.WARNING):
+        loaded.model(torch.tensor([[1, 9, 10, 11]]))
+        logging.getLogger("bitsandbytes.autograd._functions").warning("another warning")
+    messages = [record.getMessage() for record in caplog.records]
+    assert "another warning" in messages and not any("MatMul8bitLt" in message for message in messages)
+
+
 def test_bundled_default_loads_and_reuses_its_conversion():
     first = load_base(None)
     folder = bundled.converted_folder()
