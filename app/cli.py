@@ -518,6 +518,7 @@ def run_eval_heads(args) -> int:
     from app.session import default_head, load_draft_head
     from core.training.compare import check_feature_shards, drafted_accuracy
     from models.base import load_base
+    from models.head import head_files, resolve_head_folder
 
     set_threads(args.threads)
     json_out = check_writable(args.json_out, "--json") if args.json_out else None
@@ -533,19 +534,23 @@ def run_eval_heads(args) -> int:
         other = next((split for split, found in by_split.items() if found), None)
         hint = f"; it has {other} shards (--split {other})" if other else " (run train-head first)"
         raise ValueError(f"{Path(args.features) / args.split}: no feature shards{hint}")
+    for source in sources:  # a missing or wrong folder fails now, not after the model has loaded and other heads were judged
+        head_files(resolve_head_folder(str(source)))
     base = load_base(args.model, args.quantization, args.dtype, args.device)
     check_feature_shards(base, shards)  # before any head is judged: no figures are lost to a shard of another model
     results = {}
-    for source in sources:
-        head = load_draft_head(base, source, torch.float32)
-        figures = drafted_accuracy(base, head, shards, args.steps)
-        results[source] = figures
-        chain = ", ".join(  # each step's share of the chains that reached it, with that count
-            f"{100 * a:.1f}% of {int(n)}" for a, n in zip(figures["chain_accuracy"], figures["chain_positions"])
-        )
-        print(f"{source}: top-1 {', '.join(f'{100 * a:.1f}%' for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
-    if json_out:
-        json_out.write_text(json.dumps(results, indent=1) + "\n")
+    try:
+        for source in sources:
+            head = load_draft_head(base, source, torch.float32)
+            figures = drafted_accuracy(base, head, shards, args.steps)
+            results[source] = figures
+            chain = ", ".join(  # each step's share of the chains that reached it, with that count
+                f"{100 * a:.1f}% of {int(n)}" for a, n in zip(figures["chain_accuracy"], figures["chain_positions"])
+            )
+            print(f"{source}: top-1 {', '.join(f'{100 * a:.1f}%' for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
+    finally:  # a head refused later (one that does not fit this model) keeps the figures of those judged before it
+        if json_out and results:
+            json_out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

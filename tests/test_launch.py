@@ -194,6 +194,8 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["train-head", "--prompts", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "o")], "empty.jsonl: no prompts"),
         (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--epochs", "0"], "--epochs: must be at least 1"),
         (["eval-heads", "--features", str(tmp_path), "--steps", "0"], "--steps: must be at least 1"),
+        (["eval-heads", "--features", str(tmp_path / "features"), "--split", "train", str(ROOT / "assets" / "heads" / "SmolLM2-135M-Instruct"),
+          str(tmp_path / "features")], "features: no config.json"),  # a later head that is no head: before the model loads
     ]  # fmt: skip
     for argv, message in cases:
         try:

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -406,6 +407,12 @@ def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_di
     printed = capsys.readouterr().out
     assert f"; chain {100 * figures['chain_accuracy'][0]:.1f}% of {int(figures['chain_positions'][0])}, " in printed  # with its count
     assert main(command) == 2  # no head named
+    other = tmp_path / "other"  # a head for another model: refused when it loads, after the first was judged
+    shutil.copytree(tmp_path / "head", other)
+    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "hidden_size": 32}))
+    (tmp_path / "figures.json").unlink()
+    assert main([*command, "--json", str(tmp_path / "figures.json"), str(tmp_path / "head"), str(other)]) == 2
+    assert list(json.loads((tmp_path / "figures.json").read_text())) == [str(tmp_path / "head")]
     assert main(["eval-heads", "--features", str(tmp_path / "nowhere"), str(tmp_path / "head")]) == 2
 
 
