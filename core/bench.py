@@ -76,12 +76,13 @@ class LlamaStick:
         except OSError as error:
             raise ValueError(f"--llama-python {python}: cannot run it ({error})") from None
         try:
-            ready = self._read().get("ready")
+            answer = self._read()
         except ValueError:
-            ready = False
-        if not ready:
+            answer = {}
+        if not answer.get("ready"):
             self.process.kill()
-            raise ValueError(f"--llama-python {python}: llama.cpp did not start (is llama-cpp-python installed there?)")
+            problem = answer.get("problem", "is llama-cpp-python installed there?")
+            raise ValueError(f"--llama-python {python}: llama.cpp did not start ({problem})")
         self.stop_ids = sorted(engine.stop_ids)
 
     def _read(self) -> dict:

@@ -17,11 +17,18 @@ import time
 
 
 def main() -> None:
-    from llama_cpp import Llama
-
     path, threads = sys.argv[1], int(sys.argv[2])
     context = int(sys.argv[3]) if len(sys.argv) > 3 else 4096  # Kestrel's context window for the model: its prompts fit
-    model = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+    try:
+        from llama_cpp import Llama
+    except ImportError as error:  # one line for Kestrel to show, not this Python's traceback
+        print(json.dumps({"ready": False, "problem": f"llama-cpp-python is not installed there ({error})"}), flush=True)
+        return
+    try:
+        model = Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+    except (ValueError, RuntimeError, OSError) as error:
+        print(json.dumps({"ready": False, "problem": f"llama.cpp could not load {path} ({error})"}), flush=True)
+        return
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

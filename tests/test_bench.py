@@ -157,6 +157,19 @@ def test_a_crashing_llama_cpp_helper_is_reported_as_a_crash(tmp_path):
         stick.run([1, 2, 3], 4)
 
 
+def test_a_python_without_llama_cpp_is_one_line(tmp_path, capfd):
+    """The helper run by a Python that lacks llama-cpp-python says so in
+    Kestrel's one-line error, not with that Python's traceback first."""
+    import sys
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    engine = SimpleNamespace(base=SimpleNamespace(name=str(gguf)), stop_ids={2}, context_limit=8192)
+    with pytest.raises(ValueError, match=r"llama.cpp did not start \(llama-cpp-python is not installed there \(No module named 'llama_cpp'"):
+        LlamaStick(sys.executable, engine, SamplingParams())
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_two_heads_are_compared_in_one_run(tiny_base, tmp_path):
     from tests.factory import random_eagle3_head
 
