@@ -67,11 +67,28 @@ def windows_desktop() -> Path | None:
     return None
 
 
+def xdg_desktop(home: Path) -> Path:
+    """The desktop folder that freedesktop's user-dirs.dirs names (a localised
+    one such as ~/Schreibtisch), else ~/Desktop."""
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "user-dirs.dirs"
+    try:
+        lines = config.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    for line in lines:
+        name, _, value = line.strip().partition("=")
+        if name == "XDG_DESKTOP_DIR" and value:
+            value = value.strip().strip('"').replace("$HOME", str(home))
+            return Path(value) if Path(value).is_absolute() else home / value
+    return home / "Desktop"
+
+
 def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None = None) -> list[Path]:
-    """Write the shortcut(s) for this platform; returns the files written."""
+    """Write the shortcut(s) for this platform; returns the files written (on
+    Linux the menu entry, and the desktop's where the desktop folder exists)."""
     known = windows_desktop() if home is None and platform.startswith("win") else None  # OneDrive may move it
     home = home or Path.home()
-    desktop = known or home / "Desktop"
+    desktop = known or (home / "Desktop" if platform.startswith("win") or platform == "darwin" else xdg_desktop(home))
     if platform.startswith("win"):
         return [_write_executable(desktop / "Kestrel.bat", windows_batch(root, base_python()))]
     if platform == "darwin":

@@ -5,6 +5,7 @@ concurrency group, so requests queue instead of running at once."""
 from __future__ import annotations
 
 import signal
+import sys
 import webbrowser
 from pathlib import Path
 
@@ -258,8 +259,11 @@ def serve(args) -> int:
     if args.install_shortcut:
         from app.shortcut import install
 
-        for path in install():
+        written = install()
+        for path in written:
             print(f"Shortcut written: {path}")
+        if sys.platform.startswith("linux") and len(written) == 1:
+            print("No desktop folder was found (~/Desktop, or XDG_DESKTOP_DIR in ~/.config/user-dirs.dirs): only the menu entry was written")
         return 0
     access = access_from(args)
     if args.threads:
@@ -280,7 +284,7 @@ def serve(args) -> int:
             webbrowser.open(url)
         return 0
     remove_leftovers(store_dir)
-    print("Loading the model (the first run prepares the bundled one)...", flush=True)
+    print(f"Loading {args.model}..." if args.model else "Loading the model (the first run prepares the bundled one)...", flush=True)
     engine = load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
     prepare_costs(engine)
     runtime = Runtime(engine, max_waiting=args.max_queue)

@@ -719,6 +719,12 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     assert lines[4] == "if errorlevel 9009 pause"  # a Python that is gone: the window stays to say so
     assert 'cd /d "C:\\100%% Kestrel"' in install(root=Path("C:\\100% Kestrel"), platform="win32", home=tmp_path)[0].read_text()
     assert install(platform="darwin", home=tmp_path)[0].name == "Kestrel.command"
+    (tmp_path / ".config").mkdir()  # a localised desktop folder, as freedesktop's user-dirs names it
+    (tmp_path / ".config" / "user-dirs.dirs").write_text('# written by xdg-user-dirs-update\nXDG_DESKTOP_DIR="$HOME/Schreibtisch"\n')
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    assert install(platform="linux") == [written[0]]  # no such folder yet: the menu entry alone
+    (tmp_path / "Schreibtisch").mkdir()
+    assert install(platform="linux") == [written[0], tmp_path / "Schreibtisch" / "kestrel.desktop"]
 
 
 def test_free_port_skips_a_taken_port():
