@@ -70,16 +70,17 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
-    from core.config import TreeParams
+    from core.config import TREE_LIMITS, TreeParams
 
     defaults = TreeParams()
+    total, depth, top_k, lookup, branches = (integer(*TREE_LIMITS[field]) for field in ("total_tokens", "depth", "top_k", "lookup_tokens", "context_branches"))
     group = parser.add_argument_group("draft tree (EAGLE-2)")
-    group.add_argument("--total-tokens", type=integer(0), default=defaults.total_tokens, help="tree nodes verified per step; 0 = sized every step from this device's measured costs (default 0)")
-    group.add_argument("--depth", type=integer(1), default=defaults.depth, help=f"deepest draft (default {defaults.depth})")
-    group.add_argument("--tree-top-k", type=integer(1), default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
+    group.add_argument("--total-tokens", type=total, default=defaults.total_tokens, help="tree nodes verified per step; 0 = sized every step from this device's measured costs (default 0)")
+    group.add_argument("--depth", type=depth, default=defaults.depth, help=f"deepest draft (default {defaults.depth})")
+    group.add_argument("--tree-top-k", type=top_k, default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
     group.add_argument("--min-path-prob", type=number(0.0, 0.999), default=defaults.min_path_prob, help=f"stop deepening the tree when its best path is less likely than this, 0 = never (default {defaults.min_path_prob})")
-    group.add_argument("--lookup-tokens", type=integer(0), default=defaults.lookup_tokens, help=f"longest tree branch copied from the context after a repeated n-gram, 0 = off (default {defaults.lookup_tokens})")
-    group.add_argument("--context-branches", type=integer(1), default=defaults.context_branches, help=f"copied branches from different earlier matches when trees are sized automatically (default {defaults.context_branches})")
+    group.add_argument("--lookup-tokens", type=lookup, default=defaults.lookup_tokens, help=f"longest tree branch copied from the context after a repeated n-gram, 0 = off (default {defaults.lookup_tokens})")
+    group.add_argument("--context-branches", type=branches, default=defaults.context_branches, help=f"copied branches from different earlier matches when trees are sized automatically (default {defaults.context_branches})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.config import MODES, SamplingParams, TreeParams
+from core.config import MODES, TREE_LIMITS, SamplingParams, TreeParams
 
 MAX_MESSAGES = 1024  # messages in one chat request
 MAX_STOPS = 4  # stop strings, as OpenAI allows
@@ -23,12 +23,8 @@ REFUSED = {
     "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "suffix": (None, ""), "echo": (None, False),
     "best_of": (None, 1, 1.0),
 }  # fmt: skip
-TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest)
-    "total_tokens": ("total_tokens", 0, 256),  # 0 = sized by the planner (1 is refused by name below)
-    "depth": ("depth", 1, 16),
-    "tree_top_k": ("top_k", 1, 32),
-    "lookup_tokens": ("lookup_tokens", 0, 64),
-    "context_branches": ("context_branches", 1, 16),
+TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest); total_tokens 0 = sized by the planner (1 is refused by name below)
+    ("tree_top_k" if field == "top_k" else field): (field, *limits) for field, limits in TREE_LIMITS.items()
 }
 KESTREL_FIELDS = {"mode", "top_k", "min_path_prob", *TREE_RANGES}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from core import compiled
-from core.config import MODES, SamplingParams, TreeParams
+from core.config import MODES, TREE_LIMITS, SamplingParams, TreeParams
 from core.engine import Engine
 from core.prompt import BenchPrompt
 from core.stats import SHORT_REPLY
@@ -49,6 +49,10 @@ def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
             raise ValueError
     except ValueError:
         raise ValueError(f"bad mode {label!r}: write eagle2:TOTAL/DEPTH/TOP_K[/LOOKUP]") from None
+    for field, value in fields.items():
+        low, high = TREE_LIMITS[field]
+        if not low <= value <= high:
+            raise ValueError(f"bad mode {label!r}: its {field} must be from {low} to {high}, got {value}")
     return mode, replace(tree, **fields)
 
 

@@ -43,6 +43,10 @@ class SamplingParams:
         return replace(self, seed=secrets.randbelow(SEED_LIMIT))
 
 
+# the tree settings the API, chat and bench accept (the page's sliders span less): field -> (lowest, highest)
+TREE_LIMITS = {"total_tokens": (0, 256), "depth": (1, 16), "top_k": (1, 32), "lookup_tokens": (0, 64), "context_branches": (1, 16)}
+
+
 @dataclass(frozen=True)
 class TreeParams:
     """By default (total_tokens 0) every tree is sized by the planner from

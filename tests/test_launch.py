@@ -177,7 +177,9 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["chta", "hi"], "unknown command 'chta'"),
         (["ui", "--port", "70000"], "--port: must be from 1 to 65535"),
         (["ui", "--max-queue", "0"], "--max-queue: must be at least 1"),
-        (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be at least 1"),
+        (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be from 1 to 32, got 0"),
+        (["chat", "hi", "--total-tokens", "300"], "--total-tokens: must be from 0 to 256, got 300"),  # the API's range
+        (["bench", "--prompts", str(prompts), "--modes", "eagle2:300/4/2"], "its total_tokens must be from 0 to 256, got 300"),
         (["chat", "hi", "--temperature", "nan"], "--temperature: must be a number"),
         (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
         (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),
