@@ -115,6 +115,12 @@ class LibraryHandlers:
     def status(self) -> str:
         return render.escape(self.runtime.describe())
 
+    def modes(self, current: str) -> dict:
+        """The mode selector for the model loaded now, keeping `current` where it
+        still applies (another tab may have loaded a model without a head)."""
+        modes = self.runtime.modes or ("vanilla",)
+        return gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=current if current in modes else modes[-1])
+
     def heads(self) -> dict:
         engine = self.runtime.engine
         choices = trained_heads(self.heads_dir, engine.base.name, engine.model.config) if engine is not None else []

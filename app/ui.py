@@ -48,7 +48,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
     with gr.Blocks(title="Kestrel", analytics_enabled=False, delete_cache=(86400, 86400)) as demo:
         chat_state = gr.State(None)
         with gr.Tabs():
-            with gr.Tab("Chat", id="chat"):
+            with gr.Tab("Chat", id="chat") as chat_tab:
                 with gr.Row():
                     with gr.Column(scale=3):
                         system = gr.Textbox(label="System prompt", lines=1, elem_id="system")
@@ -140,7 +140,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                                              height=200, elem_id="bench-chart")  # as the table: vanilla first
                     bench_json = gr.JSON(label="Full result", open=False)
 
-            with gr.Tab("Models", id="models"):
+            with gr.Tab("Models", id="models") as models_tab:
                 memory_gb, memory_kind = detected_memory()
                 status = gr.HTML(elem_id="model-status")
                 gr.Markdown(
@@ -226,6 +226,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
 
         demo.load(chat.restore, None, [*controls, system, chatbot, chat_state, chats, stats, notice])
         demo.load(library.status, None, status).then(library.heads, None, trained)
+        # what another tab loaded or unloaded since this page was opened
+        models_tab.select(library.status, None, status, show_progress="hidden", api_name=False).then(library.heads, None, trained)
+        chat_tab.select(library.modes, mode, mode, show_progress="hidden", api_name=False)
     return demo
 
 

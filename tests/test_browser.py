@@ -331,6 +331,27 @@ def test_compare_stop_is_the_tabs_own_and_applies_while_waiting(page, browser, s
         other.close()
 
 
+def test_a_model_loaded_in_another_tab_shows_when_this_tab_is_chosen_again(page, served, tiny_base):
+    """The Models tab's description and the Chat tab's modes follow a model
+    that another tab loaded after this page was opened (they kept the old one's)."""
+    from core.engine import Engine
+
+    _, runtime = served
+    page.get_by_role("tab", name="Models").click()
+    page.locator("#model-status").get_by_text("with an EAGLE draft head").wait_for(timeout=10_000)
+    page.get_by_role("tab", name="Chat").click()
+    previous = runtime.engine
+    try:
+        runtime.replace(lambda: Engine(tiny_base), "the same model without a head")  # as another tab's Load would
+        page.get_by_role("tab", name="Models").click()
+        page.locator("#model-status").get_by_text("without a draft head (vanilla only)").wait_for(timeout=10_000)
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#mode input[value=vanilla]:checked").wait_for(timeout=10_000)
+        assert page.locator("#mode input[value=eagle2]").count() == 0
+    finally:
+        runtime.replace(lambda: previous, "the test model")
+
+
 def test_models_tab(page):
     page.get_by_role("tab", name="Models").click()
     page.get_by_text("Vicuna-13B v1.3").first.wait_for(timeout=10_000)
