@@ -119,7 +119,10 @@ class LibraryHandlers:
         """The mode selector for the model loaded now, keeping `current` where it
         still applies (another tab may have loaded a model without a head)."""
         modes = self.runtime.modes or ("vanilla",)
-        return gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=current if current in modes else modes[-1])
+        choices = [(MODE_LABELS[m], m) for m in modes]
+        # a value only where the current one is gone: the tab's select can come as the page loads,
+        # with the selector's first value, and must not undo the saved mode that the page-load sets
+        return gr.update(choices=choices) if current in modes else gr.update(choices=choices, value=modes[-1])
 
     def heads(self) -> dict:
         engine = self.runtime.engine
