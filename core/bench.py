@@ -148,7 +148,7 @@ def run_once(
     if mode == "llama.cpp":
         return stick.run(prompt_ids, sampling.max_new_tokens)
     if mode in BASELINES:
-        return _run_generate(engine, prompt_ids, mode, sampling)
+        return _run_generate(engine, prompt_ids, mode, sampling, cancel)
     started = time.perf_counter()
     steps = list(engine.stream(prompt_ids, mode=mode, sampling=sampling, tree=tree, cancel=cancel))
     seconds = time.perf_counter() - started
@@ -166,8 +166,15 @@ def run_once(
     }
 
 
-def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: SamplingParams) -> dict:
-    options = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(engine.stop_ids), pad_token_id=0)
+def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: SamplingParams, cancel: threading.Event | None = None) -> dict:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Cancelled(StoppingCriteria):  # the cancel signal ends generate within a step, as it ends Kestrel's modes
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), cancel is not None and cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    options = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(engine.stop_ids), pad_token_id=0,
+                   stopping_criteria=StoppingCriteriaList([Cancelled()]))  # fmt: skip
     if sampling.greedy:
         options["do_sample"] = False
     else:
@@ -219,20 +226,25 @@ def run_bench(
         if len(ids) >= engine.context_limit:
             raise ValueError(f"prompt {prompt.id}: {len(ids)} tokens; the model's context window is {engine.context_limit}")
     stick = LlamaStick(llama_python, engine, sampling) if "llama.cpp" in modes else None
+    rows, total, done = [], len(prompts) * len(modes), 0
+
+    def check_cancel() -> None:  # a prompt whose rows are cut short does not count: only finished prompts do
+        if cancel is not None and cancel.is_set():
+            raise BenchCancelled(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False) if rows else None)
+
     try:
-        rows, total, done = [], len(prompts) * len(modes), 0
         for ids in encoded[:warmup]:
             for mode in modes:
+                check_cancel()
                 run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=16), tree, stick, cancel)
         for prompt, ids in zip(prompts, encoded):
             measured = []  # this prompt's rows, kept once every mode has run it in full
             for mode in modes:
                 if progress:
                     progress(done, total, f"{prompt.id} / {mode}")
+                check_cancel()
                 result = run_once(engines[mode], ids, mode, sampling, tree, stick, cancel)
-                if cancel is not None and cancel.is_set():  # this prompt's rows are cut short: only finished prompts count
-                    finished = bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False)
-                    raise BenchCancelled(finished if rows else None)
+                check_cancel()
                 measured.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
                 done += 1
             rows += measured

@@ -12,11 +12,15 @@ first prompt token to the last generated one, as Kestrel's modes are."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 
 
 def main() -> None:
+    # a terminal's Ctrl+C reaches this process too: Kestrel stops the benchmark between rows,
+    # and this helper ends when its input closes
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     path, threads = sys.argv[1], int(sys.argv[2])
     context = int(sys.argv[3]) if len(sys.argv) > 3 else 4096  # Kestrel's context window for the model: its prompts fit
     try:

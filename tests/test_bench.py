@@ -103,6 +103,25 @@ def test_table_says_when_a_baseline_timed_other_text(tiny_base, tmp_path):
     assert "note: generate's replies differ from vanilla's on 50% of the prompts" in format_table(result)
 
 
+def test_a_cancelled_bench_stops_transformers_generate_too(tiny_base, tmp_path):
+    """The cancel signal (Ctrl+C) ends a generate or prompt-lookup row within a
+    step, as it ends Kestrel's modes, and a run cancelled before any prompt
+    finished has nothing to report."""
+    import threading
+
+    from core.bench import BenchCancelled, run_once
+
+    engine = Engine(tiny_base)
+    cancel = threading.Event()
+    cancel.set()
+    for mode in ("generate", "prompt-lookup"):
+        assert run_once(engine, [5, 6, 7], mode, SamplingParams(max_new_tokens=60), TreeParams(), None, cancel)["tokens"] <= 1
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"]}])
+    with pytest.raises(BenchCancelled) as stopped:
+        run_bench(engine, load_prompts(path), ("vanilla", "generate"), SamplingParams(max_new_tokens=8), cancel=cancel)
+    assert stopped.value.result is None
+
+
 def test_unknown_mode_is_named(tiny_base, tmp_path):
     path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1"]}])
     with pytest.raises(ValueError, match="warp"):

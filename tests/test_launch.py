@@ -310,6 +310,11 @@ def test_ctrl_c_while_decoding_stops_the_reply_or_the_bench_with_what_it_has(tin
     assert "interrupted" in captured.err and "Traceback" not in captured.err
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["complete"] is False and [row["id"] for row in written["prompts"]] == ["0"]
+    calls.update(made=0, interrupted=1)  # in the warm-up, before any prompt is measured: nothing to print, no traceback
+    argv[argv.index("--modes") + 1] = "vanilla,generate"
+    assert cli.main(argv) == 130
+    captured = capsys.readouterr()
+    assert "generate" not in captured.out and "interrupted" in captured.err and "Traceback" not in captured.err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl+C raises again after the command
     with pytest.raises(KeyboardInterrupt), cli.stop_on_interrupt() as stop:
         os.kill(os.getpid(), signal.SIGINT)
