@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 PYTEST_VALUED = ("-k", "-m", "-p", "-o", "-c", "-W", "--tb", "--durations", "--maxfail", "--rootdir", "--basetemp",
-                 "--deselect", "--ignore", "--junitxml", "--confcutdir")  # fmt: skip
+                 "--junitxml", "--junit-xml", "--log-file", "--confcutdir")  # fmt: skip
+PYTEST_PATHS = ("--deselect", "--ignore")  # options whose value is a test path, read as the tests named are
 
 
 def pytest_arguments(extra: list[str], cwd: Path) -> list[str]:
@@ -175,12 +176,13 @@ def pytest_arguments(extra: list[str], cwd: Path) -> list[str]:
     read from the current folder or else from Kestrel's, wherever it is started."""
     arguments, named = [], False
     for index, argument in enumerate(extra):
-        valued = index and extra[index - 1] in PYTEST_VALUED
-        if not argument.startswith("-") and not valued:
+        option = extra[index - 1] if index else ""
+        if not argument.startswith("-") and option not in PYTEST_VALUED:
             path, _, test = argument.partition("::")
             where = next((folder / path for folder in (cwd, ROOT) if (folder / path).exists()), None)
             if where is not None:
-                argument, named = str(where) + (f"::{test}" if test else ""), True
+                argument = str(where) + (f"::{test}" if test else "")
+                named = named or option not in PYTEST_PATHS
         arguments.append(argument)
     return arguments if named else [str(ROOT / "tests"), *arguments]
 

@@ -203,7 +203,7 @@ def _tree(kestrel: dict) -> TreeParams:
         values[field] = _integer(kestrel, name, getattr(defaults, field), low, high, f"kestrel.{name}")
     values["min_path_prob"] = _number(kestrel, "min_path_prob", defaults.min_path_prob, 0.0, 0.999, param="kestrel.min_path_prob")
     if values["total_tokens"] == 1:
-        raise RequestError("kestrel.total_tokens must be 0 (sized by the planner) or between 2 and 256", "kestrel.total_tokens")
+        raise RequestError(f"kestrel.total_tokens must be 0 (sized by the planner) or between 2 and {TREE_LIMITS['total_tokens'][1]}", "kestrel.total_tokens")
     return TreeParams(**values)
 
 

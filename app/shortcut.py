@@ -79,7 +79,7 @@ def xdg_desktop(home: Path) -> Path:
         name, _, value = line.strip().partition("=")
         if name == "XDG_DESKTOP_DIR" and value:
             value = value.strip().strip('"').replace("$HOME", str(home))
-            return Path(value) if Path(value).is_absolute() else home / value
+            return Path(value) if Path(value).is_absolute() else home / value  # "$HOME/" (the home itself) turns the desktop off
     return home / "Desktop"
 
 
@@ -96,6 +96,6 @@ def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None =
     entry = desktop_entry(root, base_python())
     data_home = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share")
     written = [_write_executable(data_home / "applications" / "kestrel.desktop", entry)]
-    if desktop.is_dir():
+    if desktop.is_dir() and desktop.resolve() != home.resolve():
         written.append(_write_executable(desktop / "kestrel.desktop", entry))
     return written

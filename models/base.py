@@ -188,32 +188,34 @@ def check_folder(path: Path) -> None:
 # bitsandbytes' log lines that say nothing a user can act on: the 8-bit product's cast, on
 # every product of every step (thousands of lines around one reply on a CPU), and a hub kernel
 # package that is not installed (Kestrel runs offline; bitsandbytes falls back by itself)
-BITSANDBYTES_NOISE = {
-    "bitsandbytes.autograd._functions": "MatMul8bitLt: inputs will be cast",
-    "bitsandbytes.backends.cpu.ops": "from kernels-community",
+BITSANDBYTES_NOISE = {  # logger -> the texts that together mark the line
+    "bitsandbytes.autograd._functions": ("MatMul8bitLt: inputs will be cast",),
+    "bitsandbytes.backends.cpu.ops": ("from kernels-community", "No module named 'kernels'"),
 }
 
 
 class _Dropped(logging.Filter):
-    def __init__(self, text: str):
+    def __init__(self, texts: tuple[str, ...]):
         super().__init__()
-        self.text = text
+        self.texts = texts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
+        message = record.getMessage()
+        return not all(text in message for text in self.texts)
 
 
 def quiet_bitsandbytes() -> None:
-    for name, text in BITSANDBYTES_NOISE.items():
+    for name, texts in BITSANDBYTES_NOISE.items():
         logger = logging.getLogger(name)  # a filter acts on the logger that makes the record
         if not any(isinstance(kept, _Dropped) for kept in logger.filters):
-            logger.addFilter(_Dropped(text))
+            logger.addFilter(_Dropped(texts))
 
 
 def quantization_config(quantization: str, dtype: torch.dtype):
     """transformers' bitsandbytes config for 8bit/4bit; None otherwise."""
     if quantization in ("none", "int4", "int8"):
         return None
+    quiet_bitsandbytes()  # before the import, which logs one of them
     try:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
@@ -224,7 +226,6 @@ def quantization_config(quantization: str, dtype: torch.dtype):
         ) from error
     if dtype == torch.float64:
         raise QuantizationUnavailableError(f"{quantization} cannot compute in float64; use float32 or bfloat16")
-    quiet_bitsandbytes()
     if quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(

@@ -134,6 +134,9 @@ def test_the_test_command_runs_the_files_it_is_given_from_any_folder(tmp_path):
     tree = str(ROOT / "tests" / "test_tree.py")
     assert pytest_arguments(["-q", "tests/test_tree.py"], ROOT) == ["-q", tree]
     assert pytest_arguments(["tests/test_tree.py::test_x", "-x"], tmp_path) == [f"{tree}::test_x", "-x"]
+    assert pytest_arguments(["--ignore", "tests/test_tree.py"], tmp_path) == [tests, "--ignore", tree]  # still the whole suite, less one file
+    (tmp_path / "report.xml").write_text("")
+    assert pytest_arguments(["--junit-xml", "report.xml"], tmp_path) == [tests, "--junit-xml", "report.xml"]
     (tmp_path / "tests").mkdir()
     assert pytest_arguments(["tests"], tmp_path) == [str(tmp_path / "tests")]  # the current folder's first
     result = subprocess.run(

@@ -725,6 +725,8 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     assert install(platform="linux") == [written[0]]  # no such folder yet: the menu entry alone
     (tmp_path / "Schreibtisch").mkdir()
     assert install(platform="linux") == [written[0], tmp_path / "Schreibtisch" / "kestrel.desktop"]
+    (tmp_path / ".config" / "user-dirs.dirs").write_text('XDG_DESKTOP_DIR="$HOME/"\n')  # the home itself: no desktop
+    assert install(platform="linux") == [written[0]] and not (tmp_path / "kestrel.desktop").exists()
 
 
 def test_free_port_skips_a_taken_port():
