@@ -141,16 +141,38 @@ def engine_messages(chat: dict) -> list[dict]:
 
 def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[dict], int]:
     """Drop the oldest turns until the prompt leaves `room` tokens of the
-    context window; returns the messages and how many were dropped."""
+    context window; returns the messages and how many were dropped. A reply
+    whose message was dropped stays where the chat template takes a
+    conversation that starts with a reply: after a long pasted text and a reply
+    cut at the window, "continue" then still sees the reply it continues."""
     system = [m for m in messages if m["role"] == "system"]
     turns = [m for m in messages if m["role"] != "system"]
     dropped = 0
-    while len(turns) > 1 and len(engine.encode(system + turns)) + room > engine.context_limit:
+    while len(turns) > 1 and not fits(engine, system + turns, room):
         turns = turns[1:]
         dropped += 1
-    while len(turns) > 1 and turns[0]["role"] != "user":  # a prompt starts with a user turn
-        turns, dropped = turns[1:], dropped + 1
     return system + turns, dropped
+
+
+def fits(engine: Engine, messages: list[dict], room: int) -> bool:
+    """Whether the prompt leaves `room` tokens of the window; a conversation
+    the chat template refuses (Llama-2's and Mistral's want a user turn first) does not."""
+    from jinja2 import TemplateError
+
+    try:
+        return len(engine.encode(messages)) + room <= engine.context_limit
+    except TemplateError:
+        return False
+
+
+def overflow_text(engine: Engine, messages: list[dict], error: ContextOverflowError) -> str:
+    """What to do about a prompt that does not fit even with the oldest turns
+    dropped: shorten the system prompt where it alone (with the newest message)
+    is too long, else the message."""
+    system = [m for m in messages if m["role"] == "system"]
+    if system and (tokens := len(engine.encode(system))) >= len(engine.encode(messages[-1:])):
+        return f"{error}. The system prompt alone is {tokens:,} tokens: shorten it (a new chat keeps it)."
+    return f"{error}. Start a new chat or shorten the message."
 
 
 def run_settings(engine: Engine, mode: str, options: Options) -> dict:
@@ -511,7 +533,7 @@ class ChatHandlers:
             return
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
             if isinstance(error, ContextOverflowError):
-                error = f"{error}. Start a new chat or shorten the message."
+                error = overflow_text(engine, messages, error)
             yield from self._failed(chat, message, colour, str(error), kept)
             return
         finally:

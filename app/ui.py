@@ -101,7 +101,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                             seed = gr.Number(defaults["seed"], label="Seed (-1 = random)")
                             total_tokens = gr.Slider(*RANGES["total_tokens"], tree.total_tokens, step=1, label="Tree: tokens verified per step",
                                                      info="0 = sized every step from this device's measured costs")  # fmt: skip
-                            depth = gr.Slider(*RANGES["depth"], tree.depth, step=1, label="Tree: depth (the most, when sized automatically)")
+                            depth = gr.Slider(*RANGES["depth"], tree.depth, step=1, label="Tree: depth (the most the head drafts, when sized automatically; text copied from the chat may go deeper)")
                             tree_top_k = gr.Slider(*RANGES["tree_top_k"], tree.top_k, step=1, label="Tree: top-k per node")
                             for box in (temperature, top_p, top_k, max_new_tokens, seed, total_tokens, depth, tree_top_k):
                                 as_typed(box)

@@ -396,8 +396,39 @@ def test_oldest_turns_dropped_to_fit_context(engine):
         {"role": role, "content": long} for role in ("user", "assistant", "user", "assistant", "user")
     ]
     fitted, dropped = fit_context(engine, messages, room=32)
-    assert dropped >= 2 and fitted[0]["role"] == "system" and fitted[1]["role"] == "user"
+    assert dropped >= 2 and fitted[0]["role"] == "system" and fitted[1:] == messages[len(messages) - len(fitted) + 1 :]  # the newest kept
     assert len(engine.encode(fitted)) + 32 <= engine.context_limit
+
+
+def test_a_reply_cut_at_the_window_stays_for_continue(engine):
+    """A long pasted message, its reply cut at the context window, then
+    "continue": the paste is dropped, and the reply it continues stays (the
+    bundled ChatML-style template takes a conversation that starts with a reply)."""
+    paste = " ".join(["w1"] * (engine.context_limit - 10))
+    messages = [{"role": "user", "content": paste}, {"role": "assistant", "content": "w5 w6 w7"}, {"role": "user", "content": "w8"}]
+    fitted, dropped = fit_context(engine, messages, room=16)
+    assert dropped == 1 and fitted == messages[1:]
+    from jinja2 import TemplateError
+
+    class Alternating:  # a template that wants a user turn first (as Llama-2's and Mistral's raise)
+        context_limit = engine.context_limit
+
+        def encode(self, messages):
+            if messages[0]["role"] != "user":
+                raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+            return engine.encode(messages)
+
+    assert fit_context(Alternating(), messages, room=16) == (messages[2:], 2)
+
+
+def test_a_system_prompt_too_long_for_the_window_is_named(engine):
+    from app.chat import overflow_text
+    from core.engine import ContextOverflowError
+
+    system = [{"role": "system", "content": " ".join(["w2"] * engine.context_limit)}]
+    error = ContextOverflowError("the prompt is too long")
+    assert "The system prompt alone is" in overflow_text(engine, system + [{"role": "user", "content": "w1"}], error)
+    assert "shorten the message" in overflow_text(engine, [{"role": "user", "content": "w1 " * 300}], error)
 
 
 def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
