@@ -35,11 +35,15 @@ log = logging.getLogger("kestrel")
 
 CPU_SIZES = (1, 2, 4, 8, 16, 32)  # tree nodes measured on CPUs, where large trees never pay
 GPU_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # and on GPUs, where they can
-CONTEXTS = (64, 512)  # context lengths measured: coarse, costs grow slowly with context
+# context lengths measured. Attention over the cache grows each node's cost with the context:
+# on the 2-core EPYC a 4-node pass cost 13.1 / 17.4 / 28.6 ms after 512 / 2048 / 5000 tokens, one
+# node 11.6 / 12.7 / 19.3. Extended from 64 and 512 alone, a noise-sized slope had put a 4-node
+# pass at 5000 below a one-node pass, and long chats decoded slower in eagle2 than in vanilla.
+CONTEXTS = (64, 512, 2048)
 WIDTHS = (1, 2, 4, 8, 16)  # frontier widths of a head expansion measured
 REPEATS = 3  # timings per point; the median is kept
 ROUNDS = 5  # rounds over every tree size, each size once a round; the median of each size's rounds is kept
-VERSION = 17  # bump when what is measured changes, so old cache files are ignored
+VERSION = 18  # bump when what is measured changes, so old cache files are ignored
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ class Costs:
         Within the measured sizes, interpolated between the measured contexts' whole curves (every draft asks)."""
         largest = largest or self.largest_tree
         if largest > self.largest_tree:
-            return torch.tensor([self.verify_seconds(n, context) for n in range(1, largest + 1)], dtype=torch.float64)
+            curve = torch.tensor([self.verify_seconds(n, context) for n in range(1, largest + 1)], dtype=torch.float64)
+            return torch.cummax(curve, dim=0).values
         curves = self._size_curves
         if len(self.contexts) == 1:
             return curves[0, :largest].clamp_min(1e-9)
@@ -76,7 +81,10 @@ class Costs:
             index += 1
         x0, x1 = self.contexts[index - 1], self.contexts[index]
         curve = curves[index - 1] + (curves[index] - curves[index - 1]) * ((context - x0) / (x1 - x0))
-        return curve[:largest].clamp_min(1e-9)
+        if context > self.contexts[-1]:  # extended past the longest measured context: never below what was measured there
+            curve = torch.maximum(curve, curves[-1])
+        # more nodes never cost less (a pass over more nodes does the same work and more)
+        return torch.cummax(curve[:largest].clamp_min(1e-9), dim=0).values
 
     @functools.cached_property
     def _size_curves(self) -> torch.Tensor:

@@ -324,6 +324,20 @@ def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir,
     assert Engine(base, None).prepare_costs() is None  # nothing to plan without a head
 
 
+def test_costs_past_the_longest_measured_context_never_fall():
+    """Extended past the longest measured context, a tree pass costs at least
+    what it cost there, and more nodes never cost less: a noise-sized slope
+    between two short contexts had made a 4-node pass at 5,000 tokens cheaper
+    than a one-node pass, and the planner drafted where it lost."""
+    costs = costs_module.Costs(sizes=(1, 2, 4), contexts=(64, 512), verify=((0.010, 0.010, 0.0117), (0.010, 0.010, 0.0113)),
+                               widths=(1, 2), expand=(0.001, 0.002), overhead=0.0005)  # fmt: skip
+    for context in (512, 1000, 5000, 20000):
+        curve = costs.verify_curve(context).tolist()
+        assert curve == sorted(curve) and all(a >= b for a, b in zip(curve, costs.verify_curve(512).tolist())), context
+    assert costs.verify_curve(5000)[3] >= costs.verify_curve(5000)[0]
+    assert costs_module.CONTEXTS[-1] >= 2048  # a long context is measured, not only extended to
+
+
 def test_a_damaged_cost_file_is_measured_again(tmp_path):
     """A cost file that is not a table measure() makes (JSON null, a list, a
     short row, a negative time) is read as missing, so it is measured again
