@@ -485,6 +485,7 @@ class ChatHandlers:
         messages, dropped = fit_context(engine, engine_messages(chat), room=min(options.sampling.max_new_tokens, 64))
         if dropped:
             note = f"{note} Dropped the {dropped} oldest messages to fit the context window.".strip()
+            made_with = {**made_with, "context_dropped": dropped}  # kept with the reply: it was written without them
         cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
         if cancel.is_set():  # Stop was pressed while this waited for its turn in the page's queue
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)

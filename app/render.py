@@ -340,6 +340,9 @@ def stats_html(
                 ("time to first token", figure("time_to_first_token", "{:.2f} s"), "ttft"),
                 ("mean tree: nodes / depth", figure("mean_tree_size", "{:.1f}") + " / " + figure("mean_tree_depth", "{:.1f}"), "tree-mean"),
             ]
+            settings = saved.get("settings") if isinstance(saved.get("settings"), dict) else {}
+            if is_number(settings.get("context_dropped")) and settings["context_dropped"] > 0:  # what the reply was written without
+                rows.append(("oldest messages left out (context window)", f"{settings['context_dropped']:g}", "dropped"))
     else:
         busy = snapshot.draft_seconds + snapshot.verify_seconds
         share = f"{100 * snapshot.draft_seconds / busy:.0f}% / {100 * snapshot.verify_seconds / busy:.0f}%" if busy else "-"

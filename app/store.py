@@ -401,6 +401,9 @@ def made_with(stats) -> str:
                "interrupted": "cut short: Kestrel stopped while writing it"}  # fmt: skip
     if stats.get("finish_reason") in endings:
         parts.append(endings[stats["finish_reason"]])
+    dropped = settings.get("context_dropped")
+    if is_number(dropped) and dropped > 0:
+        parts.append(f"written without the {dropped:g} oldest messages (past the context window)")
     return ", ".join(parts)
 
 

@@ -181,6 +181,13 @@ def test_a_reply_stores_its_settings_and_seed_and_they_make_it_again(handlers, e
     assert greedy["settings"]["seed"] is None and "greedy" in store_module.made_with(greedy)
     assert store_module.made_with(greedy).endswith("cut at the token limit")  # 4 of 4 tokens
     assert store_module.made_with({"mode": 3, "settings": "x", "tokens": True}) == ""  # a file edited by hand
+    long = " ".join(["w1"] * (engine.context_limit // 2))  # two of these and their replies do not fit: the oldest are left out
+    chat = new_chat()
+    for _ in range(3):
+        chat = list(handlers.send(long, chat, "", *values(max_new_tokens=4)))[-1][2]
+    stats = chat["messages"][-1]["stats"]
+    assert stats["settings"]["context_dropped"] >= 2 and "oldest messages (past the context window)" in store_module.made_with(stats)
+    assert 'id="stat-dropped"' in render.stats_html(None, 0, None, saved=stats)  # the panel of the chat opened again
 
 
 def test_history_and_settings_survive_a_restart(engine, store, handlers):
