@@ -162,6 +162,7 @@ def run_once(
         "accepted_lengths": [len(step.token_ids) for step in steps],
         "tree_nodes": stats.mean_tree_size * (stats.forwards - 1),  # over the steps after the prefill
         "tree_depths": stats.mean_tree_depth * (stats.forwards - 1),
+        "first_token_seconds": stats.time_to_first_token,  # the prompt's reading and the first token
         "output_ids": [token for step in steps for token in step.token_ids],
     }
 
@@ -315,6 +316,10 @@ def mode_totals(rows: list[dict]) -> dict:
     tokens = sum(row["tokens"] for row in rows)
     seconds = sum(row["seconds"] for row in rows)
     totals = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
+    # the rate after the first token, without the prompt's reading (which long prompts make most of a reply's time)
+    firsts = [row.get("first_token_seconds") for row in rows]
+    decoding = seconds - sum(firsts) if rows and None not in firsts else 0.0
+    totals["decoding_tokens_per_s"] = (tokens - len(rows)) / decoding if decoding > 0 and tokens > len(rows) else None
     if rows and rows[0]["forwards"] is not None:
         forwards = sum(row["forwards"] for row in rows)
         draft = sum(row["draft_seconds"] for row in rows)
@@ -365,7 +370,7 @@ def summarize(rows: list[dict], modes: tuple[str, ...], sampling: SamplingParams
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'mode':<18}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'tau':>7}{'speedup':>9}{'nodes':>7}{'depth':>7}  time split"]
+    lines = [f"{'mode':<18}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'decode/s':>10}{'tau':>7}{'speedup':>9}{'nodes':>7}{'depth':>7}  time split"]
     base = result["modes"].get("vanilla", {}).get("tokens_per_s")
     for mode, totals in result["modes"].items():
         tau = totals["mean_accepted_length"]
@@ -375,9 +380,11 @@ def format_table(result: dict) -> str:
         split_text = " ".join(f"{name} {share:.0%}" for name, share in split.items()) if split else ""
         nodes, depth = totals.get("mean_tree_size"), totals.get("mean_tree_depth")
         shape = f"{nodes:>7.1f}{depth:>7.1f}" if nodes is not None else f"{'-':>7}{'-':>7}"
+        decoding = totals.get("decoding_tokens_per_s")
+        decoding_text = "-" if decoding is None else f"{decoding:.2f}"
         lines.append(
             f"{mode:<18}{totals['tokens']:>8}{totals['seconds']:>10.1f}{totals['tokens_per_s']:>10.2f}"
-            f"{tau_text:>7}{speed:>9}{shape}  {split_text}"
+            f"{decoding_text:>10}{tau_text:>7}{speed:>9}{shape}  {split_text}"
         )
     summary = result["summary"]
     sampling = result["settings"]["sampling"]

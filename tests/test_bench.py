@@ -64,6 +64,14 @@ def test_bench_in_float64_is_identical_and_complete(tiny_base, tmp_path):
     json.dumps(result)  # JSON-ready
     assert result["complete"] is True and result["settings"]["prompts"] == 3
     assert "eagle2" in format_table(result)
+    # the rate after the first token: the tokens after each reply's first over the time after it
+    vanilla = [row for row in result["prompts"] if row["mode"] == "vanilla"]
+    after = sum(row["seconds"] - row["first_token_seconds"] for row in vanilla)
+    assert result["modes"]["vanilla"]["decoding_tokens_per_s"] == pytest.approx((sum(row["tokens"] for row in vanilla) - 3) / after)
+    assert result["modes"]["generate"]["decoding_tokens_per_s"] is None  # transformers' generate says no first-token time
+    header, *rows = format_table(result).splitlines()
+    assert header.split()[4] == "decode/s" and rows[3].split()[0] == "generate" and rows[3].split()[4] == "-"
+    assert rows[0].split()[4] == f"{result['modes']['vanilla']['decoding_tokens_per_s']:.2f}"
 
 
 def test_sampled_bench_compares_replies_made_with_one_seed(tiny_base, tmp_path):
