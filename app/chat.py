@@ -125,6 +125,11 @@ def _number(values: dict, name: str, kind: type) -> int | float:
     return number
 
 
+def mode_choices(modes) -> list[tuple[str, str]]:
+    """The mode selector's (label, value) pairs for `modes`."""
+    return [(MODE_LABELS[m], m) for m in modes]
+
+
 def mode_for(engine: Engine, wanted: str) -> tuple[str, str]:
     """The mode to run and a note when the wanted one is unavailable."""
     if wanted in engine.modes:
@@ -840,7 +845,7 @@ class ChatHandlers:
             latest = next(iter(chats), None)
         chat = self.store.load_chat(latest["id"]) if latest else None
         chat = chat or new_chat(settings["system"])
-        mode_update = gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=mode)
+        mode_update = gr.update(choices=mode_choices(modes), value=mode)
         controls = [mode_update] + [settings[name] for name in SETTINGS[1:]]
         return (
             *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,

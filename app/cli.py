@@ -537,14 +537,17 @@ def run_eval_heads(args) -> int:
         other = next((split for split, found in by_split.items() if found), None)
         hint = f"; it has {other} shards (--split {other})" if other else " (run train-head first)"
         raise ValueError(f"{Path(args.features) / args.split}: no feature shards{hint}")
-    for source in sources:  # a missing or wrong folder fails now, not after the model has loaded and other heads were judged
-        head_files(resolve_head_folder(str(source)))
+    # resolved and checked now, once (a repo id is looked up on the hub): a missing or wrong folder fails
+    # before the model loads and other heads are judged
+    folders = {source: resolve_head_folder(str(source)) for source in sources}
+    for folder in folders.values():
+        head_files(folder)
     base = load_base(args.model, args.quantization, args.dtype, args.device)
     check_feature_shards(base, shards)  # before any head is judged: no figures are lost to a shard of another model
     results = {}
     try:
         for source in sources:
-            head = load_draft_head(base, source, torch.float32)
+            head = load_draft_head(base, folders[source], torch.float32)
             figures = drafted_accuracy(base, head, shards, args.steps)
             results[source] = figures
             chain = ", ".join(  # each step's share of the chains that reached it, with that count

@@ -10,7 +10,7 @@ import gradio as gr
 import pandas as pd
 
 from app import render
-from app.chat import MODE_LABELS
+from app.chat import mode_choices
 from app.runtime import Runtime
 from app.session import load_pair
 from core.training.report import REPORT_FILE
@@ -119,7 +119,7 @@ class LibraryHandlers:
         """The mode selector for the model loaded now, keeping `current` where it
         still applies (another tab may have loaded a model without a head)."""
         modes = self.runtime.modes or ("vanilla",)
-        choices = [(MODE_LABELS[m], m) for m in modes]
+        choices = mode_choices(modes)
         # a value only where the current one is gone: the tab's select can come as the page loads,
         # with the selector's first value, and must not undo the saved mode that the page-load sets
         return gr.update(choices=choices) if current in modes else gr.update(choices=choices, value=modes[-1])
@@ -149,7 +149,7 @@ class LibraryHandlers:
             text = text if text.endswith((".", "?", "!")) else f"{text}."
             return self.status(), f"Loading failed: {render.escape(text)} {kept}", gr.skip()
         modes = engine.modes
-        mode_update = gr.update(choices=[(MODE_LABELS[m], m) for m in modes], value=modes[-1])
+        mode_update = gr.update(choices=mode_choices(modes), value=modes[-1])
         return self.status(), "Loaded.", mode_update
 
     def unload(self) -> tuple:
@@ -159,4 +159,4 @@ class LibraryHandlers:
                 self.runtime.unload()
         except KestrelError as error:
             return self.status(), render.escape(str(error)), gr.skip()
-        return self.status(), "Unloaded; memory freed.", gr.update(choices=[(MODE_LABELS["vanilla"], "vanilla")], value="vanilla")
+        return self.status(), "Unloaded; memory freed.", gr.update(choices=mode_choices(["vanilla"]), value="vanilla")

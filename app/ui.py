@@ -12,7 +12,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import render
-from app.chat import MODE_LABELS, RANGES, ChatHandlers, chat_choices, default_settings
+from app.chat import MODE_LABELS, RANGES, ChatHandlers, chat_choices, default_settings, mode_choices
 from app.compare import CompareHandlers
 from app.library import LibraryHandlers, catalog_frame, detected_memory
 from app.runtime import Runtime
@@ -90,7 +90,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                         )  # fmt: skip
                         with gr.Accordion("Decoding settings", open=True):
                             # every mode here; the page load narrows the choices to the loaded model's
-                            mode = gr.Radio([(MODE_LABELS[m], m) for m in MODES], value="vanilla", label="Mode",
+                            mode = gr.Radio(mode_choices(MODES), value="vanilla", label="Mode",
                                             info="EAGLE modes appear when a draft head is loaded", elem_id="mode")  # fmt: skip
                             colour = gr.Checkbox(defaults["colour"], label="Colour tokens by origin", elem_id="colour")
                             gr.HTML(render.LEGEND)

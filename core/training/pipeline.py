@@ -111,10 +111,11 @@ def recorded_base(work: Path) -> dict | None:
     return recorded if isinstance(recorded, dict) else None
 
 
-def recorded_base_problem(work: Path, base) -> str | None:
+def recorded_base_problem(work: Path, base, recorded: dict | None = None) -> str | None:
     """Why `work`'s answers and features are not `base`'s, with what to give
-    instead; None where they are, or where nothing is recorded."""
-    recorded = recorded_base(work)
+    instead; None where they are, or where nothing is recorded (`recorded`:
+    the record, where already read)."""
+    recorded = recorded or recorded_base(work)
     if recorded is None:
         return None
     identity, name = base_identity(base), recorded.get("name")
@@ -134,12 +135,12 @@ def check_base_model(work: Path, base) -> None:
     its sizes and its embedding's first rows (in bf16, so a float32 or
     bfloat16 load of the same weights is the same model), not by how it was
     named; a work folder from before this record gets it now."""
-    problem = recorded_base_problem(work, base)
-    if problem:
-        raise ValueError(f"{work}: {problem}, or another --work")
-    if recorded_base(work) is None:
+    recorded = recorded_base(work)
+    if recorded is None:
         work.mkdir(parents=True, exist_ok=True)
         (work / BASE_FILE).write_text(json.dumps(base_identity(base), indent=2) + "\n", encoding="utf-8")
+    elif problem := recorded_base_problem(work, base, recorded):
+        raise ValueError(f"{work}: {problem}, or another --work")
 
 
 def held_out_and_short(answers, fraction: float) -> tuple[int, int]:
