@@ -79,6 +79,36 @@ class Reading:
     total: int
 
 
+@dataclass
+class _Kept:
+    """What the last request left in the caches, for the next one that starts
+    the same way (a chat's next turn): the base cache holding `tokens`, the
+    token after them (the reply's last, not yet read; None if there is none),
+    and the head's cache holding one (feature, next token) pair per token in
+    `tokens` (None where no head drafted)."""
+
+    tokens: list[int]
+    following: int | None
+    cache: object
+    head_cache: HeadCache | None
+
+    def reusable(self, prompt_ids: list[int], drafting: bool) -> int:
+        """How many of the base cache's positions a request for `prompt_ids`
+        can keep: the tokens it shares with them, less one, so that the last
+        shared token is read again (its features start the head's pairs and,
+        if nothing else is new, give the first token's logits); 0 where a
+        drafting request finds no head cache to continue."""
+        if drafting and self.head_cache is None:
+            return 0
+        known = self.tokens if self.following is None else [*self.tokens, self.following]
+        shared = 0
+        for ours, theirs in zip(known, prompt_ids):
+            if ours != theirs:
+                break
+            shared += 1
+        return max(0, shared - 1)
+
+
 class Engine:
     def __init__(self, base: LoadedModel, head: DraftHead | None = None, head_name: str | None = None, compile: str = "off"):
         """compile: "off", "on" (torch.compile the base model's decoder layers)
@@ -121,6 +151,11 @@ class Engine:
                 self.compiled.warm()
         self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
         self.calibrations = Calibrations()  # acceptance by draft confidence, learned over every request
+        self._kept: _Kept | None = None  # the caches of the last request that asked to reuse them (`stream`)
+
+    def forget(self) -> None:
+        """Drop the caches kept from the last request (their memory too)."""
+        self._kept = None
 
     def _row_kernel(self) -> str | None:
         """Which row attention this engine runs: "tiles" (bf16 on AMX or as vdpbf16ps), "vectors", or None (torch's)."""
@@ -230,8 +265,9 @@ class Engine:
         tree: TreeParams = TreeParams(),
         cancel: threading.Event | None = None,
         reading: bool = False,
+        reuse: bool = False,
     ) -> Iterator[Step | Reading]:
-        return self.stream(self.encode(messages), mode, sampling, tree, cancel, reading)
+        return self.stream(self.encode(messages), mode, sampling, tree, cancel, reading, reuse)
 
     def stream(
         self,
@@ -241,32 +277,40 @@ class Engine:
         tree: TreeParams = TreeParams(),
         cancel: threading.Event | None = None,
         reading: bool = False,
+        reuse: bool = False,
     ) -> Iterator[Step | Reading]:
         """Decode after `prompt_ids`, yielding one Step per base-model forward
         (a prompt read in several chunks is one Step), and with `reading` a
-        Reading before each chunk of a prompt longer than one."""
-        run = _Run(self, list(prompt_ids), self._drafter(mode, tree, sampling), sampling)
+        Reading before each chunk of a prompt longer than one.
+
+        With `reuse`, the caches of the last request made with `reuse` are
+        continued where its tokens (prompt and reply) start this prompt, so
+        a chat's next turn reads only what is new, and this request's caches
+        are kept in turn for the next. Every token's keys and values are
+        still computed from the same tokens at the same positions; on CPUs
+        where prompts are read row by row (core/rowkernel.prefills) they are
+        the same bits as a fresh read's; elsewhere a reply read back from the
+        cache and one read in a chunk may differ in rounding. Speculative and
+        vanilla decoding continue the same caches alike."""
+        drafter = self._drafter(mode, tree, sampling)
+        kept, self._kept = (self._kept, None) if reuse else (None, self._kept)
+        run = _Run(self, list(prompt_ids), drafter, sampling, kept)
+        whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
-            for done in run.read_prompt():
-                if cancel is not None and cancel.is_set():
-                    yield run.cancelled()
-                    return
-                if reading:
-                    yield Reading(done, len(run.prompt_ids))
-            if cancel is not None and cancel.is_set():  # before the prompt's last chunk too: a Stop already pressed costs no forward
-                yield run.cancelled()
-                return
-            yield run.prefill()
-            while run.finish_reason is None:
-                if cancel is not None and cancel.is_set():
-                    yield run.cancelled()
-                    return
-                yield run.step()
+            yield from _steps(run, cancel, reading)
+            whole = True
+        except GeneratorExit:  # closed at a yield, between forwards
+            whole = True
+            raise
         except torch.OutOfMemoryError as error:
+            self._kept = None  # kept caches too: their memory goes back
             hint = "" if self.base.quantization == "4bit" else " Try --quantization 4bit,"
             raise OutOfMemoryError(
                 f"{self.base.name}: out of memory while decoding.{hint} or a shorter conversation / smaller tree"
             ) from error
+        finally:
+            if reuse and whole:
+                self._kept = run.kept()
 
     def _drafter(self, mode: str, tree: TreeParams, sampling: SamplingParams = SamplingParams()) -> Drafter | None:
         if mode not in MODES:
@@ -292,10 +336,28 @@ class Engine:
         return Drafter(self.draft_head, self.model, tree, static, self.vocabulary, planning)
 
 
+def _steps(run: _Run, cancel: threading.Event | None, reading: bool) -> Iterator[Step | Reading]:
+    for done in run.read_prompt():
+        if cancel is not None and cancel.is_set():
+            yield run.cancelled()
+            return
+        if reading:
+            yield Reading(done, len(run.prompt_ids))
+    if cancel is not None and cancel.is_set():  # before the prompt's last chunk too: a Stop already pressed costs no forward
+        yield run.cancelled()
+        return
+    yield run.prefill()
+    while run.finish_reason is None:
+        if cancel is not None and cancel.is_set():
+            yield run.cancelled()
+            return
+        yield run.step()
+
+
 class _Run:
     """The state of one request: base cache, committed length, root token."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingParams):
+    def __init__(self, engine: Engine, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingParams, kept: _Kept | None = None):
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= engine.context_limit:
@@ -304,7 +366,6 @@ class _Run:
             )
         self.engine, self.model, self.drafter, self.sampling = engine, engine.model, drafter, sampling
         self.prompt_ids = prompt_ids
-        self.cache = kv_cache.new_cache(self.model)
         self.device = self.model.get_input_embeddings().weight.device
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
         vocabulary = engine.model.get_output_embeddings().weight.shape[0]
@@ -313,19 +374,44 @@ class _Run:
         # temperature so small that logits / temperature leave float32's range takes the full product
         whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary
         self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and sampling.temperature >= FLOAT32_TEMPERATURE
-        self.recorder = Recorder()
-        self.detokenizer = Detokenizer(engine.base.tokenizer)
-        self.started = time.perf_counter()  # the prefill's time runs from here
+        sliding = kv_cache.has_sliding_window(self.model.config)
         # prompt tokens per prefill forward; one forward where a sliding window's cache
         # keeps fewer keys than an explicit mask over the whole prompt would cover
-        self.chunk = len(prompt_ids) if kv_cache.has_sliding_window(self.model.config) else PREFILL_CHUNK
-        self.committed = 0  # tokens in the base cache
+        self.chunk = len(prompt_ids) if sliding else PREFILL_CHUNK
+        # the positions kept from the last request (a window's cache cannot be cut back)
+        self.first = 0 if kept is None or sliding else kept.reusable(prompt_ids, drafter is not None)
+        if self.first:
+            self.cache = kept.cache
+            kv_cache.commit(self.cache, self.first, [])  # cut back to the shared tokens
+            if drafter is not None:
+                kept.head_cache.crop(self.first)  # the pairs whose next token is among them
+                drafter.cache = kept.head_cache
+        else:
+            self.cache = kv_cache.new_cache(self.model)
+        self.cached_ids = prompt_ids[: self.first]  # the tokens in the base cache, in order
+        self.recorder = Recorder(reused=self.first)
+        self.detokenizer = Detokenizer(engine.base.tokenizer)
+        self.started = time.perf_counter()  # the prefill's time runs from here
+        self.committed = self.first  # tokens in the base cache
         self.root = -1  # the last sampled token, not yet in the cache
         self.finish_reason: str | None = None
 
+    def kept(self) -> _Kept | None:
+        """This request's caches, for the next request to continue (the head's
+        with its pending pairs read, so that it holds one for each cached token)."""
+        following = self.root if self.root >= 0 else self.prompt_ids[self.committed] if self.committed < len(self.prompt_ids) else None
+        head_cache = None
+        if self.drafter is not None:
+            self.drafter.catch_up()
+            if self.drafter.cache.length == self.committed:
+                head_cache = self.drafter.cache
+        if not self.committed:
+            return None
+        return _Kept(self.cached_ids, following, self.cache, head_cache)
+
     def read_prompt(self) -> Iterator[int]:
         """Forward the prompt's chunks but the last, yielding before each how many tokens are read."""
-        for start in range(0, len(self.prompt_ids) - self.chunk, self.chunk):
+        for start in range(self.first, len(self.prompt_ids) - self.chunk, self.chunk):
             yield start
             end = start + self.chunk
             self._commit_prompt(start, end, self._read(start, end)[1], self.prompt_ids[end])
@@ -334,7 +420,7 @@ class _Run:
     def prefill(self) -> Step:
         """The prompt's last chunk (after read_prompt's) and the first token."""
         total = len(self.prompt_ids)
-        start = (total - 1) // self.chunk * self.chunk
+        start = self.first + (total - 1 - self.first) // self.chunk * self.chunk
         features, head_features = self._read(start, total)
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]
@@ -358,12 +444,13 @@ class _Run:
             mask = torch.ones(end - start, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         features = self._forward(lambda: base_forward(self.model, tokens, positions, mask, self.cache))
         self.committed = end
+        self.cached_ids.extend(self.prompt_ids[start:end])
         return features
 
     def _commit_prompt(self, start: int, end: int, head_features: torch.Tensor, next_token: int) -> None:
         if self.drafter is not None:
-            if start == 0:  # the context branch matches from the conversation's first token (the head reads pairs after it)
-                self.drafter.index.extend(self.prompt_ids[:1])
+            if start == self.first:  # the context branch matches from the conversation's first token (the head reads pairs after it)
+                self.drafter.index.extend(self.prompt_ids[: start + 1])
             next_tokens = self.prompt_ids[start + 1 : end] + [next_token]
             self.drafter.commit(head_features, torch.tensor(next_tokens, device=self.device))
 
@@ -384,6 +471,7 @@ class _Run:
         kv_cache.commit(self.cache, self.committed, path)
         if self.drafter is not None:
             self.drafter.observe(path)
+        self.cached_ids.extend(tree.tokens[path].tolist())
         new_tokens = tree.tokens[path[1:]].tolist() + [bonus]
         self.committed += len(path)
         self.root = bonus
@@ -391,7 +479,7 @@ class _Run:
         step = self._emit(
             new_tokens, len(path) - 1, tree.size, int(tree.depths.max()), (drafted - start, verified - drafted)
         )
-        if self.drafter is not None and self.finish_reason is None:
+        if self.drafter is not None:  # after the last step too: the next request may continue the head's cache
             ids = torch.tensor(new_tokens, device=self.device)
             self.drafter.commit(head_features[path], ids)
         return step

@@ -1,0 +1,175 @@
+"""A chat's next turn continues the caches of the last: only what is new is
+read, and the reply is the one a fresh read of the whole conversation gives."""
+
+import threading
+
+import pytest
+import torch
+
+from core.config import SamplingParams, TreeParams
+from core.engine import Engine, Reading
+from models.base import load_base
+from tests.factory import ARCHITECTURES, random_eagle3_head, random_head, save_tiny_model
+
+TREE = TreeParams(total_tokens=10, depth=4, top_k=3, lookup_tokens=4)
+PARAMS = SamplingParams(max_new_tokens=20)
+
+
+def tokens_of(events) -> list[int]:
+    return [token for event in events if not isinstance(event, Reading) for token in event.token_ids]
+
+
+def last_stats(events):
+    return [event for event in events if not isinstance(event, Reading)][-1].stats
+
+
+def random_tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(8, 48, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=[*ARCHITECTURES, "llama-eagle3"])
+def engine(request, tmp_path_factory):
+    architecture = request.param.removesuffix("-eagle3")
+    folder = save_tiny_model(tmp_path_factory.mktemp(architecture) / "m", architecture, vocab_size=48)
+    base = load_base(str(folder), dtype="float64")
+    if request.param.endswith("-eagle3"):
+        return Engine(base, random_eagle3_head(base.model, seed=1))
+    return Engine(base, random_head(base.model, seed=1, qkv_bias=architecture == "qwen2"))
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle", "eagle2"])
+def test_each_turn_continues_the_last_turn_s_caches_with_the_reply_a_fresh_read_gives(engine, mode):
+    engine.forget()
+    conversation = random_tokens(9, seed=0)
+    for turn in range(3):
+        fresh = tokens_of(engine.stream(conversation, mode=mode, sampling=PARAMS, tree=TREE))  # no reuse: kept as it was
+        events = list(engine.stream(conversation, mode=mode, sampling=PARAMS, tree=TREE, reuse=True))
+        reply = tokens_of(events)
+        assert reply == fresh, (mode, turn)
+        # the first turn reads everything; each later one keeps the last turn's prompt and
+        # reply but its final token, which was never read, and reads the last shared one again
+        expected = 0 if turn == 0 else len(conversation) - len(random_tokens(3 + turn, seed=turn)) - 1
+        assert last_stats(events).reused_tokens == expected, (mode, turn)
+        conversation = conversation + reply + random_tokens(3 + turn + 1, seed=turn + 1)
+
+
+def kept_after_prefill(engine: Engine, prompt: list[int]):
+    """The caches kept by a request closed after its prefill step."""
+    events = engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True)
+    next(events)  # the prefill step: the new tokens are read and their pairs pending
+    events.close()
+    return engine._kept
+
+
+@pytest.mark.parametrize("edit", [None, 6])
+def test_the_head_s_cache_continued_holds_what_a_fresh_read_would(engine, edit):
+    """Each cached pair (feature of token t, token t + 1) stays at its position:
+    after a continued turn, or one whose earlier message was edited, the head's
+    keys are those of one read of everything."""
+    engine.forget()
+    prompt = random_tokens(11, seed=4)
+    reply = tokens_of(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    conversation = prompt + reply + random_tokens(5, seed=5)
+    if edit is not None:
+        conversation[edit] = 8 if conversation[edit] != 8 else 9
+    kept = kept_after_prefill(engine, conversation)
+    engine.forget()
+    again = kept_after_prefill(engine, conversation)
+    assert kept.tokens == again.tokens == conversation and kept.following == again.following  # the first token
+    assert kept.head_cache.length == again.head_cache.length == len(conversation)
+    assert torch.allclose(kept.head_cache.keys, again.head_cache.keys, atol=1e-9)
+    assert torch.allclose(kept.head_cache.values, again.head_cache.values, atol=1e-9)
+
+
+def test_an_edited_earlier_message_keeps_only_the_tokens_before_the_edit(engine):
+    engine.forget()
+    prompt = random_tokens(14, seed=6)
+    reply = tokens_of(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    edited = prompt[:6] + [prompt[6] % 40 + 8 if prompt[6] % 40 + 8 != prompt[6] else 9] + prompt[7:] + reply
+    assert edited[6] != prompt[6]
+    events = list(engine.stream(edited, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    assert last_stats(events).reused_tokens == 5
+    assert tokens_of(events) == tokens_of(engine.stream(edited, mode="vanilla", sampling=PARAMS))
+
+
+def test_the_same_prompt_again_reads_its_last_token_only(engine):
+    """A regenerated reply: every prompt token but the last is kept, and it is the same reply."""
+    engine.forget()
+    prompt = random_tokens(12, seed=7)
+    first = tokens_of(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    events = list(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    assert last_stats(events).reused_tokens == len(prompt) - 1
+    assert tokens_of(events) == first
+
+
+def test_a_stopped_reply_and_a_long_prompt_read_in_chunks_continue_exactly(engine, monkeypatch):
+    import core.engine
+
+    engine.forget()
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 5)
+    prompt = random_tokens(13, seed=8)
+    cancel = threading.Event()
+    shown = []
+    for event in engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, cancel=cancel, reuse=True):
+        shown.append(event)
+        if tokens_of(shown):
+            cancel.set()  # Stop after the first token
+    assert shown[-1].finish_reason == "cancelled"
+    conversation = prompt + tokens_of(shown) + random_tokens(12, seed=9)
+    events = list(engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE, reading=True, reuse=True))
+    reused = len(prompt) + len(tokens_of(shown)) - 1
+    readings = [event for event in events if isinstance(event, Reading)]
+    assert readings == [Reading(done, len(conversation)) for done in range(reused, len(conversation) - 5, 5)]
+    assert last_stats(events).reused_tokens == reused
+    assert tokens_of(events) == tokens_of(engine.stream(conversation, mode="vanilla", sampling=PARAMS))
+
+
+def test_a_drafting_turn_after_a_vanilla_one_reads_everything_again(engine):
+    """A vanilla reply leaves no head cache, and the head needs a pair for every token."""
+    engine.forget()
+    prompt = random_tokens(10, seed=10)
+    reply = tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS, reuse=True))
+    conversation = prompt + reply + random_tokens(4, seed=11)
+    events = list(engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    assert last_stats(events).reused_tokens == 0
+    after = list(engine.stream(conversation + tokens_of(events), mode="vanilla", sampling=PARAMS, reuse=True))
+    assert last_stats(after).reused_tokens == len(conversation) + len(tokens_of(events)) - 1
+
+
+def test_requests_without_reuse_leave_the_kept_caches_alone(engine):
+    engine.forget()
+    prompt = random_tokens(10, seed=12)
+    list(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    kept = engine._kept
+    list(engine.stream(random_tokens(10, seed=13), mode="eagle2", sampling=PARAMS, tree=TREE))
+    assert engine._kept is kept
+    engine.forget()
+    assert engine._kept is None
+
+
+def test_on_cpus_that_read_prompts_row_by_row_a_continued_bf16_cache_is_a_fresh_read_s_bits():
+    """The bundled pair as it runs by default (bf16, its int4 kernel): where
+    prompts are read row by row (core/rowkernel.prefills) the keys and values
+    kept from the last turn, its reply's included, are bit for bit those of one
+    read of the whole conversation, so a continued turn's reply is the same."""
+    from app.session import load_pair
+    from core import rowkernel
+
+    engine = load_pair(quantization="auto", dtype="bfloat16", compile="off")
+    if not (engine.exact and rowkernel.prefills(torch.bfloat16, engine.base.device)):
+        pytest.skip("prompts are read by sdpa here, whose rounding depends on the rows read together")
+    messages = [{"role": "user", "content": "Name three rivers of Europe and say where each one ends. " * 12}]
+    params = SamplingParams(max_new_tokens=24)
+    reply = tokens_of(engine.chat(messages, mode="eagle2", sampling=params, reuse=True))
+    messages += [{"role": "assistant", "content": engine.base.tokenizer.decode(reply, skip_special_tokens=True)},
+                 {"role": "user", "content": "Which one is the longest?"}]  # fmt: skip
+    continued = list(engine.chat(messages, mode="eagle2", sampling=params, reuse=True))
+    kept = engine._kept
+    assert last_stats(continued).reused_tokens > len(engine.encode(messages[:1]))  # the first reply's tokens were kept
+    engine.forget()
+    fresh = list(engine.chat(messages, mode="eagle2", sampling=params, reuse=True))
+    assert tokens_of(continued) == tokens_of(fresh)
+    length = len(engine.encode(messages))
+    for ours, theirs in zip(kept.cache.layers, engine._kept.cache.layers):
+        assert torch.equal(ours.keys[..., :length, :], theirs.keys[..., :length, :])
+        assert torch.equal(ours.values[..., :length, :], theirs.values[..., :length, :])
