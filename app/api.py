@@ -135,6 +135,8 @@ class Outcome:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            # prompt tokens whose keys and values were kept from the last request, not read again
+            "prompt_tokens_details": {"cached_tokens": s.reused_tokens if s else 0},
             "speculative": {
                 "mode": self.mode,
                 "mean_accepted_length": round(s.mean_accepted_length, 4) if s else 0.0,
@@ -296,7 +298,7 @@ class Api:
             if current is not engine:  # the Models tab loaded or unloaded a model while this waited: not on the old one
                 now = f"{current.base.name} is loaded now" if current is not None else "no model is loaded now"
                 raise ModelChangedError(f"{engine.base.name} was replaced while this request waited for its turn ({now}); send it again")
-            return engine.stream(prepared.prompt_ids, prepared.mode, generation.sampling, generation.tree, cancel)
+            return engine.stream(prepared.prompt_ids, prepared.mode, generation.sampling, generation.tree, cancel, reuse=True)
 
         try:
             return Decoding(self.runtime.queue, steps, on_change=on_change)

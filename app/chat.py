@@ -212,6 +212,7 @@ def reply_summary(reply: Reply, mode: str, settings: dict | None = None) -> dict
         "tau": round(snapshot.mean_accepted_length, 3),
         "forwards": snapshot.forwards,
         **({} if snapshot.time_to_first_token is None else {"time_to_first_token": round(snapshot.time_to_first_token, 3)}),
+        "reused_tokens": snapshot.reused_tokens,
         "mean_tree_size": round(snapshot.mean_tree_size, 2),
         "mean_tree_depth": round(snapshot.mean_tree_depth, 2),
         "finish_reason": reply.finish_reason,
@@ -506,7 +507,7 @@ class ChatHandlers:
             empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
             # the message box is left alone: accept emptied it, and what is typed there now is the next message
             yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *empty_panel
-            replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL)
+            replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=True)
             read = False  # whether the notice shows how far a long conversation is read
             for reply in replies:
                 if reply.finish_reason is not None:

@@ -76,14 +76,17 @@ def follow_reply(
     tree: TreeParams,
     cancel: threading.Event | None,
     interval: float = 0.0,
+    reuse: bool = False,
 ) -> Iterator[Reply]:
     """The reply as it grows (the same object, updated in place), at most
     every `interval` seconds and always at the end. The decoding runs on its
     own thread in its turn in `queue` and never waits for the caller: while the
     page renders one update, the steps of the next accumulate. Closing the
-    generator cancels the decoding."""
+    generator cancels the decoding. `reuse`: continue the caches of the last
+    reply made with it where this conversation starts as that one did
+    (Engine.stream), as a chat's next turn does."""
     reply = Reply()
-    decoding = Decoding(queue, lambda stop: engine.chat(messages, mode, sampling, tree, stop, reading=True), cancel)
+    decoding = Decoding(queue, lambda stop: engine.chat(messages, mode, sampling, tree, stop, reading=True, reuse=reuse), cancel)
     cursor = 0
     try:
         while True:

@@ -118,6 +118,20 @@ def test_greedy_chat_equals_the_engine_and_vanilla(client, engine):
             assert speculative["mean_tree_size"] == 1.0 and speculative["mean_tree_depth"] == 0.0
 
 
+def test_a_conversation_s_next_turn_reads_only_what_is_new_with_the_same_reply(client, engine):
+    """A client sends the whole conversation each turn: the caches of the
+    last request are continued (`usage.prompt_tokens_details.cached_tokens`)
+    and the reply is the one a fresh read gives."""
+    first = chat(client, engine.base.name)
+    assert first.usage.model_dump()["prompt_tokens_details"]["cached_tokens"] < len(engine.encode(MESSAGES))
+    turn = [*MESSAGES, {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "w4 w5"}]
+    for mode in ("eagle2", "vanilla"):
+        reply = chat(client, engine.base.name, messages=turn, extra_body={"kestrel": {"mode": mode}})
+        cached = reply.usage.model_dump()["prompt_tokens_details"]["cached_tokens"]
+        assert len(engine.encode(MESSAGES)) - 1 <= cached < len(engine.encode(turn)), mode  # the first prompt at least
+        assert reply.choices[0].message.content == engine_text(engine, turn)[0], mode
+
+
 def test_list_of_text_parts_is_the_same_message(client, engine):
     parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "w1 w2 w3"}]}]
     assert chat(client, engine.base.name, messages=parts).choices[0].message.content == engine_text(engine)[0]

@@ -232,6 +232,18 @@ def test_user_and_model_text_is_escaped(page):
     assert page.locator("#chatbot b:has-text('not bold')").count() == 0
 
 
+def test_a_chat_s_next_turn_keeps_the_last_turn_s_tokens(page):
+    """The panel says how many prompt tokens a reply kept from the last one:
+    the second turn keeps the first turn's prompt and reply."""
+    settings(page, 4)
+    page.locator("#new-chat").click()
+    send(page, "w21 w22 w23")
+    page.wait_for_function("document.querySelector('#stat-reused') && document.querySelector('#stat-tokens').innerText === '4'")
+    first = int(page.locator("#stat-reused").inner_text())  # what it shares with an earlier test's chat, if any
+    send(page, "w24 w25")
+    page.wait_for_function(f"+document.querySelector('#stat-reused')?.innerText > {first + 3}", timeout=30_000)
+
+
 def test_clear_and_delete_ask_first_and_delete_empties_the_panel(page, data_dir):
     from app.store import Store
 
