@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=integer(0), default=1, help="untimed warm-up prompts (default 1)")
     bench.add_argument("--llama-python", help="for mode llama.cpp: a Python with llama-cpp-python installed (llama.cpp as a measuring stick on the same GGUF)")
     bench.add_argument("--other-head", action="append", default=[], metavar="NAME=HEAD", help="another head (folder or repo id) on the same base model, for modes eagle2@NAME: two heads in one run (repeatable)")
+    bench.add_argument("--turns", type=integer(1), default=1, help="run each prompt's first N user turns as one conversation, every mode answering with its own replies; later turns continue the last turn's caches and their first token is also timed read afresh (default 1)")
     bench.add_argument("--calibrate", action="store_true", help="measure this device's step costs again (they are cached per device, model, head, dtype, quantization, threads, torch version and kernels)")
     add_model_options(bench)
     add_sampling_options(bench, max_new_tokens=128)
@@ -610,7 +611,7 @@ def run_bench_command(args) -> int:
         try:
             result = run_bench(
                 engine, prompts, modes, sampling, tree, args.warmup, show if sys.stderr.isatty() else None, args.llama_python,
-                other_heads, partial=write if json_out else None, cancel=stop,
+                other_heads, partial=write if json_out else None, cancel=stop, turns=args.turns,
             )  # fmt: skip
         except BenchCancelled as stopped:
             if stopped.result is not None:  # the prompts finished before Ctrl+C

@@ -141,16 +141,18 @@ class BenchCancelled(KestrelError):
 
 def run_once(
     engine: Engine, prompt_ids: list[int], label: str, sampling: SamplingParams, tree: TreeParams,
-    stick: LlamaStick | None = None, cancel: threading.Event | None = None,
+    stick: LlamaStick | None = None, cancel: threading.Event | None = None, reuse: bool = False,
 ) -> dict:
-    """One prompt through one mode -> tokens, seconds, accepted lengths, output ids."""
+    """One prompt through one mode -> tokens, seconds, accepted lengths, output
+    ids; with `reuse`, Kestrel's modes continue the caches of the engine's last
+    request made so (a conversation's next turn, Engine.stream)."""
     mode, tree = parse_mode(label, tree)
     if mode == "llama.cpp":
         return stick.run(prompt_ids, sampling.max_new_tokens)
     if mode in BASELINES:
         return _run_generate(engine, prompt_ids, mode, sampling, cancel)
     started = time.perf_counter()
-    steps = list(engine.stream(prompt_ids, mode=mode, sampling=sampling, tree=tree, cancel=cancel))
+    steps = list(engine.stream(prompt_ids, mode=mode, sampling=sampling, tree=tree, cancel=cancel, reuse=reuse))
     seconds = time.perf_counter() - started
     stats = steps[-1].stats
     return {
@@ -163,8 +165,20 @@ def run_once(
         "tree_nodes": stats.mean_tree_size * (stats.forwards - 1),  # over the steps after the prefill
         "tree_depths": stats.mean_tree_depth * (stats.forwards - 1),
         "first_token_seconds": stats.time_to_first_token,  # the prompt's reading and the first token
+        "reused_tokens": stats.reused_tokens,
         "output_ids": [token for step in steps for token in step.token_ids],
     }
+
+
+def fresh_first_token_seconds(engine: Engine, prompt_ids: list[int], label: str, sampling: SamplingParams, tree: TreeParams) -> float:
+    """Seconds to the first token when the whole prompt is read afresh (the
+    caches kept for the next turn are left as they are)."""
+    mode, tree = parse_mode(label, tree)
+    steps = engine.stream(prompt_ids, mode=mode, sampling=sampling, tree=tree)
+    try:
+        return next(steps).stats.time_to_first_token
+    finally:
+        steps.close()
 
 
 def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: SamplingParams, cancel: threading.Event | None = None) -> dict:
@@ -206,13 +220,19 @@ def run_bench(
     other_heads: dict[str, Engine] | None = None,
     partial: Callable[[dict], None] | None = None,
     cancel: threading.Event | None = None,
+    turns: int = 1,
 ) -> dict:
     """Every prompt through every mode, interleaved; -> the JSON-ready result.
     other_heads: engines on the same base model with other heads, which modes
     labelled "eagle2@NAME" draft with (two heads compared in one run).
     partial: called with the result so far after each prompt's last mode
     ("complete" false), so that a run cut short keeps what it measured.
-    cancel: when set, the run stops within one step and raises BenchCancelled."""
+    cancel: when set, the run stops within one step and raises BenchCancelled.
+    turns: user turns of each prompt to run as one conversation, each mode
+    answering with its own replies; Kestrel's modes continue the last turn's
+    caches (Engine.stream's reuse), and each later turn's first token is also
+    timed with the conversation read afresh. Later turns' rows are named
+    ID#2, ID#3, ..."""
     other_heads = other_heads or {}
     engines = {}
     for label in modes:
@@ -231,7 +251,7 @@ def run_bench(
 
     def check_cancel() -> None:  # a prompt whose rows are cut short does not count: only finished prompts do
         if cancel is not None and cancel.is_set():
-            raise BenchCancelled(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False) if rows else None)
+            raise BenchCancelled(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns) if rows else None)
 
     try:
         for ids in encoded[:warmup]:
@@ -244,19 +264,64 @@ def run_bench(
                 if progress:
                     progress(done, total, f"{prompt.id} / {mode}")
                 check_cancel()
-                result = run_once(engines[mode], ids, mode, sampling, tree, stick, cancel)
-                check_cancel()
-                measured.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
+                if turns == 1:
+                    result = run_once(engines[mode], ids, mode, sampling, tree, stick, cancel)
+                    check_cancel()
+                    measured.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
+                else:
+                    measured += _conversation(engines[mode], prompt, mode, sampling, tree, stick, cancel, turns, check_cancel)
                 done += 1
             rows += measured
             if partial is not None and done < total:
-                partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False))
+                partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns))
     finally:
         if stick is not None:
             stick.close()
     if progress:
         progress(total, total, "done")
-    return bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=True)
+    return bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=True, turns=turns)
+
+
+def _conversation(engine: Engine, prompt: BenchPrompt, label: str, sampling, tree, stick, cancel, turns: int, check_cancel) -> list[dict]:
+    """A prompt's first `turns` user turns through one mode, as one conversation -> a row per turn."""
+    ours = parse_mode(label, tree)[0] in MODES
+    if ours:
+        engine.forget()  # the first turn reads its prompt afresh, as in a one-turn run
+    messages, rows = [], []
+    for turn, text in enumerate((prompt.text, *prompt.follow_ups)[:turns], start=1):
+        messages.append({"role": "user", "content": text})
+        ids = engine.encode(messages)
+        if len(ids) + 1 >= engine.context_limit:
+            raise ValueError(f"prompt {prompt.id}, turn {turn}: {len(ids)} tokens; the model's context window is {engine.context_limit}")
+        extra = {"turn": turn, "prompt_tokens": len(ids)}
+        if ours and turn > 1:
+            extra["fresh_first_token_seconds"] = fresh_first_token_seconds(engine, ids, label, sampling, tree)
+            check_cancel()
+        result = run_once(engine, ids, label, sampling, tree, stick, cancel, reuse=ours)
+        check_cancel()
+        name = prompt.id if turn == 1 else f"{prompt.id}#{turn}"
+        rows.append({"id": name, "source": prompt.source, "mode": label, **extra, **result})
+        reply = engine.base.tokenizer.decode(result["output_ids"], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+    return rows
+
+
+def later_turns(rows: list[dict], modes: tuple[str, ...]) -> dict:
+    """Per mode, over the rows of turns after the first that were also timed
+    read afresh: their count, seconds to the first token with the kept caches
+    and read afresh, prompt tokens and tokens kept."""
+    found = {}
+    for mode in modes:
+        chosen = [row for row in rows if row["mode"] == mode and row.get("fresh_first_token_seconds") is not None]
+        if chosen:
+            found[mode] = {
+                "turns": len(chosen),
+                "first_token_seconds": sum(row["first_token_seconds"] for row in chosen),
+                "fresh_first_token_seconds": sum(row["fresh_first_token_seconds"] for row in chosen),
+                "prompt_tokens": sum(row["prompt_tokens"] for row in chosen),
+                "reused_tokens": sum(row["reused_tokens"] for row in chosen),
+            }
+    return found
 
 
 def bench_result(
@@ -269,6 +334,7 @@ def bench_result(
     rows: list[dict],
     *,
     complete: bool,
+    turns: int = 1,
 ) -> dict:
     """The JSON-ready result of the rows measured (every mode of each finished
     prompt); engines: the engine of each mode label."""
@@ -281,12 +347,13 @@ def bench_result(
         if mode == "eagle2" and shape.planned:
             scale, extra = engines[label].calibrations.timing.fit
             summary["draft_timing"][label] = {"scale": scale, "extra_ms": 1000 * extra}
-    finished = len(rows) // len(modes) if modes else 0
+    finished = sum(row.get("turn", 1) == 1 for row in rows) // len(modes) if modes else 0
     return {
         "complete": complete,
         "settings": {
             **settings_of(engine, modes, sampling, tree, finished, warmup),
             "head": engine.head_name,
+            "turns": turns,
             "other_heads": {name: other.head_name for name, other in other_heads.items()},
         },
         "summary": summary,
@@ -366,6 +433,7 @@ def summarize(rows: list[dict], modes: tuple[str, ...], sampling: SamplingParams
             mode: mode_totals([row for row in chosen if row["mode"] == mode])["mean_accepted_length"] for mode in modes
         }
     summary["tau_by_source"] = by_source
+    summary["later_turns"] = later_turns(rows, modes)
     return summary
 
 
@@ -403,6 +471,11 @@ def format_table(result: dict) -> str:
     if rows and (mean := sum(row["tokens"] for row in rows) / len(rows)) < SHORT_REPLY:
         lines.append(f"note: the replies average {mean:.0f} tokens, too few to time well (reading each prompt "
                      "takes much of a reply's time); raise --max-new-tokens for speed figures")  # fmt: skip
+    for mode, later in summary.get("later_turns", {}).items():
+        kept, fresh = later["first_token_seconds"], later["fresh_first_token_seconds"]
+        lines.append(f"{mode}, {later['turns']} later turns: first token after {kept / later['turns']:.2f} s on average with the kept caches "
+                     f"({later['reused_tokens']:,} of {later['prompt_tokens']:,} prompt tokens kept), {fresh / later['turns']:.2f} s read afresh"
+                     + (f" ({fresh / kept:.1f}x)" if kept > 0 else ""))  # fmt: skip
     for source, taus in summary["tau_by_source"].items():
         lines.append(f"tau on {source}: " + ", ".join(f"{m} {t:.2f}" for m, t in taus.items() if t is not None))
     return "\n".join(lines)

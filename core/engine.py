@@ -396,6 +396,7 @@ class _Run:
         self.root = -1  # the last sampled token, not yet in the cache
         self.finish_reason: str | None = None
 
+    @torch.inference_mode()  # as the steps run the head: not a variant of its compiled forward for grad mode
     def kept(self) -> _Kept | None:
         """This request's caches, for the next request to continue (the head's
         with its pending pairs read, so that it holds one for each cached token)."""

@@ -117,6 +117,7 @@ class BenchPrompt:
     id: str
     text: str  # the first user turn
     source: str  # e.g. fastchat/vicuna_bench; the summary splits tau by it
+    follow_ups: tuple[str, ...] = ()  # the later user turns (bench --turns)
 
 
 class PromptFileError(ValueError):
@@ -169,7 +170,8 @@ def load_prompts(path: str | Path, limit: int | None = None, per_source: int | N
         if prompt_id in lines:
             raise PromptFileError(f"{path}:{index + 1}: id {prompt_id!r} is already the id of line {lines[prompt_id]}")
         lines[prompt_id] = index + 1
-        prompts.append(BenchPrompt(prompt_id, turns[0], source))
+        follow_ups = tuple(turn for turn in turns[1:] if isinstance(turn, str) and turn.strip())
+        prompts.append(BenchPrompt(prompt_id, turns[0], source, follow_ups))
     if not prompts:
         raise PromptFileError(f"{path}: no prompts")
     return prompts[:limit] if limit else prompts

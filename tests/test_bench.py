@@ -74,6 +74,33 @@ def test_bench_in_float64_is_identical_and_complete(tiny_base, tmp_path):
     assert rows[0].split()[4] == f"{result['modes']['vanilla']['decoding_tokens_per_s']:.2f}"
 
 
+def test_bench_turns_run_conversations_that_continue_their_caches(tiny_base, tmp_path):
+    """--turns: each mode answers a prompt's turns with its own replies; later
+    turns continue the last turn's caches, are timed read afresh too, and give
+    the replies a fresh read gives (vanilla's, and transformers' generate's)."""
+    engine = Engine(tiny_base, random_head(tiny_base.model, seed=3))
+    path = write_prompts(tmp_path / "p.jsonl", [
+        {"id": "a", "turns": ["w1 w2 w3", "w4 w5", "w6"]}, {"id": "b", "turns": ["w7 w8"]},
+    ])  # fmt: skip
+    assert load_prompts(path)[0].follow_ups == ("w4 w5", "w6")
+    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2", "generate"), SamplingParams(max_new_tokens=12),
+                       TreeParams(10, 3, 3), warmup=0, turns=3)  # fmt: skip
+    rows = {(row["id"], row["mode"]): row for row in result["prompts"]}
+    assert sorted({row["id"] for row in result["prompts"]}) == ["a", "a#2", "a#3", "b"]
+    assert result["summary"]["identical_fraction"] == 1.0 and result["summary"]["identical_fraction_by_mode"]["generate"] == 1.0
+    assert result["settings"]["turns"] == 3 and result["settings"]["prompts"] == 2
+    for mode in ("vanilla", "eagle2"):
+        assert rows[("a", mode)]["reused_tokens"] == 0  # the first turn reads its prompt, whatever ran before
+        for later in ("a#2", "a#3"):
+            row = rows[(later, mode)]
+            assert row["prompt_tokens"] > row["reused_tokens"] >= rows[("a", mode)]["prompt_tokens"] - 1
+            assert row["fresh_first_token_seconds"] > 0
+        assert result["summary"]["later_turns"][mode]["turns"] == 2
+    assert "generate" not in result["summary"]["later_turns"] and "fresh_first_token_seconds" not in rows[("a#2", "generate")]
+    assert "eagle2, 2 later turns: first token after" in format_table(result)
+    json.dumps(result)
+
+
 def test_sampled_bench_compares_replies_made_with_one_seed(tiny_base, tmp_path):
     """One seed makes the same sample in vanilla and the speculative modes, so
     a seeded sampled run reports identity too; other engines' samplers are

@@ -77,6 +77,7 @@ def test_the_head_s_cache_continued_holds_what_a_fresh_read_would(engine, edit):
     again = kept_after_prefill(engine, conversation)
     assert kept.tokens == again.tokens == conversation and kept.following == again.following  # the first token
     assert kept.head_cache.length == again.head_cache.length == len(conversation)
+    assert kept.head_cache.keys.is_inference()  # its last pairs read as the steps read them (a compiled head has no grad-mode variant)
     assert torch.allclose(kept.head_cache.keys, again.head_cache.keys, atol=1e-9)
     assert torch.allclose(kept.head_cache.values, again.head_cache.values, atol=1e-9)
 
