@@ -146,12 +146,18 @@ class Decoding:
             self._on_change()
 
     def _decode(self, steps: Callable[[threading.Event], Iterator[Step | Reading]]) -> None:
-        for step in steps(self.cancel):
-            with self._condition:
-                self._steps.append(step)
-                self._condition.notify_all()
-            if self._on_change is not None:
-                self._on_change()
+        stream = steps(self.cancel)
+        try:
+            for step in stream:
+                with self._condition:
+                    self._steps.append(step)
+                    self._condition.notify_all()
+                if self._on_change is not None:
+                    self._on_change()
+        finally:  # closed here, in the model's turn: an error kept with its frames would otherwise close it later, anywhere
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
 
     @property
     def finished(self) -> bool:
