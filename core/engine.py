@@ -295,6 +295,7 @@ class Engine:
         drafter = self._drafter(mode, tree, sampling)
         kept, self._kept = (self._kept, None) if reuse else (None, self._kept)
         run = _Run(self, list(prompt_ids), drafter, sampling, kept)
+        del kept  # caches this prompt does not continue go back now, not when the reply ends
         whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
             yield from _steps(run, cancel, reading)
