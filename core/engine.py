@@ -33,7 +33,7 @@ from models import int4, int8
 from models.base import LoadedModel
 from models.bundled import cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
-from models.head import DraftHead
+from models.head import DraftHead, HeadCache
 
 
 COMPILE_CHOICES = ("auto", "on", "off")
@@ -84,13 +84,25 @@ class _Kept:
     """What the last request left in the caches, for the next one that starts
     the same way (a chat's next turn): the base cache holding `tokens`, the
     token after them (the reply's last, not yet read; None if there is none),
-    and the head's cache holding one (feature, next token) pair per token in
+    and the head's cache and the pairs it has not read yet (features (T, F),
+    next tokens (T,)), together one (feature, next token) pair per token in
     `tokens` (None where no head drafted)."""
 
     tokens: list[int]
     following: int | None
     cache: object
     head_cache: HeadCache | None
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def continue_head(self, drafter: Drafter, length: int) -> None:
+        """Give `drafter` the head's pairs for the first `length` tokens: its
+        cache cut back, or kept whole with the pending pairs up to them."""
+        cached = self.head_cache.length
+        self.head_cache.crop(min(length, cached))
+        drafter.cache = self.head_cache
+        if length > cached:
+            features, next_tokens = self.pending
+            drafter.pending = [(features[: length - cached], next_tokens[: length - cached])]
 
     def reusable(self, prompt_ids: list[int], drafting: bool) -> int:
         """How many of the base cache's positions a request for `prompt_ids`
@@ -385,8 +397,7 @@ class _Run:
             self.cache = kept.cache
             kv_cache.commit(self.cache, self.first, [])  # cut back to the shared tokens
             if drafter is not None:
-                kept.head_cache.crop(self.first)  # the pairs whose next token is among them
-                drafter.cache = kept.head_cache
+                kept.continue_head(drafter, self.first)  # the pairs whose next token is among them
         else:
             self.cache = kv_cache.new_cache(self.model)
         self.cached_ids = prompt_ids[: self.first]  # the tokens in the base cache, in order
@@ -397,19 +408,21 @@ class _Run:
         self.root = -1  # the last sampled token, not yet in the cache
         self.finish_reason: str | None = None
 
-    @torch.inference_mode()  # as the steps run the head: not a variant of its compiled forward for grad mode
+    @torch.inference_mode()  # the pending features joined as the steps' tensors are made
     def kept(self) -> _Kept | None:
-        """This request's caches, for the next request to continue (the head's
-        with its pending pairs read, so that it holds one for each cached token)."""
+        """This request's caches, for the next request to continue: the head's
+        with the pairs it has not read yet (read when the next request drafts,
+        so a Stop while a long prompt is read costs no head forward over it)."""
         following = self.root if self.root >= 0 else self.prompt_ids[self.committed] if self.committed < len(self.prompt_ids) else None
-        head_cache = None
-        if self.drafter is not None:
-            self.drafter.catch_up()
-            if self.drafter.cache.length == self.committed:
-                head_cache = self.drafter.cache
         if not self.committed:
             return None
-        return _Kept(self.cached_ids, following, self.cache, head_cache)
+        head_cache, pending = None, None
+        drafter = self.drafter
+        if drafter is not None and drafter.cache.length + sum(len(tokens) for _, tokens in drafter.pending) == self.committed:
+            head_cache = drafter.cache
+            if drafter.pending:
+                pending = (torch.cat([f for f, _ in drafter.pending]), torch.cat([t for _, t in drafter.pending]))
+        return _Kept(self.cached_ids, following, self.cache, head_cache, pending)
 
     def read_prompt(self) -> Iterator[int]:
         """Forward the prompt's chunks but the last, yielding before each how many tokens are read."""

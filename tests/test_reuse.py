@@ -54,11 +54,18 @@ def test_each_turn_continues_the_last_turn_s_caches_with_the_reply_a_fresh_read_
 
 
 def kept_after_prefill(engine: Engine, prompt: list[int]):
-    """The caches kept by a request closed after its prefill step."""
+    """The caches kept by a request closed after its prefill step, and the
+    head's cache as the next request continues it, its pending pairs read."""
     events = engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True)
     next(events)  # the prefill step: the new tokens are read and their pairs pending
     events.close()
-    return engine._kept
+    kept = engine._kept
+    assert kept.pending is not None and kept.pending[0].is_inference()  # as the steps' own tensors
+    drafter = engine._drafter("eagle2", TREE)
+    with torch.inference_mode():
+        kept.continue_head(drafter, len(kept.tokens))
+        drafter.catch_up()
+    return kept, drafter.cache
 
 
 @pytest.mark.parametrize("edit", [None, 6])
@@ -72,14 +79,79 @@ def test_the_head_s_cache_continued_holds_what_a_fresh_read_would(engine, edit):
     conversation = prompt + reply + random_tokens(5, seed=5)
     if edit is not None:
         conversation[edit] = 8 if conversation[edit] != 8 else 9
-    kept = kept_after_prefill(engine, conversation)
+    kept, head = kept_after_prefill(engine, conversation)
     engine.forget()
-    again = kept_after_prefill(engine, conversation)
+    again, fresh = kept_after_prefill(engine, conversation)
     assert kept.tokens == again.tokens == conversation and kept.following == again.following  # the first token
-    assert kept.head_cache.length == again.head_cache.length == len(conversation)
-    assert kept.head_cache.keys.is_inference()  # its last pairs read as the steps read them (a compiled head has no grad-mode variant)
-    assert torch.allclose(kept.head_cache.keys, again.head_cache.keys, atol=1e-9)
-    assert torch.allclose(kept.head_cache.values, again.head_cache.values, atol=1e-9)
+    assert head.length == fresh.length == len(conversation)
+    assert torch.allclose(head.keys, fresh.keys, atol=1e-9)
+    assert torch.allclose(head.values, fresh.values, atol=1e-9)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.8, max_new_tokens=16, seed=5), SamplingParams(temperature=1.2, top_p=0.9, top_k=20, max_new_tokens=16, seed=6),
+])  # fmt: skip
+def test_a_continued_turn_samples_what_a_fresh_read_samples(engine, sampling):
+    """One seed draws the same sample in every mode (noise keyed by absolute
+    position): a continued turn, which reads from a later position, too."""
+    first = random_tokens(9, seed=14)
+    reply = tokens_of(engine.stream(first, mode="vanilla", sampling=sampling))
+    conversation = first + reply + random_tokens(4, seed=15)
+    fresh = tokens_of(engine.stream(conversation, mode="vanilla", sampling=sampling))
+    for mode in ("vanilla", "eagle", "eagle2"):
+        engine.forget()
+        assert tokens_of(engine.stream(first, mode=mode, sampling=sampling, tree=TREE, reuse=True)) == reply, mode
+        events = list(engine.stream(conversation, mode=mode, sampling=sampling, tree=TREE, reuse=True))
+        assert last_stats(events).reused_tokens >= len(first), mode
+        assert tokens_of(events) == fresh, mode
+
+
+def test_the_context_branch_continues_with_every_token_of_the_conversation(engine, monkeypatch):
+    """The drafter's index of committed tokens (the context branch's matches)
+    holds the whole conversation after a continued read, as after a fresh one."""
+    made = []
+    drafter = engine._drafter
+    monkeypatch.setattr(engine, "_drafter", lambda *args: made.append(drafter(*args)) or made[-1])
+    engine.forget()
+    prompt = random_tokens(12, seed=16)
+    reply = tokens_of(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    conversation = prompt + reply + random_tokens(5, seed=17)
+    indexes = []
+    for _ in range(2):  # continued, then (forgotten) fresh
+        events = engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True)
+        next(events)
+        events.close()
+        indexes.append(list(made[-1].index.tokens))
+        engine.forget()
+    assert indexes[0] == indexes[1] and indexes[0][: len(conversation)] == conversation
+
+
+def test_a_stop_while_the_prompt_is_read_keeps_the_chunks_read(engine, monkeypatch):
+    import core.engine
+
+    engine.forget()
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 5)
+    prompt = random_tokens(17, seed=18)
+    cancel = threading.Event()
+    for event in engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, cancel=cancel, reading=True, reuse=True):
+        if isinstance(event, Reading) and event.done == 5:
+            cancel.set()  # taken at the next chunk's start: two chunks read
+    assert engine._kept.tokens == prompt[:10] and engine._kept.following == prompt[10]
+    events = list(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    assert last_stats(events).reused_tokens == 10  # the tenth token is read again: the eleventh follows it in the cache
+    assert tokens_of(events) == tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS))
+
+
+def test_a_sliding_window_model_is_always_read_afresh(tmp_path):
+    """A window's cache cannot be cut back to a shorter prefix."""
+    folder = save_tiny_model(tmp_path / "m", "mistral", vocab_size=48, sliding_window=16)
+    engine = Engine(load_base(str(folder), dtype="float64"))
+    prompt = random_tokens(20, seed=19)
+    reply = tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS, reuse=True))
+    conversation = prompt + reply + random_tokens(3, seed=20)
+    events = list(engine.stream(conversation, mode="vanilla", sampling=PARAMS, reuse=True))
+    assert last_stats(events).reused_tokens == 0
+    assert tokens_of(events) == tokens_of(engine.stream(conversation, mode="vanilla", sampling=PARAMS))
 
 
 def test_an_edited_earlier_message_keeps_only_the_tokens_before_the_edit(engine):
@@ -159,7 +231,7 @@ def test_on_cpus_that_read_prompts_row_by_row_a_continued_bf16_cache_is_a_fresh_
     engine = load_pair(quantization="auto", dtype="bfloat16", compile="off")
     if not (engine.exact and rowkernel.prefills(torch.bfloat16, engine.base.device)):
         pytest.skip("prompts are read by sdpa here, whose rounding depends on the rows read together")
-    messages = [{"role": "user", "content": "Name three rivers of Europe and say where each one ends. " * 12}]
+    messages = [{"role": "user", "content": "Name three rivers of Europe and say where each one ends. " * 45}]  # > 512 tokens: two chunks
     params = SamplingParams(max_new_tokens=24)
     reply = tokens_of(engine.chat(messages, mode="eagle2", sampling=params, reuse=True))
     messages += [{"role": "assistant", "content": engine.base.tokenizer.decode(reply, skip_special_tokens=True)},
