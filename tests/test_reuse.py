@@ -27,6 +27,15 @@ def random_tokens(count: int, seed: int) -> list[int]:
     return torch.randint(8, 48, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def second_turn(engine: Engine, prompt: list[int], follow, mode: str = "eagle2"):
+    """`prompt` answered, then the conversation follow(reply) continued from
+    its caches -> (that conversation, the second request's events)."""
+    engine.forget()
+    reply = tokens_of(engine.stream(prompt, mode=mode, sampling=PARAMS, tree=TREE, reuse=True))
+    conversation = follow(reply)
+    return conversation, list(engine.stream(conversation, mode=mode, sampling=PARAMS, tree=TREE, reuse=True))
+
+
 @pytest.fixture(scope="module", params=[*ARCHITECTURES, "llama-eagle3"])
 def engine(request, tmp_path_factory):
     architecture = request.param.removesuffix("-eagle3")
@@ -147,32 +156,25 @@ def test_a_sliding_window_model_is_always_read_afresh(tmp_path):
     folder = save_tiny_model(tmp_path / "m", "mistral", vocab_size=48, sliding_window=16)
     engine = Engine(load_base(str(folder), dtype="float64"))
     prompt = random_tokens(20, seed=19)
-    reply = tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS, reuse=True))
-    conversation = prompt + reply + random_tokens(3, seed=20)
-    events = list(engine.stream(conversation, mode="vanilla", sampling=PARAMS, reuse=True))
+    conversation, events = second_turn(engine, prompt, lambda reply: prompt + reply + random_tokens(3, seed=20), "vanilla")
     assert last_stats(events).reused_tokens == 0
     assert tokens_of(events) == tokens_of(engine.stream(conversation, mode="vanilla", sampling=PARAMS))
 
 
 def test_an_edited_earlier_message_keeps_only_the_tokens_before_the_edit(engine):
-    engine.forget()
     prompt = random_tokens(14, seed=6)
-    reply = tokens_of(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
-    edited = prompt[:6] + [prompt[6] % 40 + 8 if prompt[6] % 40 + 8 != prompt[6] else 9] + prompt[7:] + reply
-    assert edited[6] != prompt[6]
-    events = list(engine.stream(edited, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    changed = 8 if prompt[6] != 8 else 9
+    edited, events = second_turn(engine, prompt, lambda reply: [*prompt[:6], changed, *prompt[7:], *reply])
     assert last_stats(events).reused_tokens == 5
     assert tokens_of(events) == tokens_of(engine.stream(edited, mode="vanilla", sampling=PARAMS))
 
 
 def test_the_same_prompt_again_reads_its_last_token_only(engine):
     """A regenerated reply: every prompt token but the last is kept, and it is the same reply."""
-    engine.forget()
     prompt = random_tokens(12, seed=7)
-    first = tokens_of(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
-    events = list(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    _, events = second_turn(engine, prompt, lambda reply: prompt)
     assert last_stats(events).reused_tokens == len(prompt) - 1
-    assert tokens_of(events) == first
+    assert tokens_of(events) == tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS))
 
 
 def test_a_stopped_reply_and_a_long_prompt_read_in_chunks_continue_exactly(engine, monkeypatch):
