@@ -115,14 +115,21 @@ class LibraryHandlers:
     def status(self) -> str:
         return render.escape(self.runtime.describe())
 
-    def modes(self, current: str) -> dict:
+    def modes(self, current: str, wanted: str | None = None) -> tuple[dict, str | None]:
         """The mode selector for the model loaded now, keeping `current` where it
-        still applies (another tab may have loaded a model without a head)."""
+        still applies (another tab may have loaded a model without a head), and
+        the mode this tab wants back once it applies again: the one the user
+        picked (`wanted`), else the one a model without it took away.
+        Outputs: mode selector, wanted mode."""
         modes = self.runtime.modes or ("vanilla",)
         choices = mode_choices(modes)
+        if wanted in modes and wanted != current:  # another tab unloaded the head, then loaded one again
+            return gr.update(choices=choices, value=wanted), wanted
         # a value only where the current one is gone: the tab's select can come as the page loads,
         # with the selector's first value, and must not undo the saved mode that the page-load sets
-        return gr.update(choices=choices) if current in modes else gr.update(choices=choices, value=modes[-1])
+        if current in modes:
+            return gr.update(choices=choices), wanted
+        return gr.update(choices=choices, value=modes[-1]), wanted or current
 
     def heads(self) -> dict:
         engine = self.runtime.engine

@@ -360,6 +360,20 @@ def test_a_model_loaded_in_another_tab_shows_when_this_tab_is_chosen_again(page,
         page.get_by_role("tab", name="Chat").click()
         page.locator("#mode input[value=vanilla]:checked").wait_for(timeout=10_000)
         assert page.locator("#mode input[value=eagle2]").count() == 0
+        runtime.replace(lambda: previous, "the test model")  # another tab loads the pair again: the tab's EAGLE-2 comes back
+        page.get_by_role("tab", name="Models").click()
+        page.locator("#model-status").get_by_text("with an EAGLE draft head").wait_for(timeout=10_000)
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=10_000)
+        page.locator("#mode input[value=eagle]").click()  # picked by hand: kept through the next round
+        runtime.replace(lambda: Engine(tiny_base), "the same model without a head")
+        page.get_by_role("tab", name="Models").click()
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#mode input[value=vanilla]:checked").wait_for(timeout=10_000)
+        runtime.replace(lambda: previous, "the test model")
+        page.get_by_role("tab", name="Models").click()
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#mode input[value=eagle]:checked").wait_for(timeout=10_000)
     finally:
         runtime.replace(lambda: previous, "the test model")
 
