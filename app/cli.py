@@ -178,7 +178,9 @@ def pytest_arguments(extra: list[str], cwd: Path) -> list[str]:
     arguments, named = [], False
     for index, argument in enumerate(extra):
         option = extra[index - 1] if index else ""
-        if not argument.startswith("-") and option not in PYTEST_VALUED:
+        # a valued option, alone or last of short flags written together (-xk NAME)
+        valued = option in PYTEST_VALUED or (option[:1] == "-" and option[1:2] not in ("", "-") and f"-{option[-1]}" in PYTEST_VALUED)
+        if not argument.startswith("-") and not valued:
             path, _, test = argument.partition("::")
             where = next((folder / path for folder in (cwd, ROOT) if (folder / path).exists()), None)
             if where is not None:
