@@ -135,7 +135,7 @@ class Outcome:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
-            # prompt tokens whose keys and values were kept from the last request, not read again
+            # prompt tokens whose keys and values were kept from an earlier request, not read again
             "prompt_tokens_details": {"cached_tokens": s.reused_tokens if s else 0},
             "speculative": {
                 "mode": self.mode,

@@ -338,7 +338,7 @@ def stats_html(
                 ("tokens", figure("tokens", "{:.0f}"), "tokens"),
                 ("base-model forwards", figure("forwards", "{:.0f}"), "forwards"),
                 ("time to first token", figure("time_to_first_token", "{:.2f} s"), "ttft"),
-                ("prompt tokens kept from the last reply", figure("reused_tokens", "{:.0f}"), "reused"),
+                ("prompt tokens not read again (kept)", figure("reused_tokens", "{:.0f}"), "reused"),
                 ("mean tree: nodes / depth", figure("mean_tree_size", "{:.1f}") + " / " + figure("mean_tree_depth", "{:.1f}"), "tree-mean"),
             ]
             settings = saved.get("settings") if isinstance(saved.get("settings"), dict) else {}
@@ -355,7 +355,7 @@ def stats_html(
             ("tokens", str(snapshot.tokens), "tokens"),
             ("base-model forwards", str(snapshot.forwards), "forwards"),
             ("time to first token", _seconds(snapshot.time_to_first_token), "ttft"),
-            ("prompt tokens kept from the last reply", str(snapshot.reused_tokens), "reused"),
+            ("prompt tokens not read again (kept)", str(snapshot.reused_tokens), "reused"),
             ("draft / verify time", share, "share"),
             ("tree size (last step)", str(tree_size), "tree"),
             ("mean tree: nodes / depth", f"{snapshot.mean_tree_size:.1f} / {snapshot.mean_tree_depth:.1f}", "tree-mean"),

@@ -44,6 +44,12 @@ log = logging.getLogger("kestrel")
 # reading has got, and a forward's activations stay the size of one chunk
 PREFILL_CHUNK = 512
 
+# conversations whose caches are kept for their next turn (Engine.stream's reuse): the latest
+# always, the ones before it while they are among the last KEPT_CONVERSATIONS and their caches
+# together stay within KEPT_BYTES (a chat taken up again in another tab, API clients taking turns)
+KEPT_CONVERSATIONS = 4
+KEPT_BYTES = 1 << 30
+
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "tasks.jsonl"  # ordinary text for measuring costs
 
 
@@ -81,7 +87,7 @@ class Reading:
 
 @dataclass
 class _Kept:
-    """What the last request left in the caches, for the next one that starts
+    """What a request left in the caches, for a later one that starts
     the same way (a chat's next turn): the base cache holding `tokens`, the
     token after them (the reply's last, not yet read; None if there is none),
     and the head's cache and the pairs it has not read yet (features (T, F),
@@ -119,6 +125,14 @@ class _Kept:
                 break
             shared += 1
         return max(0, shared - 1)
+
+    def nbytes(self) -> int:
+        """The memory its caches hold (their buffers' room to grow included)."""
+        tensors = [self.head_cache.keys, self.head_cache.values, *(self.pending or ())] if self.head_cache is not None else []
+        for layer in self.cache.layers:
+            growing = isinstance(layer, kv_cache.GrowingLayer)
+            tensors += [layer.key_buffer, layer.value_buffer] if growing else [layer.keys, layer.values]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
 
 
 class Engine:
@@ -163,11 +177,36 @@ class Engine:
                 self.compiled.warm()
         self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
         self.calibrations = Calibrations()  # acceptance by draft confidence, learned over every request
-        self._kept: _Kept | None = None  # the caches of the last request that asked to reuse them (`stream`)
+        self._kept: list[_Kept] = []  # the caches of requests made with reuse (`stream`), the latest first
 
     def forget(self) -> None:
-        """Drop the caches kept from the last request (their memory too)."""
-        self._kept = None
+        """Drop the caches kept from earlier requests (their memory too)."""
+        self._kept = []
+
+    @property
+    def kept_conversations(self) -> tuple[_Kept, ...]:
+        """The caches kept for a conversation's next turn, the latest first."""
+        return tuple(self._kept)
+
+    def _take_kept(self, prompt_ids: list[int], drafting: bool) -> _Kept | None:
+        """The kept caches that continue furthest into `prompt_ids` (the latest
+        of equals), taken out of the kept ones; None where none continues it."""
+        shares = [kept.reusable(prompt_ids, drafting) for kept in self._kept]
+        if not shares or max(shares) == 0:
+            return None
+        return self._kept.pop(shares.index(max(shares)))
+
+    def _keep(self, kept: _Kept | None) -> None:
+        """Keep a finished request's caches first; the older ones while the rules of KEPT_CONVERSATIONS allow."""
+        if kept is None:
+            return
+        room, older = KEPT_BYTES, []
+        for other in self._kept[: KEPT_CONVERSATIONS - 1]:
+            room -= other.nbytes()
+            if room < 0:
+                break
+            older.append(other)
+        self._kept = [kept, *older]
 
     def _row_kernel(self) -> str | None:
         """Which row attention this engine runs: "tiles" (bf16 on AMX or as vdpbf16ps), "vectors", or None (torch's)."""
@@ -295,19 +334,18 @@ class Engine:
         (a prompt read in several chunks is one Step), and with `reading` a
         Reading before each chunk of a prompt longer than one.
 
-        With `reuse`, the caches of the last request made with `reuse` are
+        With `reuse`, the caches of an earlier request made with `reuse` are
         continued where its tokens (prompt and reply) start this prompt, so
         a chat's next turn reads only what is new, and this request's caches
-        are kept in turn for the next. Every token's keys and values are
+        are kept in turn for the next (KEPT_CONVERSATIONS). Every token's keys and values are
         still computed from the same tokens at the same positions; on CPUs
         where prompts are read row by row (core/rowkernel.prefills) they are
         the same bits as a fresh read's; elsewhere a reply read back from the
         cache and one read in a chunk may differ in rounding. Speculative and
         vanilla decoding continue the same caches alike."""
         drafter = self._drafter(mode, tree, sampling)
-        kept, self._kept = (self._kept, None) if reuse else (None, self._kept)
+        kept = self._take_kept(prompt_ids, drafter is not None) if reuse else None
         run = _Run(self, list(prompt_ids), drafter, sampling, kept)
-        del kept  # caches this prompt does not continue go back now, not when the reply ends
         whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
             yield from _steps(run, cancel, reading)
@@ -316,14 +354,14 @@ class Engine:
             whole = True
             raise
         except torch.OutOfMemoryError as error:
-            self._kept = None  # kept caches too: their memory goes back
+            self._kept = []  # kept caches too: their memory goes back
             hint = "" if self.base.quantization == "4bit" else " Try --quantization 4bit,"
             raise OutOfMemoryError(
                 f"{self.base.name}: out of memory while decoding.{hint} or a shorter conversation / smaller tree"
             ) from error
         finally:
             if reuse and whole:
-                self._kept = run.kept()
+                self._keep(run.kept())
 
     def _drafter(self, mode: str, tree: TreeParams, sampling: SamplingParams = SamplingParams()) -> Drafter | None:
         if mode not in MODES:
@@ -391,7 +429,7 @@ class _Run:
         # prompt tokens per prefill forward; one forward where a sliding window's cache
         # keeps fewer keys than an explicit mask over the whole prompt would cover
         self.chunk = len(prompt_ids) if sliding else PREFILL_CHUNK
-        # the positions kept from the last request (a window's cache cannot be cut back)
+        # the positions kept from an earlier request (a window's cache cannot be cut back)
         self.first = 0 if kept is None or sliding else kept.reusable(prompt_ids, drafter is not None)
         if self.first:
             self.cache = kept.cache

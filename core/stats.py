@@ -23,7 +23,7 @@ class Snapshot:
     mean_tree_size: float = 1.0  # nodes verified per step after the prefill, the root included
     mean_tree_depth: float = 0.0  # depth of those trees (0 for a root-only step)
     first_tokens: int = 0  # tokens committed by the step that gave the first token
-    reused_tokens: int = 0  # prompt tokens whose keys and values were kept from the last request, not read again
+    reused_tokens: int = 0  # prompt tokens whose keys and values were kept from an earlier request, not read again
 
     @property
     def decoding_tokens_per_s(self) -> float | None:
@@ -58,7 +58,7 @@ class Recorder:
     depth_accepted: list[int] = field(default_factory=list)  # [d-1]: steps that accepted >= d drafted tokens
     tree_nodes: int = 0  # nodes verified by the steps after the prefill
     tree_depths: int = 0  # and the sum of their trees' depths
-    reused: int = 0  # prompt tokens kept in the caches from the last request
+    reused: int = 0  # prompt tokens kept in the caches from an earlier request
 
     def record(
         self, tokens: int, accepted: int, tree_size: int, tree_depth: int, draft_seconds: float, verify_seconds: float

@@ -68,7 +68,7 @@ def kept_after_prefill(engine: Engine, prompt: list[int]):
     events = engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True)
     next(events)  # the prefill step: the new tokens are read and their pairs pending
     events.close()
-    kept = engine._kept
+    kept = engine.kept_conversations[0]
     assert kept.pending is not None and kept.pending[0].is_inference()  # as the steps' own tensors
     drafter = engine._drafter("eagle2", TREE)
     with torch.inference_mode():
@@ -145,7 +145,7 @@ def test_a_stop_while_the_prompt_is_read_keeps_the_chunks_read(engine, monkeypat
     for event in engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, cancel=cancel, reading=True, reuse=True):
         if isinstance(event, Reading) and event.done == 5:
             cancel.set()  # taken at the next chunk's start: two chunks read
-    assert engine._kept.tokens == prompt[:10] and engine._kept.following == prompt[10]
+    assert engine.kept_conversations[0].tokens == prompt[:10] and engine.kept_conversations[0].following == prompt[10]
     events = list(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
     assert last_stats(events).reused_tokens == 10  # the tenth token is read again: the eleventh follows it in the cache
     assert tokens_of(events) == tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS))
@@ -215,11 +215,38 @@ def test_requests_without_reuse_leave_the_kept_caches_alone(engine):
     engine.forget()
     prompt = random_tokens(10, seed=12)
     list(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
-    kept = engine._kept
+    kept = engine.kept_conversations
     list(engine.stream(random_tokens(10, seed=13), mode="eagle2", sampling=PARAMS, tree=TREE))
-    assert engine._kept is kept
+    assert engine.kept_conversations == kept and len(kept) == 1
     engine.forget()
-    assert engine._kept is None
+    assert engine.kept_conversations == ()
+
+
+def test_conversations_taken_up_in_turn_each_continue_their_own_caches(engine, monkeypatch):
+    """Two chats answered in turn (two tabs, two API clients) each continue
+    their own caches; past KEPT_CONVERSATIONS, or past KEPT_BYTES for all but
+    the latest, the oldest are dropped."""
+    import core.engine
+
+    engine.forget()
+    chats = [random_tokens(10, seed=30 + index) for index in range(3)]
+    for turn in range(2):
+        for index, chat in enumerate(chats[:2]):
+            events = list(engine.stream(chat, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+            assert last_stats(events).reused_tokens == (len(chat) - 4 if turn else 0), (turn, index)  # all but the 3 new, less one
+            assert tokens_of(events) == tokens_of(engine.stream(chat, mode="vanilla", sampling=PARAMS))
+            chats[index] = chat + tokens_of(events) + random_tokens(3, seed=40 + 2 * turn + index)
+    assert [kept.tokens[:10] for kept in engine.kept_conversations] == [chats[1][:10], chats[0][:10]]
+    monkeypatch.setattr(core.engine, "KEPT_CONVERSATIONS", 2)
+    list(engine.stream(chats[2], mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    assert [kept.tokens[:10] for kept in engine.kept_conversations] == [chats[2][:10], chats[1][:10]]
+    assert all(kept.nbytes() > 0 for kept in engine.kept_conversations)
+    monkeypatch.setattr(core.engine, "KEPT_BYTES", engine.kept_conversations[1].nbytes())  # room for one of them
+    list(engine.stream(chats[0], mode="vanilla", sampling=PARAMS, reuse=True))  # read afresh: its caches were dropped
+    assert [kept.tokens[:10] for kept in engine.kept_conversations] == [chats[0][:10], chats[2][:10]]
+    monkeypatch.setattr(core.engine, "KEPT_BYTES", 0)  # the latest alone
+    list(engine.stream(chats[1], mode="vanilla", sampling=PARAMS, reuse=True))
+    assert [kept.tokens[:10] for kept in engine.kept_conversations] == [chats[1][:10]]
 
 
 def test_on_cpus_that_read_prompts_row_by_row_a_continued_bf16_cache_is_a_fresh_read_s_bits():
@@ -239,12 +266,12 @@ def test_on_cpus_that_read_prompts_row_by_row_a_continued_bf16_cache_is_a_fresh_
     messages += [{"role": "assistant", "content": engine.base.tokenizer.decode(reply, skip_special_tokens=True)},
                  {"role": "user", "content": "Which one is the longest?"}]  # fmt: skip
     continued = list(engine.chat(messages, mode="eagle2", sampling=params, reuse=True))
-    kept = engine._kept
+    kept = engine.kept_conversations[0]
     assert last_stats(continued).reused_tokens > len(engine.encode(messages[:1]))  # the first reply's tokens were kept
     engine.forget()
     fresh = list(engine.chat(messages, mode="eagle2", sampling=params, reuse=True))
     assert tokens_of(continued) == tokens_of(fresh)
     length = len(engine.encode(messages))
-    for ours, theirs in zip(kept.cache.layers, engine._kept.cache.layers):
+    for ours, theirs in zip(kept.cache.layers, engine.kept_conversations[0].cache.layers):
         assert torch.equal(ours.keys[..., :length, :], theirs.keys[..., :length, :])
         assert torch.equal(ours.values[..., :length, :], theirs.values[..., :length, :])
