@@ -201,6 +201,8 @@ class Engine:
         if kept is None:
             return
         room, older = KEPT_BYTES, []
+        if self.base.device.type == "cuda":  # a GPU's memory is the model's first: a quarter of what is free at most
+            room = min(room, torch.cuda.mem_get_info(self.base.device)[0] // 4)
         for other in self._kept[: KEPT_CONVERSATIONS - 1]:
             room -= other.nbytes()
             if room < 0:
