@@ -171,6 +171,20 @@ PYTEST_VALUED = ("-k", "-m", "-p", "-o", "-c", "-W", "--tb", "--durations", "--m
 PYTEST_PATHS = ("--deselect", "--ignore")  # options whose value is a test path, read as the tests named are
 
 
+def takes_value(option: str) -> bool:
+    """Whether pytest reads the argument after `option` as its value: a valued
+    option, alone or last of short flags written together (-xk NAME; in
+    -kNAME the value is attached)."""
+    if option in PYTEST_VALUED:
+        return True
+    if option[:1] != "-" or option[1:2] in ("", "-"):
+        return False
+    for index, letter in enumerate(option[1:], start=1):
+        if f"-{letter}" in PYTEST_VALUED:
+            return index == len(option) - 1
+    return False
+
+
 def pytest_arguments(extra: list[str], cwd: Path) -> list[str]:
     """`launch.py test [ARGS]` -> pytest's arguments: the whole suite, or the
     test files and folders named (`tests/test_tree.py`, `tests/test_api.py::test_x`),
@@ -178,9 +192,7 @@ def pytest_arguments(extra: list[str], cwd: Path) -> list[str]:
     arguments, named = [], False
     for index, argument in enumerate(extra):
         option = extra[index - 1] if index else ""
-        # a valued option, alone or last of short flags written together (-xk NAME)
-        valued = option in PYTEST_VALUED or (option[:1] == "-" and option[1:2] not in ("", "-") and f"-{option[-1]}" in PYTEST_VALUED)
-        if not argument.startswith("-") and not valued:
+        if not argument.startswith("-") and not takes_value(option):
             path, _, test = argument.partition("::")
             where = next((folder / path for folder in (cwd, ROOT) if (folder / path).exists()), None)
             if where is not None:

@@ -123,7 +123,7 @@ class LibraryHandlers:
         Outputs: mode selector, wanted mode."""
         modes = self.runtime.modes or ("vanilla",)
         choices = mode_choices(modes)
-        if wanted in modes and wanted != current:  # another tab unloaded the head, then loaded one again
+        if current == "vanilla" and wanted in modes and wanted != current:  # the head was gone a while, and is back
             return gr.update(choices=choices, value=wanted), wanted
         # a value only where the current one is gone: the tab's select can come as the page loads,
         # with the selector's first value, and must not undo the saved mode that the page-load sets

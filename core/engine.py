@@ -126,6 +126,24 @@ class _Kept:
             shared += 1
         return max(0, shared - 1)
 
+    def prefix_copy(self, model, length: int) -> _Kept | None:
+        """A copy of the caches of the first `length` tokens, these left as they
+        are; None where the base cache's layers cannot be copied so."""
+        cache = kv_cache.copy_prefix(self.cache, model, length)
+        if cache is None:
+            return None
+        head_cache, pending = None, None
+        if self.head_cache is not None:
+            cached = min(length, self.head_cache.length)
+            head_cache = HeadCache()
+            if cached:
+                head_cache.keys = self.head_cache.keys[:, :, :cached].clone()
+                head_cache.values = self.head_cache.values[:, :, :cached].clone()
+            if length > cached:
+                features, next_tokens = self.pending
+                pending = (features[: length - cached].clone(), next_tokens[: length - cached].clone())
+        return _Kept(self.tokens[:length], self.tokens[length] if length < len(self.tokens) else self.following, cache, head_cache, pending)
+
     def nbytes(self) -> int:
         """The memory its caches hold (their buffers' room to grow included)."""
         tensors = [self.head_cache.keys, self.head_cache.values, *(self.pending or ())] if self.head_cache is not None else []
@@ -188,13 +206,22 @@ class Engine:
         """The caches kept for a conversation's next turn, the latest first."""
         return tuple(self._kept)
 
-    def _take_kept(self, prompt_ids: list[int], drafting: bool) -> _Kept | None:
+    def _take_kept(self, prompt_ids: list[int], drafting: bool) -> tuple[_Kept | None, bool]:
         """The kept caches that continue furthest into `prompt_ids` (the latest
-        of equals), taken out of the kept ones; None where none continues it."""
+        of equals), and whether they were taken out of the kept ones: where the
+        prompt continues half their tokens or more (a next turn); else a copy
+        of the part it continues, the rest kept as it was: every conversation
+        starts with the chat template's opening (and often one system prompt),
+        and a new chat, or a reply regenerated or written after an edited
+        message, must not cut another conversation or branch back to that.
+        (None, False) where none continues it."""
         shares = [kept.reusable(prompt_ids, drafting) for kept in self._kept]
         if not shares or max(shares) == 0:
-            return None
-        return self._kept.pop(shares.index(max(shares)))
+            return None, False
+        best = shares.index(max(shares))
+        if 2 * shares[best] >= len(self._kept[best].tokens):
+            return self._kept.pop(best), True
+        return self._kept[best].prefix_copy(self.model, shares[best]), False
 
     def _keep(self, kept: _Kept | None) -> None:
         """Keep a finished request's caches first; the older ones while the rules of KEPT_CONVERSATIONS allow."""
@@ -202,8 +229,12 @@ class Engine:
             return
         room, older = KEPT_BYTES, []
         if self.base.device.type == "cuda":  # a GPU's memory is the model's first: a quarter of what is free at most
-            room = min(room, torch.cuda.mem_get_info(self.base.device)[0] // 4)
-        for other in self._kept[: KEPT_CONVERSATIONS - 1]:
+            device = self.base.device
+            spare = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # free to torch, not to the driver
+            room = min(room, (torch.cuda.mem_get_info(device)[0] + spare) // 4)
+        # an earlier state of this same conversation (its tokens start the new ones) is never the better one to continue
+        others = [other for other in self._kept if kept.tokens[: len(other.tokens)] != other.tokens]
+        for other in others[: KEPT_CONVERSATIONS - 1]:
             room -= other.nbytes()
             if room < 0:
                 break
@@ -346,8 +377,13 @@ class Engine:
         cache and one read in a chunk may differ in rounding. Speculative and
         vanilla decoding continue the same caches alike."""
         drafter = self._drafter(mode, tree, sampling)
-        kept = self._take_kept(prompt_ids, drafter is not None) if reuse else None
-        run = _Run(self, list(prompt_ids), drafter, sampling, kept)
+        kept, taken = self._take_kept(prompt_ids, drafter is not None) if reuse else (None, False)
+        try:
+            run = _Run(self, list(prompt_ids), drafter, sampling, kept)
+        except (ContextOverflowError, ValueError):  # refused before the caches were touched: kept as they were
+            if taken:
+                self._kept.insert(0, kept)
+            raise
         whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
             yield from _steps(run, cancel, reading)
@@ -454,7 +490,7 @@ class _Run:
         with the pairs it has not read yet (read when the next request drafts,
         so a Stop while a long prompt is read costs no head forward over it)."""
         following = self.root if self.root >= 0 else self.prompt_ids[self.committed] if self.committed < len(self.prompt_ids) else None
-        if not self.committed:
+        if not self.committed or kv_cache.has_sliding_window(self.model.config):  # a window's cache is never continued
             return None
         head_cache, pending = None, None
         drafter = self.drafter

@@ -100,6 +100,18 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+def copy_prefix(cache: DynamicCache, model, length: int) -> DynamicCache | None:
+    """A new cache holding the first `length` positions of `cache` (copied:
+    `cache` is left as it is); None where its layers are not GrowingLayers."""
+    copy = new_cache(model)
+    layers = list(zip(cache.layers, copy.layers))
+    if not all(type(source) is GrowingLayer and source.is_initialized and type(target) is GrowingLayer for source, target in layers):
+        return None
+    for source, target in layers:
+        target.update(source.keys[..., :length, :], source.values[..., :length, :])  # into buffers of its own
+    return copy
+
+
 def buffers(cache: DynamicCache, rows: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
     """For code that appends `rows` positions to every layer in place (the row
     kernel's pass ops, core/rowkernel.py), then calls `advance`: the positions

@@ -132,6 +132,8 @@ def test_the_test_command_runs_the_files_it_is_given_from_any_folder(tmp_path):
     assert pytest_arguments([], ROOT) == [tests]
     assert pytest_arguments(["-q", "-k", "tests"], tmp_path) == [tests, "-q", "-k", "tests"]  # -k's value is no path
     assert pytest_arguments(["-xk", "tests"], tmp_path) == [tests, "-xk", "tests"]  # nor with -x written beside it
+    tree_file = str(ROOT / "tests" / "test_tree.py")
+    assert pytest_arguments(["-kmock", "tests/test_tree.py"], tmp_path) == ["-kmock", tree_file]  # an attached value
     tree = str(ROOT / "tests" / "test_tree.py")
     assert pytest_arguments(["-q", "tests/test_tree.py"], ROOT) == ["-q", tree]
     assert pytest_arguments(["tests/test_tree.py::test_x", "-x"], tmp_path) == [f"{tree}::test_x", "-x"]

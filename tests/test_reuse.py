@@ -167,6 +167,11 @@ def test_an_edited_earlier_message_keeps_only_the_tokens_before_the_edit(engine)
     edited, events = second_turn(engine, prompt, lambda reply: [*prompt[:6], changed, *prompt[7:], *reply])
     assert last_stats(events).reused_tokens == 5
     assert tokens_of(events) == tokens_of(engine.stream(edited, mode="vanilla", sampling=PARAMS))
+    # the conversation before the edit keeps its caches whole (the edited one had a copy of its start)
+    original = prompt + tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS)) + random_tokens(3, seed=21)
+    events = list(engine.stream(original, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    assert last_stats(events).reused_tokens == len(original) - 4
+    assert tokens_of(events) == tokens_of(engine.stream(original, mode="vanilla", sampling=PARAMS))
 
 
 def test_the_same_prompt_again_reads_its_last_token_only(engine):
@@ -229,24 +234,29 @@ def test_conversations_taken_up_in_turn_each_continue_their_own_caches(engine, m
     import core.engine
 
     engine.forget()
-    chats = [random_tokens(10, seed=30 + index) for index in range(3)]
+    opening = random_tokens(5, seed=29)  # as a chat template's opening and a system prompt start every conversation
+    chats = [opening + random_tokens(10, seed=30 + index) for index in range(3)]
     for turn in range(2):
         for index, chat in enumerate(chats[:2]):
             events = list(engine.stream(chat, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
-            assert last_stats(events).reused_tokens == (len(chat) - 4 if turn else 0), (turn, index)  # all but the 3 new, less one
+            # a later turn keeps all but its 3 new tokens, less one; a first turn the other chat's opening, less one
+            assert last_stats(events).reused_tokens == (len(chat) - 4 if turn else 4 * index), (turn, index)
             assert tokens_of(events) == tokens_of(engine.stream(chat, mode="vanilla", sampling=PARAMS))
             chats[index] = chat + tokens_of(events) + random_tokens(3, seed=40 + 2 * turn + index)
-    assert [kept.tokens[:10] for kept in engine.kept_conversations] == [chats[1][:10], chats[0][:10]]
+    assert [kept.tokens[:15] for kept in engine.kept_conversations] == [chats[1][:15], chats[0][:15]]  # one state of each
     monkeypatch.setattr(core.engine, "KEPT_CONVERSATIONS", 2)
     list(engine.stream(chats[2], mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
-    assert [kept.tokens[:10] for kept in engine.kept_conversations] == [chats[2][:10], chats[1][:10]]
+    assert [kept.tokens[:15] for kept in engine.kept_conversations] == [chats[2][:15], chats[1][:15]]
     assert all(kept.nbytes() > 0 for kept in engine.kept_conversations)
     monkeypatch.setattr(core.engine, "KEPT_BYTES", engine.kept_conversations[1].nbytes())  # room for one of them
     list(engine.stream(chats[0], mode="vanilla", sampling=PARAMS, reuse=True))  # read afresh: its caches were dropped
-    assert [kept.tokens[:10] for kept in engine.kept_conversations] == [chats[0][:10], chats[2][:10]]
+    assert [kept.tokens[:15] for kept in engine.kept_conversations] == [chats[0][:15], chats[2][:15]]
     monkeypatch.setattr(core.engine, "KEPT_BYTES", 0)  # the latest alone
     list(engine.stream(chats[1], mode="vanilla", sampling=PARAMS, reuse=True))
-    assert [kept.tokens[:10] for kept in engine.kept_conversations] == [chats[1][:10]]
+    assert [kept.tokens[:15] for kept in engine.kept_conversations] == [chats[1][:15]]
+    with pytest.raises(core.engine.ContextOverflowError):  # refused before any reading: the caches stay kept
+        list(engine.stream(chats[1] + [9] * engine.context_limit, mode="vanilla", sampling=PARAMS, reuse=True))
+    assert [kept.tokens[:15] for kept in engine.kept_conversations] == [chats[1][:15]]
 
 
 def test_on_cpus_that_read_prompts_row_by_row_a_continued_bf16_cache_is_a_fresh_read_s_bits():
