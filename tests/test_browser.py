@@ -343,7 +343,7 @@ def test_compare_stop_is_the_tabs_own_and_applies_while_waiting(page, browser, s
         other.close()
 
 
-def test_a_model_loaded_in_another_tab_shows_when_this_tab_is_chosen_again(page, served, tiny_base):
+def test_a_model_loaded_in_another_tab_shows_when_this_tab_is_chosen_again(page, served, tiny_base, data_dir):
     """The Models tab's description and the Chat tab's modes follow a model
     that another tab loaded after this page was opened (they kept the old one's)."""
     from core.engine import Engine
@@ -374,6 +374,10 @@ def test_a_model_loaded_in_another_tab_shows_when_this_tab_is_chosen_again(page,
         page.get_by_role("tab", name="Models").click()
         page.get_by_role("tab", name="Chat").click()
         page.locator("#mode input[value=eagle]:checked").wait_for(timeout=10_000)
+        page.locator("#mode input[value=eagle2]").click()  # the saved mode as the other tests open the page with
+        deadline = time.monotonic() + 10
+        while json.loads((data_dir / "settings.json").read_text()).get("mode") != "eagle2" and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         runtime.replace(lambda: previous, "the test model")
 
