@@ -101,14 +101,27 @@ class _Kept:
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def continue_head(self, drafter: Drafter, length: int) -> None:
-        """Give `drafter` the head's pairs for the first `length` tokens: its
-        cache cut back, or kept whole with the pending pairs up to them."""
-        cached = self.head_cache.length
-        self.head_cache.crop(min(length, cached))
-        drafter.cache = self.head_cache
-        if length > cached:
-            features, next_tokens = self.pending
-            drafter.pending = [(features[: length - cached], next_tokens[: length - cached])]
+        """Give `drafter` the head's pairs for the first `length` tokens."""
+        drafter.cache, pending = self._head_pairs(length, copy=False)
+        if pending is not None:
+            drafter.pending = [pending]
+
+    def _head_pairs(self, length: int, copy: bool) -> tuple[HeadCache, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The head's pairs for the first `length` tokens: its cache, cut back
+        in place (or a copy of its start), and the pending pairs up to them."""
+        cached = min(length, self.head_cache.length)
+        if copy:
+            head_cache = HeadCache()
+            if cached:
+                head_cache.keys = self.head_cache.keys[:, :, :cached].clone()
+                head_cache.values = self.head_cache.values[:, :, :cached].clone()
+        else:
+            head_cache = self.head_cache
+            head_cache.crop(cached)
+        if length == cached:
+            return head_cache, None
+        features, next_tokens = (part[: length - cached] for part in self.pending)
+        return head_cache, (features.clone(), next_tokens.clone()) if copy else (features, next_tokens)
 
     def reusable(self, prompt_ids: list[int], drafting: bool) -> int:
         """How many of the base cache's positions a request for `prompt_ids`
@@ -132,16 +145,7 @@ class _Kept:
         cache = kv_cache.copy_prefix(self.cache, model, length)
         if cache is None:
             return None
-        head_cache, pending = None, None
-        if self.head_cache is not None:
-            cached = min(length, self.head_cache.length)
-            head_cache = HeadCache()
-            if cached:
-                head_cache.keys = self.head_cache.keys[:, :, :cached].clone()
-                head_cache.values = self.head_cache.values[:, :, :cached].clone()
-            if length > cached:
-                features, next_tokens = self.pending
-                pending = (features[: length - cached].clone(), next_tokens[: length - cached].clone())
+        head_cache, pending = self._head_pairs(length, copy=True) if self.head_cache is not None else (None, None)
         return _Kept(self.tokens[:length], self.tokens[length] if length < len(self.tokens) else self.following, cache, head_cache, pending)
 
     def nbytes(self) -> int:
@@ -206,22 +210,23 @@ class Engine:
         """The caches kept for a conversation's next turn, the latest first."""
         return tuple(self._kept)
 
-    def _take_kept(self, prompt_ids: list[int], drafting: bool) -> tuple[_Kept | None, bool]:
+    def _take_kept(self, prompt_ids: list[int], drafting: bool) -> tuple[_Kept | None, int]:
         """The kept caches that continue furthest into `prompt_ids` (the latest
-        of equals), and whether they were taken out of the kept ones: where the
+        of equals) and how many of their positions it keeps, taken out of the kept ones where the
         prompt continues half their tokens or more (a next turn); else a copy
         of the part it continues, the rest kept as it was: every conversation
         starts with the chat template's opening (and often one system prompt),
         and a new chat, or a reply regenerated or written after an edited
         message, must not cut another conversation or branch back to that.
-        (None, False) where none continues it."""
+        (None, 0) where none continues it."""
         shares = [kept.reusable(prompt_ids, drafting) for kept in self._kept]
         if not shares or max(shares) == 0:
-            return None, False
+            return None, 0
         best = shares.index(max(shares))
         if 2 * shares[best] >= len(self._kept[best].tokens):
-            return self._kept.pop(best), True
-        return self._kept[best].prefix_copy(self.model, shares[best]), False
+            return self._kept.pop(best), shares[best]
+        copied = self._kept[best].prefix_copy(self.model, shares[best])
+        return copied, shares[best] if copied is not None else 0
 
     def _keep(self, kept: _Kept | None) -> None:
         """Keep a finished request's caches first; the older ones while the rules of KEPT_CONVERSATIONS allow."""
@@ -377,13 +382,9 @@ class Engine:
         cache and one read in a chunk may differ in rounding. Speculative and
         vanilla decoding continue the same caches alike."""
         drafter = self._drafter(mode, tree, sampling)
-        kept, taken = self._take_kept(prompt_ids, drafter is not None) if reuse else (None, False)
-        try:
-            run = _Run(self, list(prompt_ids), drafter, sampling, kept)
-        except (ContextOverflowError, ValueError):  # refused before the caches were touched: kept as they were
-            if taken:
-                self._kept.insert(0, kept)
-            raise
+        check_prompt(self, prompt_ids)  # a refused prompt takes no kept caches
+        kept, first = self._take_kept(prompt_ids, drafter is not None) if reuse else (None, 0)
+        run = _Run(self, list(prompt_ids), drafter, sampling, kept, first)
         whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
             yield from _steps(run, cancel, reading)
@@ -425,6 +426,13 @@ class Engine:
         return Drafter(self.draft_head, self.model, tree, static, self.vocabulary, planning)
 
 
+def check_prompt(engine: Engine, prompt_ids: list[int]) -> None:
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) >= engine.context_limit:
+        raise ContextOverflowError(f"the prompt is {len(prompt_ids)} tokens; the model's context window is {engine.context_limit}")
+
+
 def _steps(run: _Run, cancel: threading.Event | None, reading: bool) -> Iterator[Step | Reading]:
     for done in run.read_prompt():
         if cancel is not None and cancel.is_set():
@@ -446,13 +454,12 @@ def _steps(run: _Run, cancel: threading.Event | None, reading: bool) -> Iterator
 class _Run:
     """The state of one request: base cache, committed length, root token."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingParams, kept: _Kept | None = None):
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= engine.context_limit:
-            raise ContextOverflowError(
-                f"the prompt is {len(prompt_ids)} tokens; the model's context window is {engine.context_limit}"
-            )
+    def __init__(
+        self, engine: Engine, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingParams,
+        kept: _Kept | None = None, first: int = 0,
+    ):  # fmt: skip
+        """kept, first: caches to continue and how many of their positions this prompt keeps (Engine._take_kept)."""
+        check_prompt(engine, prompt_ids)
         self.engine, self.model, self.drafter, self.sampling = engine, engine.model, drafter, sampling
         self.prompt_ids = prompt_ids
         self.device = self.model.get_input_embeddings().weight.device
@@ -463,12 +470,10 @@ class _Run:
         # temperature so small that logits / temperature leave float32's range takes the full product
         whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary
         self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and sampling.temperature >= FLOAT32_TEMPERATURE
-        sliding = kv_cache.has_sliding_window(self.model.config)
         # prompt tokens per prefill forward; one forward where a sliding window's cache
         # keeps fewer keys than an explicit mask over the whole prompt would cover
-        self.chunk = len(prompt_ids) if sliding else PREFILL_CHUNK
-        # the positions kept from an earlier request (a window's cache cannot be cut back)
-        self.first = 0 if kept is None or sliding else kept.reusable(prompt_ids, drafter is not None)
+        self.chunk = len(prompt_ids) if kv_cache.has_sliding_window(self.model.config) else PREFILL_CHUNK
+        self.first = first if kept is not None else 0  # the positions kept from an earlier request
         if self.first:
             self.cache = kept.cache
             kv_cache.commit(self.cache, self.first, [])  # cut back to the shared tokens
