@@ -149,25 +149,45 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     context window; returns the messages and how many were dropped. A reply
     whose message was dropped stays where the chat template takes a
     conversation that starts with a reply: after a long pasted text and a reply
-    cut at the window, "continue" then still sees the reply it continues."""
+    cut at the window, "continue" then still sees the reply it continues.
+
+    Past the window, turns go in steps of an eighth of it (CONTEXT_STEPS), not
+    just enough for this turn: the next turns then drop the same ones, until the
+    chat has grown by another step. So a long chat's prompt keeps its start, and
+    its next turn continues the caches kept from the previous reply instead of
+    reading the whole window again at every turn."""
     system = [m for m in messages if m["role"] == "system"]
     turns = [m for m in messages if m["role"] != "system"]
-    dropped = 0
-    while len(turns) > 1 and not fits(engine, system + turns, room):
-        turns = turns[1:]
-        dropped += 1
-    return system + turns, dropped
+    window = engine.context_limit - room
+    full = prompt_length(engine, system + turns)
+    if full is not None and full <= window:
+        return system + turns, 0
+    step = max(1, engine.context_limit // CONTEXT_STEPS)
+    # what dropped turns must free: the excess rounded up to a whole step, which stays the same while the chat grows within it
+    stepped = full - -(-(full - window) // step) * step if full is not None else window
+    enough = None  # the fewest turns dropped that fit the window, where none frees a whole step
+    for dropped in range(1, len(turns)):
+        length = prompt_length(engine, system + turns[dropped:])
+        if length is not None and length <= stepped:
+            return system + turns[dropped:], dropped
+        if enough is None and length is not None and length <= window:
+            enough = dropped
+    dropped = len(turns) - 1 if enough is None else enough  # the newest message alone, when too long: the engine names it
+    return system + turns[dropped:], dropped
 
 
-def fits(engine: Engine, messages: list[dict], room: int) -> bool:
-    """Whether the prompt leaves `room` tokens of the window; a conversation
-    the chat template refuses (Llama-2's and Mistral's want a user turn first) does not."""
+CONTEXT_STEPS = 8  # past the context window, the oldest turns are dropped in steps of 1/8 of it
+
+
+def prompt_length(engine: Engine, messages: list[dict]) -> int | None:
+    """The prompt's length in tokens; None for a conversation the chat template
+    refuses (Llama-2's and Mistral's want a user turn first)."""
     from jinja2 import TemplateError
 
     try:
-        return len(engine.encode(messages)) + room <= engine.context_limit
+        return len(engine.encode(messages))
     except TemplateError:
-        return False
+        return None
 
 
 def overflow_text(engine: Engine, messages: list[dict], error: ContextOverflowError) -> str:

@@ -407,6 +407,34 @@ def test_oldest_turns_dropped_to_fit_context(engine):
     assert len(engine.encode(fitted)) + 32 <= engine.context_limit
 
 
+def test_a_long_chat_drops_its_oldest_turns_in_steps(engine):
+    """Past the window, the turns dropped stay the same for several turns, so
+    each turn's prompt continues the previous one's (its kept caches) until the
+    chat has grown by another eighth of the window; just enough dropped at
+    every turn would change the prompt's start at every turn."""
+    class Window:  # the bundled tokenizer with a small window
+        context_limit = 3200
+        encode = staticmethod(engine.encode)
+
+    messages, prompts, drops = [{"role": "system", "content": "w2"}], [], []
+    for turn in range(60):
+        messages.append({"role": "user", "content": " ".join([f"w{turn % 7 + 1}"] * 40)})
+        fitted, dropped = fit_context(Window(), messages, room=16)
+        prompt = engine.encode(fitted)
+        assert len(prompt) + 16 <= Window.context_limit and fitted[-1] is messages[-1] and fitted[0] is messages[0]
+        prompts.append(prompt)
+        drops.append(dropped)
+        messages.append({"role": "assistant", "content": " ".join(["w3"] * 40)})
+    past = [index for index, dropped in enumerate(drops) if dropped]
+    assert len(past) >= 15  # the chat went well past the window
+    continued = [index for index in past[1:] if prompts[index][: len(prompts[index - 1])] == prompts[index - 1]]
+    assert len(continued) >= len(past) // 2, (drops, continued)
+    for index in past:  # never more dropped than a step beyond what the window needs, and the rest of a message
+        whole = len(engine.encode(messages[: 2 * index + 2]))
+        needed = whole + 16 - Window.context_limit
+        assert whole - len(prompts[index]) < needed + Window.context_limit // 8 + 60
+
+
 def test_a_reply_cut_at_the_window_stays_for_continue(engine):
     """A long pasted message, its reply cut at the context window, then
     "continue": the paste is dropped, and the reply it continues stays (the
