@@ -849,11 +849,18 @@ class ChatHandlers:
         except OSError:
             pass  # saved again with the next change; a settings file is not worth an error dialog
 
-    def restore(self) -> tuple:
+    def restore_page(self) -> tuple:
+        """At page load: restore's outputs, then the saved mode where the model
+        loaded now lacks it (no head), else None: the Chat tab gives it back
+        once a model has it again."""
+        return self.restore(wanted=True)
+
+    def restore(self, wanted: bool = False) -> tuple:
         """At page load: saved settings and the chat last opened or written in
         (a new chat if that was one; else the latest), and a notice naming
         saved files that cannot be read (kept on disk, never overwritten).
-        Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats, notice."""
+        Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats, notice
+        (and with `wanted`, the saved mode that the model loaded now lacks)."""
         damaged = self.store.set_aside_damaged_settings()
         saved = self.store.load_settings()
         settings = restored_settings(saved)
@@ -868,7 +875,7 @@ class ChatHandlers:
         chat = chat or new_chat(settings["system"])
         mode_update = gr.update(choices=mode_choices(modes), value=mode)
         controls = [mode_update] + [settings[name] for name in SETTINGS[1:]]
-        return (
+        outputs = (
             *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
             gr.update(choices=chat_choices(self.store, chats), value=chat["id"] if latest else None),
             render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat)),
@@ -878,3 +885,4 @@ class ChatHandlers:
                 invalid_text(invalid_settings(saved, settings)),
                 cut_short_text(chat))))),
         )  # fmt: skip
+        return (*outputs, None if mode == settings["mode"] else settings["mode"]) if wanted else outputs

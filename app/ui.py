@@ -224,11 +224,11 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         )  # fmt: skip
         unload.click(library.unload, None, [status, load_notice, mode], **MODEL).then(library.heads, None, trained)
 
-        demo.load(chat.restore, None, [*controls, system, chatbot, chat_state, chats, stats, notice])
+        wanted_mode = gr.State(None)  # the mode this tab's user picked (or saved), given back when a model has it again
+        demo.load(chat.restore_page, None, [*controls, system, chatbot, chat_state, chats, stats, notice, wanted_mode])
         demo.load(library.status, None, status).then(library.heads, None, trained)
         # what another tab loaded or unloaded since this page was opened
         models_tab.select(library.status, None, status, show_progress="hidden", api_name=False).then(library.heads, None, trained)
-        wanted_mode = gr.State(None)  # the mode this tab's user picked, given back when a model has it again
         mode.input(lambda picked: picked, mode, wanted_mode, show_progress="hidden", api_name=False)
         chat_tab.select(library.modes, [mode, wanted_mode], [mode, wanted_mode], show_progress="hidden", api_name=False)
     return demo

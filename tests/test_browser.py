@@ -382,6 +382,28 @@ def test_a_model_loaded_in_another_tab_shows_when_this_tab_is_chosen_again(page,
         runtime.replace(lambda: previous, "the test model")
 
 
+def test_a_page_opened_without_a_head_gives_the_saved_mode_back(page, served, tiny_base):
+    """A page opened while the model has no head shows vanilla; once a model
+    with a head is loaded (here by another tab), the Chat tab gives back the
+    saved EAGLE-2 (it kept vanilla: only a mode picked by hand came back)."""
+    from core.engine import Engine
+
+    _, runtime = served
+    previous = runtime.engine
+    try:
+        runtime.replace(lambda: Engine(tiny_base), "the same model without a head")
+        page.reload()
+        page.locator("#mode input[value=eagle2]").wait_for(state="detached", timeout=30_000)  # the page-load's restore
+        page.locator("#mode input[value=vanilla]:checked").wait_for(timeout=10_000)
+        runtime.replace(lambda: previous, "the test model")
+        page.get_by_role("tab", name="Models").click()
+        page.locator("#model-status").get_by_text("with an EAGLE draft head").wait_for(timeout=10_000)
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=10_000)
+    finally:
+        runtime.replace(lambda: previous, "the test model")
+
+
 def test_models_tab(page):
     page.get_by_role("tab", name="Models").click()
     page.get_by_text("Vicuna-13B v1.3").first.wait_for(timeout=10_000)
