@@ -572,6 +572,9 @@ def run_eval_heads(args) -> int:
     finally:  # a head refused later (one that does not fit this model) keeps the figures of those judged before it
         if json_out and results:
             json_out.write_text(json.dumps(results, indent=1) + "\n")
+            if len(results) < len(sources):  # stopped: say which heads the file lacks
+                missing = ", ".join(str(source) for source in sources if source not in results)
+                print(f"wrote {args.json_out} with the {len(results)} of {len(sources)} heads judged before it stopped; not judged: {missing}", file=sys.stderr)
     return 0
 
 
