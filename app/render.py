@@ -367,6 +367,10 @@ def stats_html(
     return f'<div class="kestrel-stats"><table>{cells}</table>{footer}</div>'
 
 
+# the depth chart's order: its labels sorted as text put 10-16 between 1 and 2 (the context branch drafts deeper than 9)
+DEPTH_ORDER = [str(depth) for depth in range(1, 129)]
+
+
 def depth_frame(snapshot: Snapshot | None) -> pd.DataFrame:
     """Acceptance rate per draft depth, for the bar chart."""
     rates = snapshot.acceptance_by_depth if snapshot is not None else ()

@@ -76,7 +76,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     with gr.Column(scale=2):
                         stats = gr.HTML(render.stats_html(None, 0, None), elem_id="stats")
                         depth_plot = gr.BarPlot(
-                            render.depth_frame(None), x="depth", y="acceptance", y_lim=[0, 1],
+                            render.depth_frame(None), x="depth", y="acceptance", y_lim=[0, 1], sort=render.DEPTH_ORDER,
                             title="Acceptance per draft depth", height=170, elem_id="depth-plot",
                         )  # fmt: skip
                         rate_plot = gr.LinePlot(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -136,6 +137,24 @@ def test_chat_streams_reply_and_live_stats(page):
         timeout=10_000,
     )
     screenshot(page, "chat")
+
+
+def test_depth_chart_in_depth_order_after_the_tab_came_back_mid_reply(page):
+    """A reply whose context branch drafts past depth 9, with the Models tab
+    opened and closed while it streams: the reply ends, and the depth chart
+    lists its depths in order (sorted as text, 10 and up stood between 1 and 2)."""
+    settings(page, 200)
+    send(page, "w1 w2 w4")
+    page.locator("#stat-tokens").wait_for(timeout=30_000)
+    for _ in range(2):
+        page.get_by_role("tab", name="Models").click()
+        time.sleep(0.3)
+        page.get_by_role("tab", name="Chat").click()
+        time.sleep(0.3)
+    page.get_by_text(re.compile("The reply reached the (token limit|context window)")).wait_for(timeout=60_000)
+    ticks = page.locator("#depth-plot svg [aria-label^='X-axis'] text").evaluate_all("(ts) => ts.map((t) => t.textContent.trim())")
+    depths = [int(tick) for tick in ticks if tick.isdigit()]
+    assert len(depths) >= 10 and depths == sorted(depths), ticks
 
 
 def test_stop_button_ends_the_reply(page):
