@@ -155,25 +155,52 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     just enough for this turn: the next turns then drop the same ones, until the
     chat has grown by another step. So a long chat's prompt keeps its start, and
     its next turn continues the caches kept from the previous reply instead of
-    reading the whole window again at every turn."""
+    reading the whole window again at every turn. Where the step would take a
+    long message too (a pasted text), it stays while it fits."""
     system = [m for m in messages if m["role"] == "system"]
     turns = [m for m in messages if m["role"] != "system"]
     window = engine.context_limit - room
-    full = prompt_length(engine, system + turns)
-    if full is not None and full <= window:
+    lengths: dict[int, int | None] = {}  # prompt length with the oldest d turns dropped, each encoded once
+
+    def length(dropped: int) -> int | None:
+        if dropped not in lengths:
+            lengths[dropped] = prompt_length(engine, system + turns[dropped:])
+        return lengths[dropped]
+
+    full = length(0)
+    if not turns or (full is not None and full <= window):
         return system + turns, 0
+    last = len(turns) - 1  # the newest message always stays
+    needed = fewest_dropped(length, last, window)
+    if needed is None:  # too long even alone: the engine names it
+        return system + turns[last:], last
     step = max(1, engine.context_limit // CONTEXT_STEPS)
     # what dropped turns must free: the excess rounded up to a whole step, which stays the same while the chat grows within it
     stepped = full - -(-(full - window) // step) * step if full is not None else window
-    enough = None  # the fewest turns dropped that fit the window, where none frees a whole step
-    for dropped in range(1, len(turns)):
-        length = prompt_length(engine, system + turns[dropped:])
-        if length is not None and length <= stepped:
-            return system + turns[dropped:], dropped
-        if enough is None and length is not None and length <= window:
-            enough = dropped
-    dropped = len(turns) - 1 if enough is None else enough  # the newest message alone, when too long: the engine names it
+    dropped = fewest_dropped(length, last, stepped) or needed
+    if dropped > needed and length(dropped) < window - step:  # the step took a long message: keep it while it fits
+        dropped = next(d for d in range(dropped - 1, needed - 1, -1) if length(d) is not None)
     return system + turns[dropped:], dropped
+
+
+def fewest_dropped(length, last: int, budget: int) -> int | None:
+    """The fewest oldest turns (1..last) to drop for a prompt within `budget`
+    tokens that the chat template takes, by bisection: prompts shrink as turns
+    are dropped, and a count the template refuses (length None) is judged by the
+    next one it takes. None where no count does."""
+
+    def taken(dropped: int) -> int | None:
+        return next((d for d in range(dropped, last + 1) if length(d) is not None), None)
+
+    low, high, found = 1, last, None
+    while low <= high:
+        middle = (low + high) // 2
+        first = taken(middle)
+        if first is not None and length(first) <= budget:
+            found, high = first, middle - 1
+        else:
+            low = middle + 1
+    return found
 
 
 CONTEXT_STEPS = 8  # past the context window, the oldest turns are dropped in steps of 1/8 of it

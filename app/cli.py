@@ -540,7 +540,7 @@ def run_eval_heads(args) -> int:
 
     set_threads(args.threads)
     json_out = check_writable(args.json_out, "--json") if args.json_out else None
-    sources = ([args.head] if args.head else []) + args.heads
+    sources = list(dict.fromkeys(([args.head] if args.head else []) + args.heads))  # a head named twice is judged once
     if not sources and default_head(args.model) is not None:
         sources = [str(default_head(args.model))]  # the bundled head, as --head's help says
     if not sources:

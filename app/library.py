@@ -105,6 +105,9 @@ def read_json(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+LOADED = "Loaded."  # the Models tab's notice after a load
+
+
 class LibraryHandlers:
     def __init__(self, runtime: Runtime, heads_dir: Path, device: str = "auto", compile: str = "auto"):
         """device, compile: how models loaded here are placed and compiled (`ui --device/--compile`)."""
@@ -157,7 +160,14 @@ class LibraryHandlers:
             return self.status(), f"Loading failed: {render.escape(text)} {kept}", gr.skip()
         modes = engine.modes
         mode_update = gr.update(choices=mode_choices(modes), value=modes[-1])
-        return self.status(), "Loaded.", mode_update
+        return self.status(), LOADED, mode_update
+
+    def load_here(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
+        """load, and this tab's wanted mode: a model loaded here sets the mode
+        itself, so a mode wanted from before (one saved, or a model's without a
+        head) is no longer given back. Outputs: status, notice, mode selector, wanted mode."""
+        status, notice, mode_update = self.load(model, head, trained, quantization, dtype)
+        return status, notice, mode_update, None if notice == LOADED else gr.skip()
 
     def unload(self) -> tuple:
         """Outputs: status, notice, mode selector."""

@@ -218,13 +218,13 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             compare.benchmark, [upload, limit, *controls], bench_outputs, **MODEL
         )  # fmt: skip
 
+        wanted_mode = gr.State(None)  # the mode this tab's user picked (or saved), given back when a model has it again
         entry.input(library.pick, entry, [model_box, head_box])
-        load.click(library.load, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode], **MODEL).then(
+        load.click(library.load_here, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode, wanted_mode], **MODEL).then(
             library.heads, None, trained
         )  # fmt: skip
         unload.click(library.unload, None, [status, load_notice, mode], **MODEL).then(library.heads, None, trained)
 
-        wanted_mode = gr.State(None)  # the mode this tab's user picked (or saved), given back when a model has it again
         demo.load(chat.restore_page, None, [*controls, system, chatbot, chat_state, chats, stats, notice, wanted_mode])
         demo.load(library.status, None, status).then(library.heads, None, trained)
         # what another tab loaded or unloaded since this page was opened

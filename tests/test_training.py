@@ -414,6 +414,9 @@ def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_di
     assert main([*command, "--json", str(tmp_path / "figures.json"), str(tmp_path / "head"), str(other)]) == 2
     assert list(json.loads((tmp_path / "figures.json").read_text())) == [str(tmp_path / "head")]
     assert f"with the 1 of 2 heads judged before it stopped; not judged: {other}" in capsys.readouterr().err
+    assert main([*command, "--json", str(tmp_path / "figures.json"), str(tmp_path / "head"), str(tmp_path / "head")]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.count(f"{tmp_path / 'head'}: top-1") == 1 and "stopped" not in printed.err  # named twice, judged once
     assert main(["eval-heads", "--features", str(tmp_path / "nowhere"), str(tmp_path / "head")]) == 2
 
 

@@ -435,6 +435,33 @@ def test_a_long_chat_drops_its_oldest_turns_in_steps(engine):
         assert whole - len(prompts[index]) < needed + Window.context_limit // 8 + 60
 
 
+def test_a_pasted_text_stays_while_it_fits_and_long_chats_encode_a_few_times(engine):
+    """Where the step would drop a long pasted text together with the short
+    messages before it, the text stays while it fits; and a chat of hundreds of
+    messages is fitted with a few dozen encodes, not one per message dropped."""
+    class Window:
+        context_limit = 2048
+        calls = 0
+
+        def encode(self, messages):
+            Window.calls += 1
+            return engine.encode(messages)
+
+    short = [{"role": role, "content": "w1 w2"} for role in ("user", "assistant") * 4]
+    paste = {"role": "user", "content": " ".join(["w3"] * 1500)}
+    messages = [*short, paste, {"role": "assistant", "content": "w4"}, {"role": "user", "content": "w5"}]
+    over = len(engine.encode(messages)) + 16 - Window.context_limit
+    paste["content"] = " ".join(["w3"] * (1500 - over + 5))  # 5 tokens over the window, or about
+    fitted, dropped = fit_context(Window(), messages, room=16)
+    assert paste in fitted and 0 < dropped <= len(short), dropped
+    assert len(engine.encode(fitted)) + 16 <= Window.context_limit
+    many = [{"role": role, "content": f"w{index % 9 + 1} w2 w3"} for index, role in enumerate(("user", "assistant") * 300)]
+    Window.calls = 0
+    fitted, dropped = fit_context(Window(), many, room=16)
+    assert len(engine.encode(fitted)) + 16 <= Window.context_limit and fitted[-1] is many[-1]
+    assert Window.calls <= 40, Window.calls
+
+
 def test_a_reply_cut_at_the_window_stays_for_continue(engine):
     """A long pasted message, its reply cut at the context window, then
     "continue": the paste is dropped, and the reply it continues stays (the
@@ -706,6 +733,27 @@ def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store,
     (tmp_path / "notes.txt").write_text("x")
     status, notice, _ = library.load(str(tiny_dir), str(tmp_path / "notes.txt"), None, "none", "float32")
     assert "is a file; a draft head is the folder holding config.json and its weights." in notice
+
+
+def test_a_model_loaded_in_the_tab_replaces_the_mode_it_wanted(engine, store, tmp_path, monkeypatch):
+    """A page opened without a head wants its saved mode back; a model loaded
+    in that tab sets the mode itself (EAGLE-2), and that is the one given back
+    after another tab's model without a head (the saved EAGLE came back)."""
+    import app.library
+
+    runtime = Runtime(Engine(engine.base))  # no head: the page-load wanted the saved "eagle" back
+    library = LibraryHandlers(runtime, store.folder / "heads", "cpu", "off")
+    wanted = "eagle"
+    assert library.load_here(str(tmp_path / "missing"), "", None, "none", "float32")[-1] == gr.skip()  # a failed load keeps it
+    monkeypatch.setattr(app.library, "load_pair", lambda *args: engine)
+    *_, mode, wanted = library.load_here("", "", None, "none", "float32")
+    assert mode["value"] == "eagle2" and wanted is None
+    runtime.replace(lambda: Engine(engine.base), "the same model without a head")  # as another tab's Load would
+    mode, wanted = library.modes("eagle2", wanted)
+    assert mode["value"] == "vanilla" and wanted == "eagle2"
+    runtime.replace(lambda: engine, "the pair again")
+    mode, wanted = library.modes("vanilla", wanted)
+    assert mode["value"] == "eagle2"
 
 
 def test_catalog_and_trained_heads(engine, tmp_path):
