@@ -178,7 +178,9 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     # what dropped turns must free: the excess rounded up to a whole step, which stays the same while the chat grows within it
     stepped = full - -(-(full - window) // step) * step if full is not None else window
     dropped = fewest_dropped(length, last, stepped) or needed
-    if dropped > needed and length(dropped) < window - step:  # the step took a long message: keep it while it fits
+    # the step took a long message (it frees a step more than the step's target): keep it while it fits; judged
+    # against the target, not this turn's excess, so that the choice too stays the same while the chat grows within it
+    if dropped > needed and length(dropped) < stepped - step:
         dropped = next(d for d in range(dropped - 1, needed - 1, -1) if length(d) is not None)
     return system + turns[dropped:], dropped
 

@@ -413,26 +413,28 @@ def test_a_long_chat_drops_its_oldest_turns_in_steps(engine):
     chat has grown by another eighth of the window; just enough dropped at
     every turn would change the prompt's start at every turn."""
     class Window:  # the bundled tokenizer with a small window
-        context_limit = 3200
+        context_limit = 2048
         encode = staticmethod(engine.encode)
 
     messages, prompts, drops = [{"role": "system", "content": "w2"}], [], []
     for turn in range(60):
-        messages.append({"role": "user", "content": " ".join([f"w{turn % 7 + 1}"] * 40)})
+        messages.append({"role": "user", "content": " ".join([f"w{turn % 7 + 1}"] * 10)})
         fitted, dropped = fit_context(Window(), messages, room=16)
         prompt = engine.encode(fitted)
         assert len(prompt) + 16 <= Window.context_limit and fitted[-1] is messages[-1] and fitted[0] is messages[0]
         prompts.append(prompt)
         drops.append(dropped)
-        messages.append({"role": "assistant", "content": " ".join(["w3"] * 40)})
+        messages.append({"role": "assistant", "content": " ".join([f"w{turn % 5 + 3}"] * (90 + 7 * (turn % 4)))})  # replies of varying length
     past = [index for index, dropped in enumerate(drops) if dropped]
     assert len(past) >= 15  # the chat went well past the window
     continued = [index for index in past[1:] if prompts[index][: len(prompts[index - 1])] == prompts[index - 1]]
-    assert len(continued) >= len(past) // 2, (drops, continued)
+    # a step is about two and a half turns here (just enough dropped each turn: none continued); a step judged
+    # against each turn's excess rather than its fixed target flipped from turn to turn and continued 11 of 42
+    assert 5 * len(continued) >= 2 * len(past), (drops, continued)
     for index in past:  # never more dropped than a step beyond what the window needs, and the rest of a message
         whole = len(engine.encode(messages[: 2 * index + 2]))
         needed = whole + 16 - Window.context_limit
-        assert whole - len(prompts[index]) < needed + Window.context_limit // 8 + 60
+        assert whole - len(prompts[index]) < needed + Window.context_limit // 8 + 130
 
 
 def test_a_pasted_text_stays_while_it_fits_and_long_chats_encode_a_few_times(engine):
