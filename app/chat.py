@@ -4,6 +4,7 @@ directly); app/ui.py wires them to components."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import tempfile
@@ -160,12 +161,11 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     system = [m for m in messages if m["role"] == "system"]
     turns = [m for m in messages if m["role"] != "system"]
     window = engine.context_limit - room
-    lengths: dict[int, int | None] = {}  # prompt length with the oldest d turns dropped, each encoded once
 
+    @functools.cache  # each count encoded once
     def length(dropped: int) -> int | None:
-        if dropped not in lengths:
-            lengths[dropped] = prompt_length(engine, system + turns[dropped:])
-        return lengths[dropped]
+        """The prompt's length with the oldest `dropped` turns dropped."""
+        return prompt_length(engine, system + turns[dropped:])
 
     full = length(0)
     if not turns or (full is not None and full <= window):
@@ -185,7 +185,7 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     return system + turns[dropped:], dropped
 
 
-def fewest_dropped(length, last: int, budget: int) -> int | None:
+def fewest_dropped(length: Callable[[int], int | None], last: int, budget: int) -> int | None:
     """The fewest oldest turns (1..last) to drop for a prompt within `budget`
     tokens that the chat template takes, by bisection: prompts shrink as turns
     are dropped, and a count the template refuses (length None) is judged by the

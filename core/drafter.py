@@ -147,12 +147,20 @@ class Drafter:
         self.pending.append((features, next_tokens))
         self.index.extend(next_tokens.tolist())
 
+    def joined_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pending committed pairs as one (features (T, F), next tokens (T,)), or None."""
+        if not self.pending:
+            return None
+        if len(self.pending) > 1:
+            self.pending = [(torch.cat([f for f, _ in self.pending]), torch.cat([t for _, t in self.pending]))]
+        return self.pending[0]
+
     def catch_up(self) -> None:
         """Run the head over the pending committed pairs, in one forward."""
-        if not self.pending:
+        pending = self.joined_pending()
+        if pending is None:
             return
-        features = torch.cat([f for f, _ in self.pending])
-        next_tokens = torch.cat([t for _, t in self.pending])
+        features, next_tokens = pending
         self.pending = []
         start, count = self.cache.length, len(next_tokens)
         device = features.device

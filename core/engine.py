@@ -150,11 +150,8 @@ class _Kept:
 
     def nbytes(self) -> int:
         """The memory its caches hold (their buffers' room to grow included)."""
-        tensors = [self.head_cache.keys, self.head_cache.values, *(self.pending or ())] if self.head_cache is not None else []
-        for layer in self.cache.layers:
-            growing = isinstance(layer, kv_cache.GrowingLayer)
-            tensors += [layer.key_buffer, layer.value_buffer] if growing else [layer.keys, layer.values]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
+        head = [self.head_cache.keys, self.head_cache.values, *(self.pending or ())] if self.head_cache is not None else []
+        return kv_cache.nbytes(self.cache) + sum(tensor.numel() * tensor.element_size() for tensor in head if tensor is not None)
 
 
 class Engine:
@@ -459,7 +456,6 @@ class _Run:
         kept: _Kept | None = None, first: int = 0,
     ):  # fmt: skip
         """kept, first: caches to continue and how many of their positions this prompt keeps (Engine._take_kept)."""
-        check_prompt(engine, prompt_ids)
         self.engine, self.model, self.drafter, self.sampling = engine, engine.model, drafter, sampling
         self.prompt_ids = prompt_ids
         self.device = self.model.get_input_embeddings().weight.device
@@ -473,7 +469,7 @@ class _Run:
         # prompt tokens per prefill forward; one forward where a sliding window's cache
         # keeps fewer keys than an explicit mask over the whole prompt would cover
         self.chunk = len(prompt_ids) if kv_cache.has_sliding_window(self.model.config) else PREFILL_CHUNK
-        self.first = first if kept is not None else 0  # the positions kept from an earlier request
+        self.first = first  # the positions kept from an earlier request (0 without kept caches)
         if self.first:
             self.cache = kept.cache
             kv_cache.commit(self.cache, self.first, [])  # cut back to the shared tokens
@@ -498,11 +494,12 @@ class _Run:
         if not self.committed or kv_cache.has_sliding_window(self.model.config):  # a window's cache is never continued
             return None
         head_cache, pending = None, None
-        drafter = self.drafter
-        if drafter is not None and drafter.cache.length + sum(len(tokens) for _, tokens in drafter.pending) == self.committed:
-            head_cache = drafter.cache
-            if drafter.pending:
-                pending = (torch.cat([f for f, _ in drafter.pending]), torch.cat([t for _, t in drafter.pending]))
+        if self.drafter is not None:
+            pending = self.drafter.joined_pending()
+            if self.drafter.cache.length + (0 if pending is None else len(pending[1])) == self.committed:
+                head_cache = self.drafter.cache
+            else:
+                pending = None
         return _Kept(self.cached_ids, following, self.cache, head_cache, pending)
 
     def read_prompt(self) -> Iterator[int]:

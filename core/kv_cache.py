@@ -112,6 +112,14 @@ def copy_prefix(cache: DynamicCache, model, length: int) -> DynamicCache | None:
     return copy
 
 
+def nbytes(cache: DynamicCache) -> int:
+    """The memory the cache's layers hold, a GrowingLayer's room to grow included."""
+    tensors = []
+    for layer in cache.layers:
+        tensors += [layer.key_buffer, layer.value_buffer] if isinstance(layer, GrowingLayer) else [layer.keys, layer.values]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
+
+
 def buffers(cache: DynamicCache, rows: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
     """For code that appends `rows` positions to every layer in place (the row
     kernel's pass ops, core/rowkernel.py), then calls `advance`: the positions
