@@ -443,6 +443,7 @@ def model_card(engine: Engine) -> dict:
             "dtype": str(base.dtype).removeprefix("torch."),
             "quantization": base.quantization,
             "compiled": engine.compiled is not None,
+            "cuda_graphs": engine.graphs_in_use,
         },
     }
 

@@ -55,7 +55,7 @@ def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) ->
     group.add_argument("--quantization", default="auto", choices=("auto", "none", "int4", "int8", "8bit", "4bit"), help="base model weights: int4 or int8 (CPU kernels; int4 Kestrel's own where a C++ compiler is found), 8bit or 4bit (bitsandbytes, for GPUs), or none; auto (default) = on CPUs int4 for a 4-bit GGUF where Kestrel's int4 kernel is built, else int8 where it is measured faster, else none")
     group.add_argument("--dtype", default="auto", choices=("auto", "float64", "float32", "bfloat16", "float16"), help="compute dtype (default auto: bf16/fp16 on GPUs; bf16 on CPUs with native bf16, else float32)")
     if decoding:
-        group.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="torch.compile the base model's decoder layers: auto (default) = on Linux CPUs with a C++ compiler (g++ or clang++), in float32 or bf16 (the first run compiles for about a minute, later runs read the cache in seconds), on, or off (eager)")
+        group.add_argument("--compile", default="auto", choices=("auto", "on", "graphs", "off"), help="torch.compile the base model's decoder layers, or replay its passes as CUDA graphs: auto (default) = compiled on Linux CPUs with a C++ compiler (g++ or clang++), in float32 or bf16 (the first run compiles for about a minute, later runs read the cache in seconds), CUDA graphs on NVIDIA GPUs; on (compiled), graphs, or off (eager)")
     group.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     group.add_argument("--threads", type=integer(1), help="CPU threads for torch (default: torch's choice)")
 

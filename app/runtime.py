@@ -164,7 +164,7 @@ class Runtime:
         elif engine.exact:
             head += "; tree passes compute bit for bit as vanilla steps (greedy replies identical)"
         quantization = "" if engine.base.quantization == "none" else f", {engine.base.quantization}"
-        compiled = ", compiled" if engine.compiled is not None else ""
+        compiled = ", compiled" if engine.compiled is not None else ", CUDA graphs" if engine.graphs_in_use else ""
         return f"{engine.base.name} ({engine.base.device}, {str(engine.base.dtype).removeprefix('torch.')}{quantization}{compiled}) {head}"
 
     def replace(self, loader: Callable[[], Engine], name: str = "a model") -> Engine:

@@ -370,6 +370,7 @@ def settings_of(engine, modes, sampling, tree, count, warmup) -> dict:
         "device": str(engine.base.device),
         "exact_trees": engine.exact,
         "compiled": engine.compiled is not None,
+        "cuda_graphs": engine.graphs_in_use,
         "threads": torch.get_num_threads(),
         "modes": list(modes),
         "prompts": count,

@@ -148,6 +148,7 @@ def device_name(device: torch.device) -> str:
 def cache_key(
     device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str,
     compiled: bool = False, row_kernel: str | None = None, int4_kernel: str | None = None, draft_kernel: str | None = None,
+    graphs: bool = False,
 ) -> dict:  # fmt: skip
     return {
         "version": VERSION,
@@ -158,6 +159,7 @@ def cache_key(
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": quantization,
         "compiled": compiled,
+        "graphs": graphs,
         "row_kernel": row_kernel,
         "int4_kernel": int4_kernel,
         "draft_kernel": draft_kernel,

@@ -27,7 +27,9 @@ from models.head import DraftHead, HeadCache
 if TYPE_CHECKING:
     from core.costs import Costs
 
-MAX_REST = 8  # most consecutive steps a planned drafter skips drafting before it looks again
+MAX_REST = 8  # most consecutive steps a planned drafter skips drafting before it looks again, where drafts are cheap
+EXPLORING = 0.1  # where they are dear: the share of a plain step's time that looking again may cost, at most
+LONGEST_REST = 256  # and the most steps it then skips
 
 # EAGLE-1's static tree, sized for a CPU: each path lists child ranks from the
 # root, e.g. (0, 1) is the head's second choice after its first choice.
@@ -196,16 +198,22 @@ class Drafter:
             tokens, parents = graft(tokens, parents, lookup_continuation(self.index.tokens, self.params.lookup_tokens))
         return make_tree(root, tokens, parents)
 
-    def _rest_after(self, drafted_rate: float, curve: torch.Tensor) -> None:
-        """After a planned draft: if its expected rate, its drafting included,
-        is below a plain step's (no head work at all), the context is one
-        where drafting does not pay, so skip the head for the next steps:
-        1, then 2, 4, up to MAX_REST steps while that stays so."""
-        plain = 1 / float(curve[0])  # a step that drafts nothing does no head work (commits wait, see `commit`)
-        if drafted_rate >= plain:
+    def _rest_after(self, drafted_rate: float, curve: torch.Tensor, draft_seconds: float) -> None:
+        """After a planned draft that took `draft_seconds`: if its expected
+        rate, its drafting included, is below a plain step's (no head work at
+        all), the context is one where drafting does not pay, so skip the head
+        for the next steps: 1, then 2, 4, up to MAX_REST steps while that
+        stays so, and further where a draft costs more than MAX_REST *
+        EXPLORING of a plain step (a GPU whose passes replay as graphs while
+        the head's work is dispatched op by op: one H100 there drafted for
+        about 27 ms against 4 ms a step), so that the drafts that look again
+        cost at most about EXPLORING of the time."""
+        plain_seconds = float(curve[0])  # a step that drafts nothing does no head work (commits wait, see `commit`)
+        if drafted_rate >= 1 / plain_seconds:
             self.unprofitable = 0
             return
-        self.resting = min(2**self.unprofitable, MAX_REST)
+        longest = min(max(MAX_REST, math.ceil(draft_seconds / (EXPLORING * plain_seconds))), LONGEST_REST)
+        self.resting = min(2**self.unprofitable, longest)
         self.unprofitable += 1
 
     def discard(self) -> None:
@@ -332,7 +340,7 @@ class Drafter:
         closed = planner.closed_estimates(torch.tensor(estimates), parents)
         order = planner.ranked(closed)
         size, rate = planner.best_size(closed[order], curve, spent)
-        self._rest_after(rate, curve)
+        self._rest_after(rate, curve, time.perf_counter() - started)
         chosen = sorted(order[: size - 1].tolist())
         self.drafted = Drafted(
             head_confidence=torch.tensor(head_confidence, dtype=torch.float64)[chosen],

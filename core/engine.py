@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from core import attention, compiled, costs, kv_cache, rowkernel
+from core import attention, compiled, costs, graphs, kv_cache, rowkernel
 from core.argmax import ScreenedArgmax
 from core.capture import LayerCapture
 from core.calibration import Calibrations, CurvePoint, DraftTiming, setting_of
@@ -36,7 +36,7 @@ from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectur
 from models.head import DraftHead, HeadCache
 
 
-COMPILE_CHOICES = ("auto", "on", "off")
+COMPILE_CHOICES = ("auto", "on", "graphs", "off")
 log = logging.getLogger("kestrel")
 
 # prompt tokens per prefill forward: a long prompt is read in chunks, so Stop
@@ -156,9 +156,11 @@ class _Kept:
 
 class Engine:
     def __init__(self, base: LoadedModel, head: DraftHead | None = None, head_name: str | None = None, compile: str = "off"):
-        """compile: "off", "on" (torch.compile the base model's decoder layers)
-        or "auto" (on where it runs here: CPUs with a C++ compiler); a model
-        that fails to compile stays eager (core/compiled.py)."""
+        """compile: "off", "on" (torch.compile the base model's decoder layers),
+        "graphs" (steps and tree passes replayed as CUDA graphs, core/graphs.py;
+        on CPUs the same static passes, uncaptured) or "auto" (on CPUs with a
+        C++ compiler, graphs on CUDA GPUs); a model that fails to compile stays
+        eager (core/compiled.py), one whose graphs fail to capture decodes eagerly."""
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
         self.base = base
@@ -179,6 +181,12 @@ class Engine:
             self.compiled = None
         if self.compiled is None and (compile == "on" or (compile == "auto" and compiled.worth_trying(base.device, base.dtype))):
             self.compiled = compiled.compile_model(self.model, lambda line: log.info(line))
+        self.graphed = graphs.of(self.model)
+        if self.graphed is not None and compile != "graphs" and not (compile == "auto" and graphs.worth_trying(base.device)):
+            graphs.ungraph(self.graphed)
+            self.graphed = None
+        if self.compiled is None and self.graphed is None and (compile == "graphs" or (compile == "auto" and graphs.worth_trying(base.device))):
+            self.graphed = graphs.graph_model(self.model, capture=base.device.type == "cuda")
         if self.compiled is not None and self.draft_head is not None:  # the compiler works here: the head too
             embed = head.embed_tokens if head.embed_tokens is not None else self.model.get_input_embeddings()
             self.draft_head = compiled.compile_head(self.draft_head, embed, lambda line: log.info(line)) or self.draft_head
@@ -188,7 +196,7 @@ class Engine:
         # asked on CPUs only: GPU libraries pick kernels by shape, and a per-row attention over
         # 60-node trees would cost a GPU thousands of small launches per pass. Asked with or without
         # a head, so that the model's own replies (vanilla) do not depend on whether a head is loaded
-        self.exact = self.speculation_problem() is None and base.device.type == "cpu" and self._make_exact()
+        self.exact = self.speculation_problem() is None and base.device.type == "cpu" and self.graphed is None and self._make_exact()
         # EAGLE-3 heads read hidden states of chosen base layers, captured during each base forward
         self.capture = LayerCapture(self.model, head.layer_ids) if head is not None and head.layer_ids else None
         if self.capture is not None and self.compiled is not None:
@@ -265,7 +273,7 @@ class Engine:
         base = self.base
         key = costs.cache_key(
             base.device, base.name, self.head_name, base.dtype, base.quantization,
-            compiled=self.compiled is not None, row_kernel=self._row_kernel(),
+            compiled=self.compiled is not None, graphs=self.graphed is not None, row_kernel=self._row_kernel(),
             int4_kernel=int4.kernel_of(self.model), draft_kernel=self._draft_kernel(),
         )  # fmt: skip
         folder = costs_folder()
@@ -313,6 +321,11 @@ class Engine:
             attention.use(self.model, exact)
 
     @property
+    def graphs_in_use(self) -> bool:
+        """Whether the base model's passes replay as CUDA graphs (not given up)."""
+        return self.graphed is not None and self.graphed.capture and self.graphed.problem is None
+
+    @property
     def modes(self) -> tuple[str, ...]:
         """The modes this model and head can run."""
         return MODES if self.head is not None and self.speculation_problem() is None else ("vanilla",)
@@ -325,7 +338,7 @@ class Engine:
         config = self.model.config
         if kv_cache.has_sliding_window(config):
             return f"speculative decoding does not support sliding-window attention ({config.model_type})"
-        if config._attn_implementation not in ("sdpa", attention.NAME, compiled.NAME):
+        if config._attn_implementation not in ("sdpa", attention.NAME, compiled.NAME, graphs.NAME):
             return f"speculative decoding needs sdpa attention, not {config._attn_implementation}"
         return None
 

@@ -62,10 +62,11 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 
-    def reserve(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The buffers, with room for positions up to `end` (they move when they grow)."""
+    def reserve(self, end: int, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, with room for positions up to `end` (they move when
+        they grow, to `capacity` positions where given)."""
         if end > self.key_buffer.shape[-2] or end > self.value_buffer.shape[-2]:
-            capacity = max(end + GROWTH, 2 * self.key_buffer.shape[-2])
+            capacity = max(end, capacity or max(end + GROWTH, 2 * self.key_buffer.shape[-2]))
             keys, values = self.keys, self.values
             self.key_buffer, self.value_buffer = _larger(keys, capacity), _larger(values, capacity)
         return self.key_buffer, self.value_buffer
@@ -87,8 +88,11 @@ def _adopt(tensor: torch.Tensor | None, buffer: torch.Tensor | None) -> tuple[to
 
 
 def _larger(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
-    """A buffer of `capacity` positions starting with `tensor`'s."""
-    buffer = tensor.new_empty((*tensor.shape[:-2], capacity, tensor.shape[-1]))
+    """A buffer of `capacity` positions starting with `tensor`'s, zeros after
+    them: attention under a mask over the whole buffer (core/graphs.py) weighs
+    the positions it hides by zero, and zero times a NaN of uninitialized
+    memory would still be NaN."""
+    buffer = tensor.new_zeros((*tensor.shape[:-2], capacity, tensor.shape[-1]))
     buffer[..., : tensor.shape[-2], :] = tensor
     return buffer
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from core import compiled
+from core import compiled, graphs
 from core.argmax import ScreenedArgmax
 from core.config import SamplingParams
 from core.kv_cache import new_cache
@@ -21,7 +21,7 @@ from models import int8
 def base_forward(model, tokens, positions, mask, cache):
     """-> features (T, H): the last hidden state after the final norm.
     tokens, positions: (T,) int64; mask: (T, past + T) bool or None for causal."""
-    fast = compiled.of(model)
+    fast = compiled.of(model) or graphs.of(model)
     if fast is not None:
         return fast.forward(tokens, positions, mask, cache)
     attention_mask = None if mask is None else mask[None, None]

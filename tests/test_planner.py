@@ -2,7 +2,9 @@
 functions on synthetic tables, then the engine with the planner on."""
 
 import json
+import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from core import planner
 from core.calibration import Calibration, Calibrations, Continuation, DraftTiming
 from core.config import SamplingParams, TreeParams
 from core.costs import Costs
+from core.drafter import EXPLORING, LONGEST_REST, Drafter
 from core.engine import Engine
 from core.lookup import ContextIndex
 from models.base import load_base
@@ -391,3 +394,26 @@ def test_costs_are_measured_over_ordinary_text(tiny_dir, monkeypatch, tmp_path):
     monkeypatch.setattr(engine_module, "SAMPLE_TEXT", tmp_path / "missing.jsonl")
     Engine(base, random_head(base.model)).prepare_costs(remeasure=True)
     assert set(roots) == {None} and all(tokens != (text * 10)[: len(tokens)] for tokens in contexts if len(tokens) in costs_module.CONTEXTS)
+
+
+def test_rests_grow_past_max_rest_only_where_drafts_cost_many_steps():
+    """Rests double while drafts do not pay: up to MAX_REST steps where a
+    draft is cheap; where one costs about seven plain steps (graphed passes
+    on a GPU, the head dispatched op by op), until looking again costs about
+    EXPLORING of the time. A draft that pays ends the rests."""
+    curve = torch.tensor([0.004, 0.0045, 0.005])
+
+    def rests(draft_seconds: float, drafts: int) -> list[int]:
+        drafter = SimpleNamespace(resting=0, unprofitable=0)
+        seen = []
+        for _ in range(drafts):
+            Drafter._rest_after(drafter, 100.0, curve, draft_seconds)  # 100 tokens/s: below a plain step's 250
+            seen.append(drafter.resting)
+        Drafter._rest_after(drafter, 300.0, curve, draft_seconds)
+        assert drafter.unprofitable == 0
+        return seen
+
+    assert rests(0.001, 6) == [1, 2, 4, 8, 8, 8]
+    longest = math.ceil(0.027 / (EXPLORING * 0.004))
+    assert rests(0.027, 9) == [1, 2, 4, 8, 16, 32, 64, longest, longest]
+    assert rests(10.0, 10)[-1] == LONGEST_REST

@@ -1,0 +1,292 @@
+"""Whole base-model passes replayed as CUDA graphs.
+
+On a GPU a one-token step of a small model is host work: about 1,200 kernel
+launches, each dispatched from Python through transformers' modules, while the
+GPU itself is busy a few milliseconds (profiled on one H200: 55.6 ms a step,
+2.2 ms of it on the GPU). A CUDA graph records the launches of one pass once
+and replays them with one call. A graph replays fixed shapes at fixed
+addresses, so a pass is made static:
+
+- rows: a one-token step or a tree pass of n nodes runs ROWS[k] >= n rows;
+  the padding rows each see only their own position and are dropped after;
+- the cache: each layer's keys and values are written in place, into the
+  buffers of core/kv_cache.GrowingLayer at positions length .. length + rows,
+  and attention reads the whole buffer under a mask (rows, capacity) that
+  shows each row the positions it may see; the rows beyond the real ones are
+  never committed (kv_cache.advance keeps `length + n`);
+- inputs (tokens, positions, the slots written, the mask) are copied into
+  tensors the graph owns before each replay, and its output is copied out.
+
+A graph is kept per row count and set of cache buffers (their addresses), so a
+conversation's steps replay the graphs captured in its first steps; a cache
+that moves (it grew, or a new conversation's) gets new ones, up to MAX_GRAPHS
+in all, the least recently used dropped. Growing buffers by CAPACITY_STEP
+positions at least keeps such moves rare.
+
+The transformers modules are unchanged: the loop over them is the decoder's
+(embedding, rotary embedding, layers, final norm, as core/compiled.py runs it),
+and attention is registered through transformers' attention interface; outside
+a static pass it is sdpa, so prefill (a causal pass of any length) and
+transformers' own generate run eagerly as before. Forward pre-hooks (the
+layer captures of EAGLE-3 heads, core/capture.py) run at capture; after each
+replay they are handed the same layers' inputs again, from the graph's memory.
+
+Where a graph cannot be captured (a kernel that does not support capture, say)
+the model decodes eagerly from then on, with a log line saying why. On CPUs
+the same static passes run without capture (`Graphed(model, capture=False)`):
+the tests check there that they compute what eager passes do."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from core import kv_cache
+
+NAME = "kestrel_graphs"
+ATTRIBUTE = "_kestrel_graphs"  # on the model: its Graphed form
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # row counts a pass is padded to; larger passes run eagerly
+MAX_GRAPHS = 32
+CAPACITY_STEP = 1024  # positions a cache's buffers grow by, at least, under graphs
+log = logging.getLogger("kestrel")
+_local = threading.local()
+
+
+class _Static:
+    """One pass of `rows` rows over caches whose buffers hold `capacity`
+    positions: its input tensors, and once captured its graph and output."""
+
+    def __init__(self, rows: int, capacity: int, device: torch.device):
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slots = torch.arange(rows, device=device)  # cache positions the rows' keys and values go to
+        self.mask = torch.zeros(1, 1, rows, capacity, dtype=torch.bool, device=device)  # what each row sees
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None  # (1, rows, H) after the final norm
+        self.inputs: dict[int, torch.Tensor] = {}  # hooked module index -> its input (1, rows, H)
+
+    def fill(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, length: int) -> None:
+        """This pass's n rows at cache positions length .. length + n; the
+        padding rows after them see their own slot only."""
+        n, rows = len(tokens), len(self.tokens)
+        self.tokens[:n] = tokens
+        self.positions[:n] = positions
+        torch.arange(length, length + rows, out=self.slots)
+        visible = self.mask[0, 0]
+        visible.zero_()
+        if mask is None:  # one token: the prefix and itself
+            visible[0, : length + 1] = True
+        else:
+            visible[:n, : length + n] = mask
+        if rows > n:
+            visible[n:, length + n : length + rows].fill_diagonal_(True)
+
+
+class _State:
+    """What the attention entry of a static pass reads: the slots, the mask,
+    and every layer's key and value buffers."""
+
+    def __init__(self, static: _Static, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.static, self.keys, self.values = static, keys, values
+        self.packed: torch.Tensor | None = None
+
+
+def graphs_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query (1, H, T, D), this pass's key/value (1, H_kv, T, D) -> ((1, T, H, D), None):
+    inside a static pass, the keys and values written into the layer's buffers
+    and attention over all of them under the pass's mask; outside one, sdpa."""
+    state: _State | None = getattr(_local, "state", None)
+    if state is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
+    if unsupported:
+        raise NotImplementedError(f"graphed decoding does not model {', '.join(unsupported)}")
+    keys, values = state.keys[module.layer_idx], state.values[module.layer_idx]
+    keys.index_copy_(2, state.static.slots, key)
+    values.index_copy_(2, state.static.slots, value)
+    _, heads, rows, dim = query.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    if state.packed is None:  # the mask once a pass, a row for each query head of a group (below)
+        state.packed = state.static.mask.repeat(1, 1, groups, 1)  # (1, 1, G * T, capacity)
+    # the G query heads that share a key head become G * T rows over it, rather than the keys and
+    # values (the whole buffer) repeated G times
+    packed = query.reshape(1, kv_heads, groups * rows, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, keys, values, attn_mask=state.packed, scale=scaling)
+    return out.reshape(1, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, graphs_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def rows_for(count: int) -> int | None:
+    """The padded row count of a pass of `count` rows, None past the largest."""
+    return next((rows for rows in ROWS if rows >= count), None)
+
+
+class Graphed:
+    """A base model whose one-token steps and tree passes run as static passes,
+    captured as CUDA graphs where `capture`; `forward` is what
+    core/verify.base_forward runs for it."""
+
+    def __init__(self, model, capture: bool):
+        self.model, self.capture = model, capture
+        self.decoder = model.get_decoder()
+        self.layers = tuple(self.decoder.layers)
+        self.hookable = (*self.layers, self.decoder.norm)  # the modules whose inputs core/capture.py may keep
+        self.previous = model.config._attn_implementation
+        self.entries: OrderedDict[tuple, _Static] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.warmed: set[int] = set()  # row counts run once before their first capture
+        self.problem: str | None = None  # why graphs were given up, once they were
+        self.captures, self.capture_seconds = 0, 0.0  # graphs captured, and the time it took
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
+        count = len(tokens)
+        rows = rows_for(count)
+        if self.problem is not None or rows is None or (mask is None and count > 1):
+            return self.eager_forward(tokens, positions, mask, cache)
+        held = self._buffers(cache, rows)
+        if held is None:
+            return self.eager_forward(tokens, positions, mask, cache)
+        length, keys, values = held
+        hooked = tuple(index for index, module in enumerate(self.hookable) if module._forward_pre_hooks)
+        key = (rows, hooked, keys[0].shape[-2], tuple(buffer.data_ptr() for buffer in (*keys, *values)))
+        static = self.entries.get(key)
+        fresh = static is None
+        if fresh:
+            static = _Static(rows, keys[0].shape[-2], tokens.device)
+        static.fill(tokens, positions, mask, length)
+        if fresh and self.capture:
+            try:
+                self._capture(static, keys, values, hooked)
+            except Exception as error:  # a kernel that cannot be captured, say: eager from now on
+                self.give_up(f"capturing a CUDA graph failed ({type(error).__name__}: {str(error)[:200]})")
+                return self.eager_forward(tokens, positions, mask, cache)
+        if self.capture:
+            static.graph.replay()
+            out = static.out
+        else:
+            out = self._static_forward(static, keys, values, hooked)
+        if fresh:
+            self._keep(key, static)
+        else:
+            self.entries.move_to_end(key)
+        kv_cache.advance(cache, length + count)
+        for index in hooked:  # what the hooks would have seen, from the graph's memory
+            _run_pre_hooks(self.hookable[index], static.inputs[index][:, :count].clone())
+        return out[0, :count].clone()
+
+    def eager_forward(self, tokens, positions, mask, cache) -> torch.Tensor:
+        """The transformers decoder's own forward (attention: sdpa)."""
+        out = self.decoder(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            attention_mask=None if mask is None else mask[None, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state[0]
+
+    def give_up(self, problem: str) -> None:
+        self.problem = problem
+        self.entries.clear()
+        log.warning(f"Decoding eagerly: {problem}")
+
+    def _buffers(self, cache, rows: int):
+        """kv_cache.buffers with room for `rows` more positions, in buffers of
+        a multiple of CAPACITY_STEP positions: each move means new graphs, and
+        buffers of equal sizes are where the allocator tends to put the next
+        conversation's, whose steps then replay this one's graphs."""
+        layers = cache.layers
+        if layers and all(type(layer) is kv_cache.GrowingLayer and layer.is_initialized for layer in layers):
+            end, capacity = layers[0].length + rows, layers[0].key_buffer.shape[-2]
+            if end > capacity or capacity % CAPACITY_STEP:
+                wanted = max(end, 2 * capacity) if end > capacity else capacity
+                aligned = -(-wanted // CAPACITY_STEP) * CAPACITY_STEP
+                for layer in layers:
+                    layer.reserve(aligned, aligned)
+        return kv_cache.buffers(cache, rows)
+
+    def _capture(self, static: _Static, keys, values, hooked) -> None:
+        start = time.perf_counter()
+        rows = len(static.tokens)
+        if rows not in self.warmed:  # libraries set themselves up on a first call, which a capture must not see
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._static_forward(static, keys, values, hooked)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.warmed.add(rows)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static.out = self._static_forward(static, keys, values, hooked)
+        static.graph = graph
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
+
+    def _static_forward(self, static: _Static, keys, values, hooked) -> torch.Tensor:
+        """The decoder's forward over the static inputs -> (1, rows, H); keeps
+        the hooked modules' inputs in static.inputs."""
+        outer = getattr(_local, "state", None)
+        _local.state = _State(static, keys, values)
+        try:
+            decoder = self.decoder
+            position_ids = static.positions[None]
+            hidden = decoder.embed_tokens(static.tokens[None])
+            cos, sin = decoder.rotary_emb(hidden, position_ids)
+            for index, layer in enumerate(self.layers):
+                if index in hooked:
+                    static.inputs[index] = hidden
+                hidden = layer.forward(hidden, attention_mask=None, position_embeddings=(cos, sin), position_ids=position_ids, past_key_values=None, use_cache=False)
+            if len(self.layers) in hooked:
+                static.inputs[len(self.layers)] = hidden
+            return decoder.norm(hidden)
+        finally:
+            _local.state = outer
+
+    def _keep(self, key: tuple, static: _Static) -> None:
+        self.entries[key] = static
+        while len(self.entries) > MAX_GRAPHS:
+            self.entries.popitem(last=False)
+
+
+def _run_pre_hooks(module, hidden: torch.Tensor) -> None:
+    for hook_id, hook in module._forward_pre_hooks.items():
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, (hidden,), {})
+        else:
+            hook(module, (hidden,))
+
+
+def of(model) -> Graphed | None:
+    """The graphed form of `model`, if it has one."""
+    return getattr(model, ATTRIBUTE, None)
+
+
+def worth_trying(device: torch.device) -> bool:
+    """Whether compile="auto" replays graphs: on CUDA GPUs."""
+    return device.type == "cuda"
+
+
+def graph_model(model, capture: bool = True) -> Graphed:
+    """Run `model`'s steps and tree passes as static passes (captured as CUDA
+    graphs where `capture`) from now on."""
+    graphed = Graphed(model, capture)
+    model.set_attn_implementation(NAME)
+    setattr(model, ATTRIBUTE, graphed)
+    return graphed
+
+
+def ungraph(graphed: Graphed) -> None:
+    graphed.entries.clear()
+    graphed.model.__dict__.pop(ATTRIBUTE, None)
+    graphed.model.set_attn_implementation(graphed.previous)

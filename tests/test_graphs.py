@@ -1,0 +1,120 @@
+"""Static passes for CUDA graphs (core/graphs.py): padded rows, writes into
+the cache's buffers and a mask over their whole capacity compute what eager
+passes compute. Checked on CPUs without capture, in float64; the capture
+itself needs a CUDA GPU."""
+
+import pytest
+import torch
+
+from core import graphs, kv_cache
+from core.config import SamplingParams, TreeParams
+from core.engine import Engine
+from core.verify import base_forward
+from models.base import load_base
+from tests.factory import random_eagle3_head, random_head, save_tiny_model
+
+
+def tokens_of(steps) -> list[int]:
+    return [token for step in steps for token in step.token_ids]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_folder(request, tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("graphs") / request.param, request.param, vocab_size=48)
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_static_passes_decode_exactly_as_eager(tiny_folder, kind):
+    """float64: every mode through the static passes equals eager vanilla,
+    greedy and sampled, EAGLE-3's captured layers included."""
+    eager = Engine(load_base(str(tiny_folder), dtype="float64"), compile="off")
+    base = load_base(str(tiny_folder), dtype="float64")
+    head = random_head(base.model, seed=1) if kind == "eagle2" else random_eagle3_head(base.model, seed=1)
+    engine = Engine(base, head, compile="graphs")
+    graphed = engine.graphed
+    assert graphed is not None and graphs.of(base.model) is graphed and not graphed.capture
+    assert base.model.config._attn_implementation == graphs.NAME and engine.speculation_problem() is None
+    accepted = 0
+    for seed in range(3):
+        prompt = torch.randint(8, 48, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
+            reference = tokens_of(eager.stream(prompt, "vanilla", sampling))
+            assert tokens_of(engine.stream(prompt, "vanilla", sampling)) == reference
+            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3)), ("eagle2", TreeParams(30, 6, 5))):
+                steps = list(engine.stream(prompt, mode, sampling, tree))
+                assert tokens_of(steps) == reference, (mode, tree, seed, sampling)
+                accepted += sum(step.accepted for step in steps)
+    assert accepted > 0
+    assert len(graphed.entries) > 1  # one-token steps and padded tree passes ran static
+    assert {key[0] for key in graphed.entries} <= set(graphs.ROWS)
+
+
+def test_a_static_pass_computes_the_eager_features(tiny_folder):
+    """A 5-node tree padded to 8 rows, then one-token steps past the
+    buffers' capacity (they grow, and the passes move to new buffers): the
+    same features and cache contents as eager passes."""
+    base = load_base(str(tiny_folder), dtype="float64")
+    model = base.model
+    eager_cache, static_cache = kv_cache.new_cache(model), kv_cache.new_cache(model)
+    prompt = torch.arange(8, 8 + 30)
+    base_forward(model, prompt, torch.arange(30), None, eager_cache)
+    base_forward(model, prompt, torch.arange(30), None, static_cache)
+    graphed = graphs.graph_model(model, capture=False)
+    tokens = torch.tensor([9, 10, 11, 12, 13])
+    positions = torch.tensor([30, 31, 31, 32, 32])
+    mask = torch.ones(5, 35, dtype=torch.bool)
+    mask[:, 30:] = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    steps = [(tokens, positions, mask)] + [(torch.tensor([8 + step % 40]), torch.tensor([35 + step]), None) for step in range(graphs.CAPACITY_STEP)]
+    try:
+        static = [graphed.forward(*step, static_cache) for step in steps]
+        # buffers aligned to a whole step at the first static pass, then grown past it
+        assert [key[:3] for key in graphed.entries] == [(8, (), graphs.CAPACITY_STEP), (1, (), graphs.CAPACITY_STEP), (1, (), 2 * graphs.CAPACITY_STEP)]
+    finally:
+        graphs.ungraph(graphed)
+    assert model.config._attn_implementation != graphs.NAME
+    reference = [base_forward(model, *step, eager_cache) for step in steps]
+    for ours, theirs in zip(static, reference):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
+    assert static_cache.get_seq_length() == eager_cache.get_seq_length() == 35 + graphs.CAPACITY_STEP
+    for ours, theirs in zip(static_cache.layers, eager_cache.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=1e-9, atol=1e-9)
+
+
+def test_passes_past_the_largest_row_count_and_prefill_run_eagerly(tiny_folder):
+    base = load_base(str(tiny_folder), dtype="float64")
+    graphed = graphs.graph_model(base.model, capture=False)
+    try:
+        cache = kv_cache.new_cache(base.model)
+        base_forward(base.model, torch.arange(8, 20), torch.arange(12), None, cache)  # prefill: causal, eager
+        assert not graphed.entries and cache.get_seq_length() == 12
+        count = graphs.ROWS[-1] + 1
+        mask = torch.ones(count, 12 + count, dtype=torch.bool).tril(12)
+        base_forward(base.model, torch.full((count,), 9), torch.arange(12, 12 + count), mask, cache)
+        assert not graphed.entries and cache.get_seq_length() == 12 + count
+        base_forward(base.model, torch.tensor([9]), torch.tensor([12 + count]), None, cache)
+        assert len(graphed.entries) == 1 and cache.get_seq_length() == 13 + count
+    finally:
+        graphs.ungraph(graphed)
+
+
+def test_rows_are_padded_to_the_next_count():
+    assert [graphs.rows_for(count) for count in (1, 2, 3, 5, 9, 13, 60, 128)] == [1, 2, 4, 8, 12, 16, 64, 128]
+    assert graphs.rows_for(129) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="capturing CUDA graphs needs a CUDA GPU")
+def test_captured_graphs_replay_the_static_passes(tiny_folder):
+    """On a GPU: replayed graphs give the replies of uncaptured static passes (float32)."""
+    plain = Engine(load_base(str(tiny_folder), dtype="float32", device="cuda"), compile="graphs")
+    base = load_base(str(tiny_folder), dtype="float32", device="cuda")
+    engine = Engine(base, random_head(base.model, seed=1).to(base.device), compile="graphs")
+    assert engine.graphs_in_use
+    plain.graphed.capture = False
+    prompt = list(range(8, 20))
+    sampling = SamplingParams(max_new_tokens=24)
+    reference = tokens_of(plain.stream(prompt, "vanilla", sampling))
+    assert tokens_of(engine.stream(prompt, "vanilla", sampling)) == reference
+    steps = list(engine.stream(prompt, "eagle2", sampling, TreeParams(12, 4, 3)))
+    assert engine.graphs_in_use and engine.graphed.captures > 0
+    assert len(tokens_of(steps)) == len(reference)
