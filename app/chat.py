@@ -529,7 +529,7 @@ class ChatHandlers:
         except (KestrelError, ValueError) as error:
             yield from self._failed(chat, message, colour, str(error), kept)
             return
-        self._update_settings({**dict(zip(SETTINGS, values)), "system": chat["system"], "open_chat": chat["id"]})
+        self._update_settings({**self._chosen(values), "system": chat["system"], "open_chat": chat["id"]})
         mode, note = mode_for(engine, options.mode)
         if mode == "eagle2" and (short := options.tree.shortfall(tuple(f'"{LABELS[name]}"' for name in TREE_SETTINGS))):
             note = f"{note} {short}".strip()
@@ -863,10 +863,19 @@ class ChatHandlers:
     def remember(self, system: str, *values):
         """Save the settings as soon as they change. Output: notice (said only where they cannot be saved)."""
         try:
-            self.store.update_settings({**dict(zip(SETTINGS, values)), "system": system})
+            self.store.update_settings({**self._chosen(values), "system": system})
         except OSError as error:
             return notice_html(f"The settings could not be saved ({error}); they apply until the page is closed.")
         return gr.skip()
+
+    def _chosen(self, values: Sequence) -> dict:
+        """The settings controls' values to save: the mode only where the
+        page offered a choice. A model without a draft head shows vanilla
+        alone, and saving that would lose the EAGLE mode the user had."""
+        settings = dict(zip(SETTINGS, values))
+        if settings.get("mode") == "vanilla" and self.runtime.loaded_modes in ((), ("vanilla",)):
+            del settings["mode"]
+        return settings
 
     def _opened(self, chat_id: str | None) -> None:
         """Remember which chat the page shows (None: a new one, not saved yet), for the next page load."""

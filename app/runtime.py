@@ -151,6 +151,13 @@ class Runtime:
         engine = self.engine
         return engine.modes if engine is not None else ()
 
+    @property
+    def loaded_modes(self) -> tuple[str, ...]:
+        """The modes of the model loaded now, () while none is (nothing is loaded for asking)."""
+        with self._lock:
+            engine = self._engine
+        return engine.modes if engine is not None else ()
+
     def describe(self) -> str:
         engine = self.engine
         if engine is None:

@@ -184,12 +184,13 @@ class Drafter:
             return make_tree(root, [], [])
         started = time.perf_counter()  # a planned draft's time, its catch-up included as the table counts it
         self.catch_up()
+        looking = time.perf_counter()  # the catch-up is owed whenever the head next drafts: not a cost of looking
         committed = self.cache.length
         try:
             if self.static_paths is not None:
                 tokens, parents = self._draft_static()
             elif self.params.planned:
-                return make_tree(root, *self._draft_planned(started))
+                return make_tree(root, *self._draft_planned(started, looking))
             else:
                 tokens, parents = self._draft_dynamic()
         finally:
@@ -199,7 +200,7 @@ class Drafter:
         return make_tree(root, tokens, parents)
 
     def _rest_after(self, drafted_rate: float, curve: torch.Tensor, draft_seconds: float) -> None:
-        """After a planned draft that took `draft_seconds`: if its expected
+        """After a planned draft that took `draft_seconds` (after its catch-up): if its expected
         rate, its drafting included, is below a plain step's (no head work at
         all), the context is one where drafting does not pay, so skip the head
         for the next steps: 1, then 2, 4, up to MAX_REST steps while that
@@ -269,7 +270,7 @@ class Drafter:
         chosen = rerank(torch.cat(scores), parents, self.params.total_tokens - 1)
         return subtree(tokens, parents, chosen)
 
-    def _draft_planned(self, started: float) -> tuple[list[int], list[int]]:
+    def _draft_planned(self, started: float, looking: float) -> tuple[list[int], list[int]]:
         """EAGLE-2's expansion, sized by the planner: deepen while the next level
         could raise the expected tokens per second, then keep the best n nodes
         of head and context-branch candidates by calibrated acceptance."""
@@ -340,7 +341,7 @@ class Drafter:
         closed = planner.closed_estimates(torch.tensor(estimates), parents)
         order = planner.ranked(closed)
         size, rate = planner.best_size(closed[order], curve, spent)
-        self._rest_after(rate, curve, time.perf_counter() - started)
+        self._rest_after(rate, curve, time.perf_counter() - looking)
         chosen = sorted(order[: size - 1].tolist())
         self.drafted = Drafted(
             head_confidence=torch.tensor(head_confidence, dtype=torch.float64)[chosen],

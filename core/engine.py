@@ -175,18 +175,19 @@ class Engine:
         self.draft_head = head if head is None else int8.drafting_head(head)
         if self.model.config._attn_implementation == attention.NAME:
             attention.use(self.model, False)  # sdpa until _make_exact shows the row-invariant attention exact here
-        self.compiled = compiled.of(self.model)  # an engine made again for the same model keeps its compiled layers
-        if self.compiled is not None and compile == "off":
+        # an engine made again for the same model keeps its compiled layers or graphs where the setting asks for them
+        self.compiled, self.graphed = compiled.of(self.model), graphs.of(self.model)
+        wants_graphs = compile == "graphs" or (compile == "auto" and graphs.worth_trying(base.device))
+        if self.compiled is not None and (compile == "off" or wants_graphs):
             compiled.uncompile(self.compiled)
             self.compiled = None
-        if self.compiled is None and (compile == "on" or (compile == "auto" and compiled.worth_trying(base.device, base.dtype))):
-            self.compiled = compiled.compile_model(self.model, lambda line: log.info(line))
-        self.graphed = graphs.of(self.model)
-        if self.graphed is not None and compile != "graphs" and not (compile == "auto" and graphs.worth_trying(base.device)):
+        if self.graphed is not None and not wants_graphs:
             graphs.ungraph(self.graphed)
             self.graphed = None
-        if self.compiled is None and self.graphed is None and (compile == "graphs" or (compile == "auto" and graphs.worth_trying(base.device))):
+        if self.compiled is None and self.graphed is None and wants_graphs:
             self.graphed = graphs.graph_model(self.model, capture=base.device.type == "cuda")
+        if self.compiled is None and self.graphed is None and (compile == "on" or (compile == "auto" and compiled.worth_trying(base.device, base.dtype))):
+            self.compiled = compiled.compile_model(self.model, lambda line: log.info(line))
         if self.compiled is not None and self.draft_head is not None:  # the compiler works here: the head too
             embed = head.embed_tokens if head.embed_tokens is not None else self.model.get_input_embeddings()
             self.draft_head = compiled.compile_head(self.draft_head, embed, lambda line: log.info(line)) or self.draft_head
@@ -273,7 +274,7 @@ class Engine:
         base = self.base
         key = costs.cache_key(
             base.device, base.name, self.head_name, base.dtype, base.quantization,
-            compiled=self.compiled is not None, graphs=self.graphed is not None, row_kernel=self._row_kernel(),
+            compiled=self.compiled is not None, graphs=self.graphed is not None and self.graphed.problem is None, row_kernel=self._row_kernel(),
             int4_kernel=int4.kernel_of(self.model), draft_kernel=self._draft_kernel(),
         )  # fmt: skip
         folder = costs_folder()

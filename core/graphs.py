@@ -63,6 +63,7 @@ class _Static:
     """One pass of `rows` rows over caches whose buffers hold `capacity`
     positions: its input tensors, and once captured its graph and output."""
 
+    @torch.inference_mode(False)  # normal tensors: a later pass outside inference mode may reuse the entry
     def __init__(self, rows: int, capacity: int, device: torch.device):
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -78,6 +79,8 @@ class _Static:
         n, rows = len(tokens), len(self.tokens)
         self.tokens[:n] = tokens
         self.positions[:n] = positions
+        if rows > n:  # the padding rows at a position the pass already has (a rotary embedding may scale by the largest)
+            self.positions[n:] = length
         torch.arange(length, length + rows, out=self.slots)
         visible = self.mask[0, 0]
         visible.zero_()
@@ -227,7 +230,8 @@ class Graphed:
             torch.cuda.current_stream().wait_stream(stream)
             self.warmed.add(rows)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread's CUDA call meanwhile (the page freeing cached memory, say) does not break it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             static.out = self._static_forward(static, keys, values, hooked)
         static.graph = graph
         self.captures += 1
@@ -277,13 +281,61 @@ def worth_trying(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def graph_model(model, capture: bool = True) -> Graphed:
+def graph_model(model, capture: bool = True) -> Graphed | None:
     """Run `model`'s steps and tree passes as static passes (captured as CUDA
-    graphs where `capture`) from now on."""
-    graphed = Graphed(model, capture)
-    model.set_attn_implementation(NAME)
-    setattr(model, ATTRIBUTE, graphed)
+    graphs where `capture`) from now on. -> the Graphed model, or None (left
+    eager, with a logged reason) where its decoder is not the loop this
+    module runs."""
+    problem = _layout_problem(model)
+    graphed = None
+    if problem is None:
+        graphed = Graphed(model, capture)
+        model.set_attn_implementation(NAME)
+        setattr(model, ATTRIBUTE, graphed)
+        problem = _loop_problem(graphed)
+    if problem is not None:
+        if graphed is not None:
+            ungraph(graphed)
+        log.info(f"Decoding eagerly: {problem}")
+        return None
     return graphed
+
+
+def _layout_problem(model) -> str | None:
+    """Why the static pass's loop cannot stand in for this model's decoder, or None."""
+    decoder = model.get_decoder()
+    missing = [name for name in ("layers", "embed_tokens", "rotary_emb", "norm") if not hasattr(decoder, name)]
+    if missing:
+        return f"{type(decoder).__name__} has no {', '.join(missing)} for CUDA graphs' decoder loop"
+    if not all(isinstance(getattr(getattr(layer, "self_attn", None), "layer_idx", None), int) for layer in decoder.layers):
+        return f"{type(decoder).__name__}'s layers have no attention module with a layer index"
+    return None
+
+
+@torch.inference_mode()
+def _loop_problem(graphed: Graphed) -> str | None:
+    """Whether a static pass computes what the model's decoder does (one
+    that, say, scales its embedding would not): None, or why not. Checked
+    uncaptured, on a one-token step after a 3-token prompt."""
+    from core.compiled import LOOP_TOLERANCE  # how far the same computation may round apart, per dtype
+
+    model = graphed.model
+    device = model.get_input_embeddings().weight.device
+    ids = torch.arange(1, 5, device=device)
+    reference = graphed.decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0, -1]
+    cache = kv_cache.new_cache(model)
+    capture, graphed.capture = graphed.capture, False
+    try:
+        graphed.eager_forward(ids[:3], torch.arange(3, device=device), None, cache)
+        hidden = graphed.forward(ids[3:], torch.tensor([3], device=device), None, cache)[0]
+    finally:
+        graphed.capture = capture
+        graphed.entries.clear()  # made uncaptured: none may be replayed as a graph
+    error = float((hidden.double() - reference.double()).abs().max() / reference.double().abs().max().clamp_min(1e-30))
+    tolerance = LOOP_TOLERANCE.get(reference.dtype, 5e-2)
+    if not error <= tolerance:
+        return f"a static pass differs from {type(graphed.decoder).__name__}'s forward (relative error {error:.1e}, tolerance {tolerance:.0e})"
+    return None
 
 
 def ungraph(graphed: Graphed) -> None:

@@ -6,7 +6,7 @@ itself needs a CUDA GPU."""
 import pytest
 import torch
 
-from core import graphs, kv_cache
+from core import compiled, graphs, kv_cache
 from core.config import SamplingParams, TreeParams
 from core.engine import Engine
 from core.verify import base_forward
@@ -96,6 +96,68 @@ def test_passes_past_the_largest_row_count_and_prefill_run_eagerly(tiny_folder):
         assert len(graphed.entries) == 1 and cache.get_seq_length() == 13 + count
     finally:
         graphs.ungraph(graphed)
+
+
+def test_padding_rows_do_not_change_a_scaled_rotary_embedding(tmp_path):
+    """A rotary embedding scaled by the largest position (dynamic NTK): a
+    tree padded in an entry that a longer pass used before computes as
+    eagerly (the padding rows' positions are the pass's own)."""
+    folder = save_tiny_model(tmp_path / "dynamic", "llama", vocab_size=48, max_position_embeddings=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    model = load_base(str(folder), dtype="float64").model
+
+    def tree_pass(cache, length, n):
+        mask = torch.ones(n, length + n, dtype=torch.bool)
+        mask[:, length:] = torch.ones(n, n, dtype=torch.bool).tril()
+        return base_forward(model, torch.arange(9, 9 + n), torch.arange(length, length + n), mask, cache)
+
+    eager = kv_cache.new_cache(model)
+    base_forward(model, torch.arange(8, 28), torch.arange(20), None, eager)
+    reference = tree_pass(eager, 20, 5)
+    graphed = graphs.graph_model(model, capture=False)
+    try:
+        cache = kv_cache.new_cache(model)
+        base_forward(model, torch.arange(8, 28), torch.arange(20), None, cache)
+        base_forward(model, torch.arange(60) % 40 + 8, torch.arange(20, 80), torch.ones(60, 80, dtype=torch.bool).tril(20), cache)
+        tree_pass(cache, 80, 7)  # 8 rows at positions past the model's 64
+        kv_cache.advance(cache, 20)  # back to the prompt, as a regenerated reply continues a kept cache
+        again = tree_pass(cache, 20, 5)  # the same 8-row entry
+        assert [key[0] for key in graphed.entries] == [64, 8]  # the 60-row pass, and the 8-row entry used twice
+    finally:
+        graphs.ungraph(graphed)
+    torch.testing.assert_close(again, reference, rtol=1e-9, atol=1e-9)
+
+
+def test_decoders_the_loop_does_not_stand_for_stay_eager(tiny_folder):
+    """A decoder that scales its embedding (Granite), or has no layers in the
+    expected place (GPT-2): no graphs, and the engine decodes eagerly."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GraniteConfig
+
+    small = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    granite = AutoModelForCausalLM.from_config(GraniteConfig(**small, embedding_multiplier=4.0), dtype=torch.float64)
+    assert graphs.graph_model(granite, capture=False) is None and graphs.of(granite) is None
+    assert granite.config._attn_implementation != graphs.NAME
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=48, n_embd=32, n_layer=2, n_head=4), dtype=torch.float64)
+    assert graphs.graph_model(gpt2, capture=False) is None
+    base = load_base(str(tiny_folder), dtype="float64")  # and one the loop stands for
+    graphed = graphs.graph_model(base.model, capture=False)
+    assert graphed is not None and not graphed.entries  # the check's own passes are not kept
+    graphs.ungraph(graphed)
+
+
+def test_an_engine_made_again_follows_its_compile_setting(tiny_folder):
+    base = load_base(str(tiny_folder), dtype="float64")
+    assert Engine(base, compile="graphs").graphed is not None
+    eager = Engine(base, compile="off")
+    assert eager.graphed is None and graphs.of(base.model) is None and base.model.config._attn_implementation != graphs.NAME
+    again = Engine(base, compile="graphs")
+    assert again.graphed is graphs.of(base.model) and base.model.config._attn_implementation == graphs.NAME
+    if compiled.compiler_available():  # compiled layers replace the graphs, and graphs the compiled layers
+        made = Engine(base, compile="on")
+        assert made.compiled is compiled.of(base.model) and made.graphed is None and graphs.of(base.model) is None
+        assert base.model.config._attn_implementation == compiled.NAME
+        last = Engine(base, compile="graphs")
+        assert last.compiled is None and compiled.of(base.model) is None and last.graphed is graphs.of(base.model)
+        assert base.model.config._attn_implementation == graphs.NAME
 
 
 def test_rows_are_padded_to_the_next_count():

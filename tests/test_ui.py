@@ -758,6 +758,20 @@ def test_a_model_loaded_in_the_tab_replaces_the_mode_it_wanted(engine, store, tm
     assert mode["value"] == "eagle2"
 
 
+def test_a_page_without_a_head_keeps_the_saved_mode(engine, store):
+    """Vanilla shown alone (no head loaded) is not a choice: a message or a
+    setting changed then keeps the saved EAGLE mode for the next page load;
+    vanilla picked where EAGLE modes are offered is saved."""
+    store.update_settings({"mode": "eagle"})
+    headless = ChatHandlers(Runtime(Engine(engine.base)), store)
+    headless.remember("", *values(mode="vanilla", temperature=0.5))
+    list(headless.send("hello", new_chat(), "", *values(mode="vanilla", max_new_tokens=2)))
+    saved = store.load_settings()
+    assert saved["mode"] == "eagle" and saved["max_new_tokens"] == 2  # the other settings are saved
+    ChatHandlers(Runtime(engine), store).remember("", *values(mode="vanilla"))
+    assert store.load_settings()["mode"] == "vanilla"
+
+
 def test_catalog_and_trained_heads(engine, tmp_path):
     from models.head import save_head
 
