@@ -119,6 +119,11 @@ def load_base(
             raise ModelNotFoundError(f"{source}: no such file or folder, and not a Hugging Face repo id (owner/name)")
     four_bit = quantization == "auto" and gguf is not None and _four_bit(gguf)
     chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
+    if gguf_file is not None and chosen in ("4bit", "8bit"):  # transformers refuses the two together
+        raise ValueError(
+            f"{source}: bitsandbytes' {chosen} quantizes a model given as a Hugging Face folder or repo id, not a GGUF file; "
+            "for a GGUF use --quantization auto, int4, int8 or none"
+        )
     try:
         return _load(location, gguf_file, name, chosen, torch_dtype, torch_device, quantization == "auto")
     except (CorruptedFileError, MissingWeightsError) as error:

@@ -127,6 +127,14 @@ def test_non_gguf_file_is_refused(tmp_path):
         load_base(str(file))
 
 
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_bitsandbytes_on_a_gguf_file_is_refused_by_name(tmp_path, quantization):
+    file = tmp_path / "model.Q4_1.gguf"
+    file.write_bytes(b"0")  # refused before it is read
+    with pytest.raises(ValueError, match=f"bitsandbytes' {quantization} .* not a GGUF file; for a GGUF use --quantization auto"):
+        load_base(str(file), quantization=quantization, dtype="float32")
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_checkpoint_missing_a_weight_is_refused(tmp_path, tied):
     """transformers fills a missing weight with random values; such a model
