@@ -422,10 +422,16 @@ def _loop_problem(compiled: Compiled) -> str | None:
         hidden = compiled.forward(ids[0], torch.arange(4, device=device), None, new_cache(model))
     finally:
         compiled.exact = exact
+    return loop_difference(hidden, reference, f"the compiled decoder loop differs from {type(compiled.decoder).__name__}'s forward")
+
+
+def loop_difference(hidden: torch.Tensor, reference: torch.Tensor, what: str) -> str | None:
+    """`what`, with the relative error, where `hidden` lies further from the
+    decoder's `reference` than LOOP_TOLERANCE allows for its dtype; else None."""
     error = float((hidden.double() - reference.double()).abs().max() / reference.double().abs().max().clamp_min(1e-30))
     tolerance = LOOP_TOLERANCE.get(reference.dtype, 5e-2)
     if not error <= tolerance:
-        return f"the compiled decoder loop differs from {type(compiled.decoder).__name__}'s forward (relative error {error:.1e}, tolerance {tolerance:.0e})"
+        return f"{what} (relative error {error:.1e}, tolerance {tolerance:.0e})"
     return None
 
 

@@ -317,7 +317,7 @@ def _loop_problem(graphed: Graphed) -> str | None:
     """Whether a static pass computes what the model's decoder does (one
     that, say, scales its embedding would not): None, or why not. Checked
     uncaptured, on a one-token step after a 3-token prompt."""
-    from core.compiled import LOOP_TOLERANCE  # how far the same computation may round apart, per dtype
+    from core.compiled import loop_difference  # the compiled loop's check, with its tolerance per dtype
 
     model = graphed.model
     device = model.get_input_embeddings().weight.device
@@ -331,11 +331,7 @@ def _loop_problem(graphed: Graphed) -> str | None:
     finally:
         graphed.capture = capture
         graphed.entries.clear()  # made uncaptured: none may be replayed as a graph
-    error = float((hidden.double() - reference.double()).abs().max() / reference.double().abs().max().clamp_min(1e-30))
-    tolerance = LOOP_TOLERANCE.get(reference.dtype, 5e-2)
-    if not error <= tolerance:
-        return f"a static pass differs from {type(graphed.decoder).__name__}'s forward (relative error {error:.1e}, tolerance {tolerance:.0e})"
-    return None
+    return loop_difference(hidden, reference, f"a static pass differs from {type(graphed.decoder).__name__}'s forward")
 
 
 def ungraph(graphed: Graphed) -> None:

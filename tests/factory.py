@@ -109,3 +109,27 @@ def random_eagle3_head(model, seed: int = 0, draft_ids=None, qkv_bias: bool = Fa
             parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
     dtype = model.get_input_embeddings().weight.dtype
     return head.place(dtype=dtype).eval().requires_grad_(False)
+
+
+def decodes_as(engine, reference, vocab_size: int = 48) -> int:
+    """Assert that `engine` decodes as `reference` does in vanilla, and that
+    its speculative modes (EAGLE-1's tree, two EAGLE-2 trees) equal its
+    vanilla, greedy and sampled, over three random prompts. -> drafted tokens accepted."""
+    import torch
+
+    from core.config import SamplingParams, TreeParams
+
+    def tokens_of(steps) -> list[int]:
+        return [token for step in steps for token in step.token_ids]
+
+    accepted = 0
+    for seed in range(3):
+        prompt = torch.randint(8, vocab_size, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
+            expected = tokens_of(reference.stream(prompt, "vanilla", sampling))
+            assert tokens_of(engine.stream(prompt, "vanilla", sampling)) == expected
+            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3)), ("eagle2", TreeParams(30, 6, 5))):
+                steps = list(engine.stream(prompt, mode, sampling, tree))
+                assert tokens_of(steps) == expected, (mode, tree, seed, sampling)
+                accepted += sum(step.accepted for step in steps)
+    return accepted

@@ -12,7 +12,7 @@ from core.tree_check import rows_differing
 from models import int4
 from models.base import load_base
 from models.head import load_head
-from tests.factory import random_eagle3_head, random_head, save_tiny_model
+from tests.factory import decodes_as, random_eagle3_head, random_head, save_tiny_model
 
 needs_compiler = pytest.mark.skipif(not compiled.compiler_available(), reason="torch.compile needs a C++ compiler on CPUs")
 
@@ -39,17 +39,7 @@ def test_compiled_engines_decode_exactly_as_vanilla(tiny_folder, kind):
     assert engine.compiled is not None and compiled.of(base.model) is engine.compiled
     assert isinstance(engine.draft_head, compiled.CompiledHead)  # drafting runs the compiled head too
     assert base.model.config._attn_implementation == compiled.NAME
-    accepted = 0
-    for seed in range(3):
-        prompt = torch.randint(8, 48, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
-            reference = tokens_of(engine.stream(prompt, "vanilla", sampling))
-            assert tokens_of(eager.stream(prompt, "vanilla", sampling)) == reference
-            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3)), ("eagle2", TreeParams(30, 6, 5))):
-                steps = list(engine.stream(prompt, mode, sampling, tree))
-                assert tokens_of(steps) == reference, (mode, tree, seed, sampling)
-                accepted += sum(step.accepted for step in steps)
-    assert accepted > 0
+    assert decodes_as(engine, eager) > 0  # eager vanilla is the reference for compiled vanilla too
 
 
 @needs_compiler

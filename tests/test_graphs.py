@@ -11,7 +11,7 @@ from core.config import SamplingParams, TreeParams
 from core.engine import Engine
 from core.verify import base_forward
 from models.base import load_base
-from tests.factory import random_eagle3_head, random_head, save_tiny_model
+from tests.factory import decodes_as, random_eagle3_head, random_head, save_tiny_model
 
 
 def tokens_of(steps) -> list[int]:
@@ -34,17 +34,7 @@ def test_static_passes_decode_exactly_as_eager(tiny_folder, kind):
     graphed = engine.graphed
     assert graphed is not None and graphs.of(base.model) is graphed and not graphed.capture
     assert base.model.config._attn_implementation == graphs.NAME and engine.speculation_problem() is None
-    accepted = 0
-    for seed in range(3):
-        prompt = torch.randint(8, 48, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
-            reference = tokens_of(eager.stream(prompt, "vanilla", sampling))
-            assert tokens_of(engine.stream(prompt, "vanilla", sampling)) == reference
-            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3)), ("eagle2", TreeParams(30, 6, 5))):
-                steps = list(engine.stream(prompt, mode, sampling, tree))
-                assert tokens_of(steps) == reference, (mode, tree, seed, sampling)
-                accepted += sum(step.accepted for step in steps)
-    assert accepted > 0
+    assert decodes_as(engine, eager) > 0
     assert len(graphed.entries) > 1  # one-token steps and padded tree passes ran static
     assert {key[0] for key in graphed.entries} <= set(graphs.ROWS)
 
