@@ -207,8 +207,8 @@ class Graphed:
     def _buffers(self, cache, rows: int):
         """kv_cache.buffers with room for `rows` more positions, in buffers of
         a multiple of CAPACITY_STEP positions: each move means new graphs, and
-        buffers of equal sizes are where the allocator tends to put the next
-        conversation's, whose steps then replay this one's graphs."""
+        where the allocator gives a next conversation buffers of the same
+        sizes at the same addresses, its steps replay this one's graphs."""
         layers = cache.layers
         if layers and all(type(layer) is kv_cache.GrowingLayer and layer.is_initialized for layer in layers):
             end, capacity = layers[0].length + rows, layers[0].key_buffer.shape[-2]
