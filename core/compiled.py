@@ -371,11 +371,10 @@ def _constant_floats() -> None:
     torch._dynamo.config.specialize_float = True
 
 
-def _layout_problem(model) -> str | None:
-    """Why this model's layers cannot run compiled here, or None: the loop
-    needs a decoder with an embedding, a rotary embedding, layers and a final
-    norm, and the op stands in for attention modules that hold their layer's
-    scaling and are called through transformers' attention interface."""
+def decoder_problem(model) -> str | None:
+    """Why Kestrel's loop over the decoder (embedding, rotary embedding,
+    layers, final norm; here and in core/graphs.py) cannot stand in for this
+    model's, or None."""
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
     if layers is None or len(layers) == 0:
@@ -383,6 +382,18 @@ def _layout_problem(model) -> str | None:
     missing = [name for name in ("embed_tokens", "rotary_emb", "norm") if not hasattr(decoder, name)]
     if missing:
         return f"{type(decoder).__name__} has no {', '.join(missing)}"
+    return None
+
+
+def _layout_problem(model) -> str | None:
+    """Why this model's layers cannot run compiled here, or None: the loop
+    needs a decoder with an embedding, a rotary embedding, layers and a final
+    norm, and the op stands in for attention modules that hold their layer's
+    scaling and are called through transformers' attention interface."""
+    problem = decoder_problem(model)
+    if problem is not None:
+        return problem
+    layers = model.get_decoder().layers
     for layer in layers:
         attention_module = getattr(layer, "self_attn", None)
         if not isinstance(getattr(attention_module, "scaling", None), float):

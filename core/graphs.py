@@ -49,6 +49,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from core import kv_cache
+from core.compiled import decoder_problem, loop_difference  # the compiled layers run the same loop
 
 NAME = "kestrel_graphs"
 ATTRIBUTE = "_kestrel_graphs"  # on the model: its Graphed form
@@ -152,14 +153,17 @@ class Graphed:
         self.problem: str | None = None  # why graphs were given up, once they were
         self.captures, self.capture_seconds = 0, 0.0  # graphs captured, and the time it took
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor | None:
+        """-> features (T, H) after the final norm, or None for a pass left to
+        the transformers decoder (core/verify.base_forward runs it): prefill,
+        more than ROWS[-1] rows, a cache of other layers, graphs given up."""
         count = len(tokens)
         rows = rows_for(count)
         if self.problem is not None or rows is None or (mask is None and count > 1):
-            return self.eager_forward(tokens, positions, mask, cache)
+            return None
         held = self._buffers(cache, rows)
         if held is None:
-            return self.eager_forward(tokens, positions, mask, cache)
+            return None
         length, keys, values = held
         hooked = tuple(index for index, module in enumerate(self.hookable) if module._forward_pre_hooks)
         key = (rows, hooked, keys[0].shape[-2], tuple(buffer.data_ptr() for buffer in (*keys, *values)))
@@ -173,7 +177,7 @@ class Graphed:
                 self._capture(static, keys, values, hooked)
             except Exception as error:  # a kernel that cannot be captured, say: eager from now on
                 self.give_up(f"capturing a CUDA graph failed ({type(error).__name__}: {str(error)[:200]})")
-                return self.eager_forward(tokens, positions, mask, cache)
+                return None
         if self.capture:
             static.graph.replay()
             out = static.out
@@ -187,17 +191,6 @@ class Graphed:
         for index in hooked:  # what the hooks would have seen, from the graph's memory
             _run_pre_hooks(self.hookable[index], static.inputs[index][:, :count].clone())
         return out[0, :count].clone()
-
-    def eager_forward(self, tokens, positions, mask, cache) -> torch.Tensor:
-        """The transformers decoder's own forward (attention: sdpa)."""
-        out = self.decoder(
-            input_ids=tokens[None],
-            position_ids=positions[None],
-            attention_mask=None if mask is None else mask[None, None],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return out.last_hidden_state[0]
 
     def give_up(self, problem: str) -> None:
         self.problem = problem
@@ -303,10 +296,10 @@ def graph_model(model, capture: bool = True) -> Graphed | None:
 
 def _layout_problem(model) -> str | None:
     """Why the static pass's loop cannot stand in for this model's decoder, or None."""
+    problem = decoder_problem(model)
+    if problem is not None:
+        return problem
     decoder = model.get_decoder()
-    missing = [name for name in ("layers", "embed_tokens", "rotary_emb", "norm") if not hasattr(decoder, name)]
-    if missing:
-        return f"{type(decoder).__name__} has no {', '.join(missing)} for CUDA graphs' decoder loop"
     if not all(isinstance(getattr(getattr(layer, "self_attn", None), "layer_idx", None), int) for layer in decoder.layers):
         return f"{type(decoder).__name__}'s layers have no attention module with a layer index"
     return None
@@ -317,8 +310,6 @@ def _loop_problem(graphed: Graphed) -> str | None:
     """Whether a static pass computes what the model's decoder does (one
     that, say, scales its embedding would not): None, or why not. Checked
     uncaptured, on a one-token step after a 3-token prompt."""
-    from core.compiled import loop_difference  # the compiled loop's check, with its tolerance per dtype
-
     model = graphed.model
     device = model.get_input_embeddings().weight.device
     ids = torch.arange(1, 5, device=device)
@@ -326,7 +317,7 @@ def _loop_problem(graphed: Graphed) -> str | None:
     cache = kv_cache.new_cache(model)
     capture, graphed.capture = graphed.capture, False
     try:
-        graphed.eager_forward(ids[:3], torch.arange(3, device=device), None, cache)
+        graphed.decoder(input_ids=ids[None, :3], past_key_values=cache, use_cache=True)  # the prompt, eagerly
         hidden = graphed.forward(ids[3:], torch.tensor([3], device=device), None, cache)[0]
     finally:
         graphed.capture = capture

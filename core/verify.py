@@ -22,8 +22,9 @@ def base_forward(model, tokens, positions, mask, cache):
     """-> features (T, H): the last hidden state after the final norm.
     tokens, positions: (T,) int64; mask: (T, past + T) bool or None for causal."""
     fast = compiled.of(model) or graphs.of(model)
-    if fast is not None:
-        return fast.forward(tokens, positions, mask, cache)
+    features = None if fast is None else fast.forward(tokens, positions, mask, cache)
+    if features is not None:  # graphs leave prefill and the largest passes to the decoder below
+        return features
     attention_mask = None if mask is None else mask[None, None]
     out = model.get_decoder()(
         input_ids=tokens[None],

@@ -111,6 +111,11 @@ def random_eagle3_head(model, seed: int = 0, draft_ids=None, qkv_bias: bool = Fa
     return head.place(dtype=dtype).eval().requires_grad_(False)
 
 
+def tokens_of(steps) -> list[int]:
+    """The token ids of a decoding's steps, in order."""
+    return [token for step in steps for token in step.token_ids]
+
+
 def decodes_as(engine, reference, vocab_size: int = 48) -> int:
     """Assert that `engine` decodes as `reference` does in vanilla, and that
     its speculative modes (EAGLE-1's tree, two EAGLE-2 trees) equal its
@@ -118,9 +123,6 @@ def decodes_as(engine, reference, vocab_size: int = 48) -> int:
     import torch
 
     from core.config import SamplingParams, TreeParams
-
-    def tokens_of(steps) -> list[int]:
-        return [token for step in steps for token in step.token_ids]
 
     accepted = 0
     for seed in range(3):

@@ -12,13 +12,9 @@ from core.tree_check import rows_differing
 from models import int4
 from models.base import load_base
 from models.head import load_head
-from tests.factory import decodes_as, random_eagle3_head, random_head, save_tiny_model
+from tests.factory import decodes_as, random_eagle3_head, random_head, save_tiny_model, tokens_of
 
 needs_compiler = pytest.mark.skipif(not compiled.compiler_available(), reason="torch.compile needs a C++ compiler on CPUs")
-
-
-def tokens_of(steps) -> list[int]:
-    return [token for step in steps for token in step.token_ids]
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,7 @@ from core.config import SamplingParams, TreeParams
 from core.engine import Engine
 from core.verify import base_forward
 from models.base import load_base
-from tests.factory import decodes_as, random_eagle3_head, random_head, save_tiny_model
-
-
-def tokens_of(steps) -> list[int]:
-    return [token for step in steps for token in step.token_ids]
+from tests.factory import decodes_as, random_eagle3_head, random_head, save_tiny_model, tokens_of
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
