@@ -469,8 +469,18 @@ def parse_json(raw: bytes) -> dict:
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from error
     if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got a {type(body).__name__}")
+        raise ApiError(400, f"the request body must be a JSON object, got {json_kind(body)}")
     return body
+
+
+def json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def reject_constant(name: str):

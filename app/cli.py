@@ -403,12 +403,28 @@ def tree_from(args):
 
 
 
+def check_text(text: str | None, what: str) -> None:
+    """Refuse text that is not UTF-8: Python reads the command line and standard
+    input with surrogate escapes, so a byte that is not UTF-8 (a Latin-1 file
+    piped into `chat -`) arrives as a lone surrogate, which no tokenizer encodes."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        character = text[error.start]
+        byte = f"byte 0x{ord(character) - 0xDC00:02x}" if 0xDC80 <= ord(character) <= 0xDCFF else f"{character!r}"
+        raise ValueError(f"{what} is not UTF-8 text ({byte} at character {error.start}): save it as UTF-8") from error
+
+
 def run_chat(args) -> int:
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     if args.prompt == "-":
         args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the message to answer")
+    for text, what in ((args.prompt, "the prompt"), (args.system, "--system")):
+        check_text(text, what)
     engine = load_engine(args, with_head=args.mode != "vanilla")  # vanilla needs no head: not loaded, not compiled
     from core.engine import Reading
 

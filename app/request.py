@@ -242,10 +242,11 @@ def _number(body: dict, name: str, default, low: float, high: float, param: str 
         return default
     param = param or name
     interval = f"from {low:g} to {high:g}"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
         raise RequestError(f"{param} must be a number {interval}, got {value!r}", param)
-    if value < low or value > high:
-        raise RequestError(f"{param} must be a number {interval}, got {value:g}", param)
+    if not low <= value <= high:  # compared exactly: an integer past float's range has no float to convert to
+        shown = f"{value:g}" if isinstance(value, float) or abs(value) < 10**16 else f"an integer of {len(str(abs(value)))} digits"
+        raise RequestError(f"{param} must be a number {interval}, got {shown}", param)
     return float(value)
 
 

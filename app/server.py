@@ -38,7 +38,6 @@ LOCALHOST = "127.0.0.1"
 ICON = Path(__file__).resolve().parent.parent / "assets" / "kestrel.svg"
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 API_PATHS = ("/v1/", "/health")
-log = logging.getLogger("kestrel")
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> Response:
-        log.exception("request failed")
+        # no log here: Starlette raises the error again once this answer is sent, and the server logs its traceback
         return ApiError(500, f"internal error: {type(error).__name__}").response()
 
     demo.queue()

@@ -143,6 +143,10 @@ def prompt_rows(path: Path):
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise PromptFileError(f"{path}:{index + 1}: not valid JSON ({error.msg})") from error
+        except RecursionError as error:
+            raise PromptFileError(f"{path}:{index + 1}: not valid JSON (nested too deeply)") from error
+        except ValueError as error:  # a number past Python's limit on the digits of an integer
+            raise PromptFileError(f"{path}:{index + 1}: not valid JSON (a number of too many digits)") from error
         turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
             raise PromptFileError(f"{path}:{index + 1}: needs a 'turns' list whose first item is the prompt")

@@ -247,6 +247,8 @@ def test_seeded_sampling_repeats(client, engine):
     [
         ({"temperature": 3}, "temperature"),
         ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),  # past float's range: compared exactly, not converted
+        ({"top_p": -(10**20)}, "top_p"),
         ({"top_p": -0.1}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2}, "n"),
@@ -523,6 +525,9 @@ def test_odd_requests_get_named_errors_or_sound_answers(server, client, engine):
         assert response.json()["error"]["param"] == param
 
     named(post("chat/completions", json.dumps({"model": name, "messages": [{"role": ["user"], "content": "w1"}]})), 400, "messages[0].role")
+    for raw, kind in (("null", "null"), ("[1, 2]", "an array"), ('"w1"', "a string"), ("true", "a boolean")):
+        answer = post("chat/completions", raw)
+        assert answer.status_code == 400 and answer.json()["error"]["message"].endswith(f"must be a JSON object, got {kind}"), raw
     # a lone surrogate: half of a character cut in two, as JSON's \u escapes can carry
     surrogate = '"w1 \\ud800 w2"'
     named(post("chat/completions", f'{{"model": "{name}", "messages": [{{"role": "user", "content": {surrogate}}}]}}'), 400, "messages[0].content")

@@ -176,8 +176,14 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     (tmp_path / "same-ids.jsonl").write_text('{"id": "a", "turns": ["w1"]}\n{"id": "a", "turns": ["w2"]}\n')
     (tmp_path / "features" / "train").mkdir(parents=True)
     (tmp_path / "features" / "train" / "shard-00000.safetensors").write_bytes(b"")
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    (tmp_path / "long-number.jsonl").write_text('{"turns": ["w1"], "id": 1' + "0" * 5000 + "}\n")
     cases = [
         (["chat", "  "], "the prompt is empty"),
+        (["chat", "w1 \udcff w2"], "the prompt is not UTF-8 text (byte 0xff at character 3)"),  # as Python reads a Latin-1 byte
+        (["chat", "w1", "--system", "s\udce9"], "--system is not UTF-8 text (byte 0xe9 at character 1)"),
+        (["bench", "--prompts", str(tmp_path / "deep.jsonl")], "deep.jsonl:1: not valid JSON (nested too deeply)"),
+        (["bench", "--prompts", str(tmp_path / "long-number.jsonl")], "long-number.jsonl:1: not valid JSON (a number of too many digits)"),
         (["bench", "--prompts", str(tmp_path / "same-ids.jsonl")], "same-ids.jsonl:2: id 'a' is already the id of line 1"),
         (["eval-heads", "--features", str(tmp_path / "features"), "--head", str(tmp_path)], "no feature shards; it has train shards (--split train)"),
         (["chta", "hi"], "unknown command 'chta'"),

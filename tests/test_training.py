@@ -614,6 +614,17 @@ def test_eval_heads_names_features_of_another_model_or_a_damaged_shard(tiny_base
     cut.write_bytes(shards["eval"][0].read_bytes()[:100])
     with pytest.raises(ValueError, match=f"{cut}: not a readable feature shard"):
         check_feature_shards(tiny_base, [cut])
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(shards["eval"][0]))
+    for name, change in (("no-lengths", lambda t: t.pop("lengths")), ("wrong-lengths", lambda t: t.update(lengths=t["lengths"] + 1))):
+        foreign = tmp_path / name / "eval" / "shard-00000.safetensors"  # not written by train-head
+        foreign.parent.mkdir(parents=True)
+        changed = dict(tensors)
+        change(changed)
+        save_file(changed, str(foreign))
+        with pytest.raises(ValueError, match=f"{foreign}: not a readable feature shard"):
+            check_feature_shards(tiny_base, [foreign])
     work = tmp_path / "work"
     recorded = work / "features" / "eval" / "shard-00000.safetensors"
     write_shard(recorded, [sequence])

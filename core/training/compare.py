@@ -42,8 +42,16 @@ def check_feature_shards(base, shards: list[Path]) -> None:
                 width = shard.get_slice("features").get_shape()[1]
                 aux = shard.get_slice("aux").get_shape()[1] if "aux" in shard.keys() else None
                 largest = int(shard.get_tensor("input_ids").max())
+                rows = {name: shard.get_slice(name).get_shape()[0] for name in ("features", "input_ids", "loss_mask", *(["aux"] if aux else []))}
+                lengths = shard.get_tensor("lengths")
         except Exception as error:  # noqa: BLE001 (safetensors' own errors: a shard cut short or not one at all)
             raise ValueError(f"{path}: not a readable feature shard ({type(error).__name__}: {error}); take the features again") from error
+        if len(set(rows.values())) > 1 or int(lengths.sum()) != rows["features"] or bool((lengths <= 0).any()):
+            counts = ", ".join(f"{name} {count}" for name, count in rows.items())
+            raise ValueError(
+                f"{path}: not a readable feature shard (rows: {counts}; its sequence lengths add up to {int(lengths.sum())});"
+                " take the features again"
+            )
         if width != hidden or aux not in (None, 3 * hidden):
             raise ValueError(f"{path}: features {width} wide, and the base model's hidden size is {hidden}: they come from another model (give it with --model)")
         if largest >= vocabulary:
