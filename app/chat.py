@@ -42,6 +42,9 @@ RANGES = {
     "temperature": (0, 2), "top_p": (0.05, 1), "top_k": (0, 1_000_000), "max_new_tokens": (1, 2048), "seed": (-1, 2**32 - 1),
     "total_tokens": (0, 128), "depth": (1, 12), "tree_top_k": (1, 16),
 }  # fmt: skip
+# the settings the page shows as sliders: a value typed past a slider's range settles, in the
+# browser, on the nearest end without another input event, and is saved as that (see _chosen)
+SLIDERS = ("temperature", "top_p", "max_new_tokens", "total_tokens", "depth", "tree_top_k")
 
 
 def default_settings() -> dict:
@@ -350,6 +353,7 @@ def notice_html(text: str) -> str:
 
 
 BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
+GONE_TEXT = "That chat is no longer saved: it was deleted in another tab or window. The list shows the saved chats again."
 STOPPING_TEXT = "Stopping..."
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
@@ -791,6 +795,8 @@ class ChatHandlers:
             return shown_again, *(gr.skip(),) * 5
         if self._busy(chat):
             return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), busy_notice()
+        if self._stale(chat):  # it would delete messages this tab never showed
+            return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
@@ -817,6 +823,11 @@ class ChatHandlers:
             back = gr.update(choices=choices, value=current)
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), back, busy_notice()
         loaded = self.store.load_chat(chat_id) if chat_id else None
+        if loaded is None and chat_id:  # deleted in another tab or window since this page listed it
+            choices = chat_choices(self.store)
+            current = chat["id"] if chat and chat["id"] in {listed for _, listed in choices} else None
+            back = gr.update(choices=choices, value=current)  # the list names the chat shown, which Delete and Export act on
+            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), back, notice_html(GONE_TEXT)
         if loaded is None:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         self._opened(loaded["id"])
@@ -830,6 +841,8 @@ class ChatHandlers:
             return (gr.skip(),) * 7
         if self._busy(chat):  # its reply would save it again when it ends
             return *(gr.skip(),) * 6, busy_notice()
+        if self._stale(chat):  # it would delete messages this tab never showed
+            return *(gr.skip(),) * 6, notice_html(STALE_TEXT)
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
@@ -875,6 +888,10 @@ class ChatHandlers:
         settings = dict(zip(SETTINGS, values))
         if settings.get("mode") == "vanilla" and self.runtime.loaded_modes in ((), ("vanilla",)):
             del settings["mode"]
+        for name in SLIDERS:  # as the slider's box shows it once it loses the focus (the value replies then use)
+            if name in settings and render.is_number(settings[name]):
+                low, high = RANGES[name]
+                settings[name] = min(max(settings[name], low), high)
         return settings
 
     def _opened(self, chat_id: str | None) -> None:

@@ -82,6 +82,14 @@ class HeadConfig:
                 f"num_key_value_heads {values['num_key_value_heads']} does not divide num_attention_heads "
                 f"{values['num_attention_heads']}"
             )
+        per_head = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+        if "head_dim" not in values and values["hidden_size"] % values["num_attention_heads"]:
+            raise ValueError(
+                f"num_attention_heads {values['num_attention_heads']} does not divide hidden_size {values['hidden_size']} "
+                "(and no head_dim is given)"
+            )
+        if per_head % 2:  # rotary embeddings turn pairs of dimensions
+            raise ValueError(f"each attention head is {per_head} wide (head_dim, or hidden_size / num_attention_heads): rotary embeddings need an even width")
         return cls(**values, extra=extra)
 
     def to_dict(self) -> dict:

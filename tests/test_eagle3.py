@@ -293,8 +293,10 @@ def test_an_eagle3_head_is_checked_against_the_width_of_the_features_it_reads(ba
         ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling .* is not one transformers reads"),
         ({"rope_scaling": "linear"}, "rope_scaling"),
+        ({"hidden_size": 99, "num_attention_heads": 1, "num_key_value_heads": 1}, "each attention head is 99 wide .*: rotary embeddings need an even width"),
+        ({"num_attention_heads": 5, "num_key_value_heads": 5}, "num_attention_heads 5 does not divide hidden_size"),
     ],
-    ids=["kv-heads", "rope-incomplete", "rope-not-a-map"],
+    ids=["kv-heads", "rope-incomplete", "rope-not-a-map", "odd-head-width", "heads-not-dividing"],
 )
 def test_head_configs_transformers_cannot_build_are_refused_before_the_base_model_loads(base64, tmp_path, change, message):
     from models.head import head_files

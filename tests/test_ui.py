@@ -23,7 +23,7 @@ from app import chat as chat_module
 from app import compare as compare_module
 from app import render
 from app import store as store_module
-from app.chat import SETTINGS, ChatHandlers, default_settings, fit_context, last_reply_stats, restored_settings
+from app.chat import RANGES, SETTINGS, SLIDERS, ChatHandlers, default_settings, fit_context, last_reply_stats, restored_settings
 from app.compare import CompareHandlers, first_difference
 from app.library import LibraryHandlers, catalog_frame, trained_heads
 from app.reply import Reply, follow_reply
@@ -274,13 +274,48 @@ def test_saved_settings_of_the_wrong_kind_fall_back_to_defaults(engine, store):
 )
 def test_a_setting_typed_out_of_range_or_emptied_is_named_and_the_message_kept(handlers, store, changes, named):
     """The page passes the settings as typed (ui.as_typed): the reply is refused
-    naming the setting, the message goes back into the box, and nothing is saved
-    that would come back at the next start."""
+    naming the setting, and the message goes back into the box. A slider's
+    value is saved as its box settles on it (the nearest end of its range); no
+    other bad value is saved that would come back at the next start."""
     final = list(handlers.send("w1", new_chat(), "", *values(**changes)))[-1]
     assert named in final[3] and final[0] == "w1"
     handlers.remember("", *values(**changes))
-    name = next(iter(changes))
-    assert restored_settings(store.load_settings())[name] == default_settings()[name]
+    name, typed = next(iter(changes.items()))
+    restored = restored_settings(store.load_settings())[name]
+    if name in SLIDERS and typed is not None:  # the slider's box settles on its range's nearest end, and is saved so
+        assert restored == min(max(typed, RANGES[name][0]), RANGES[name][1]) != default_settings()[name]
+    else:
+        assert restored == default_settings()[name]
+
+
+def test_clear_and_delete_refuse_a_chat_another_tab_has_extended(handlers, engine, store):
+    """A tab showing a chat that another tab has since written to: Clear and
+    Delete would remove messages this tab never showed, so they say so instead."""
+    shown = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    elsewhere = list(ChatHandlers(Runtime(engine), store).send("w2", shown, "", *values(max_new_tokens=4)))[-1][2]
+    assert elsewhere["id"] == shown["id"] and len(store.load_chat(shown["id"])["messages"]) == 4
+    assert "changed in another tab" in handlers.clear(shown)[-1]
+    assert "changed in another tab" in handlers.delete(shown)[-1]
+    assert len(store.load_chat(shown["id"])["messages"]) == 4
+    handlers.delete(elsewhere)  # the chat as saved: deleted
+    assert store.load_chat(shown["id"]) is None
+
+
+def test_a_chat_deleted_in_another_tab_is_said_when_picked_and_delete_keeps_the_chat_shown_apart(handlers, engine, store):
+    """A page lists a chat that another tab deletes; picking it says so and
+    puts the list back on the chat shown, so Delete acts on what the user sees
+    (it deleted the shown chat while the list named the gone one)."""
+    kept = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    gone = list(handlers.send("w2", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    other = list(handlers.send("w3", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    ChatHandlers(Runtime(engine), store).delete(gone)  # another tab
+    shown, chat, _, _, _, _, listed, notice = handlers.open(gone["id"], kept, True)
+    assert chat == kept and shown == gr.skip() and "no longer saved" in notice
+    assert listed["value"] == kept["id"] and gone["id"] not in [chat_id for _, chat_id in listed["choices"]]
+    handlers.delete(chat)
+    assert store.load_chat(kept["id"]) is None and store.load_chat(other["id"]) is not None
+    unsaved = new_chat()  # shown but never sent: nothing in the list to point at
+    assert handlers.open(gone["id"], unsaved, True)[6]["value"] is None
 
 
 def test_the_page_passes_settings_as_typed():
