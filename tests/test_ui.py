@@ -124,7 +124,7 @@ def test_regenerate_edit_and_clear(handlers):
     assert len(regenerated["messages"]) == 2
     text, chatbot, edited, _ = handlers.edit_last(regenerated, True)
     assert text == "w1 w2" and edited["messages"] == [] and chatbot == []
-    chatbot, cleared, *_ = handlers.clear(chat)
+    chatbot, cleared, *_ = handlers.clear(edited)  # the page's chat as Edit left it
     assert cleared["messages"] == [] and cleared["id"] != chat["id"]
 
 
