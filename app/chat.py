@@ -755,7 +755,7 @@ class ChatHandlers:
         chat = copy.deepcopy(chat) if chat else new_chat()
         users = [i for i, m in enumerate(chat["messages"]) if m["role"] == "user"]
         if not users:
-            return gr.skip(), display(chat, colour), chat, ""
+            return gr.skip(), display(chat, colour), chat, notice_html("There is no message to edit yet.")
         text = chat["messages"][users[-1]]["content"]
         chat[TAKEN_BACK] = chat["messages"][users[-1] :] + chat.get(TAKEN_BACK, [])
         del chat["messages"][users[-1] :]
@@ -851,19 +851,23 @@ class ChatHandlers:
         choices = gr.update(choices=chat_choices(self.store), value=None)
         return [], new_chat(chat.get("system", "")), choices, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""
 
-    def export(self, chat: dict) -> list[str] | None:
+    def export(self, chat: dict) -> tuple:
         """The chat as Markdown and JSON files, for download. Gradio serves a
         copy of them from its own cache, so one folder holds every export
-        (a chat exported again replaces its files) and goes when the app ends."""
+        (a chat exported again replaces its files) and goes when the app ends.
+        Outputs: the files, notice."""
         if not chat or not chat["messages"]:
-            return None
-        if self.exports is None or not Path(self.exports.name).is_dir():  # a temp cleaner may remove it while the app runs
-            self.exports = tempfile.TemporaryDirectory(prefix="kestrel-export-")
-        folder = Path(self.exports.name)
-        markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
-        markdown.write_text(to_markdown(chat), encoding="utf-8")
-        data.write_text(to_json(stored(chat)), encoding="utf-8")
-        return [str(markdown), str(data)]
+            return gr.skip(), notice_html("There is nothing to export yet: send a message first.")
+        try:
+            if self.exports is None or not Path(self.exports.name).is_dir():  # a temp cleaner may remove it while the app runs
+                self.exports = tempfile.TemporaryDirectory(prefix="kestrel-export-")
+            folder = Path(self.exports.name)
+            markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
+            markdown.write_text(to_markdown(chat), encoding="utf-8")
+            data.write_text(to_json(stored(chat)), encoding="utf-8")
+        except OSError as error:  # a full or read-only temporary folder: the chat itself stays saved
+            return gr.skip(), notice_html(f"The chat could not be exported ({error}); it is still saved.")
+        return [str(markdown), str(data)], ""
 
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
         """The chat shown with or without colours; while its reply is written, that reply's

@@ -201,7 +201,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(
             chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         )
-        export.click(chat.export, chat_state, exported, show_progress="hidden")
+        export.click(chat.export, chat_state, [exported, notice], show_progress="hidden")
         colour.change(chat.recolour, [chat_state, colour], chatbot, show_progress="hidden")
         gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], notice, show_progress="hidden")
 

@@ -174,7 +174,7 @@ def test_a_reply_stores_its_settings_and_seed_and_they_make_it_again(handlers, e
     assert isinstance(settings["seed"], int) and 0 <= settings["seed"] <= chat_module.RANGES["seed"][1]  # drawn for it
     again = list(handlers.send("w1 w2", new_chat(), "", *values(temperature=0.9, top_k=20, seed=settings["seed"], max_new_tokens=12)))
     assert again[-1][2]["messages"][-1]["content"] == chat["messages"][-1]["content"]
-    markdown = open(handlers.export(chat)[0]).read()
+    markdown = open(handlers.export(chat)[0][0]).read()
     assert f"temperature 0.9, top-p 1.0, top-k 20, seed {settings['seed']}" in markdown and "tokens/s" in markdown
     assert "tokens/s after the first token" in markdown  # the rate without the prompt's reading, as the panel shows it
     greedy = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]["messages"][-1]["stats"]
@@ -713,17 +713,25 @@ def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypa
 
 def test_export_markdown_and_json(handlers):
     chat = list(handlers.send("w1", new_chat(), "w2", *values(max_new_tokens=4)))[-1][2]
-    markdown, data = handlers.export(chat)
+    (markdown, data), notice = handlers.export(chat)
+    assert notice == ""
     assert "**User:**" in open(markdown).read()
     assert json.loads(open(data).read())["messages"] == chat["messages"]
     other = list(handlers.send("w3", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
-    again = handlers.export(other)
+    again, _ = handlers.export(other)
     assert Path(again[0]).parent == Path(markdown).parent and Path(again[0]).name != Path(markdown).name
     folder = Path(markdown).parent
     handlers.exports.cleanup()  # what happens when the app ends
     assert not folder.exists()
-    markdown, data = handlers.export(chat)  # a folder removed under a running app is made again
+    (markdown, data), _ = handlers.export(chat)  # a folder removed under a running app is made again
     assert json.loads(open(data).read())["messages"] == chat["messages"]
+    files, notice = handlers.export(new_chat())  # nothing to export: said, not silent
+    assert files == gr.skip() and "nothing to export yet" in notice
+    assert "no message to edit yet" in handlers.edit_last(new_chat(), True)[3]
+    Path(markdown).unlink()
+    Path(markdown).mkdir()  # a file that cannot be written: named, no traceback
+    files, notice = handlers.export(chat)
+    assert files == gr.skip() and "could not be exported" in notice and "still saved" in notice
 
 
 def test_the_markdown_export_keeps_each_message_to_itself():
