@@ -818,21 +818,24 @@ class ChatHandlers:
     def open(self, chat_id: str | None, chat: dict, colour: bool) -> tuple:
         """Outputs: chatbot, chat, system prompt, stats, depth plot, rate plot, chat list, notice."""
         if self._busy(chat):  # the reply would land in the chat opened instead
-            choices = chat_choices(self.store)  # the reply's chat is saved with its message, maybe not yet listed
-            current = chat["id"] if chat["id"] in {chat_id for _, chat_id in choices} else None
-            back = gr.update(choices=choices, value=current)
-            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), back, busy_notice()
+            return self._kept_open(chat, busy_notice())
         loaded = self.store.load_chat(chat_id) if chat_id else None
         if loaded is None and chat_id:  # deleted in another tab or window since this page listed it
-            choices = chat_choices(self.store)
-            current = chat["id"] if chat and chat["id"] in {listed for _, listed in choices} else None
-            back = gr.update(choices=choices, value=current)  # the list names the chat shown, which Delete and Export act on
-            return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), back, notice_html(GONE_TEXT)
+            return self._kept_open(chat, notice_html(GONE_TEXT))
         if loaded is None:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         self._opened(loaded["id"])
         stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
         return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), notice_html(cut_short_text(loaded))
+
+    def _kept_open(self, chat: dict, notice: str) -> tuple:
+        """open's outputs where the chat shown stays: the list of saved chats
+        read again (a reply's chat is saved with its message, maybe not yet
+        listed) and set on the chat shown, which Delete and Export act on."""
+        choices = chat_choices(self.store)
+        current = chat["id"] if chat and chat["id"] in {listed for _, listed in choices} else None
+        back = gr.update(choices=choices, value=current)
+        return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), back, notice
 
     def delete(self, chat: dict, confirmed: bool = True) -> tuple:
         """Delete the current chat, once the page's dialog is confirmed.
