@@ -12,6 +12,7 @@ estimate is the confidence; with many it is the measured rate."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -32,53 +33,76 @@ class CurvePoint:
 
 
 class Calibration:
-    """Acceptance rates by confidence bucket, pooled over depths and per depth."""
+    """Acceptance rates by confidence bucket, pooled over depths and per depth.
+    Counts are kept in Python floats: a draft asks for a few dozen estimates
+    and a verified tree adds a few dozen observations, where each torch call
+    on so small a tensor would cost more than the arithmetic (the tensor
+    methods below are the same arithmetic, for callers holding tensors)."""
 
     def __init__(self):
         buckets = len(EDGES) - 1
-        self.edges = torch.tensor(EDGES[1:-1], dtype=torch.float64)
-        self.offered = torch.zeros(DEPTHS, buckets, dtype=torch.float64)
-        self.accepted = torch.zeros(DEPTHS, buckets, dtype=torch.float64)
-        self.confidence_sum = torch.zeros(DEPTHS, buckets, dtype=torch.float64)
+        self.inner_edges = EDGES[1:-1]
+        self.counts = [[[0.0] * buckets for _ in range(DEPTHS)] for _ in range(3)]  # offered, accepted, confidence sum
+        self._pooled: tuple[list[float], list[float]] | None = None  # offered and accepted per bucket, depths summed
+
+    @property
+    def offered(self) -> torch.Tensor:
+        return torch.tensor(self.counts[0], dtype=torch.float64)
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return torch.tensor(self.counts[1], dtype=torch.float64)
 
     @property
     def observations(self) -> int:
-        return int(self.offered.sum())
+        return int(sum(map(sum, self.counts[0])))
 
-    def _index(self, confidence: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (depth rows, confidence buckets, confidence clamped to [0, 1]), on
-        the CPU where the counts live: drafts on a GPU come as CUDA tensors,
-        copied here once each."""
-        confidence = confidence.double().cpu().clamp(0, 1)
-        buckets = torch.bucketize(confidence, self.edges, right=True)
-        rows = (depth.long().cpu() - 1).clamp(0, DEPTHS - 1)
-        return rows, buckets, confidence
+    def _cell(self, confidence: float, depth: int) -> tuple[int, int, float]:
+        """-> (depth row, confidence bucket, confidence clamped to [0, 1])."""
+        confidence = min(max(confidence, 0.0), 1.0)
+        return min(max(depth - 1, 0), DEPTHS - 1), bisect.bisect_right(self.inner_edges, confidence), confidence
 
     def observe(self, confidence: torch.Tensor, depth: torch.Tensor, accepted: torch.Tensor) -> None:
         """One verified tree's drafted nodes: confidence (n,) in [0, 1], depth (n,) >= 1, accepted (n,) bool."""
-        if len(confidence) == 0:
-            return
-        rows, buckets, confidence = self._index(confidence, depth)
-        flat = rows * self.offered.shape[1] + buckets
-        ones = torch.ones(len(flat), dtype=torch.float64)
-        self.offered.view(-1).index_add_(0, flat, ones)
-        self.accepted.view(-1).index_add_(0, flat, accepted.double().cpu())
-        self.confidence_sum.view(-1).index_add_(0, flat, confidence)
+        self.add(confidence.double().tolist(), depth.long().tolist(), accepted.bool().tolist())
+
+    def add(self, confidences: list[float], depths: list[int], accepted: list[bool]) -> None:
+        """`observe` for lists."""
+        offered, taken, total = self.counts
+        for confidence, depth, hit in zip(confidences, depths, accepted):
+            row, bucket, confidence = self._cell(confidence, depth)
+            offered[row][bucket] += 1.0
+            taken[row][bucket] += 1.0 if hit else 0.0
+            total[row][bucket] += confidence
+        if confidences:
+            self._pooled = None
 
     def estimate(self, confidence: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-        """(n,) acceptance estimates: per-depth rate shrunk to the pooled rate,
-        which is shrunk to the confidence itself."""
-        rows, buckets, raw = self._index(confidence, depth)
-        pooled_offered, pooled_accepted = self.offered.sum(0)[buckets], self.accepted.sum(0)[buckets]
-        pooled = (pooled_accepted + PRIOR * raw) / (pooled_offered + PRIOR)
-        offered, accepted = self.offered[rows, buckets], self.accepted[rows, buckets]
-        return (accepted + PRIOR * pooled) / (offered + PRIOR)  # on the CPU, as the planner's bookkeeping
+        """(n,) acceptance estimates, float64 on the CPU (see `estimates`)."""
+        return torch.tensor(self.estimates(confidence.double().tolist(), depth.long().tolist()), dtype=torch.float64)
+
+    def estimates(self, confidences: list[float], depths: list[int] | int) -> list[float]:
+        """Acceptance estimates: per-depth rate shrunk to the pooled rate,
+        which is shrunk to the confidence itself. `depths`: one per
+        confidence, or one for all."""
+        if self._pooled is None:
+            self._pooled = ([sum(column) for column in zip(*self.counts[0])], [sum(column) for column in zip(*self.counts[1])])
+        pooled_offered, pooled_accepted = self._pooled
+        offered, accepted = self.counts[0], self.counts[1]
+        if isinstance(depths, int):
+            depths = [depths] * len(confidences)
+        result = []
+        for confidence, depth in zip(confidences, depths):
+            row, bucket, raw = self._cell(confidence, depth)
+            pooled = (pooled_accepted[bucket] + PRIOR * raw) / (pooled_offered[bucket] + PRIOR)
+            result.append((accepted[row][bucket] + PRIOR * pooled) / (offered[row][bucket] + PRIOR))
+        return result
 
     def curve(self) -> list[CurvePoint]:
         """Measured acceptance per confidence bucket (depths pooled), for the calibration plot."""
-        offered, accepted, total = self.offered.sum(0), self.accepted.sum(0), self.confidence_sum.sum(0)
+        offered, accepted, total = ([sum(column) for column in zip(*table)] for table in self.counts)
         return [
-            CurvePoint(float(total[b] / offered[b]), float(accepted[b] / offered[b]), int(offered[b]))
+            CurvePoint(total[b] / offered[b], accepted[b] / offered[b], int(offered[b]))
             for b in range(len(offered))
             if offered[b] > 0
         ]
@@ -93,19 +117,19 @@ class Continuation:
     PRIOR_RATE = 0.7  # before any observation: EAGLE-2 reports 0.6-0.8 for later draft steps
 
     def __init__(self):
-        self.offered = torch.zeros(DEPTHS, dtype=torch.float64)
-        self.accepted = torch.zeros(DEPTHS, dtype=torch.float64)
+        self.offered = [0.0] * DEPTHS
+        self.accepted = [0.0] * DEPTHS
 
     def observe(self, accepted_depth: int, tree_depth: int) -> None:
         """One verified tree: its accepted drafted tokens and its depth."""
         for depth in range(1, min(tree_depth, accepted_depth + 1, DEPTHS)):
-            self.offered[depth - 1] += 1
-            self.accepted[depth - 1] += accepted_depth > depth
+            self.offered[depth - 1] += 1.0
+            self.accepted[depth - 1] += 1.0 if accepted_depth > depth else 0.0
 
     def rate(self, depth: int) -> float:
         """P(the path goes on to depth + 1 | accepted down to depth), depth >= 1."""
         row = min(max(depth, 1), DEPTHS) - 1
-        return float((self.accepted[row] + PRIOR * self.PRIOR_RATE) / (self.offered[row] + PRIOR))
+        return (self.accepted[row] + PRIOR * self.PRIOR_RATE) / (self.offered[row] + PRIOR)
 
 
 def setting_of(sampling: SamplingParams) -> tuple:

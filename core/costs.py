@@ -76,24 +76,34 @@ class Costs:
         if largest > self.largest_tree:
             curve = torch.tensor([self.verify_seconds(n, context) for n in range(1, largest + 1)], dtype=torch.float64)
             return torch.cummax(curve, dim=0).values
+        return torch.tensor(self.verify_list(context)[:largest], dtype=torch.float64)
+
+    def verify_list(self, context: int) -> list[float]:
+        """verify_curve(context) up to the largest measured tree, in Python
+        floats (the same arithmetic): every draft asks, and plans in Python."""
         curves = self._size_curves
         if len(self.contexts) == 1:
-            return curves[0, :largest].clamp_min(1e-9)
+            return [max(value, 1e-9) for value in curves[0]]
         index = 1
         while index < len(self.contexts) - 1 and context > self.contexts[index]:
             index += 1
         x0, x1 = self.contexts[index - 1], self.contexts[index]
-        curve = curves[index - 1] + (curves[index] - curves[index - 1]) * ((context - x0) / (x1 - x0))
+        share = (context - x0) / (x1 - x0)
+        curve = [low + (high - low) * share for low, high in zip(curves[index - 1], curves[index])]
         if context > self.contexts[-1]:  # extended past the longest measured context: never below what was measured there
-            curve = torch.maximum(curve, curves[-1])
+            curve = [max(value, floor) for value, floor in zip(curve, curves[-1])]
         # more nodes never cost less (a pass over more nodes does the same work and more)
-        return torch.cummax(curve[:largest].clamp_min(1e-9), dim=0).values
+        highest, result = -math.inf, []
+        for value in curve:
+            highest = max(highest, max(value, 1e-9))
+            result.append(highest)
+        return result
 
     @functools.cached_property
-    def _size_curves(self) -> torch.Tensor:
-        """(contexts, largest_tree) float64: each measured context's seconds for n = 1 .. largest_tree nodes."""
+    def _size_curves(self) -> list[list[float]]:
+        """Each measured context's seconds for n = 1 .. largest_tree nodes."""
         sizes = range(1, self.largest_tree + 1)
-        return torch.tensor([[_interpolate(self.sizes, row, n) for n in sizes] for row in self.verify], dtype=torch.float64)
+        return [[_interpolate(self.sizes, row, n) for n in sizes] for row in self.verify]
 
     def expand_seconds(self, width: int) -> float:
         return max(_interpolate(self.widths, self.expand, width), 0.0)

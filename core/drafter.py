@@ -110,9 +110,9 @@ class Planning:
 class Drafted:
     """Per drafted node of the last tree (the root excluded), what calibration learns from."""
 
-    head_confidence: torch.Tensor  # (N-1,) draft path probability; NaN for nodes only the context branch proposed
-    context_confidence: torch.Tensor  # (N-1,) the context branch's prior; NaN for nodes it did not propose
-    depths: torch.Tensor  # (N-1,) depth in the tree, from 1
+    head_confidence: list[float]  # (N-1,) draft path probability; NaN for nodes only the context branch proposed
+    context_confidence: list[float]  # (N-1,) the context branch's prior; NaN for nodes it did not propose
+    depths: list[int]  # (N-1,) depth in the tree, from 1
 
 
 class Drafter:
@@ -199,7 +199,7 @@ class Drafter:
             tokens, parents = graft(tokens, parents, lookup_continuation(self.index.tokens, self.params.lookup_tokens))
         return make_tree(root, tokens, parents)
 
-    def _rest_after(self, drafted_rate: float, curve: torch.Tensor, draft_seconds: float) -> None:
+    def _rest_after(self, drafted_rate: float, curve: list[float], draft_seconds: float) -> None:
         """After a planned draft that took `draft_seconds` (after its catch-up): if its expected
         rate, its drafting included, is below a plain step's (no head work at
         all), the context is one where drafting does not pay, so skip the head
@@ -225,16 +225,14 @@ class Drafter:
         """Teach calibration which nodes of the last planned tree were accepted (path: tree nodes, root first)."""
         if self.drafted is None or self.planning is None:
             return
-        accepted = torch.zeros(len(self.drafted.depths), dtype=torch.bool)
-        accepted[[node - 1 for node in path[1:]]] = True
-        tree_depth = int(self.drafted.depths.max()) if len(self.drafted.depths) else 0
-        self.planning.continuation.observe(len(path) - 1, tree_depth)
-        for confidence, table in (
-            (self.drafted.head_confidence, self.planning.head),
-            (self.drafted.context_confidence, self.planning.context),
-        ):
-            known = ~confidence.isnan()
-            table.observe(confidence[known], self.drafted.depths[known], accepted[known])
+        drafted = self.drafted
+        accepted = [False] * len(drafted.depths)
+        for node in path[1:]:
+            accepted[node - 1] = True
+        self.planning.continuation.observe(len(path) - 1, max(drafted.depths, default=0))
+        for confidences, table in ((drafted.head_confidence, self.planning.head), (drafted.context_confidence, self.planning.context)):
+            known = [index for index, confidence in enumerate(confidences) if not math.isnan(confidence)]
+            table.add([confidences[i] for i in known], [drafted.depths[i] for i in known], [accepted[i] for i in known])
 
     def top(self, hidden: torch.Tensor, k: int):
         """hidden (m, H) -> the k best next tokens of each row: (log-probs (m, k), target ids (m, k))."""
@@ -273,11 +271,14 @@ class Drafter:
     def _draft_planned(self, started: float, looking: float) -> tuple[list[int], list[int]]:
         """EAGLE-2's expansion, sized by the planner: deepen while the next level
         could raise the expected tokens per second, then keep the best n nodes
-        of head and context-branch candidates by calibrated acceptance."""
+        of head and context-branch candidates by calibrated acceptance. The
+        bookkeeping is in Python lists: a draft handles a few dozen candidates,
+        where each torch call on so small a tensor costs more than its
+        arithmetic (together they cost about 1 ms a draft on the reference Xeon)."""
         planning, k = self.planning, self.params.top_k
         costs = planning.costs
         scale, extra = planning.timing.fit
-        curve = costs.verify_curve(self.cache.length)
+        curve = costs.verify_list(self.cache.length)
         # the table's time for this draft so far (the head's catch-up on committed
         # tokens, its first step), and that corrected by measured drafts: spent = extra + scale * predicted
         predicted = costs.overhead + costs.expand_seconds(1)
@@ -285,42 +286,41 @@ class Drafter:
         expander = Expander(self)
         values, ids = self.top(self.last_hidden[None], k)
         tokens, parents = ids[0].tolist(), [-1] * k
-        scores, depths = [values[0]], [torch.ones(k, dtype=torch.long)]
-        # calibrated acceptance of the head's candidates, each capped at its parent's (planner.closed_estimates)
-        levels = [planning.head.estimate(values[0].double().exp(), depths[0])]
+        scores, depths = values[0].tolist(), [1] * k  # per candidate: its path's draft log-probability, its depth
+        # calibrated acceptance of the head's candidates, each capped at its parent's (planner.closed)
+        estimates = planning.head.estimates([math.exp(score) for score in scores], 1)
         frontier, frontier_scores = list(range(k)), values[0]
         branches = self.index.branches(self.params.context_branches, self.params.lookup_tokens)
         copied = self._copied_estimates(branches)
         floor = math.log(self.params.min_path_prob) if self.params.min_path_prob > 0 else -math.inf
         for depth in range(2, self.params.depth + 1):
-            if float(frontier_scores.max()) < floor:
+            if max(scores[node] for node in frontier) < floor:
                 break
-            estimates = torch.cat(levels)
-            known = torch.sort(torch.cat([estimates, copied]), descending=True).values
-            width = len(frontier)
-            children = estimates[frontier] * planning.continuation.rate(depth - 1)  # one likely child per frontier node
-            level = costs.expand_seconds(width)  # the table's time for this level
+            known = sorted(estimates + copied, reverse=True)
+            going_on = planning.continuation.rate(depth - 1)
+            children = [estimates[node] * going_on for node in frontier]  # one likely child per frontier node
+            level = costs.expand_seconds(len(frontier))  # the table's time for this level
             if not planner.worth_deepening(known, children, curve, spent, scale * level):
                 break
             predicted += level
             spent += scale * level
             values, ids = self.top(expander.expand(frontier, tokens, parents), k)  # (m, k) each
-            child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,)
+            child_scores = (frontier_scores[:, None] + values).flatten()  # (m * k,): the paths' sums, in the head's float32
             first = len(tokens)
             tokens += ids.flatten().tolist()
             parents += [parent for parent in frontier for _ in range(k)]
-            scores.append(child_scores)
-            depths.append(torch.full((len(child_scores),), depth, dtype=torch.long))
-            calibrated = planning.head.estimate(child_scores.double().exp(), depths[-1])
-            levels.append(torch.minimum(calibrated, estimates[frontier].repeat_interleave(k)))
-            best = torch.sort(-child_scores, stable=True).indices[:k]
-            frontier = (best + first).tolist()
+            level_scores = child_scores.tolist()
+            scores += level_scores
+            depths += [depth] * len(level_scores)
+            calibrated = planning.head.estimates([math.exp(score) for score in level_scores], depth)
+            estimates += [min(estimate, estimates[parent]) for estimate, parent in zip(calibrated, parents[first:])]
+            best = sorted(range(len(level_scores)), key=lambda index: -level_scores[index])[:k]  # stable: earlier first
+            frontier = [index + first for index in best]
             frontier_scores = child_scores[best]
-        head_confidence = torch.cat(scores).double().exp().tolist()
-        estimates, depths = torch.cat(levels).tolist(), torch.cat(depths).tolist()
+        head_confidence = [math.exp(score) for score in scores]
         context_confidence = [math.nan] * len(tokens)
         child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
-        copied_estimates = iter(copied.tolist())  # in the order of the branches' tokens
+        copied_estimates = iter(copied)  # in the order of the branches' tokens
         for branch in branches:
             node = -1
             for offset, token in enumerate(branch.tokens, start=1):
@@ -338,26 +338,24 @@ class Drafter:
                     context_confidence[match] = prior
                 estimates[match] = max(estimates[match], next(copied_estimates))
                 node = match
-        closed = planner.closed_estimates(torch.tensor(estimates), parents)
-        order = planner.ranked(closed)
-        size, rate = planner.best_size(closed[order], curve, spent)
+        closed = planner.closed(estimates, parents)
+        order = planner.order(closed)
+        size, rate = planner.best_size([closed[node] for node in order], curve, spent)
         self._rest_after(rate, curve, time.perf_counter() - looking)
-        chosen = sorted(order[: size - 1].tolist())
+        chosen = sorted(order[: size - 1])
         self.drafted = Drafted(
-            head_confidence=torch.tensor(head_confidence, dtype=torch.float64)[chosen],
-            context_confidence=torch.tensor(context_confidence, dtype=torch.float64)[chosen],
-            depths=torch.tensor(depths)[chosen],
+            head_confidence=[head_confidence[node] for node in chosen],
+            context_confidence=[context_confidence[node] for node in chosen],
+            depths=[depths[node] for node in chosen],
         )
         planning.timing.observe(predicted, time.perf_counter() - started)
         return subtree(tokens, parents, chosen)
 
-    def _copied_estimates(self, branches) -> torch.Tensor:
+    def _copied_estimates(self, branches) -> list[float]:
         """Calibrated acceptance of every copied node, branch by branch, token by token."""
         priors = [branch.confidence(offset) for branch in branches for offset in range(1, len(branch.tokens) + 1)]
         offsets = [offset for branch in branches for offset in range(1, len(branch.tokens) + 1)]
-        if not priors:
-            return torch.zeros(0, dtype=torch.float64)
-        return self.planning.context.estimate(torch.tensor(priors), torch.tensor(offsets))
+        return self.planning.context.estimates(priors, offsets)
 
     def _draft_static(self) -> tuple[list[int], list[int]]:
         """EAGLE-1: the fixed tree of STATIC_PATHS, filled with the head's ranked choices."""

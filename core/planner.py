@@ -25,19 +25,29 @@ def closed_estimates(estimates: torch.Tensor, parents: list[int]) -> torch.Tenso
     that ranking by estimate, earlier candidates first among equals, keeps
     every chosen node's parent in the tree: a child is never more likely to
     be accepted than its parent."""
-    capped = estimates.double().tolist()
+    return torch.tensor(closed(estimates.double().tolist(), parents), dtype=torch.float64)
+
+
+def closed(estimates: list[float], parents: list[int]) -> list[float]:
+    """closed_estimates for lists (a new list)."""
+    capped = list(estimates)
     for node, parent in enumerate(parents):
         if parent >= 0 and capped[node] > capped[parent]:
             capped[node] = capped[parent]
-    return torch.tensor(capped, dtype=torch.float64)
+    return capped
 
 
 def ranked(estimates: torch.Tensor) -> torch.Tensor:
     """Candidate indices by estimate, highest first, earlier first among equals."""
-    return torch.sort(-estimates.double(), stable=True).indices
+    return torch.tensor(order(estimates.double().tolist()), dtype=torch.long)
 
 
-def best_size(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent: float) -> tuple[int, float]:
+def order(estimates: list[float]) -> list[int]:
+    """ranked for lists."""
+    return sorted(range(len(estimates)), key=lambda index: -estimates[index])  # sorted is stable
+
+
+def best_size(sorted_estimates: torch.Tensor | list[float], verify_curve: torch.Tensor | list[float], spent: float) -> tuple[int, float]:
     """-> (n, rate): the node count (root included) of the highest expected
     rate(n) = E[tokens](n) / (spent + verify_curve[n-1]), the smallest such n
     among equals, with the root and the best n - 1 candidates (sorted_estimates
@@ -45,7 +55,11 @@ def best_size(sorted_estimates: torch.Tensor, verify_curve: torch.Tensor, spent:
     candidates go). In Python floats: a draft asks this a few times, over a few
     dozen values, where each torch call on so small a tensor costs more than
     the arithmetic."""
-    return _best(sorted_estimates.tolist(), verify_curve.tolist(), spent)
+    return _best(_floats(sorted_estimates), _floats(verify_curve), spent)
+
+
+def _floats(values) -> list[float]:
+    return values if isinstance(values, list) else values.tolist()
 
 
 def _best(estimates: list[float], curve: list[float], spent: float) -> tuple[int, float]:
@@ -59,9 +73,9 @@ def _best(estimates: list[float], curve: list[float], spent: float) -> tuple[int
 
 
 def worth_deepening(
-    sorted_estimates: torch.Tensor,
-    child_estimates: torch.Tensor,
-    verify_curve: torch.Tensor,
+    sorted_estimates: torch.Tensor | list[float],
+    child_estimates: torch.Tensor | list[float],
+    verify_curve: torch.Tensor | list[float],
     spent: float,
     expand_seconds: float,
 ) -> bool:
@@ -73,7 +87,7 @@ def worth_deepening(
     this is an upper bound: if that does not pay, no real level can."""
     if len(child_estimates) == 0:
         return False
-    have, curve = sorted_estimates.tolist(), verify_curve.tolist()
+    have, curve = _floats(sorted_estimates), _floats(verify_curve)
     _, now = _best(have, curve, spent)
-    _, deeper = _best(sorted(have + child_estimates.tolist(), reverse=True), curve, spent + expand_seconds)
+    _, deeper = _best(sorted(have + _floats(child_estimates), reverse=True), curve, spent + expand_seconds)
     return deeper > now
