@@ -13,15 +13,24 @@ MAX_STOPS = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_SEED = 2**63 - 1
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# Standard fields that would change the output and that Kestrel cannot honour:
-# refused by name rather than dropped. Each maps to the value that is harmless.
+# Fields that would change the output and that Kestrel cannot honour: refused
+# by name rather than dropped. Each maps to the value that is harmless. OpenAI's
+# own first, then the extensions that other local servers (vLLM, llama.cpp,
+# text-generation-webui, koboldcpp) take and that their front-ends send.
 REFUSED = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "audio": (None,),
     "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
-    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "suffix": (None, ""), "echo": (None, False),
-    "best_of": (None, 1, 1.0),
+    "suffix": (None, ""), "echo": (None, False), "best_of": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "repeat_penalty": (None, 1, 1.0),
+    "typical_p": (None, 1, 1.0), "top_a": (None, 0, 0.0), "tfs_z": (None, 1, 1.0), "mirostat": (None, 0),
+    "mirostat_mode": (None, 0), "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0),
+    "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False), "ignore_eos": (None, False),
+    "min_tokens": (None, 0), "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "max_new_tokens": (None,), "n_predict": (None,), "truncate": (None,),
+    "grammar": (None, ""), "json_schema": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "logits_processors": (None,),
 }  # fmt: skip
 TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest); total_tokens 0 = sized by the planner (1 is refused by name below)
     ("tree_top_k" if field == "top_k" else field): (field, *limits) for field, limits in TREE_LIMITS.items()
@@ -105,7 +114,8 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
 def _refuse_unsupported(body: dict) -> None:
     for name, harmless in REFUSED.items():
         if name in body and not any(_same(body[name], value) for value in harmless):
-            raise RequestError(f"{name} is not supported by Kestrel; leave it out", name, "unsupported_parameter")
+            hint = " (max_tokens sets the reply's length)" if name in ("max_new_tokens", "n_predict") else ""
+            raise RequestError(f"{name} is not supported by Kestrel; leave it out{hint}", name, "unsupported_parameter")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise RequestError("response_format is not supported by Kestrel (only {\"type\": \"text\"})", "response_format", "unsupported_parameter")

@@ -256,6 +256,12 @@ def test_seeded_sampling_repeats(client, engine):
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"extra_body": {"ignore_eos": True}}, "ignore_eos"),  # other servers' extensions, sent by their front-ends
+        ({"extra_body": {"min_tokens": 12}}, "min_tokens"),
+        ({"extra_body": {"grammar": 'root ::= "no"'}}, "grammar"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+        ({"extra_body": {"repeat_penalty": 1.8}}, "repeat_penalty"),
+        ({"extra_body": {"max_new_tokens": 5}}, "max_new_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"seed": 2**63}, "seed"),
         ({"messages": []}, "messages"),
@@ -274,7 +280,8 @@ def test_bad_values_are_400_naming_the_parameter(client, engine, changes, param)
 
 
 def test_ignored_fields_do_not_matter(client, engine):
-    reply = chat(client, engine.base.name, user="ann", metadata={"k": "v"}, n=1, logprobs=False)
+    harmless = {"ignore_eos": False, "repeat_penalty": 1.0, "stop_token_ids": [], "skip_special_tokens": True}
+    reply = chat(client, engine.base.name, user="ann", metadata={"k": "v"}, n=1, logprobs=False, extra_body=harmless)
     assert reply.choices[0].message.content == engine_text(engine)[0]
 
 
