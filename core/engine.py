@@ -99,6 +99,7 @@ class _Kept:
     cache: object
     head_cache: HeadCache | None
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    prompt_length: int = 0  # how many of `tokens` the request's prompt held (the rest are its reply)
 
     def continue_head(self, drafter: Drafter, length: int) -> None:
         """Give `drafter` the head's pairs for the first `length` tokens."""
@@ -146,7 +147,8 @@ class _Kept:
         if cache is None:
             return None
         head_cache, pending = self._head_pairs(length, copy=True) if self.head_cache is not None else (None, None)
-        return _Kept(self.tokens[:length], self.tokens[length] if length < len(self.tokens) else self.following, cache, head_cache, pending)
+        following = self.tokens[length] if length < len(self.tokens) else self.following
+        return _Kept(self.tokens[:length], following, cache, head_cache, pending, min(length, self.prompt_length))
 
     def nbytes(self) -> int:
         """The memory its caches hold (their buffers' room to grow included)."""
@@ -219,17 +221,19 @@ class Engine:
     def _take_kept(self, prompt_ids: list[int], drafting: bool) -> tuple[_Kept | None, int]:
         """The kept caches that continue furthest into `prompt_ids` (the latest
         of equals) and how many of their positions it keeps, taken out of the kept ones where the
-        prompt continues half their tokens or more (a next turn); else a copy
-        of the part it continues, the rest kept as it was: every conversation
-        starts with the chat template's opening (and often one system prompt),
-        and a new chat, or a reply regenerated or written after an edited
-        message, must not cut another conversation or branch back to that.
-        (None, 0) where none continues it."""
+        prompt continues their whole prompt (a next turn, or the same prompt
+        answered again); else a copy of the part it continues, the rest kept
+        as it was: every conversation starts with the chat template's opening
+        (and often one system prompt), which in a short chat is most of it,
+        and a new chat, or a message edited before the last, must not cut
+        another conversation or branch back to that. (None, 0) where none
+        continues it."""
         shares = [kept.reusable(prompt_ids, drafting) for kept in self._kept]
         if not shares or max(shares) == 0:
             return None, 0
         best = shares.index(max(shares))
-        if 2 * shares[best] >= len(self._kept[best].tokens):
+        kept = self._kept[best]
+        if shares[best] >= min(kept.prompt_length, len(kept.tokens)) - 1:  # reusable keeps one shared token less
             return self._kept.pop(best), shares[best]
         copied = self._kept[best].prefix_copy(self.model, shares[best])
         return copied, shares[best] if copied is not None else 0
@@ -514,7 +518,7 @@ class _Run:
                 head_cache = self.drafter.cache
             else:
                 pending = None
-        return _Kept(self.cached_ids, following, self.cache, head_cache, pending)
+        return _Kept(self.cached_ids, following, self.cache, head_cache, pending, min(len(self.prompt_ids), len(self.cached_ids)))
 
     def read_prompt(self) -> Iterator[int]:
         """Forward the prompt's chunks but the last, yielding before each how many tokens are read."""

@@ -174,6 +174,22 @@ def test_an_edited_earlier_message_keeps_only_the_tokens_before_the_edit(engine)
     assert tokens_of(events) == tokens_of(engine.stream(original, mode="vanilla", sampling=PARAMS))
 
 
+def test_a_new_chat_sharing_only_a_short_chat_s_opening_leaves_its_caches_whole(engine):
+    """A short chat is mostly the chat template's opening: a new chat that shares
+    only that copies it, and the first chat's next turn still continues its own caches."""
+    engine.forget()
+    short = SamplingParams(max_new_tokens=2)
+    opening = random_tokens(12, seed=50)
+    first = opening + [8, 9, 10]
+    reply = tokens_of(engine.stream(first, mode="eagle2", sampling=short, tree=TREE, reuse=True))
+    events = list(engine.stream(opening + [11, 12, 13], mode="eagle2", sampling=short, tree=TREE, reuse=True))
+    assert last_stats(events).reused_tokens == len(opening) - 1
+    following = first + reply + random_tokens(2, seed=51)
+    events = list(engine.stream(following, mode="eagle2", sampling=short, tree=TREE, reuse=True))
+    assert last_stats(events).reused_tokens == len(first) + len(reply) - 1
+    assert tokens_of(events) == tokens_of(engine.stream(following, mode="vanilla", sampling=short))
+
+
 def test_the_same_prompt_again_reads_its_last_token_only(engine):
     """A regenerated reply: every prompt token but the last is kept, and it is the same reply."""
     prompt = random_tokens(12, seed=7)
