@@ -23,7 +23,7 @@ from app.runtime import ModelBusyError, ModelChangedError, ModelLoadingError, No
 from core.detokenize import Detokenizer
 from core.engine import Engine, Step
 from core.stats import Snapshot
-from models.errors import KestrelError
+from models.errors import KestrelError, json_kind
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
 POLL_SECONDS = 0.1  # how often a waiting response checks that its client is still there
@@ -471,16 +471,6 @@ def parse_json(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {json_kind(body)}")
     return body
-
-
-def json_kind(value) -> str:
-    """What a parsed JSON value is, in JSON's words."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    kinds = {list: "an array", str: "a string", int: "a number", float: "a number", dict: "an object"}
-    return kinds.get(type(value), type(value).__name__)
 
 
 def reject_constant(name: str):

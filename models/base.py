@@ -23,6 +23,7 @@ from models.errors import (
     OutOfMemoryError,
     QuantizationUnavailableError,
     UnsupportedArchitectureError,
+    json_kind,
 )
 
 QUANTIZATIONS = ("auto", "none", "int4", "int8", "8bit", "4bit")
@@ -183,9 +184,11 @@ def check_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise MissingWeightsError(f"{path}: no config.json in this folder; is it a Hugging Face model folder?")
     try:
-        json.loads((path / "config.json").read_text(encoding="utf-8"))
+        settings = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CorruptedFileError(f"{path / 'config.json'}: not valid JSON ({error})") from error
+    if not isinstance(settings, dict):
+        raise CorruptedFileError(f"{path / 'config.json'}: must be a JSON object of settings, got {json_kind(settings)}")
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
         raise MissingWeightsError(f"{path}: no weights (*.safetensors or *.bin) in this folder")
 

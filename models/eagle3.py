@@ -49,7 +49,7 @@ def configured_layer_ids(config: HeadConfig) -> tuple[int, ...] | None:
         ids = extra["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         return None
-    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
+    if not isinstance(ids, list) or len(ids) != 3 or not all(type(i) is int and i >= 0 for i in ids):  # no booleans
         raise HeadFormatError(f"eagle_aux_hidden_state_layer_ids must be three layer numbers, got {ids!r}")
     return tuple(ids)
 

@@ -39,3 +39,13 @@ class HeadFormatError(KestrelError):
 
 class NetworkError(KestrelError):
     """The Hugging Face hub could not be reached or refused access."""
+
+
+def json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words (for messages about a file or request body)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)

@@ -9,6 +9,7 @@ Module names mirror the checkpoint keys, so loading is a one-to-one copy."""
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.errors import HeadFormatError, ModelNotFoundError, NetworkError
+from models.errors import HeadFormatError, ModelNotFoundError, NetworkError, json_kind
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -369,12 +370,21 @@ def head_files(folder: Path) -> tuple[HeadConfig, Path]:
     if not config_file.is_file():
         raise HeadFormatError(f"{folder}: no {CONFIG_FILE}; not a draft-head folder")
     try:
-        config = HeadConfig.from_dict(json.loads(config_file.read_text(encoding="utf-8")))
+        settings = json.loads(config_file.read_text(encoding="utf-8"))
+        if not isinstance(settings, dict):
+            raise HeadFormatError(f"{config_file}: must be a JSON object of settings, got {json_kind(settings)}")
+        config = HeadConfig.from_dict(settings)
     except json.JSONDecodeError as error:
         raise HeadFormatError(f"{config_file}: not valid JSON ({error})") from error
     except KeyError as error:
         raise HeadFormatError(f"{config_file}: missing field {error.args[0]}") from error
     except (ValueError, TypeError) as error:  # a field of the wrong kind, or a settings file that is not an object
+        raise HeadFormatError(f"{config_file}: {error}") from error
+    from models import eagle3
+
+    try:
+        eagle3.configured_layer_ids(config)  # now, not after the base model has loaded
+    except HeadFormatError as error:
         raise HeadFormatError(f"{config_file}: {error}") from error
     try:
         config.rotary_config()  # transformers' checks of rope_scaling now, not after the base model has loaded
@@ -439,6 +449,8 @@ def _read_weights(file: Path) -> dict[str, torch.Tensor]:
 
             return load_file(str(file))
         return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # torch's message suggests weights_only=False, which would run the file's code
+        raise HeadFormatError(f"{file}: not a readable PyTorch checkpoint (damaged, cut short, or not a weights file)") from error
     except Exception as error:
         raise HeadFormatError(f"{file}: cannot read the weights ({type(error).__name__}: {error})") from error
 

@@ -14,7 +14,7 @@ from core.engine import Engine
 from models import eagle3
 from models.base import load_base
 from models.errors import HeadFormatError
-from models.head import load_head, read_checkpoint
+from models.head import head_files, load_head, read_checkpoint
 from tests.factory import ARCHITECTURES, random_eagle3_head, save_tiny_model
 from tests.test_planner import CPU_LIKE, GPU_LIKE
 
@@ -107,10 +107,11 @@ def test_feature_layers_come_from_the_config_or_the_default(base64, tmp_path):
     config_file.write_text(json.dumps(settings))
     with pytest.raises(HeadFormatError, match=r"aux layers \[0, 1, 9\] do not exist in a 2-layer base model"):
         load(base64, folder)
-    settings["eagle_aux_hidden_state_layer_ids"] = [0, 1]
-    config_file.write_text(json.dumps(settings))
-    with pytest.raises(HeadFormatError, match="three layer numbers"):
-        load(base64, folder)
+    for ids in ([0, 1], [-1, 0, 1], [True, False, 1], "0,1,2"):
+        settings["eagle_aux_hidden_state_layer_ids"] = ids
+        config_file.write_text(json.dumps(settings))
+        with pytest.raises(HeadFormatError, match="config.json: eagle_aux_hidden_state_layer_ids must be three layer numbers"):
+            head_files(folder)  # from config.json alone, before any base model loads
 
 
 def test_captured_features_are_the_models_own_hidden_states(base64):

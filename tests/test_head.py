@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models.errors import HeadFormatError, ModelNotFoundError
-from models.head import HeadConfig, expected_shapes, load_head, read_checkpoint, save_head
+from models.head import HeadConfig, expected_shapes, head_files, load_head, read_checkpoint, save_head
 from tests.factory import random_head, tiny_config
 
 
@@ -99,6 +99,18 @@ def test_missing_folder_and_config(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(HeadFormatError, match="config.json"):
         load_head(tmp_path / "empty", 64, 64)
+
+
+def test_a_config_that_is_not_an_object_and_a_damaged_bin_are_named(tmp_path):
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(HeadFormatError, match=r"config.json: must be a JSON object of settings, got an array"):
+        head_files(tmp_path)
+    head, _ = saved_head(tmp_path / "saved")
+    (tmp_path / "config.json").write_text(json.dumps(head.config.to_dict()))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"garbage")
+    with pytest.raises(HeadFormatError, match=r"pytorch_model.bin: not a readable PyTorch checkpoint \(damaged") as error:
+        load_head(tmp_path, head.config.hidden_size, head.config.vocab_size)
+    assert "weights_only" not in str(error.value)  # torch's advice to load it unsafely is not passed on
 
 
 def test_config_missing_field(tmp_path):

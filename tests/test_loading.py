@@ -106,6 +106,10 @@ def test_corrupted_config(tmp_path, tiny_dir):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CorruptedFileError, match="config.json"):
         load_base(str(tmp_path))
+    for text, kind in (("[1, 2]", "an array"), ("null", "null")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(CorruptedFileError, match=f"config.json: must be a JSON object of settings, got {kind}"):
+            load_base(str(tmp_path))
 
 
 def test_quantization_in_float64_is_refused(tiny_dir):
