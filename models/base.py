@@ -325,6 +325,14 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
         return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private)")
     if isinstance(error, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)) or "connect" in text.lower():
         return NetworkError(f"{name}: not in the local cache and the Hugging Face hub cannot be reached")
+    gguf = str(name).lower().endswith(".gguf")
+    if gguf and "general.architecture" in text:  # every sound GGUF names its architecture there
+        return CorruptedFileError(f"{name}: the GGUF file is incomplete or damaged (its metadata names no architecture); download it again")
+    if "ignore_mismatched_sizes" in text:  # transformers' load report, printed above, lists the weights
+        return CorruptedFileError(
+            f"{name}: the weights do not have the shapes config.json gives them (files of another model, or an edited "
+            "config.json); the terminal lists them"
+        )
     if isinstance(error, (ValueError, KeyError)) and ("model type" in text or "architecture" in text.lower()):
         return UnsupportedArchitectureError(f"{name}: architecture not supported by transformers ({text.splitlines()[0]})")
     if "bitsandbytes" in text or "bnb" in text:
@@ -334,4 +342,6 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
     if "instantiate the backend tokenizer" in text:  # a folder without tokenizer.json / tokenizer.model
         return MissingWeightsError(f"{name}: no tokenizer files (tokenizer.json, or tokenizer.model with tokenizer_config.json)")
     first_line = text.splitlines()[0] if text else type(error).__name__
+    if gguf:
+        return CorruptedFileError(f"{name}: cannot read the GGUF file, which may be incomplete or damaged ({type(error).__name__}: {first_line})")
     return CorruptedFileError(f"{name}: cannot read the model files ({type(error).__name__}: {first_line})")

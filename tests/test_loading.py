@@ -131,6 +131,23 @@ def test_non_gguf_file_is_refused(tmp_path):
         load_base(str(file))
 
 
+def test_a_gguf_cut_short_is_named_damaged_not_an_unsupported_architecture(tmp_path):
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 20)  # a header and no metadata
+    with pytest.raises(CorruptedFileError, match="the GGUF file is incomplete or damaged"):
+        load_base(str(file), quantization="none", dtype="float32")
+
+
+def test_weights_of_another_size_than_config_json_are_named(tmp_path):
+    from tests.factory import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "model")
+    other = save_tiny_model(tmp_path / "other", hidden_size=96)
+    (folder / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    with pytest.raises(CorruptedFileError, match="the weights do not have the shapes config.json gives them"):
+        load_base(str(folder), dtype="float32")
+
+
 @pytest.mark.parametrize("quantization", ["4bit", "8bit"])
 def test_bitsandbytes_on_a_gguf_file_is_refused_by_name(tmp_path, quantization):
     file = tmp_path / "model.Q4_1.gguf"
