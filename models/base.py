@@ -182,6 +182,9 @@ def resolve_quantization(quantization: str, device: torch.device, dtype: torch.d
 
 def check_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            raise MissingWeightsError(f"{path}: no config.json in this folder; for a GGUF give the file itself, e.g. --model {ggufs[0]}")
         raise MissingWeightsError(f"{path}: no config.json in this folder; is it a Hugging Face model folder?")
     try:
         settings = json.loads((path / "config.json").read_text(encoding="utf-8"))

@@ -138,6 +138,12 @@ def test_a_gguf_cut_short_is_named_damaged_not_an_unsupported_architecture(tmp_p
         load_base(str(file), quantization="none", dtype="float32")
 
 
+def test_a_folder_holding_only_a_gguf_says_to_give_the_file(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(MissingWeightsError, match=f"give the file itself, e.g. --model {tmp_path / 'm.gguf'}"):
+        load_base(str(tmp_path))
+
+
 def test_weights_of_another_size_than_config_json_are_named(tmp_path):
     from tests.factory import save_tiny_model
 
