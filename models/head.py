@@ -360,7 +360,11 @@ def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = N
 
 def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], Path]:
     config, file = head_files(folder)
-    return config, _read_weights(file), file
+    state = _read_weights(file)
+    for key, tensor in state.items():  # a head with such weights would load and never draft
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise HeadFormatError(f"{file}: {key} holds NaN or infinite values; the head is damaged (or its training diverged)")
+    return config, state, file
 
 
 def head_files(folder: Path) -> tuple[HeadConfig, Path]:

@@ -113,6 +113,17 @@ def test_a_config_that_is_not_an_object_and_a_damaged_bin_are_named(tmp_path):
     assert "weights_only" not in str(error.value)  # torch's advice to load it unsafely is not passed on
 
 
+def test_a_head_with_nan_weights_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    head, folder = saved_head(tmp_path)
+    state = load_file(str(folder / "model.safetensors"))
+    state["fc.weight"][0, 0] = float("nan")
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(HeadFormatError, match=r"model.safetensors: fc.weight holds NaN or infinite values"):
+        load_head(folder, head.config.hidden_size, head.config.vocab_size)
+
+
 def test_config_missing_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
     with pytest.raises(HeadFormatError, match="missing field"):
