@@ -46,14 +46,6 @@ class Calibration:
         self._pooled: tuple[list[float], list[float]] | None = None  # offered and accepted per bucket, depths summed
 
     @property
-    def offered(self) -> torch.Tensor:
-        return torch.tensor(self.counts[0], dtype=torch.float64)
-
-    @property
-    def accepted(self) -> torch.Tensor:
-        return torch.tensor(self.counts[1], dtype=torch.float64)
-
-    @property
     def observations(self) -> int:
         return int(sum(map(sum, self.counts[0])))
 

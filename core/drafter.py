@@ -314,7 +314,7 @@ class Drafter:
             depths += [depth] * len(level_scores)
             calibrated = planning.head.estimates([math.exp(score) for score in level_scores], depth)
             estimates += [min(estimate, estimates[parent]) for estimate, parent in zip(calibrated, parents[first:])]
-            best = sorted(range(len(level_scores)), key=lambda index: -level_scores[index])[:k]  # stable: earlier first
+            best = planner.order(level_scores)[:k]  # earlier first among equals
             frontier = [index + first for index in best]
             frontier_scores = child_scores[best]
         head_confidence = [math.exp(score) for score in scores]

@@ -99,7 +99,7 @@ class _Kept:
     cache: object
     head_cache: HeadCache | None
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
-    prompt_length: int = 0  # how many of `tokens` the request's prompt held (the rest are its reply)
+    prompt_length: int = 0  # how many of `tokens` the request's prompt held (the rest are its reply; at most len(tokens))
 
     def continue_head(self, drafter: Drafter, length: int) -> None:
         """Give `drafter` the head's pairs for the first `length` tokens."""
@@ -233,9 +233,9 @@ class Engine:
             return None, 0
         best = shares.index(max(shares))
         kept = self._kept[best]
-        if shares[best] >= min(kept.prompt_length, len(kept.tokens)) - 1:  # reusable keeps one shared token less
+        if shares[best] >= kept.prompt_length - 1:  # reusable keeps one shared token less
             return self._kept.pop(best), shares[best]
-        copied = self._kept[best].prefix_copy(self.model, shares[best])
+        copied = kept.prefix_copy(self.model, shares[best])
         return copied, shares[best] if copied is not None else 0
 
     def _keep(self, kept: _Kept | None) -> None:

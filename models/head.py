@@ -382,7 +382,7 @@ def head_files(folder: Path) -> tuple[HeadConfig, Path]:
         raise HeadFormatError(f"{config_file}: not valid JSON ({error})") from error
     except KeyError as error:
         raise HeadFormatError(f"{config_file}: missing field {error.args[0]}") from error
-    except (ValueError, TypeError) as error:  # a field of the wrong kind, or a settings file that is not an object
+    except (ValueError, TypeError) as error:  # a field of the wrong kind
         raise HeadFormatError(f"{config_file}: {error}") from error
     from models import eagle3
 
