@@ -1,4 +1,4 @@
-"""The command line: ui (default), chat, bench, train-head, eval-heads, test."""
+"""The command line: ui (default), chat, bench, train-head, long-prompts, eval-heads, test."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "eval-heads", "test")
+COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "long-prompts", "eval-heads", "test")
 
 
 def integer(low: int, high: int | None = None):
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-new-tokens", type=integer(1), default=256, help="longest answer in tokens (default 256)")
     train.add_argument("--answer-temperature", type=number(0.0), default=0.7, help="temperature of the sampled answers (default 0.7)")
     train.add_argument("--answer-batch", type=integer(1), default=32, help="prompts per generate call (default 32)")
+    train.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="prompts longer than this many tokens are skipped (default 512; raise it for long-prompts' files)")
     train.add_argument("--epochs", type=integer(1), default=2, help="passes over the training features (default 2)")
     train.add_argument("--learning-rate", type=number(0.0, low_open=True), default=1e-3, help="peak AdamW learning rate (default 1e-3)")
     train.add_argument("--batch-tokens", type=integer(1), default=2048, help="padded positions per training step (default 2048)")
@@ -152,6 +153,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-head", help="start from this head folder's weights (continue training it or fine-tune it on new prompts)")
     train.add_argument("--resume", action="store_true", help="continue from the caches in the work folder")
     train.add_argument("--seed", type=integer(0), default=0, help="seed of sampling, noise, init and batch order (default 0)")
+
+    long = commands.add_parser("long-prompts", help="write long-document training prompts (summaries, questions over passages) made from the model's own answers")
+    long.add_argument("--prompts", required=True, help="JSONL prompt file whose answers become the documents' passages")
+    long.add_argument("--out", required=True, help="JSONL file to write the long prompts to (for train-head --prompts)")
+    long.add_argument("--work", required=True, help="folder for the cached answers (a rerun reuses them)")
+    add_model_options(long, decoding=False)
+    long.add_argument("--documents", type=integer(4), default=400, help="prompts answered to make passages: the first this many (default 400)")
+    long.add_argument("--count", type=integer(1), default=300, help="long prompts to write (default 300)")
+    long.add_argument("--min-tokens", type=integer(1), default=800, help="shortest document, about, in tokens (default 800)")
+    long.add_argument("--max-tokens", type=integer(1), default=1500, help="longest document in tokens (default 1500)")
+    long.add_argument("--max-new-tokens", type=integer(1), default=256, help="longest passage (answer) in tokens (default 256)")
+    long.add_argument("--min-passage-tokens", type=integer(1), default=40, help="shorter answers make no passage (default 40)")
+    long.add_argument("--answer-batch", type=integer(1), default=32, help="prompts per generate call (default 32)")
+    long.add_argument("--seed", type=integer(0), default=0, help="seed of the passages' choice and the templates (default 0)")
 
     judge = commands.add_parser("eval-heads", help="held-out top-1 of draft heads (any kind) on the same stored features")
     judge.add_argument("--features", required=True, help="a features folder of train-head (WORK/features-eagle3 serves every kind of head)")
@@ -248,6 +263,8 @@ def main(argv: list[str]) -> int:
             return run_train_head(args)
         if args.command == "eval-heads":
             return run_eval_heads(args)
+        if args.command == "long-prompts":
+            return run_long_prompts(args)
     except KestrelError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -459,6 +476,33 @@ def run_chat(args) -> int:
     return 130 if step.finish_reason == "cancelled" else 0
 
 
+def run_long_prompts(args) -> int:
+    from core.prompt import PromptFileError
+    from core.training.answers import AnswerParams, training_ids
+    from core.training.documents import LongParams, write_long_prompts
+    from models.base import load_base
+
+    set_threads(args.threads)
+    if args.min_tokens > args.max_tokens:
+        raise ValueError(f"--min-tokens {args.min_tokens}: is above --max-tokens {args.max_tokens}")
+    prompts, out = Path(args.prompts).expanduser(), Path(args.out).expanduser()
+    if not training_ids(prompts):
+        raise PromptFileError(f"{args.prompts}: no prompts")
+    if out.resolve() == prompts.resolve():
+        raise ValueError(f"--out {args.out}: is the --prompts file; write the long prompts to another file")
+    if out.is_dir():
+        raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
+    check_writable(str(out), "--out")
+    work = Path(args.work).expanduser()
+    check_writable(str(work / "documents.jsonl"), "--work")
+    base = load_base(args.model, args.quantization, args.dtype, args.device)
+    answers = AnswerParams(1, args.max_new_tokens, 0.7, args.answer_batch, seed=args.seed)
+    params = LongParams(args.count, args.min_tokens, args.max_tokens, args.seed, args.min_passage_tokens)
+    written = write_long_prompts(base, prompts, out, work, args.documents, params, answers)
+    print(f"{written} long prompts written to {out}; train on them with train-head --prompts {out} --max-prompt-tokens {args.max_tokens + 200}")
+    return 0
+
+
 def run_train_head(args) -> int:
     import time
 
@@ -509,7 +553,8 @@ def run_train_head(args) -> int:
         seconds = 60 * args.time_budget_minutes
         budget = Budget(answers_deadline=start + args.answer_share * seconds, train_deadline=start + seconds)
     paths = RunPaths(prompts=Path(args.prompts), out=out, work=work)
-    answers = AnswerParams(args.samples_per_prompt, args.max_new_tokens, args.answer_temperature, args.answer_batch, seed=args.seed)
+    answers = AnswerParams(args.samples_per_prompt, args.max_new_tokens, args.answer_temperature, args.answer_batch,
+                           args.max_prompt_tokens, seed=args.seed)
     params = TrainParams(
         epochs=args.epochs, learning_rate=args.learning_rate, batch_tokens=args.batch_tokens,
         unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed, arch=args.arch,

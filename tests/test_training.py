@@ -631,3 +631,65 @@ def test_eval_heads_names_features_of_another_model_or_a_damaged_shard(tiny_base
     (work / BASE_FILE).write_text(json.dumps({"name": "another", "quantization": "none", "sizes": [], "embedding": "x"}))
     with pytest.raises(ValueError, match=r"came from another base model \(another\); this run loads .*: give --model another"):
         check_feature_shards(tiny_base, [recorded])
+
+
+def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_dir, prompts_file, tmp_path):
+    from app.cli import main
+    from core.training.answers import training_ids
+    from core.training.features import is_held_out
+
+    out, work = tmp_path / "long.jsonl", tmp_path / "docs"
+    options = ["long-prompts", "--prompts", str(prompts_file), "--out", str(out), "--work", str(work), "--model", str(tiny_dir),
+               "--documents", "12", "--count", "6", "--min-tokens", "60", "--max-tokens", "120", "--max-new-tokens", "24",
+               "--min-passage-tokens", "8", "--answer-batch", "4", "--threads", "1"]  # fmt: skip
+    assert main(options) == 0
+    answers = read_answers(work / "documents.jsonl")
+    questions = {pid: row["turns"][0] for pid, row in training_ids(prompts_file).items()}
+    assert [answer.id for answer in answers] != [] and {answer.id for answer in answers} == set(
+        [pid for pid in questions if not is_held_out(pid, 0.05)][:12]
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and len({row["id"] for row in rows}) == 6
+    assert [row["source"] for row in rows] == ["summarization-long", "rag-long"] * 3
+    base = load_base_for_text(tiny_dir)
+    passages = {
+        answer.id: base.tokenizer.decode([t for t in answer.answer_ids if t not in set(stop_token_ids(base.model, base.tokenizer))],
+                                         skip_special_tokens=True).strip()
+        for answer in answers
+    }  # fmt: skip
+    for row in rows:
+        prompt = row["turns"][0]
+        used = [pid for pid, text in passages.items() if text and text in prompt]
+        assert len(used) >= 2, row  # several of the model's answers make each document
+        if row["source"] == "rag-long":
+            assert "Passage 1: " in prompt and any(questions[pid].strip() in prompt for pid in used)  # asks what one passage answers
+    first = (work / "documents.jsonl").read_text()
+    assert main(options) == 0  # a rerun reuses the answers and writes the same prompts
+    assert (work / "documents.jsonl").read_text() == first and [json.loads(line) for line in out.read_text().splitlines()] == rows
+
+    assert main([*options[:-4], "--documents", "4", "--min-tokens", "200", "--max-tokens", "100"]) == 2  # min above max
+
+
+def load_base_for_text(folder):
+    from models.base import load_base
+
+    return load_base(str(folder), dtype="float64")
+
+
+def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tiny_base, prompts_file, tmp_path):
+    from dataclasses import replace
+
+    from models.head import save_head, with_draft_vocabulary
+
+    chosen = torch.arange(1, 64, 2)  # 32 odd tokens, not the answers' most frequent
+    save_head(with_draft_vocabulary(new_head(head_config_for(tiny_base.model.config), 0), chosen), tmp_path / "start")
+    params = replace(TRAIN, epochs=1, init_head=str(tmp_path / "start"))
+    paths = RunPaths(prompts=prompts_file, out=tmp_path / "kept", work=tmp_path / "w1")
+    report = train_head(tiny_base, paths, ANSWERS, FEATURES, params, progress=False, draft_vocab=32)
+    config = tiny_base.model.config
+    drafted = lambda folder: load_head(str(folder), config.hidden_size, config.vocab_size).draft_token_ids.cpu()  # noqa: E731
+    assert torch.equal(drafted(tmp_path / "kept"), chosen) and report["draft_vocab_from"] == "init_head"
+    # another number of draft tokens: the new answers' most frequent, as for a fresh head
+    paths = RunPaths(prompts=prompts_file, out=tmp_path / "other", work=tmp_path / "w2")
+    report = train_head(tiny_base, paths, ANSWERS, FEATURES, params, progress=False, draft_vocab=16)
+    assert len(drafted(tmp_path / "other")) == 16 and report["draft_vocab_from"] == "answers"

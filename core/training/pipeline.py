@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from core.training.answers import AnswerParams, cached_answers, generate_answers, read_prompts
 from core.training.features import MANIFEST, FeatureParams, extract_features, is_held_out
 from core.training.report import write_report
@@ -172,8 +174,10 @@ def train_head(
         feature_params = replace(feature_params, layer_ids=layers)
         train_params = replace(train_params, loss_vocab=draft_vocab)
     suffix = "-eagle3" if third else ""
+    kept_vocabulary = None
     if train_params.init_head:  # the shapes now, not after hours of answers and features
         initial_weights(Path(train_params.init_head), new_head(head_config_for(base.model.config), 0))
+        kept_vocabulary = initial_draft_ids(Path(train_params.init_head), draft_vocab)
     check_base_model(paths.work, base)
     clock = PhaseClock(paths.work / PHASES_FILE)
     prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)
@@ -208,7 +212,7 @@ def train_head(
             "give more prompts, or a larger --max-new-tokens; no head was written"
         )
     with clock.phase("training"):
-        trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params)
+        trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params, kept_vocabulary)
         trainer.run(budget.train_deadline, progress)
         if trainer.step == 0 and trainer.total_steps > 0:  # a random head is no result: nothing is written
             raise TrainingStopped("before the first training step")
@@ -219,7 +223,8 @@ def train_head(
     else:
         if draft_vocab:
             vocab_size = base.model.get_output_embeddings().weight.shape[0]
-            head = with_draft_vocabulary(head, frequent_tokens(shards["train"], draft_vocab, vocab_size))
+            chosen = kept_vocabulary if kept_vocabulary is not None else frequent_tokens(shards["train"], draft_vocab, vocab_size)
+            head = with_draft_vocabulary(head, chosen)
         save_head(head, paths.out)
     report = {
         "base_model": base.name,
@@ -230,10 +235,26 @@ def train_head(
         "training": trainer.summary(),
         "final_eval": final,
         "draft_vocab": draft_vocab,
+        "draft_vocab_from": "init_head" if kept_vocabulary is not None else "answers",
         "phases": {name: round(seconds, 1) for name, seconds in clock.seconds.items()},
     }
     write_report(paths.out, report)
     return report
+
+
+def initial_draft_ids(folder: Path, draft_vocab: int | None) -> torch.Tensor | None:
+    """The draft tokens of the --init-head head when it drafts among exactly
+    `draft_vocab` of them: continuing or fine-tuning it keeps them (its
+    training ranked them over far more answers than a fine-tuning set may
+    hold), for the loss and the head written. None where it has none or
+    another number of them (then the new answers' most frequent are taken)."""
+    from models.head import read_checkpoint
+
+    _, state, _ = read_checkpoint(folder)
+    offsets = state.get("d2t")
+    if offsets is None or not draft_vocab or offsets.numel() != draft_vocab:
+        return None
+    return (offsets.long() + torch.arange(offsets.numel())).sort().values
 
 
 def note_kept_answers(features: Path, answers, plan: set) -> None:

@@ -378,11 +378,15 @@ class Trainer:
     time budget and at Ctrl-C; a resumed run replays the same batch order and
     the same noise, so it ends where an uninterrupted run would."""
 
-    def __init__(self, base, train_shards: list[Path], eval_shards: list[Path], folder: Path, params: TrainParams):
+    def __init__(self, base, train_shards: list[Path], eval_shards: list[Path], folder: Path, params: TrainParams,
+                 vocabulary: torch.Tensor | None = None):
+        """vocabulary: the loss's tokens where given (the --init-head head's draft
+        tokens), else params.loss_vocab of the train shards' most frequent."""
         self.params, self.folder = params, folder
         self.train_shards, self.eval_shards = train_shards, eval_shards
         vocab_size = base.model.get_output_embeddings().weight.shape[0]
-        vocabulary = frequent_tokens(train_shards, params.loss_vocab, vocab_size) if params.loss_vocab else None
+        if vocabulary is None and params.loss_vocab:
+            vocabulary = frequent_tokens(train_shards, params.loss_vocab, vocab_size)
         self.frozen = frozen_of(base, params.bf16, vocabulary)
         if params.arch == "eagle3":  # its lm_head only knows the draft vocabulary, so it is judged there too
             self.eval_frozen = self.frozen
