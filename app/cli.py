@@ -477,9 +477,12 @@ def run_chat(args) -> int:
 
 
 def run_long_prompts(args) -> int:
+    import json
+
+    from app.store import write_atomic
     from core.prompt import PromptFileError
     from core.training.answers import AnswerParams, training_ids
-    from core.training.documents import LongParams, write_long_prompts
+    from core.training.documents import DOCUMENTS_FILE, LongParams, long_prompts
     from models.base import load_base
 
     set_threads(args.threads)
@@ -494,12 +497,13 @@ def run_long_prompts(args) -> int:
         raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
     check_writable(str(out), "--out")
     work = Path(args.work).expanduser()
-    check_writable(str(work / "documents.jsonl"), "--work")
+    check_writable(str(work / DOCUMENTS_FILE), "--work")
     base = load_base(args.model, args.quantization, args.dtype, args.device)
     answers = AnswerParams(1, args.max_new_tokens, 0.7, args.answer_batch, seed=args.seed)
     params = LongParams(args.count, args.min_tokens, args.max_tokens, args.seed, args.min_passage_tokens)
-    written = write_long_prompts(base, prompts, out, work, args.documents, params, answers)
-    print(f"{written} long prompts written to {out}; train on them with train-head --prompts {out} --max-prompt-tokens {args.max_tokens + 200}")
+    rows = long_prompts(base, prompts, work, args.documents, params, answers)
+    write_atomic(out, "".join(json.dumps(row) + "\n" for row in rows), shared=True)
+    print(f"{len(rows)} long prompts written to {out}; train on them with train-head --prompts {out} --max-prompt-tokens {args.max_tokens + 200}")
     return 0
 
 

@@ -633,7 +633,7 @@ def test_eval_heads_names_features_of_another_model_or_a_damaged_shard(tiny_base
         check_feature_shards(tiny_base, [recorded])
 
 
-def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_dir, prompts_file, tmp_path):
+def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_base, tiny_dir, prompts_file, tmp_path):
     from app.cli import main
     from core.training.answers import training_ids
     from core.training.features import is_held_out
@@ -651,12 +651,9 @@ def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_dir, pro
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6 and len({row["id"] for row in rows}) == 6
     assert [row["source"] for row in rows] == ["summarization-long", "rag-long"] * 3
-    base = load_base_for_text(tiny_dir)
-    passages = {
-        answer.id: base.tokenizer.decode([t for t in answer.answer_ids if t not in set(stop_token_ids(base.model, base.tokenizer))],
-                                         skip_special_tokens=True).strip()
-        for answer in answers
-    }  # fmt: skip
+    stops = set(stop_token_ids(tiny_base.model, tiny_base.tokenizer))
+    decode = tiny_base.tokenizer.decode
+    passages = {answer.id: decode([t for t in answer.answer_ids if t not in stops], skip_special_tokens=True).strip() for answer in answers}
     for row in rows:
         prompt = row["turns"][0]
         used = [pid for pid, text in passages.items() if text and text in prompt]
@@ -668,12 +665,6 @@ def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_dir, pro
     assert (work / "documents.jsonl").read_text() == first and [json.loads(line) for line in out.read_text().splitlines()] == rows
 
     assert main([*options[:-4], "--documents", "4", "--min-tokens", "200", "--max-tokens", "100"]) == 2  # min above max
-
-
-def load_base_for_text(folder):
-    from models.base import load_base
-
-    return load_base(str(folder), dtype="float64")
 
 
 def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tiny_base, prompts_file, tmp_path):

@@ -13,7 +13,6 @@ prompt file; its held-out split is by id, as for every prompt."""
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ SUMMARIES = (
     "Give a one-paragraph summary of these notes:\n\n{document}",
     "Here is an article:\n\n{document}\n\nSummarize it for a busy reader.",
 )
+DOCUMENTS_FILE = "documents.jsonl"  # the passages' answers, in --work
 QUESTIONS = (
     "Use the passages below to answer the question.\n\n{passages}\n\nQuestion: {question}",
     "Context:\n{passages}\n\nBased on the context above: {question}",
@@ -89,14 +89,12 @@ def build(passages: list[tuple[str, str]], questions: dict[str, str], tokenizer,
     return rows
 
 
-def write_long_prompts(base, prompts_path: Path, out: Path, work: Path, documents: int, params: LongParams,
-                       answer_params: AnswerParams, progress: bool = True) -> int:
+def long_prompts(base, prompts_path: Path, work: Path, documents: int, params: LongParams,
+                 answer_params: AnswerParams, progress: bool = True) -> list[dict]:
     """Answer the first `documents` prompts of prompts_path that train-head
-    does not hold out (greedy; cached in
-    `work`), build params.count long prompts from the answers, write them to
-    `out` (JSONL); returns how many were written."""
+    does not hold out (greedy; cached in work/DOCUMENTS_FILE) and build
+    params.count long prompts from the answers (JSONL rows)."""
     from core.prompt import stop_token_ids
-
     from core.training.features import FeatureParams, is_held_out
 
     held_out = FeatureParams().eval_fraction  # train-head's held-out prompts stay out of every document
@@ -104,13 +102,7 @@ def write_long_prompts(base, prompts_path: Path, out: Path, work: Path, document
         prompt for prompt in read_prompts(prompts_path, base.tokenizer, answer_params.max_prompt_tokens)
         if not is_held_out(prompt.id, held_out)
     ][:documents]
-    answers = generate_answers(base, prompts, work / "documents.jsonl", answer_params, None, progress)
-    records = training_ids(prompts_path)
-    questions = {pid: records[pid]["turns"][0] for pid in records}
+    answers = generate_answers(base, prompts, work / DOCUMENTS_FILE, answer_params, None, progress)
+    questions = {pid: row["turns"][0] for pid, row in training_ids(prompts_path).items()}
     passages = passages_of(answers, base.tokenizer, set(stop_token_ids(base.model, base.tokenizer)), params.min_passage)
-    rows = build(passages, questions, base.tokenizer, params)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    partial.replace(out)
-    return len(rows)
+    return build(passages, questions, base.tokenizer, params)
