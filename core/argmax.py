@@ -43,6 +43,7 @@ from models import int8
 
 ERROR_SCALE = 2.0  # margin on the bound above
 CANDIDATES = 16  # tokens recomputed exactly per row (proved the argmax for every row measured)
+ONE_ROW_PROBE_ROWS = 4096  # lm_heads of at least this many tokens measure which kernel screens one row faster
 INTEGER_ROWS = 2  # screens of at most this many rows use the integer product where it is built (more: no faster)
 INTEGER_CONTENDERS = 1024  # more tokens than this left by an integer screen's bound (flat logits): screen in float32
 
@@ -102,6 +103,8 @@ class ScreenedArgmax:
             # as the vector kernel does, so the bound holds, plus the flushing of values below 2^-126 (`absolute`)
             tiles = weight.dtype == torch.bfloat16 and self.own and int8.tiles_available()
             self.rows = int8.PackedRows(weight, self.own, tiles=tiles)
+            if tiles and weight.shape[0] >= ONE_ROW_PROBE_ROWS:  # a vocabulary: every vanilla step screens one row
+                self.rows.choose_one_row()
             error_norms, rounded_norms = _norms(weight, self.rows.packed, self.rows.scales)
             columns = weight.shape[1]
             relative = (columns + 2) * 2.0**-24 if self.own else 2.0**-8 + columns * 2.0**-24

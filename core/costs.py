@@ -161,7 +161,7 @@ def device_name(device: torch.device) -> str:
 def cache_key(
     device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str,
     compiled: bool = False, row_kernel: str | None = None, int4_kernel: str | None = None, draft_kernel: str | None = None,
-    graphs: bool = False,
+    graphs: bool = False, screen: str | None = None,
 ) -> dict:  # fmt: skip
     return {
         "version": VERSION,
@@ -176,6 +176,7 @@ def cache_key(
         "row_kernel": row_kernel,
         "int4_kernel": int4_kernel,
         "draft_kernel": draft_kernel,
+        "screen": screen,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "kernels": kernel_sources(),

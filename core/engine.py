@@ -267,6 +267,13 @@ class Engine:
         compiled_head = "compiled" if isinstance(self.draft_head, compiled.CompiledHead) else "eager"
         return f"{int8.kernel_of(self.draft_head)}/{compiled_head}/{type(self.vocabulary.packed).__name__}"
 
+    def _screen_route(self) -> str | None:
+        """Where the greedy lm_head screen multiplies one row (chosen by measuring, see int8.PackedRows)."""
+        rows = getattr(self.argmax, "rows", None) if getattr(self.argmax, "enabled", False) else None
+        if rows is None:
+            return None
+        return "tiles" if rows.one_row_tiles else "vector"
+
     def prepare_costs(self, progress: costs.Progress | None = None, remeasure: bool = False) -> costs.Costs | None:
         """The step costs the planner sizes trees by: read from the cache for
         this device, model, head, dtype, quantization and thread count, else
@@ -279,7 +286,7 @@ class Engine:
         key = costs.cache_key(
             base.device, base.name, self.head_name, base.dtype, base.quantization,
             compiled=self.compiled is not None, graphs=self.graphed is not None and self.graphed.problem is None, row_kernel=self._row_kernel(),
-            int4_kernel=int4.kernel_of(self.model), draft_kernel=self._draft_kernel(),
+            int4_kernel=int4.kernel_of(self.model), draft_kernel=self._draft_kernel(), screen=self._screen_route(),
         )  # fmt: skip
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)

@@ -417,7 +417,11 @@ def test_int8_rows_on_tiles_match_the_vector_kernel_within_float32_rounding():
     expected = x.double() @ rows.dequantized().double().T
     bound = (96 + 2) * 2.0**-24 * rows.dequantized().double().norm(dim=1)[None, :] * x.double().norm(dim=1)[:, None]
     assert ((full.double() - expected).abs() <= bound).all()
+    assert not rows.one_row_tiles
     assert ((rows(x[:1]).double() - expected[:1]).abs() <= bound[:1]).all()  # one row: the vector kernel
+    assert rows.choose_one_row() == rows.one_row_tiles  # measured: whichever kernel was faster here
+    rows.one_row_tiles = True
+    assert all(torch.equal(rows(x[row : row + 1]), full[row : row + 1]) for row in range(40))  # one row on tiles: as in company
 
 
 @needs_tiles

@@ -324,6 +324,9 @@ def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir,
     monkeypatch.setattr(costs_module, "kernel_sources", lambda: "changed")  # an update changed Kestrel's kernels
     Engine(base, random_head(base.model)).prepare_costs()
     assert len(measured) == 5
+    monkeypatch.setattr(Engine, "_screen_route", lambda self: "tiles")  # the one-row screen measured faster elsewhere
+    Engine(base, random_head(base.model)).prepare_costs()
+    assert len(measured) == 6
     assert Engine(base, None).prepare_costs() is None  # nothing to plan without a head
 
 
