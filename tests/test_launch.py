@@ -371,7 +371,8 @@ def test_the_page_stops_on_sigterm_and_sighup_as_on_ctrl_c(tiny_dir, tmp_path, s
 
     import httpx
 
-    environment = {**os.environ, "KESTREL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a server that does not stop is sent SIGABRT below, which prints every thread's stack
+    environment = {**os.environ, "KESTREL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     command = [sys.executable, str(ROOT / "launch.py"), "ui", "--model", str(tiny_dir), "--dtype", "float32",
                "--compile", "off", "--threads", "1", "--no-browser", "--port", "7931"]  # fmt: skip
     ignore_hangup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
@@ -393,7 +394,12 @@ def test_the_page_stops_on_sigterm_and_sighup_as_on_ctrl_c(tiny_dir, tmp_path, s
             time.sleep(2.0)
             assert server.poll() is None and httpx.get(f"{url}health").status_code == 200
             server.send_signal(signal.SIGTERM)
-        rest, _ = server.communicate(timeout=60)
+        try:
+            rest, _ = server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.send_signal(signal.SIGABRT)
+            pytest.fail(f"the server did not stop within 60 s of {signal_name}; its output and stacks:\n" + "".join(lines)
+                        + server.communicate(timeout=30)[0])  # fmt: skip
     finally:
         server.kill()
     assert server.returncode == 0, "".join(lines) + rest
