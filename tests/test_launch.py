@@ -375,9 +375,10 @@ def test_the_page_stops_on_sigterm_and_sighup_as_on_ctrl_c(tiny_dir, tmp_path, s
     environment = {**os.environ, "KESTREL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     command = [sys.executable, str(ROOT / "launch.py"), "ui", "--model", str(tiny_dir), "--dtype", "float32",
                "--compile", "off", "--threads", "1", "--no-browser", "--port", "7931"]  # fmt: skip
-    ignore_hangup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    # the child's SIGHUP set either way: a test run started under nohup would hand its children SIGHUP ignored
+    hangup = signal.SIG_IGN if nohup else signal.SIG_DFL
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
-                              preexec_fn=ignore_hangup)  # fmt: skip
+                              preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))  # fmt: skip
     try:
         lines = []
         for line in server.stdout:
