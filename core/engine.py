@@ -269,10 +269,9 @@ class Engine:
 
     def _screen_route(self) -> str | None:
         """Where the greedy lm_head screen multiplies one row (chosen by measuring, see int8.PackedRows)."""
-        rows = getattr(self.argmax, "rows", None) if getattr(self.argmax, "enabled", False) else None
-        if rows is None:
+        if not self.argmax.enabled:
             return None
-        return "tiles" if rows.one_row_tiles else "vector"
+        return "tiles" if self.argmax.rows.one_row_tiles else "vector"
 
     def prepare_costs(self, progress: costs.Progress | None = None, remeasure: bool = False) -> costs.Costs | None:
         """The step costs the planner sizes trees by: read from the cache for
