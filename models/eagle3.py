@@ -51,6 +51,12 @@ def configured_layer_ids(config: HeadConfig) -> tuple[int, ...] | None:
         return None
     if not isinstance(ids, list) or len(ids) != 3 or not all(type(i) is int and i >= 0 for i in ids):  # no booleans
         raise HeadFormatError(f"eagle_aux_hidden_state_layer_ids must be three layer numbers, got {ids!r}")
+    if len(set(ids)) < 3:
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        raise HeadFormatError(
+            f"eagle_aux_hidden_state_layer_ids names layer {repeated[0]} more than once ({ids!r}): "
+            "an EAGLE-3 head fuses three different layers"
+        )
     return tuple(ids)
 
 
@@ -209,6 +215,11 @@ def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_l
     if config.extra.get("norm_output"):
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_output heads (an EAGLE-3.1 variant) are not supported")
     default, configured = default_layer_ids(base_layers), configured_layer_ids(config)
+    if configured is not None and list(configured) != sorted(configured):
+        # the features are fused low, mid, high, as vLLM captures them (in the order the layers run)
+        log.info(f"{file.parent / CONFIG_FILE}: aux layers {list(configured)} taken in the order the layers run, "
+                 f"{sorted(configured)}")
+        configured = tuple(sorted(configured))
     layer_ids = configured or default
     if configured is not None:
         if configured == tuple(layer - 1 for layer in default):

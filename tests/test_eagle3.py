@@ -102,7 +102,11 @@ def test_feature_layers_come_from_the_config_or_the_default(base64, tmp_path):
     assert published.layer_ids == (2, 16, 29)
     settings["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 2, 0]}
     config_file.write_text(json.dumps(settings))
-    assert load(base64, folder).layer_ids == (1, 2, 0)
+    assert load(base64, folder).layer_ids == (0, 1, 2)  # fused low, mid, high, in the order the layers run
+    settings["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 0, 1]}
+    config_file.write_text(json.dumps(settings))
+    with pytest.raises(HeadFormatError, match=r"config.json: eagle_aux_hidden_state_layer_ids names layer 1 more than once"):
+        head_files(folder)
     settings["eagle_aux_hidden_state_layer_ids"] = [0, 1, 9]
     config_file.write_text(json.dumps(settings))
     with pytest.raises(HeadFormatError, match=r"aux layers \[0, 1, 9\] do not exist in a 2-layer base model"):
