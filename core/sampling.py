@@ -88,9 +88,26 @@ class Noise:
 
     def at(self, position: int) -> torch.Tensor:
         """(V,) float64 Gumbel noise for the token at `position` (0 = the prompt's first)."""
-        generator = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+        generator = torch.Generator().manual_seed(stream_key(self.seed, position))
         uniform = torch.rand(self.vocabulary, generator=generator, dtype=torch.float64)
         return (-torch.log(-torch.log(uniform))).to(self.device)
+
+
+def stream_key(seed: int, position: int) -> int:
+    """The 32-bit seed of position `position`'s noise: torch's CPU generator
+    (Mersenne Twister) keeps only the low 32 bits of its seed, so any 64-bit
+    seed and the position are mixed into 32 bits that depend on all their bits
+    (splitmix64's finalizer, twice): seeds 2^32 apart give unrelated noise,
+    and a seed's noise is not another seed's shifted by some positions."""
+    mixed = _mix64(_mix64(seed % (1 << 64)) + position)
+    return (mixed ^ (mixed >> 32)) & 0xFFFFFFFF
+
+
+def _mix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) % (1 << 64)
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return value ^ (value >> 31)
 
 
 def sample(probs: torch.Tensor, gumbel: torch.Tensor) -> int:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from core.config import SamplingParams
-from core.sampling import Noise, probabilities, sample
+from core.sampling import Noise, probabilities, sample, stream_key
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
 
@@ -98,6 +98,19 @@ def test_seed_reproduces_samples_position_by_position():
     assert runs[0] == runs[1] and runs[0] != other
     # one position's draw does not depend on which positions were drawn before
     assert sample(probs, Noise(7, 5).at(30)) == runs[0][30]
+
+
+def test_every_bit_of_the_seed_counts():
+    """torch's CPU generator keeps only 32 bits of its seed: seeds 2^32 apart (and
+    the extremes of the 64-bit range) still draw unrelated noise, and no seed's
+    noise is another's shifted by a position."""
+    seeds = [7, 7 + 2**32, 7 + 5 * 2**32, 0, 2**32, -(2**63), 2**63 - 3, -3]
+    noises = [Noise(seed, 50).at(10) for seed in seeds]
+    for i in range(len(seeds)):
+        for j in range(i):
+            assert not torch.equal(noises[i], noises[j]), (seeds[i], seeds[j])
+    keys = {stream_key(seed, position) for seed in range(64) for position in range(64)}
+    assert len(keys) == 64 * 64  # all distinct (among 4,096 random 32-bit keys a collision has a 0.2% chance)
 
 
 def test_invalid_params_are_named():
