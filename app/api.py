@@ -352,6 +352,7 @@ async def texts(
                 if text:
                     yield text
             if decoding.done_reading(cursor):
+                read_steps(decoding, cursor)  # raises the error it ended with, should it have ended after the read above
                 outcome.finish_reason = outcome.finish_reason or "cancelled"
                 return
     finally:

@@ -639,3 +639,43 @@ def test_a_request_waiting_while_the_model_is_replaced_does_not_run_on_the_old_o
         assert "was replaced while this request waited for its turn (no model is loaded now)" in refused.json()["error"]["message"]
     finally:
         server.close()
+
+
+def test_an_error_that_ends_the_decoding_between_reads_is_still_reported():
+    """The decoding thread may fail just after a read found no new step and
+    before the reader asks whether it has ended: the error is still raised (a
+    500 naming it), not dropped as a cut-short reply."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from app.api import ApiError, Outcome, texts
+    from models.errors import KestrelError
+
+    class FailsBetweenReads:
+        reads = 0
+
+        def read(self, cursor, timeout=None):
+            self.reads += 1
+            if self.reads == 1:
+                return []  # nothing yet: the failure lands right after this read
+            raise KestrelError("the decoding failed")
+
+        def done_reading(self, cursor):
+            return True
+
+        def stop(self):
+            pass
+
+    class Connected:
+        async def is_disconnected(self):
+            return False
+
+    async def reply():
+        changed = asyncio.Event()
+        changed.set()
+        generation = SimpleNamespace(stop=())
+        return [text async for text in texts(FailsBetweenReads(), changed, Connected(), generation, Outcome("eagle2", 3), None)]
+
+    with pytest.raises(ApiError, match="the decoding failed") as raised:
+        asyncio.run(reply())
+    assert raised.value.status == 500
