@@ -667,3 +667,21 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
         assert page.evaluate("navigator.clipboard.readText()") == "a &#60;b&#62;"
     finally:
         page.close()
+
+
+def test_charts_keep_their_data_when_a_reply_is_refused(page):
+    """A message refused for the context window after a new chat: the run had
+    sent the empty charts, then skipped them in its last update, which Gradio
+    streams as a diff deleting the charts' data in the page. The charts stay
+    drawn and resizing the window raises no errors in the page."""
+    errors = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.locator("#new-chat").click()
+    send(page, "w1 " * 3000)
+    page.locator("#notice").get_by_text("context window").wait_for(timeout=30_000)
+    for width, height in ((900, 700), (1400, 1000)):
+        page.set_viewport_size({"width": width, "height": height})
+        time.sleep(1)
+    assert errors == []
+    for chart in ("#depth-plot", "#rate-plot"):
+        assert page.locator(f"{chart} svg [aria-label^='Y-axis']").count() >= 1, chart
