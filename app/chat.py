@@ -543,7 +543,8 @@ class ChatHandlers:
             note = f"{FORKED_TEXT} {note}".strip()
         messages, dropped = fit_context(engine, engine_messages(chat), room=min(options.sampling.max_new_tokens, 64))
         if dropped:
-            note = f"{note} Dropped the {dropped} oldest messages to fit the context window.".strip()
+            oldest = "oldest message" if dropped == 1 else f"{dropped} oldest messages"
+            note = f"{note} Dropped the {oldest} to fit the context window.".strip()
             made_with = {**made_with, "context_dropped": dropped}  # kept with the reply: it was written without them
         cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
         if cancel.is_set():  # Stop was pressed while this waited for its turn in the page's queue

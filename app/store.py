@@ -403,7 +403,7 @@ def made_with(stats) -> str:
         parts.append(endings[stats["finish_reason"]])
     dropped = settings.get("context_dropped")
     if is_number(dropped) and dropped > 0:
-        parts.append(f"written without the {dropped:g} oldest messages (past the context window)")
+        parts.append(f"written without the {'oldest message' if dropped == 1 else f'{dropped:g} oldest messages'} (past the context window)")
     return ", ".join(parts)
 
 
