@@ -322,12 +322,17 @@ def invalid_text(names: list[str]) -> str:
     return f"Some saved settings were not valid, so their defaults are in use (a change saves the new value): {shown}."
 
 
-def cut_short_text(chat: dict) -> str:
-    """A notice for a chat whose last reply a crash or a killed server cut short."""
+def cut_short_text(chat: dict, busy: bool = False) -> str:
+    """A notice for a chat whose last reply a crash or a killed server cut short,
+    or whose last message has no reply (the page was closed or reloaded, or
+    Kestrel stopped, before the reply's first token; `busy`: it is on its way)."""
     stats = last_reply_stats(chat)
-    if chat["messages"] and chat["messages"][-1]["role"] == "assistant" and stats and stats.get("finish_reason") == "interrupted":
+    last = chat["messages"][-1]["role"] if chat["messages"] else None
+    if last == "assistant" and stats and stats.get("finish_reason") == "interrupted":
         return ("The last reply was cut short: Kestrel stopped while writing it. Regenerate writes it again "
                 "(the cut one is kept: Earlier reply shows it).")  # fmt: skip
+    if last == "user" and not busy:
+        return "The last message has no reply: it was interrupted before its first token. Regenerate writes one."
     return ""
 
 
@@ -838,7 +843,7 @@ class ChatHandlers:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         self._opened(loaded["id"])
         stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
-        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), notice_html(cut_short_text(loaded))
+        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), notice_html(cut_short_text(loaded, self._busy(loaded)))
 
     def _kept_open(self, chat: dict, notice: str) -> tuple:
         """open's outputs where the chat shown stays: the list of saved chats
@@ -957,6 +962,6 @@ class ChatHandlers:
                 damage_text(self.store.folder, damaged, unreadable, {name: self.store.why_unreadable(name) for name in unreadable[:5]},
                             self.store.write_problem()),
                 invalid_text(invalid_settings(saved, settings)),
-                cut_short_text(chat))))),
+                cut_short_text(chat, self._busy(chat)))))),
         )  # fmt: skip
         return (*outputs, None if mode == settings["mode"] else settings["mode"]) if wanted else outputs

@@ -1388,6 +1388,23 @@ def test_a_reply_cut_short_by_a_crash_is_said_when_its_chat_opens(handlers, stor
     assert "cut short" not in handlers.open(chat["id"], new_chat(), True)[-1]
 
 
+def test_a_message_left_without_a_reply_is_said_unless_its_reply_is_on_its_way(handlers, store):
+    """A message saved at Send whose reply never began (the page reloaded while
+    a long prompt was read, or the server stopped): opening or reloading its
+    chat says so and how to get one; not while its reply is being written."""
+    chat = {**new_chat(), "messages": [{"role": "user", "content": "w1"}]}
+    store.save_chat(chat)
+    assert "has no reply" in handlers.open(chat["id"], new_chat(), True)[-1] and "has no reply" in handlers.restore()[-1]
+    handlers.replying[chat["id"]] = True  # written in another tab now
+    try:
+        assert "has no reply" not in handlers.restore()[-1]
+    finally:
+        handlers.replying.pop(chat["id"])
+    chat["messages"].append({"role": "assistant", "content": "w2", "stats": {"tokens": 1, "finish_reason": "stop"}})
+    store.save_chat(chat)
+    assert "has no reply" not in handlers.open(chat["id"], new_chat(), True)[-1]
+
+
 def test_a_data_folder_that_cannot_be_written_still_starts_the_page(tmp_path):
     """No lock can be taken where nothing can be written (a read-only folder,
     a file in the folder's place): the page starts and names the problem."""
