@@ -382,6 +382,19 @@ def bench_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def check_distinct(modes: tuple[str, ...], tree) -> None:
+    """--modes: no two labels that run the same decoding (eagle2:8/4/4 and eagle2:08/4/4,
+    or eagle2 and the shape the tree options give it)."""
+    from core.bench import head_of, parse_mode
+
+    seen: dict = {}
+    for mode in modes:
+        decoding = (head_of(mode), *parse_mode(mode, tree))
+        if decoding in seen:
+            raise ValueError(f"--modes {seen[decoding]} and {mode} run the same decoding; name it once")
+        seen[decoding] = mode
+
+
 def set_threads(threads: int | None) -> None:
     """--threads: torch's CPU threads (None: torch's choice)."""
     import torch
@@ -599,6 +612,7 @@ def run_eval_heads(args) -> int:
     import torch
 
     from app.session import default_head, load_draft_head
+    from app.store import write_atomic
     from core.training.compare import check_feature_shards, drafted_accuracy
     from models.base import load_base
     from models.head import head_files, resolve_head_folder
@@ -636,7 +650,7 @@ def run_eval_heads(args) -> int:
             print(f"{source}: top-1 {', '.join(f'{100 * a:.1f}%' for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
     finally:  # a head refused later (one that does not fit this model) keeps the figures of those judged before it
         if json_out and results:
-            json_out.write_text(json.dumps(results, indent=1) + "\n")
+            write_atomic(json_out, json.dumps(results, indent=1) + "\n", shared=True)
             if len(results) < len(sources):  # stopped: say which heads the file lacks
                 missing = ", ".join(str(source) for source in sources if source not in results)
                 print(f"wrote {args.json_out} with the {len(results)} of {len(sources)} heads judged before it stopped; not judged: {missing}", file=sys.stderr)
@@ -653,7 +667,7 @@ def run_bench_command(args) -> int:
 
     from app.session import load_draft_head, prepare_costs
     from app.store import write_atomic
-    from core.bench import BenchCancelled, check_head_named, format_table, parse_mode, run_bench
+    from core.bench import BenchCancelled, check_head_named, format_table, head_of, parse_mode, run_bench
     from core.engine import Engine
     from models.head import local_head_folder
 
@@ -668,10 +682,14 @@ def run_bench_command(args) -> int:
         others[name] = source
     for mode in modes:
         check_head_named(mode, others)
+    unused = [name for name in others if name not in {head_of(mode) for mode in modes}]
+    if unused:  # it would load, compile and measure its costs for nothing
+        raise ValueError(f"--other-head {unused[0]}: no mode drafts with it; add eagle2@{unused[0]} to --modes")
     for source in others.values():
         local_head_folder(source)  # a missing folder fails now, not after the model has loaded
     json_out = check_writable(args.json_out, "--json", Path(args.prompts)) if args.json_out else None
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
+    check_distinct(modes, tree)
     if "llama.cpp" in modes and not args.llama_python:
         raise ValueError("mode llama.cpp needs --llama-python: a Python with llama-cpp-python installed")
     planned = any(parse_mode(mode, tree)[0] == "eagle2" for mode in modes)
@@ -713,7 +731,7 @@ def run_app_bench_command(args) -> int:
     import json
 
     from app.appbench import format_rows, run_app_bench
-
+    from app.store import write_atomic
     from core.config import MODES
 
     modes = list(bench_modes(args.modes))
@@ -723,11 +741,14 @@ def run_app_bench_command(args) -> int:
     if not (Path(args.root) / "launch.py").is_file():
         raise ValueError(f"--root {args.root}: no launch.py there; give the folder of the Kestrel to measure")
     json_out = check_writable(args.json_out, "--json") if args.json_out else None
+    check_text(args.prompt, "--prompt")
+    if not args.prompt.strip():  # refused here, not by the chat command it starts a model for
+        raise ValueError("--prompt is empty: give the user message to measure")
     rows = run_app_bench(
         args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root), args.rounds,
         show=lambda what: print(f"measuring: {what}", flush=True),
     )  # fmt: skip
     print(format_rows(rows))
     if json_out:
-        json_out.write_text(json.dumps(rows, indent=1))
+        write_atomic(json_out, json.dumps(rows, indent=1), shared=True)
     return 0

@@ -260,6 +260,9 @@ def test_bench_refuses_an_unknown_or_missing_other_head_before_the_model_loads(t
         (["--modes", "vanilla,eagle2@mine"], "--modes eagle2@mine: no other head called 'mine'"),
         (["--modes", "eagle2@mine", "--other-head", f"mine={tmp_path / 'nope'}"], "nope: no such draft-head folder"),
         (["--modes", "eagle2@mine", "--other-head", f"mine={path}"], "is a file; a draft head is the folder"),
+        (["--modes", "vanilla,eagle2", "--other-head", f"mine={tmp_path}"], "--other-head mine: no mode drafts with it"),
+        (["--modes", "eagle2:08/4/4,eagle2:8/4/4"], "--modes eagle2:08/4/4 and eagle2:8/4/4 run the same decoding"),
+        (["--modes", "eagle2,eagle2:8/4/4", "--total-tokens", "8", "--depth", "4", "--tree-top-k", "4"], "run the same decoding"),
     ]
     for extra, message in cases:
         assert main(["bench", "--prompts", str(path), *extra]) == 2
@@ -341,3 +344,5 @@ def test_bench_app_refuses_modes_the_page_cannot_run_before_starting_a_server(ca
     assert "--modes generate: bench-app measures vanilla, eagle, eagle2" in capsys.readouterr().err
     assert main(["bench-app", "--root", str(tmp_path), "--threads", "1"]) == 2
     assert f"--root {tmp_path}: no launch.py there" in capsys.readouterr().err
+    assert main(["bench-app", "--prompt", " ", "--threads", "1"]) == 2
+    assert "--prompt is empty" in capsys.readouterr().err
