@@ -562,16 +562,16 @@ class ChatHandlers:
         live = LiveReply()
         self.live[chat["id"]] = lambda: live.claim() and self._keep_stopped(chat, live.reply, kept, mode, made_with)
         save_throttle = Throttle(SAVE_INTERVAL)
-        # the plots as this run last sent them, sent again by a yield that ends it: Gradio streams a
+        # the panel with the plots as this run last sent them, sent again by a yield that ends it: Gradio streams a
         # plot skipped after a value as a diff deleting that value's fields, which the page applies to
         # the plot's value in place, so a run that ended there left the plots without their data
         # (drawn empty, and the page's resize handlers failing on them)
-        last_plots = SKIP_PANEL
+        sent_panel = SKIP_PANEL
         try:
             empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
             # the message box is left alone: accept emptied it, and what is typed there now is the next message
             yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *empty_panel
-            last_plots = gr.skip(), *empty_panel[1:]
+            sent_panel = gr.skip(), *empty_panel[1:]
             replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=True)
             read = False  # whether the notice shows how far a long conversation is read
             for reply in replies:
@@ -589,7 +589,7 @@ class ChatHandlers:
                 stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
                 plots = self._plots(reply, engine, options.sampling) if plot_throttle.ready() else SKIP_PANEL[1:]
                 if plots is not SKIP_PANEL[1:]:
-                    last_plots = gr.skip(), *plots
+                    sent_panel = gr.skip(), *plots
                 notice = notice_html(note) if read else gr.skip()
                 read = False
                 if kept is None and save_throttle.ready():  # a regeneration keeps the saved reply until it ends
@@ -603,21 +603,21 @@ class ChatHandlers:
         except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
             if live.claim():
                 self._keep_stopped(chat, reply, kept, mode, made_with)
-            yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *last_plots
+            yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
             return
         except (KestrelError, ValueError) as error:  # ContextOverflowError included
             if isinstance(error, ContextOverflowError):
                 error = overflow_text(engine, messages, error)
-            yield from self._failed(chat, message, colour, str(error), kept, last_plots)
+            yield from self._failed(chat, message, colour, str(error), kept, sent_panel)
             return
         finally:
             colour = self.replying.pop(chat["id"])
             self.live.pop(chat["id"], None)
         if not live.claim():  # the server's stop saved it already
-            yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *last_plots
+            yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
             return
         if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
-            yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept, last_plots)
+            yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept, sent_panel)
             return
         note = self._finish(chat, reply, mode, note, made_with, kept)
         panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
