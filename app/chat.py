@@ -20,7 +20,7 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, message_problem, new_chat, to_json, to_markdown
+from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, message_problem, new_chat, oldest_messages, to_json, to_markdown
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine
 from models.errors import KestrelError
@@ -548,8 +548,7 @@ class ChatHandlers:
             note = f"{FORKED_TEXT} {note}".strip()
         messages, dropped = fit_context(engine, engine_messages(chat), room=min(options.sampling.max_new_tokens, 64))
         if dropped:
-            oldest = "oldest message" if dropped == 1 else f"{dropped} oldest messages"
-            note = f"{note} Dropped the {oldest} to fit the context window.".strip()
+            note = f"{note} Dropped the {oldest_messages(dropped)} to fit the context window.".strip()
             made_with = {**made_with, "context_dropped": dropped}  # kept with the reply: it was written without them
         cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
         if cancel.is_set():  # Stop was pressed while this waited for its turn in the page's queue
@@ -587,8 +586,9 @@ class ChatHandlers:
                     history = display(chat, colour)
                 pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
                 stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
-                plots = self._plots(reply, engine, options.sampling) if plot_throttle.ready() else SKIP_PANEL[1:]
-                if plots is not SKIP_PANEL[1:]:
+                plots = SKIP_PANEL[1:]
+                if plot_throttle.ready():
+                    plots = self._plots(reply, engine, options.sampling)
                     sent_panel = gr.skip(), *plots
                 notice = notice_html(note) if read else gr.skip()
                 read = False

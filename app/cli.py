@@ -682,7 +682,8 @@ def run_bench_command(args) -> int:
         others[name] = source
     for mode in modes:
         check_head_named(mode, others)
-    unused = [name for name in others if name not in {head_of(mode) for mode in modes}]
+    drafting = {head_of(mode) for mode in modes}
+    unused = [name for name in others if name not in drafting]
     if unused:  # it would load, compile and measure its costs for nothing
         raise ValueError(f"--other-head {unused[0]}: no mode drafts with it; add eagle2@{unused[0]} to --modes")
     for source in others.values():

@@ -380,6 +380,11 @@ def to_markdown(chat: dict) -> str:
     return "\n".join(lines)
 
 
+def oldest_messages(count: float) -> str:
+    """'oldest message', or 'N oldest messages': the messages a reply was written without."""
+    return "oldest message" if count == 1 else f"{count:g} oldest messages"
+
+
 def made_with(stats) -> str:
     """A reply's stored figures and settings in one line, for the Markdown export."""
     if not isinstance(stats, dict):
@@ -403,7 +408,7 @@ def made_with(stats) -> str:
         parts.append(endings[stats["finish_reason"]])
     dropped = settings.get("context_dropped")
     if is_number(dropped) and dropped > 0:
-        parts.append(f"written without the {'oldest message' if dropped == 1 else f'{dropped:g} oldest messages'} (past the context window)")
+        parts.append(f"written without the {oldest_messages(dropped)} (past the context window)")
     return ", ".join(parts)
 
 
