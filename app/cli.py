@@ -46,6 +46,19 @@ def number(low: float, high: float | None = None, low_open: bool = False):
 PORT = integer(1, 65535)
 
 
+def tree_nodes(high: int):
+    """An argparse type for --total-tokens: 0 (sized by the planner) or 2 to `high` (a tree is its root and a node at least)."""
+    counted = integer(0, high)
+
+    def parse(text: str) -> int:
+        value = counted(text)
+        if value == 1:
+            raise argparse.ArgumentTypeError(f"must be 0 (sized by the planner) or from 2 to {high}, got 1")
+        return value
+
+    return parse
+
+
 def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) -> None:
     """decoding: the options of commands that decode (a draft head, compiled layers); train-head has neither."""
     group = parser.add_argument_group("model")
@@ -55,7 +68,7 @@ def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) ->
     group.add_argument("--quantization", default="auto", choices=("auto", "none", "int4", "int8", "8bit", "4bit"), help="base model weights: int4 or int8 (CPU kernels; int4 Kestrel's own where a C++ compiler is found), 8bit or 4bit (bitsandbytes, for GPUs), or none; auto (default) = on CPUs int4 for a 4-bit GGUF where Kestrel's int4 kernel is built, else int8 where it is measured faster, else none")
     group.add_argument("--dtype", default="auto", choices=("auto", "float64", "float32", "bfloat16", "float16"), help="compute dtype (default auto: bf16/fp16 on GPUs; bf16 on CPUs with native bf16, else float32)")
     if decoding:
-        group.add_argument("--compile", default="auto", choices=("auto", "on", "graphs", "off"), help="torch.compile the base model's decoder layers, or replay its passes as CUDA graphs: auto (default) = compiled on Linux CPUs with a C++ compiler (g++ or clang++), in float32 or bf16 (the first run compiles for about a minute, later runs read the cache in seconds), CUDA graphs on NVIDIA GPUs; on (compiled), graphs, or off (eager)")
+        group.add_argument("--compile", default="auto", choices=("auto", "on", "graphs", "off"), help="torch.compile the base model's decoder layers, or replay its passes as CUDA graphs: auto (default) = compiled on Linux CPUs with a C++ compiler (g++ or clang++), in float32 or bf16 (the first run compiles for about a minute, later runs read the cache in seconds), CUDA graphs on NVIDIA GPUs; on (compiled), graphs (on a CPU: the same static passes, uncaptured; for checking them), or off (eager)")
     group.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     group.add_argument("--threads", type=integer(1), help="CPU threads for torch (default: torch's choice)")
 
@@ -66,16 +79,17 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
     group.add_argument("--top-p", type=number(0.0, 1.0), default=1.0, help="nucleus sampling mass (default 1.0 = off; 0 keeps the most likely token)")
     group.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely tokens (default 0 = off)")
     group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
-    group.add_argument("--seed", type=integer(0), help="random seed for sampling (default: one drawn each run, and shown)")
+    group.add_argument("--seed", type=integer(0), help="random seed for sampling (default: for a sampled reply, one drawn each run, and shown)")
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
     from core.config import TREE_LIMITS, TreeParams
 
     defaults = TreeParams()
-    total, depth, top_k, lookup, branches = (integer(*TREE_LIMITS[field]) for field in ("total_tokens", "depth", "top_k", "lookup_tokens", "context_branches"))
+    depth, top_k, lookup, branches = (integer(*TREE_LIMITS[field]) for field in ("depth", "top_k", "lookup_tokens", "context_branches"))
+    total = tree_nodes(TREE_LIMITS["total_tokens"][1])
     group = parser.add_argument_group("draft tree (EAGLE-2)")
-    group.add_argument("--total-tokens", type=total, default=defaults.total_tokens, help="tree nodes verified per step; 0 = sized every step from this device's measured costs (default 0)")
+    group.add_argument("--total-tokens", type=total, default=defaults.total_tokens, help=f"tree nodes verified per step, 2 to {TREE_LIMITS['total_tokens'][1]}; 0 = sized every step from this device's measured costs (default 0)")
     group.add_argument("--depth", type=depth, default=defaults.depth, help=f"deepest draft (default {defaults.depth})")
     group.add_argument("--tree-top-k", type=top_k, default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
     group.add_argument("--min-path-prob", type=number(0.0, 0.999), default=defaults.min_path_prob, help=f"stop deepening the tree when its best path is less likely than this, 0 = never (default {defaults.min_path_prob})")
@@ -89,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ui = commands.add_parser("ui", help="start the chat in the browser (the default command)")
     add_model_options(ui)
-    ui.add_argument("--port", type=PORT, default=7860, help="port on 127.0.0.1 (default 7860; the next free one if taken)")
+    ui.add_argument("--port", type=PORT, default=7860, help="port to serve on, on 127.0.0.1 (all interfaces with --listen); default 7860, the next free one if taken")
     ui.add_argument("--no-browser", action="store_true", help="do not open the browser")
     ui.add_argument("--listen", action="store_true", help="serve on all network interfaces (requires --auth and --api-key)")
     ui.add_argument("--auth", help="USER:PASS for the page, required by --listen")
@@ -173,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--split", default="eval", choices=("eval", "train"), help="which shards to judge on (default eval: the held-out prompts)")
     judge.add_argument("--steps", type=integer(1), default=3, help="draft steps, each fed the head's own earlier output (default 3)")
     judge.add_argument("--json", dest="json_out", help="write the figures to this JSON file")
-    add_model_options(judge)
+    add_model_options(judge, decoding=False)  # judged on stored features: nothing decodes, nothing compiles
+    judge.add_argument("--head", help="a head folder or Hugging Face repo id to judge (default: the bundled head, for the bundled model)")
     judge.add_argument("heads", nargs="*", metavar="HEAD", help="more head folders or Hugging Face repo ids")
 
     test = commands.add_parser("test", help="run the test suite (extra arguments go to pytest)")
@@ -332,16 +347,27 @@ def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
 
 
 def earlier_arch(out: Path) -> str | None:
-    """The --arch of the head an earlier train-head run wrote into `out`, from its report; None where unknown."""
+    """The --arch of the head in `out`: from the report of the train-head run
+    that wrote it, else (a report without one, or none) told by the head's own
+    keys; None where `out` holds no readable head."""
     import json
 
     from core.training.report import REPORT_FILE
+    from models import eagle3
+    from models.errors import KestrelError
+    from models.head import read_checkpoint
 
     try:
         arch = json.loads((out / REPORT_FILE).read_text(encoding="utf-8")).get("arch")
     except (OSError, ValueError, AttributeError):
+        arch = None
+    if isinstance(arch, str):
+        return arch
+    try:
+        _, state, _ = read_checkpoint(out)
+    except (OSError, ValueError, KestrelError):  # no head there, or one that does not read
         return None
-    return arch if isinstance(arch, str) else None
+    return "eagle3" if eagle3.is_eagle3(state) else "eagle2"
 
 
 def check_initial_head(path: str, arch: str) -> None:
@@ -545,7 +571,6 @@ def run_train_head(args) -> int:
     earlier_run = work.is_dir() and any(work.iterdir())
     if earlier_run and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
-    check_writable(str(work / ANSWERS_FILE), "--work" if args.work else "--out")  # the option the user gave
     # what the run writes into --out: an earlier run's (resumed) or someone's own files are not replaced unasked
     holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES, REPORT_FILE, NOTES_FILE))
     if args.init_head:
@@ -563,7 +588,9 @@ def run_train_head(args) -> int:
     if holds_head and not earlier_run:  # --resume with nothing to resume: the head there is someone's, not this run's
         raise ValueError(f"--out {args.out}: already holds a head or its notes, and {work} holds no earlier run for "
                          "--resume to continue; choose another --out (or the --work of the run that wrote it)")  # fmt: skip
-    check_writable(str(out / "model.safetensors"), "--out")  # now, not after hours of work
+    # now, not after hours of work; after the refusals above, which leave no folder behind
+    check_writable(str(work / ANSWERS_FILE), "--work" if args.work else "--out")  # the option the user gave
+    check_writable(str(out / "model.safetensors"), "--out")
     budget = Budget()
     if args.time_budget_minutes is not None:
         start = time.time()
@@ -693,6 +720,8 @@ def run_bench_command(args) -> int:
     check_distinct(modes, tree)
     if "llama.cpp" in modes and not args.llama_python:
         raise ValueError("mode llama.cpp needs --llama-python: a Python with llama-cpp-python installed")
+    if "llama.cpp" in modes and not sampling.greedy:
+        raise ValueError("mode llama.cpp is measured greedy only; use --temperature 0")
     planned = any(parse_mode(mode, tree)[0] == "eagle2" for mode in modes)
     engine = load_engine(args)
     other_heads = {

@@ -53,7 +53,10 @@ def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
         low, high = TREE_LIMITS[field]
         if not low <= value <= high:
             raise ValueError(f"bad mode {label!r}: its {field} must be from {low} to {high}, got {value}")
-    return mode, replace(tree, **fields)
+    try:
+        return mode, replace(tree, **fields)
+    except ValueError as error:  # a value TreeParams refuses (total_tokens 1)
+        raise ValueError(f"bad mode {label!r}: {error}") from None
 
 
 class LlamaStick:

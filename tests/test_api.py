@@ -626,17 +626,26 @@ def test_a_request_waiting_while_the_model_is_replaced_does_not_run_on_the_old_o
         with httpx.stream("POST", f"{server.url}v1/chat/completions", json={**body, "stream": True}, timeout=60) as first:
             waiting = {}
             second = threading.Thread(target=lambda: waiting.update(response=httpx.post(f"{server.url}v1/chat/completions", json=body, timeout=60)))
+            streamed = threading.Thread(  # a stream has been answered 200 before its turn: the error comes as an event
+                target=lambda: waiting.update(stream=httpx.post(f"{server.url}v1/chat/completions", json={**body, "stream": True}, timeout=60))
+            )
             second.start()
+            streamed.start()
             deadline = time.time() + 10
-            while httpx.get(f"{server.url}health").json()["queue"]["waiting"] < 1 and time.time() < deadline:
+            while httpx.get(f"{server.url}health").json()["queue"]["waiting"] < 2 and time.time() < deadline:
                 time.sleep(0.05)
             server.runtime.unload()  # as the Models tab's Unload does once it has the model
             paced(0.0)
             assert first.read().decode().endswith("data: [DONE]\n\n")  # the running reply ends on its model
             second.join(30)
+            streamed.join(30)
         refused = waiting["response"]
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_changed"
         assert "was replaced while this request waited for its turn (no model is loaded now)" in refused.json()["error"]["message"]
+        events = [line.removeprefix("data: ") for line in waiting["stream"].text.split("\n\n") if line]
+        assert waiting["stream"].status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "model_changed"
+        assert "content" not in waiting["stream"].text.replace('"content": ""', "")  # no text came before the error
     finally:
         server.close()
 

@@ -192,6 +192,11 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be from 1 to 32, got 0"),
         (["chat", "hi", "--total-tokens", "300"], "--total-tokens: must be from 0 to 256, got 300"),  # the API's range
         (["bench", "--prompts", str(prompts), "--modes", "eagle2:300/4/2"], "its total_tokens must be from 0 to 256, got 300"),
+        (["chat", "hi", "--total-tokens", "1"], "--total-tokens: must be 0 (sized by the planner) or from 2 to 256, got 1"),
+        (["bench", "--prompts", str(prompts), "--modes", "vanilla,eagle2:1/8/6"], "bad mode 'eagle2:1/8/6': total_tokens must be 0"),
+        (["bench", "--prompts", str(prompts), "--modes", "vanilla,llama.cpp", "--llama-python", sys.executable, "--temperature", "0.5"],
+         "mode llama.cpp is measured greedy only"),
+        (["eval-heads", "--features", str(tmp_path / "features"), "--compile", "on"], "unrecognized arguments: --compile"),  # nothing compiles there
         (["chat", "hi", "--temperature", "nan"], "--temperature: must be a number"),
         (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
         (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),

@@ -265,6 +265,7 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
         (["--out", str(old)], "already holds a head or its notes"),
         (["--out", str(tmp_path / "mine")], "already holds a head or its notes"),  # someone's own TRAINING.md
         (["--out", str(old), "--resume", "--arch", "eagle3"], "holds an eagle2 head; this --arch eagle3 run would replace it"),
+        (["--out", str(third), "--resume"], "holds an eagle3 head; this --arch eagle2 run would replace it"),  # no report: told by its keys
         (["--out", str(tmp_path / "new"), "--work", str(prompts_file)], "is a file; name a folder"),
         (["--out", str(tmp_path / "new"), "--work", str(prompts_file / "sub")], "--work"),
         (["--out", str(old), "--init-head", str(old), "--resume"], "is the --init-head folder"),
@@ -283,6 +284,7 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
     assert main(["train-head", "--prompts", str(dup), "--out", str(tmp_path / "new")]) == 2
     assert f"{dup}:2: has no id, and the one it would get (its line index from 0, '1') is the id of line 1" in capsys.readouterr().err
     assert (tmp_path / "mine" / "TRAINING.md").read_text() == "my notes"
+    assert not (tmp_path / "new").exists() and not (old / "work").exists()  # a refused run leaves no folder behind
 
 
 def test_a_resumed_run_keeps_the_answers_its_features_came_from(tiny_base, prompts_file, tmp_path, capsys):
