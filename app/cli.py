@@ -8,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 
+from models.paths import user_path
+
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "long-prompts", "eval-heads", "test")
 
@@ -332,10 +334,10 @@ def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
     otherwise end in a traceback and lose its results, or its input)."""
     import tempfile
 
-    target = Path(path).expanduser()
+    target = user_path(path)
     if target.is_dir():
         raise ValueError(f"{option} {path}: is a folder; name a file")
-    if reads is not None and target.exists() and target.resolve() == reads.expanduser().resolve():
+    if reads is not None and target.exists() and target.resolve() == user_path(reads).resolve():
         raise ValueError(f"{option} {path}: is the file this command reads; name another file for the results")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -378,7 +380,7 @@ def check_initial_head(path: str, arch: str) -> None:
 
     if arch == "eagle3":
         raise ValueError("--init-head continues EAGLE-1/2 heads (--arch eagle2) only; an EAGLE-3 head is trained from scratch")
-    _, state, _ = read_checkpoint(Path(path).expanduser())
+    _, state, _ = read_checkpoint(user_path(path))
     if eagle3.is_eagle3(state):
         raise ValueError(f"--init-head {path}: is an EAGLE-3 head; --init-head continues EAGLE-1/2 heads (--arch eagle2) only")
 
@@ -387,7 +389,7 @@ def check_head_folder(path: str, option: str) -> None:
     """A head folder's files are there (its shapes are checked when it loads)."""
     from models.head import CONFIG_FILE, WEIGHT_FILES
 
-    folder = Path(path).expanduser()
+    folder = user_path(path)
     if not folder.is_dir():
         raise ValueError(f"{option} {path}: {'is a file; give its folder' if folder.exists() else 'no such folder'}")
     missing = [] if (folder / CONFIG_FILE).is_file() else [CONFIG_FILE]
@@ -527,7 +529,7 @@ def run_long_prompts(args) -> int:
     set_threads(args.threads)
     if args.min_tokens > args.max_tokens:
         raise ValueError(f"--min-tokens {args.min_tokens}: is above --max-tokens {args.max_tokens}")
-    prompts, out = Path(args.prompts).expanduser(), Path(args.out).expanduser()
+    prompts, out = user_path(args.prompts), user_path(args.out)
     if not training_ids(prompts):
         raise PromptFileError(f"{args.prompts}: no prompts")
     if out.resolve() == prompts.resolve():
@@ -535,7 +537,7 @@ def run_long_prompts(args) -> int:
     if out.is_dir():
         raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
     check_writable(str(out), "--out")
-    work = Path(args.work).expanduser()
+    work = user_path(args.work)
     check_writable(str(work / DOCUMENTS_FILE), "--work")
     base = load_base(args.model, args.quantization, args.dtype, args.device)
     answers = AnswerParams(1, args.max_new_tokens, 0.7, args.answer_batch, seed=args.seed)
@@ -560,12 +562,12 @@ def run_train_head(args) -> int:
     from models.head import CONFIG_FILE, WEIGHT_FILES
 
     set_threads(args.threads)
-    out = Path(args.out).expanduser()
+    out = user_path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: is a file; name a folder for the head")
-    if not training_ids(Path(args.prompts).expanduser()):  # every line checked before the model loads
+    if not training_ids(user_path(args.prompts)):  # every line checked before the model loads
         raise PromptFileError(f"{args.prompts}: no prompts")
-    work = Path(args.work).expanduser() if args.work else out / "work"
+    work = user_path(args.work) if args.work else out / "work"
     if work.exists() and not work.is_dir():
         raise ValueError(f"--work {work}: is a file; name a folder for the run's work")
     earlier_run = work.is_dir() and any(work.iterdir())
@@ -575,7 +577,7 @@ def run_train_head(args) -> int:
     holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES, REPORT_FILE, NOTES_FILE))
     if args.init_head:
         check_head_folder(args.init_head, "--init-head")
-        if Path(args.init_head).expanduser().resolve() == out.resolve():
+        if user_path(args.init_head).resolve() == out.resolve():
             raise ValueError(f"--out {args.out}: is the --init-head folder; write the new head to another folder")
         check_initial_head(args.init_head, args.arch)
     if holds_head and not args.resume:
@@ -602,7 +604,7 @@ def run_train_head(args) -> int:
     params = TrainParams(
         epochs=args.epochs, learning_rate=args.learning_rate, batch_tokens=args.batch_tokens,
         unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed, arch=args.arch,
-        init_head=str(Path(args.init_head).expanduser().resolve()) if args.init_head else None,
+        init_head=str(user_path(args.init_head).resolve()) if args.init_head else None,
     )  # fmt: skip
     base = load_base(args.model, args.quantization, args.dtype, args.device)
     try:
@@ -651,7 +653,7 @@ def run_eval_heads(args) -> int:
         sources = [str(default_head(args.model))]  # the bundled head, as --head's help says
     if not sources:
         raise ValueError("name at least one head to judge (--head or HEAD ...)")
-    features = Path(args.features).expanduser()
+    features = user_path(args.features)
     by_split = {split: sorted((features / split).glob("shard-*.safetensors")) for split in ("train", "eval")}
     shards = by_split[args.split]
     if not shards:
@@ -696,7 +698,7 @@ def run_bench_command(args) -> int:
     from app.store import write_atomic
     from core.bench import BenchCancelled, check_head_named, format_table, head_of, parse_mode, run_bench
     from core.engine import Engine
-    from models.head import local_head_folder
+    from models.head import head_files, local_head_folder
 
     modes = bench_modes(args.modes)
     others = {}
@@ -714,7 +716,9 @@ def run_bench_command(args) -> int:
     if unused:  # it would load, compile and measure its costs for nothing
         raise ValueError(f"--other-head {unused[0]}: no mode drafts with it; add eagle2@{unused[0]} to --modes")
     for source in others.values():
-        local_head_folder(source)  # a missing folder fails now, not after the model has loaded
+        folder = local_head_folder(source)  # a missing folder fails now, not after the model has loaded
+        if folder is not None:
+            head_files(folder)  # ... and one that holds no head
     json_out = check_writable(args.json_out, "--json", Path(args.prompts)) if args.json_out else None
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     check_distinct(modes, tree)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import gradio as gr
@@ -14,8 +16,11 @@ from app.chat import mode_choices
 from app.runtime import Runtime
 from app.session import load_pair
 from core.training.report import REPORT_FILE
-from models import catalog
-from models.errors import KestrelError
+from models import bundled, catalog
+from models.base import QUANTIZATIONS
+from models.errors import KestrelError, OutOfMemoryError
+
+log = logging.getLogger(__name__)
 
 
 def detected_memory() -> tuple[float | None, str]:
@@ -93,7 +98,7 @@ def same_base(trained_for: str, loaded: str) -> bool:
     try:
         first, second = Path(str(trained_for)).expanduser(), Path(str(loaded)).expanduser()
         return first.exists() and second.exists() and first.resolve() == second.resolve()
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: a ~user that is no user here
         return False
 
 
@@ -108,12 +113,36 @@ def read_json(path: Path) -> dict | None:
 LOADED = "Loaded."  # the Models tab's notice after a load
 
 
+TRAINED_LABEL = "Heads you trained for this base"
+MODEL_SETTING = "model"  # in settings.json: the choice of the model last loaded in the Models tab, the next start's
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # the tab's dtype choices
+
+
+def remembered_model(settings: dict) -> dict | None:
+    """The choice kept under MODEL_SETTING (model and head: None for the bundled
+    ones; quantization, dtype), each value checked; None where none is kept or
+    it is not one (a settings file edited by hand or from another version)."""
+    choice = settings.get(MODEL_SETTING)
+    if not isinstance(choice, dict):
+        return None
+    model, head = choice.get("model"), choice.get("head")
+    quantization, dtype = choice.get("quantization", "auto"), choice.get("dtype", "auto")
+    if not all(value is None or (isinstance(value, str) and value.strip()) for value in (model, head)):
+        return None
+    if quantization not in QUANTIZATIONS or dtype not in DTYPES:
+        return None
+    return {"model": model, "head": head, "quantization": quantization, "dtype": dtype}
+
+
 class LibraryHandlers:
-    def __init__(self, runtime: Runtime, heads_dir: Path, device: str = "auto", compile: str = "auto"):
-        """device, compile: how models loaded here are placed and compiled (`ui --device/--compile`)."""
+    def __init__(self, runtime: Runtime, heads_dir: Path, device: str = "auto", compile: str = "auto",
+                 remember: Callable[[dict], None] | None = None):  # fmt: skip
+        """device, compile: how models loaded here are placed and compiled (`ui --device/--compile`);
+        remember: keeps a loaded model's choice for the next start (`remembered_model`)."""
         self.runtime = runtime
         self.heads_dir = heads_dir
         self.device, self.compile = device, compile
+        self.remember = remember
 
     def status(self) -> str:
         return render.escape(self.runtime.describe())
@@ -148,26 +177,48 @@ class LibraryHandlers:
 
     def load(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
         """Outputs: status, notice, mode selector."""
-        model, head = (model or "").strip() or None, (trained or (head or "").strip()) or None
+        model, head = (model or "").strip() or None, (head or "").strip() or None
+        loaded = self.runtime.engine
+        if trained and loaded is not None and not same_base(model or bundled.DEFAULT_NAME, loaded.base.name):
+            # the list is of heads for the loaded base; a head for it would draft badly for another, or not load
+            return self.status(), render.escape(
+                f"Loading failed: the head chosen under '{TRAINED_LABEL}' was made for {loaded.base.name}, not for "
+                f"{model or 'the bundled model'}; clear that choice, or the base model box. The previous model is still loaded."
+            ), gr.skip()  # fmt: skip
+        head = trained or head
         try:
             with self.runtime.queue.turn():  # after the requests already waiting, before later ones
                 engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, self.device, self.compile), model or "the bundled model")
                 engine.prepare_costs()  # read from the cache, or measured once for this model (a few seconds)
-        except (KestrelError, ValueError) as error:
-            kept = "The previous model is still loaded." if self.runtime.engine is not None else "No model is loaded."
-            text = str(error)
-            text = text if text.endswith((".", "?", "!")) else f"{text}."
-            return self.status(), f"Loading failed: {render.escape(text)} {kept}", gr.skip()
+        except Exception as error:  # KestrelError and ValueError name what is wrong; any other is said as it is
+            if not isinstance(error, (KestrelError, ValueError)):
+                log.exception("Loading a model in the Models tab failed")
+            return self.status(), self.failed(error), gr.skip()
+        notice = LOADED
+        if self.remember is not None:
+            try:
+                self.remember({"model": model, "head": head, "quantization": quantization, "dtype": dtype})
+            except OSError as error:
+                notice += f" (It could not be kept as the model for the next start: {error}.)"
         modes = engine.modes
         mode_update = gr.update(choices=mode_choices(modes), value=modes[-1])
-        return self.status(), LOADED, mode_update
+        return self.status(), render.escape(notice), mode_update
+
+    def failed(self, error: Exception) -> str:
+        """The notice of a load that failed: what went wrong, and which model is loaded now."""
+        text = str(error) if isinstance(error, (KestrelError, ValueError)) else f"{type(error).__name__}: {error}"
+        text = text if text.endswith((".", "?", "!")) else f"{text}."
+        kept = "The previous model is still loaded." if self.runtime.engine is not None else "No model is loaded."
+        if isinstance(error, OutOfMemoryError) and self.runtime.engine is not None:
+            kept += " It stays loaded while another loads: Unload it first, then Load."
+        return f"Loading failed: {render.escape(text)} {kept}"
 
     def load_here(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
         """load, and this tab's wanted mode: a model loaded here sets the mode
         itself, so a mode wanted from before (one saved, or a model's without a
         head) is no longer given back. Outputs: status, notice, mode selector, wanted mode."""
         status, notice, mode_update = self.load(model, head, trained, quantization, dtype)
-        return status, notice, mode_update, None if notice == LOADED else gr.skip()
+        return status, notice, mode_update, None if notice.startswith(LOADED) else gr.skip()
 
     def unload(self) -> tuple:
         """Outputs: status, notice, mode selector."""

@@ -168,7 +168,7 @@ class Runtime:
         head = f"with an {kind} draft head" if engine.head is not None else "without a draft head (vanilla only)"
         if engine.head is not None and (problem := engine.speculation_problem()):
             head = f"with an {kind} draft head, but vanilla only: {problem}"
-        elif engine.exact:
+        elif engine.head is not None and engine.exact:
             head += "; tree passes compute bit for bit as vanilla steps (greedy replies identical)"
         quantization = "" if engine.base.quantization == "none" else f", {engine.base.quantization}"
         compiled = ", compiled" if engine.compiled is not None else ", CUDA graphs" if engine.graphs_in_use else ""

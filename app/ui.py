@@ -14,13 +14,15 @@ import gradio as gr
 from app import render
 from app.chat import MODE_LABELS, RANGES, ChatHandlers, chat_choices, default_settings, mode_choices
 from app.compare import CompareHandlers
-from app.library import LibraryHandlers, catalog_frame, detected_memory
+from app.library import DTYPES, MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, remembered_model
 from app.runtime import Runtime
 from app.server import LOCALHOST, Access, Server, new_api_key
 from app.store import Store, data_dir
 from core.config import MODES, TreeParams
+from core.engine import Engine
 from models import catalog
 from models.base import QUANTIZATIONS
+from models.errors import KestrelError
 
 MODEL = {"concurrency_limit": 1, "concurrency_id": "model"}  # every event that runs the model
 # Streams that show their own progress (text, statistics, a notice): Gradio's
@@ -41,7 +43,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
     store = Store(Path(store_dir))
     chat = ChatHandlers(runtime, store)
     compare = CompareHandlers(runtime)
-    library = LibraryHandlers(runtime, Path(store_dir) / "heads", device, compile)  # as `ui` loaded the first model
+    library = LibraryHandlers(  # as `ui` loaded the first model; the one loaded in the tab is the next start's
+        runtime, Path(store_dir) / "heads", device, compile, remember=lambda choice: store.update_settings({MODEL_SETTING: choice})
+    )
     defaults, tree = default_settings(), TreeParams()
 
     # Gradio's copies of exported files: those a day old go daily, all of them when the app restarts
@@ -153,12 +157,15 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 gr.Dataframe(catalog_frame(memory_gb), interactive=False, label="Catalog")
                 entry = gr.Dropdown([e.name for e in catalog.CATALOG], label="Catalog entry", value=None)
                 with gr.Row():
-                    model_box = gr.Textbox(label="Base model (repo id or local folder; empty = bundled default)")
+                    model_box = gr.Textbox(label="Base model (repo id, local folder or .gguf file; empty = bundled default)")
                     head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
-                trained = gr.Dropdown([], label="Heads you trained for this base (overrides the head box)")
+                trained = gr.Dropdown(
+                    [], label=f"{TRAINED_LABEL} (overrides the head box)",
+                    info=f"head folders in {library.heads_dir} made for the loaded base model (train-head --out there)",
+                )  # fmt: skip
                 with gr.Row():
                     quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF where Kestrel's kernel is built, else int8 where it is faster")
-                    dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16", "float64"], value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
+                    dtype = gr.Dropdown(list(DTYPES), value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")
                     unload = gr.Button("Unload (free memory)")
@@ -259,6 +266,25 @@ def access_from(args) -> Access:
     return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins)
 
 
+def load_first(args, settings: dict, load_pair) -> Engine:
+    """The model a start loads: the one named on the command line; where none
+    is (no --model, --head, --quantization or --dtype), the one last loaded in
+    the Models tab, as a desktop app opens with what was used last; where that
+    one fails to load, or none was, the bundled model."""
+    named = args.model or args.head or args.quantization != "auto" or args.dtype != "auto"
+    choice = None if named else remembered_model(settings)
+    if choice is not None and choice != {"model": None, "head": None, "quantization": "auto", "dtype": "auto"}:
+        print(f"Loading {choice['model'] or 'the bundled model'} (last loaded in the Models tab; --model chooses another)...", flush=True)
+        try:
+            return load_pair(choice["model"], choice["head"], choice["quantization"], choice["dtype"], args.device, args.compile)
+        except Exception as error:  # whatever it is, it must not keep Kestrel from starting
+            said = error if isinstance(error, (KestrelError, ValueError)) else f"{type(error).__name__}: {error}"
+            print(f"It did not load ({said}); loading the bundled model instead.", flush=True)
+            return load_pair(None, None, "auto", "auto", args.device, args.compile)
+    print(f"Loading {args.model}..." if args.model else "Loading the model (the first run prepares the bundled one)...", flush=True)
+    return load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
+
+
 def serve(args) -> int:
     """`launch.py ui`: load the model, then serve the page and the API until interrupted."""
     if args.install_shortcut:
@@ -289,8 +315,7 @@ def serve(args) -> int:
             webbrowser.open(url)
         return 0
     remove_leftovers(store_dir)
-    print(f"Loading {args.model}..." if args.model else "Loading the model (the first run prepares the bundled one)...", flush=True)
-    engine = load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
+    engine = load_first(args, Store(store_dir).load_settings(), load_pair)
     prepare_costs(engine)
     runtime = Runtime(engine, max_waiting=args.max_queue)
     print(f"Loaded {runtime.describe()}", flush=True)

@@ -415,9 +415,9 @@ class Engine:
             raise
         except torch.OutOfMemoryError as error:
             self._kept = []  # kept caches too: their memory goes back
-            hint = "" if self.base.quantization == "4bit" else " Try --quantization 4bit,"
+            weights = "" if self.base.quantization in ("4bit", "int4") else " 4-bit weights,"
             raise OutOfMemoryError(
-                f"{self.base.name}: out of memory while decoding.{hint} or a shorter conversation / smaller tree"
+                f"{self.base.name}: out of memory while decoding; try{weights} a shorter conversation or a smaller tree (Total tokens)"
             ) from error
         finally:
             if reuse and whole:

@@ -25,6 +25,7 @@ from models.errors import (
     UnsupportedArchitectureError,
     json_kind,
 )
+from models.paths import user_path
 
 QUANTIZATIONS = ("auto", "none", "int4", "int8", "8bit", "4bit")
 DTYPES = {
@@ -107,7 +108,7 @@ def load_base(
     if source is None or source == bundled.DEFAULT_NAME:
         location, gguf_file, name, gguf = str(bundled.converted_folder()), None, bundled.DEFAULT_NAME, bundled.gguf_path
     else:
-        path = Path(source).expanduser()
+        path = user_path(source)
         location, gguf_file, name = source, None, source
         if path.is_file():
             if path.suffix != ".gguf":
@@ -194,6 +195,12 @@ def check_folder(path: Path) -> None:
         raise CorruptedFileError(f"{path / 'config.json'}: must be a JSON object of settings, got {json_kind(settings)}")
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
         raise MissingWeightsError(f"{path}: no weights (*.safetensors or *.bin) in this folder")
+    from models.head import holds_a_head
+
+    if holds_a_head(path):  # its config.json can read as a whole model's (published EAGLE heads name LlamaForCausalLM)
+        raise ModelNotFoundError(
+            f"{path}: is an EAGLE draft head, not a base model; give it as the draft head, and the model it was made for as the base model"
+        )
 
 
 # bitsandbytes' log lines that say nothing a user can act on: the 8-bit product's cast, on
@@ -287,7 +294,7 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
             if not automatic:
                 raise QuantizationUnavailableError(
                     f"{name}: int4 needs layer input sizes that are multiples of {int4.GROUP} and output sizes "
-                    "that are multiples of 16; use int8"
+                    "that are multiples of 16; use int8 or none"
                 )
             quantization = resolve_quantization("auto", device, dtype)  # int8 where it pays, else none
         if quantization == "int8" and not int8.fits(model):
@@ -314,14 +321,32 @@ def check_complete(info: dict, name: str) -> None:
         )
 
 
+MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` says memory ran out, in any of the ways torch, numpy and
+    the OS say it (MemoryError, torch's OutOfMemoryError, mmap's ENOMEM,
+    Windows' "not enough memory"), rather than that the files are damaged."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(error).lower()
+    return any(words in text for words in MEMORY_WORDS)
+
+
 def _explain(error: Exception, name: str, quantization: str) -> Exception:
     """Map the many ways loading fails onto Kestrel's errors."""
     from huggingface_hub import errors as hub
 
+    from models.hub import network_cause, unreachable_message
+
     text = str(error)
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
-        hint = " Try --quantization 4bit." if quantization != "4bit" else " Try a smaller model."
-        return OutOfMemoryError(f"{name}: not enough memory to load the model.{hint}")
+    if out_of_memory(error):
+        smaller = " or 4-bit weights" if quantization not in ("4bit", "int4") else ""
+        return OutOfMemoryError(f"{name}: not enough memory to load the model; free some (close other programs) or choose a smaller model{smaller}")
+    cause = network_cause(error)
+    if cause is not None:
+        return NetworkError(unreachable_message(name, cause))
     if isinstance(error, hub.GatedRepoError):
         return NetworkError(f"{name}: this repo is gated; accept its licence on huggingface.co and log in (hf auth login)")
     if isinstance(error, hub.RepositoryNotFoundError):

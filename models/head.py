@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.errors import HeadFormatError, ModelNotFoundError, NetworkError, json_kind
+from models.paths import user_path
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -388,6 +389,7 @@ def head_files(folder: Path) -> tuple[HeadConfig, Path]:
 
     try:
         eagle3.configured_layer_ids(config)  # now, not after the base model has loaded
+        eagle3.target_hidden_size(config)
     except HeadFormatError as error:
         raise HeadFormatError(f"{config_file}: {error}") from error
     try:
@@ -427,6 +429,29 @@ def _full_model_keys(file: Path) -> bool:
         return False
 
 
+def holds_a_head(folder: Path) -> bool:
+    """Whether `folder` holds a draft head's weights (EAGLE-1/2's fc.weight and
+    layers.0.*, EAGLE-3's midlayer.*, without a decoder's model.layers.*), read
+    without loading them: a head given as the base model."""
+    for name in WEIGHT_FILES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as weights:
+                    keys = list(weights.keys())
+            else:  # mapped, not read: the tensors' bytes stay on disk
+                keys = list(torch.load(file, map_location="meta", weights_only=True, mmap=True).keys())
+        except Exception:  # unreadable, or not a map: loading the model names what is wrong
+            return False
+        layered = any(key.startswith("model.layers.") for key in keys)
+        return not layered and ("fc.weight" in keys or any(key.startswith("midlayer.") for key in keys))
+    return False
+
+
 def _sharded_keys(index: Path) -> dict[str, str]:
     """key -> shard file name, from a sharded checkpoint's index."""
     try:
@@ -452,17 +477,26 @@ def _read_weights(file: Path) -> dict[str, torch.Tensor]:
             from safetensors.torch import load_file
 
             return load_file(str(file))
-        return torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:  # torch's message suggests weights_only=False, which would run the file's code
         raise HeadFormatError(f"{file}: not a readable PyTorch checkpoint (damaged, cut short, or not a weights file)") from error
     except Exception as error:
         raise HeadFormatError(f"{file}: cannot read the weights ({type(error).__name__}: {error})") from error
+    if not isinstance(state, dict):
+        raise HeadFormatError(f"{file}: holds {type(state).__name__}, not a map of weight names to tensors")
+    for key, value in state.items():  # a training checkpoint ({"state_dict": {...}, "epoch": 3}) is not a head's weights
+        if not isinstance(value, torch.Tensor):
+            raise HeadFormatError(
+                f"{file}: {key!r} holds {type(value).__name__}, not a tensor; a head's weights file maps each weight's "
+                "name to its tensor (a training checkpoint keeps them one level down: save that map alone)"
+            )
+    return state
 
 
 def local_head_folder(source: str) -> Path | None:
     """The folder `source` names; None where it can only be a Hugging Face repo id. A path that
     is not a folder is an error at once, before any download or model load."""
-    path = Path(source).expanduser()
+    path = user_path(source)
     if path.is_dir():
         return path
     if path.is_file():
@@ -481,7 +515,7 @@ def resolve_head_folder(source: str) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub
 
-    from models.hub import reachable
+    from models.hub import network_cause, reachable, unreachable_message
 
     cache_only = not reachable()  # without a network: the cache at once, not after the hub's retries
     try:
@@ -503,6 +537,11 @@ def resolve_head_folder(source: str) -> Path:
         raise ModelNotFoundError(f"{source}: no such repo on the Hugging Face hub") from error
     except (hub.LocalEntryNotFoundError, OSError) as error:
         raise NetworkError(f"{source}: not in the local cache and the Hugging Face hub cannot be reached") from error
+    except Exception as error:  # huggingface_hub lets a proxy's refusal through as the HTTP client's error
+        cause = network_cause(error)
+        if cause is None:
+            raise
+        raise NetworkError(unreachable_message(source, cause)) from error
     raise HeadFormatError(f"{source}: the repo has no {' or '.join(WEIGHT_FILES)}")
 
 

@@ -53,3 +53,27 @@ def _connects(host: str, port: int) -> bool:
     thread.start()
     thread.join(PROBE_S)
     return bool(outcome and outcome[0])
+
+
+HTTP_CLIENTS = ("httpx", "httpx2", "requests", "urllib3")  # the packages whose errors mean the request itself failed
+
+
+def network_cause(error: BaseException) -> BaseException | None:
+    """The HTTP client's own error in `error`'s chain (a proxy that refuses, a
+    TLS failure, a dropped connection: huggingface_hub lets some through as
+    they are, and transformers wraps them in an OSError about local folders);
+    None where there is none."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__module__.split(".")[0] in HTTP_CLIENTS:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def unreachable_message(source: str, cause: BaseException) -> str:
+    first_line = (str(cause).splitlines() or [""])[0]
+    return (f"{source}: the Hugging Face hub cannot be reached ({type(cause).__name__}: {first_line}); check the "
+            "network and proxy settings (HTTPS_PROXY), or set HF_HUB_OFFLINE=1 to load from the local cache alone")  # fmt: skip

@@ -360,3 +360,100 @@ def test_a_bad_head_is_said_before_the_base_model_loads(tmp_path, monkeypatch, t
     for head, error, message in cases:
         with pytest.raises(error, match=message):
             session.load_pair(str(tiny_dir), str(head))
+
+
+def test_running_out_of_memory_is_named_and_the_bundled_copy_kept(tmp_path, monkeypatch, tiny_dir):
+    """Memory running out while the weights are read (mmap's ENOMEM, numpy's or
+    Python's MemoryError, Windows' wording) is not a damaged file: it is named,
+    and the bundled model's converted copy is not deleted to be made again
+    (which would take more memory, and leave no model where it fails)."""
+    import shutil
+
+    import transformers
+
+    from models.errors import OutOfMemoryError
+
+    folder = tmp_path / "models" / bundled.DEFAULT_NAME
+    shutil.copytree(tiny_dir, folder)
+    monkeypatch.setattr(bundled, "converted_folder", lambda: folder)
+    for error in (
+        RuntimeError("unable to mmap 538090408 bytes from file <model.safetensors>: Cannot allocate memory (12)"),
+        MemoryError(),
+        RuntimeError("[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: you tried to allocate 3538944 bytes."),
+    ):
+
+        def from_pretrained(*args, **kwargs):
+            raise error
+
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+        with pytest.raises(OutOfMemoryError, match="not enough memory to load the model; free some"):
+            load_base(None, quantization="none")
+        assert (folder / "model.safetensors").is_file()
+
+
+def test_a_head_given_as_the_base_model_is_named_so(tmp_path):
+    """Published heads hold a config.json that reads as a whole model's; their
+    keys tell: said as a head, not as a model without tokenizer files."""
+    from transformers import AutoModelForCausalLM
+
+    from models import eagle3
+    from models.head import save_head
+    from tests.factory import random_eagle3_head, random_head, tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    for folder in (save_head(random_head(model), tmp_path / "eagle"), eagle3.save(random_eagle3_head(model), tmp_path / "eagle3")):
+        with pytest.raises(ModelNotFoundError, match="is an EAGLE draft head, not a base model; give it as the draft head"):
+            load_base(str(folder))
+    bin_head = tmp_path / "bin"
+    bin_head.mkdir()
+    (bin_head / "config.json").write_text((tmp_path / "eagle" / "config.json").read_text())
+    torch.save({"fc.weight": torch.zeros(2, 4), "layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, bin_head / "pytorch_model.bin")
+    with pytest.raises(ModelNotFoundError, match="is an EAGLE draft head"):
+        load_base(str(bin_head))
+
+
+def test_bad_head_files_and_paths_are_named(tmp_path, monkeypatch, tiny_dir):
+    """A training checkpoint given as a head's weights, a non-numeric EAGLE-3
+    target_hidden_size, a ~user who is no user here, and a proxy that refuses
+    the hub: each a specific error naming it, not a Python traceback."""
+    import huggingface_hub
+    from transformers import AutoModelForCausalLM
+
+    from models import eagle3, hub
+    from models.errors import HeadFormatError, NetworkError
+    from models.head import head_files, read_checkpoint, resolve_head_folder, save_head
+    from tests.factory import random_eagle3_head, random_head, tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    folder = save_head(random_head(model), tmp_path / "checkpoint")
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    torch.save({"state_dict": state, "epoch": 3}, folder / "pytorch_model.bin")
+    with pytest.raises(HeadFormatError, match=r"'state_dict' holds dict, not a tensor; a head's weights file maps"):
+        read_checkpoint(folder)
+    third = eagle3.save(random_eagle3_head(model), tmp_path / "eagle3")
+    config = json.loads((third / "config.json").read_text())
+    (third / "config.json").write_text(json.dumps({**config, "target_hidden_size": "abc"}))
+    with pytest.raises(HeadFormatError, match=r"config.json: target_hidden_size must be a positive whole number, got 'abc'"):
+        head_files(third)
+    for source in ("~no-such-user-here/model", "~no-such-user-here/head"):
+        with pytest.raises(ModelNotFoundError, match="no user 'no-such-user-here' on this computer"):
+            load_base(source) if source.endswith("model") else resolve_head_folder(source)
+
+    class ProxyError(Exception):  # as the HTTP client's own error reaches Kestrel through huggingface_hub
+        __module__ = "httpx2"
+
+    def refused(*args, **kwargs):
+        raise ProxyError("404 Not Found")
+
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refused)
+    with pytest.raises(NetworkError, match=r"owner/head: the Hugging Face hub cannot be reached \(ProxyError: 404 Not Found\); check the network"):
+        resolve_head_folder("owner/head")
+    wrapped = OSError("Can't load the configuration of 'owner/model'. make sure you don't have a local directory with the same name")
+    wrapped.__cause__ = ProxyError("404 Not Found")
+    from models.base import _explain
+
+    assert isinstance(_explain(wrapped, "owner/model", "none"), NetworkError)

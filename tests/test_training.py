@@ -155,8 +155,6 @@ def assert_drafts_losslessly(base, head, untrained, work, params=TRAIN) -> None:
     """The head drafts among its 24 tokens, greedy eagle2 equals vanilla with it,
     and on what it learnt from its loss is below the head it started as (any
     head decodes losslessly, an untrained one too)."""
-    from dataclasses import replace
-
     assert head.config.draft_vocab_size == 24 and len(set(head.draft_token_ids.tolist())) == 24
     engine = Engine(base, head)
     sampling = SamplingParams(max_new_tokens=20)

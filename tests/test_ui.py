@@ -33,7 +33,6 @@ from core.config import SamplingParams, TreeParams
 from core.engine import Engine, Step
 from core.stats import Snapshot
 from models import catalog
-from models.base import load_base
 from tests.factory import random_head
 
 
@@ -778,6 +777,80 @@ def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store,
     (tmp_path / "notes.txt").write_text("x")
     status, notice, _ = library.load(str(tiny_dir), str(tmp_path / "notes.txt"), None, "none", "float32")
     assert "is a file; a draft head is the folder holding config.json and its weights." in notice
+
+
+def test_the_model_loaded_in_the_tab_is_the_next_start_s(engine, store, tmp_path, monkeypatch, capsys):
+    """A desktop app opens with what was used last: a load in the Models tab is
+    kept in the settings, and a start that names no model loads it again; one
+    that no longer loads gives way to the bundled model, and a model named on
+    the command line wins."""
+    from argparse import Namespace
+
+    import app.library
+    from app.library import MODEL_SETTING
+    from app.ui import load_first
+    from models.errors import ModelNotFoundError
+
+    runtime = Runtime(engine)
+    library = LibraryHandlers(runtime, store.folder / "heads", "cpu", "off", remember=lambda choice: store.update_settings({MODEL_SETTING: choice}))
+    monkeypatch.setattr(app.library, "load_pair", lambda *args: engine)
+    library.load(" /models/mine ", "", None, "int8", "bfloat16")
+    assert store.load_settings()[MODEL_SETTING] == {"model": "/models/mine", "head": None, "quantization": "int8", "dtype": "bfloat16"}
+    loads = []
+
+    def load_pair(*args):
+        loads.append(args)
+        if args[0] == "/models/gone":
+            raise ModelNotFoundError("/models/gone: no such file or folder")
+        return engine
+
+    start = Namespace(model=None, head=None, quantization="auto", dtype="auto", device="cpu", compile="off")
+    assert load_first(start, store.load_settings(), load_pair) is engine
+    assert loads == [("/models/mine", None, "int8", "bfloat16", "cpu", "off")]
+    assert "Loading /models/mine (last loaded in the Models tab; --model chooses another)" in capsys.readouterr().out
+    loads.clear()
+    load_first(Namespace(**{**vars(start), "model": "other"}), store.load_settings(), load_pair)
+    load_first(Namespace(**{**vars(start), "quantization": "none"}), store.load_settings(), load_pair)
+    assert [args[:3] for args in loads] == [("other", None, "auto"), (None, None, "none")]  # named on the command line
+    loads.clear()
+    load_first(start, {MODEL_SETTING: {"model": "/models/gone"}}, load_pair)
+    assert [args[0] for args in loads] == ["/models/gone", None]
+    assert "It did not load (/models/gone: no such file or folder); loading the bundled model instead." in capsys.readouterr().out
+    for kept in ({"model": 3}, {"model": "x", "dtype": "half"}, "x", {"model": " "}):  # edited by hand: not a choice
+        loads.clear()
+        load_first(start, {MODEL_SETTING: kept}, load_pair)
+        assert loads == [(None, None, "auto", "auto", "cpu", "off")], kept
+
+
+def test_a_failed_load_says_what_failed_and_what_is_loaded(engine, store, tmp_path, monkeypatch):
+    """An error no one foresaw is said as it is (no bare 'Error' toast); out of
+    memory with a model loaded says that it stays loaded while another loads;
+    a head listed for the loaded base is not loaded onto another base."""
+    import app.library
+    from models.errors import OutOfMemoryError
+
+    runtime = Runtime(engine)
+    library = LibraryHandlers(runtime, store.folder / "heads", "cpu", "off")
+
+    def failing(error):
+        def load_pair(*args):
+            raise error
+
+        return load_pair
+
+    monkeypatch.setattr(app.library, "load_pair", failing(AttributeError("'dict' object has no attribute 'x'")))
+    _, notice, mode = library.load("m", "", None, "auto", "auto")
+    assert notice == "Loading failed: AttributeError: &#x27;dict&#x27; object has no attribute &#x27;x&#x27;. The previous model is still loaded."
+    assert is_skip(mode) and runtime.engine is engine
+    monkeypatch.setattr(app.library, "load_pair", failing(OutOfMemoryError("m: not enough memory to load the model")))
+    _, notice, _ = library.load("m", "", None, "auto", "auto")
+    assert notice.endswith("The previous model is still loaded. It stays loaded while another loads: Unload it first, then Load.")
+    loads = []
+    monkeypatch.setattr(app.library, "load_pair", lambda *args: loads.append(args[:2]) or engine)
+    _, notice, _ = library.load(str(tmp_path / "another-base"), "", str(tmp_path / "heads" / "mine"), "auto", "auto")
+    assert f"was made for {engine.base.name}, not for {tmp_path / 'another-base'}; clear that choice" in notice and loads == []
+    library.load(engine.base.name, "typed", str(tmp_path / "heads" / "mine"), "auto", "auto")
+    assert loads == [(engine.base.name, str(tmp_path / "heads" / "mine"))]  # the same base: the chosen head wins
 
 
 def test_a_model_loaded_in_the_tab_replaces_the_mode_it_wanted(engine, store, tmp_path, monkeypatch):

@@ -1,0 +1,17 @@
+"""Paths as the user types them: `~` and `~user` expanded, or refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.errors import ModelNotFoundError
+
+
+def user_path(text: str | Path) -> Path:
+    """`text` with `~` expanded. A `~user` that names no user here (pathlib
+    raises a bare RuntimeError for it) is refused, naming the user."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        user = str(text)[1:].split("/", 1)[0].split("\\", 1)[0]
+        raise ModelNotFoundError(f"{text}: no user {user!r} on this computer, so ~{user} cannot be expanded") from None
