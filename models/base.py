@@ -124,7 +124,7 @@ def load_base(
     if gguf_file is not None and chosen in ("4bit", "8bit"):  # transformers refuses the two together
         raise ValueError(
             f"{source}: bitsandbytes' {chosen} quantizes a model given as a Hugging Face folder or repo id, not a GGUF file; "
-            "for a GGUF use --quantization auto, int4, int8 or none"
+            "for a GGUF choose quantization auto, int4, int8 or none"
         )
     try:
         return _load(location, gguf_file, name, chosen, torch_dtype, torch_device, quantization == "auto")
@@ -185,7 +185,7 @@ def check_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
-            raise MissingWeightsError(f"{path}: no config.json in this folder; for a GGUF give the file itself, e.g. --model {ggufs[0]}")
+            raise MissingWeightsError(f"{path}: no config.json in this folder; for a GGUF give the file itself, e.g. {ggufs[0]}")
         raise MissingWeightsError(f"{path}: no config.json in this folder; is it a Hugging Face model folder?")
     try:
         settings = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -203,12 +203,15 @@ def check_folder(path: Path) -> None:
         )
 
 
-# bitsandbytes' log lines that say nothing a user can act on: the 8-bit product's cast, on
-# every product of every step (thousands of lines around one reply on a CPU), and a hub kernel
-# package that is not installed (Kestrel runs offline; bitsandbytes falls back by itself)
-BITSANDBYTES_NOISE = {  # logger -> the texts that together mark the line
+# Libraries' log lines that say nothing a user can act on: bitsandbytes' 8-bit product's cast,
+# on every product of every step (thousands of lines around one reply on a CPU), and a hub
+# kernel package that is not installed (Kestrel runs offline; bitsandbytes falls back by
+# itself); transformers' advice to load a GGUF in float32 for packed kernels that do not run
+# here (it dequantizes the GGUF into plain layers, which Kestrel re-packs for its int4 kernel)
+LOG_NOISE = {  # logger -> the texts that together mark the line
     "bitsandbytes.autograd._functions": ("MatMul8bitLt: inputs will be cast",),
     "bitsandbytes.backends.cpu.ops": ("from kernels-community", "No module named 'kernels'"),
+    "transformers.quantizers.quantizer_gguf": ("Loading a GGUF checkpoint with its weights packed is fastest in float32",),
 }
 
 
@@ -222,8 +225,8 @@ class _Dropped(logging.Filter):
         return not all(text in message for text in self.texts)
 
 
-def quiet_bitsandbytes() -> None:
-    for name, texts in BITSANDBYTES_NOISE.items():
+def quiet_libraries() -> None:
+    for name, texts in LOG_NOISE.items():
         logger = logging.getLogger(name)  # a filter acts on the logger that makes the record
         if not any(isinstance(kept, _Dropped) for kept in logger.filters):
             logger.addFilter(_Dropped(texts))
@@ -233,14 +236,14 @@ def quantization_config(quantization: str, dtype: torch.dtype):
     """transformers' bitsandbytes config for 8bit/4bit; None otherwise."""
     if quantization in ("none", "int4", "int8"):
         return None
-    quiet_bitsandbytes()  # before the import, which logs one of them
+    quiet_libraries()  # before bitsandbytes' import, which logs one of them
     try:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
     except ImportError as error:
         raise QuantizationUnavailableError(
             f"{quantization} needs bitsandbytes, which failed to import ({error}); "
-            "reinstall it or use --quantization none"
+            "reinstall it or choose quantization none"
         ) from error
     if dtype == torch.float64:
         raise QuantizationUnavailableError(f"{quantization} cannot compute in float64; use float32 or bfloat16")
@@ -261,6 +264,7 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
 
     from models.hub import reachable
 
+    quiet_libraries()
     # sdpa honours the boolean 4D tree masks of speculative decoding
     options = {"dtype": dtype, "attn_implementation": "sdpa"}
     if gguf_file:

@@ -43,6 +43,19 @@ def test_bitsandbytes_on_a_cpu_does_not_log_at_every_product(tiny_dir, caplog):
     assert "another warning" in messages and not any("MatMul8bitLt" in message for message in messages)
 
 
+def test_transformers_advice_for_gguf_kernels_that_do_not_run_here_is_dropped(tiny_dir, caplog):
+    """Loading a GGUF in bf16 logged transformers' advice to load it in float32
+    for packed kernels, though it dequantizes the file into plain layers."""
+    import logging
+
+    load_base(str(tiny_dir), quantization="none", dtype="bfloat16")  # any load sets the filter up
+    logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    with caplog.at_level(logging.WARNING):
+        logger.warning("Loading a GGUF checkpoint with its weights packed is fastest in float32, and this one was asked for in torch.bfloat16.")
+        logger.warning("another warning")
+    assert [record.getMessage() for record in caplog.records] == ["another warning"]
+
+
 def test_bundled_default_loads_and_reuses_its_conversion():
     first = load_base(None)
     folder = bundled.converted_folder()
@@ -140,7 +153,7 @@ def test_a_gguf_cut_short_is_named_damaged_not_an_unsupported_architecture(tmp_p
 
 def test_a_folder_holding_only_a_gguf_says_to_give_the_file(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    with pytest.raises(MissingWeightsError, match=f"give the file itself, e.g. --model {tmp_path / 'm.gguf'}"):
+    with pytest.raises(MissingWeightsError, match=f"give the file itself, e.g. {tmp_path / 'm.gguf'}"):
         load_base(str(tmp_path))
 
 
@@ -158,7 +171,7 @@ def test_weights_of_another_size_than_config_json_are_named(tmp_path):
 def test_bitsandbytes_on_a_gguf_file_is_refused_by_name(tmp_path, quantization):
     file = tmp_path / "model.Q4_1.gguf"
     file.write_bytes(b"0")  # refused before it is read
-    with pytest.raises(ValueError, match=f"bitsandbytes' {quantization} .* not a GGUF file; for a GGUF use --quantization auto"):
+    with pytest.raises(ValueError, match=f"bitsandbytes' {quantization} .* not a GGUF file; for a GGUF choose quantization auto"):
         load_base(str(file), quantization=quantization, dtype="float32")
 
 
