@@ -422,9 +422,10 @@ def test_a_page_opened_without_a_head_gives_the_saved_mode_back(page, served, ti
         runtime.replace(lambda: previous, "the test model")
 
 
-def test_load_in_the_models_tab_sets_the_chat_mode(page, served, tiny_dir):
+def test_load_in_the_models_tab_sets_the_chat_mode(page, served, tiny_dir, data_dir):
     """The Models tab's Load, through the page: a model without a head is
-    loaded and the Chat tab offers vanilla alone."""
+    loaded, the Chat tab offers vanilla alone, and the choice is kept for the
+    next start."""
     _, runtime = served
     previous = runtime.engine
     try:
@@ -433,6 +434,8 @@ def test_load_in_the_models_tab_sets_the_chat_mode(page, served, tiny_dir):
         page.get_by_role("button", name="Load", exact=True).click()
         page.get_by_text("Loaded.", exact=True).wait_for(timeout=120_000)
         page.locator("#model-status").get_by_text("without a draft head (vanilla only)").wait_for(timeout=10_000)
+        kept = json.loads((data_dir / "settings.json").read_text())["model"]
+        assert kept == {"model": str(tiny_dir), "head": None, "quantization": "auto", "dtype": "auto"}
         page.get_by_role("tab", name="Chat").click()
         page.locator("#mode input[value=eagle2]").wait_for(state="detached", timeout=10_000)
         page.locator("#mode input[value=vanilla]:checked").wait_for(timeout=10_000)
