@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(train, decoding=False)  # --init-head starts from a head
     train.add_argument("--samples-per-prompt", type=integer(1), default=2, help="answers per prompt: the first greedy, the others sampled (default 2)")
     train.add_argument("--max-new-tokens", type=integer(1), default=256, help="longest answer in tokens (default 256)")
-    train.add_argument("--answer-temperature", type=number(0.0), default=0.7, help="temperature of the sampled answers (default 0.7)")
+    train.add_argument("--answer-temperature", type=number(0.0, 2.0, low_open=True), default=0.7, help="temperature of the sampled answers, above 0 (the first answer of each prompt is the greedy one; default 0.7)")
     train.add_argument("--answer-batch", type=integer(1), default=32, help="prompts per generate call (default 32)")
     train.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="prompts longer than this many tokens are skipped (default 512; raise it for long-prompts' files)")
     train.add_argument("--epochs", type=integer(1), default=2, help="passes over the training features (default 2)")
@@ -289,7 +289,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # a port in use, a file that cannot be written
-        print(f"error: {error}", file=sys.stderr)
+        kept = "; the work done so far is kept: run the same command with --resume once that is fixed" if args.command == "train-head" else ""
+        print(f"error: {error}{kept}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         resume = " (its work is kept: run the same command with --resume to continue)" if args.command == "train-head" else ""
@@ -346,6 +347,20 @@ def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
     except OSError as error:
         raise ValueError(f"{option} {path}: cannot write there ({error.strerror or error})") from error
     return target
+
+
+def recorded_quantization(work: Path, asked: str) -> str:
+    """The quantization to load the base model with for a run on `work`: the
+    one asked for, except that auto (a probe of a few milliseconds, which can
+    decide otherwise from one run to the next) keeps the one the work's answers
+    and features were made with, so that the same command resumes them."""
+    from core.training.pipeline import recorded_base
+
+    recorded = (recorded_base(work) or {}).get("quantization")
+    if asked != "auto" or recorded not in ("none", "int4", "int8"):
+        return asked
+    print(f"--quantization auto: {recorded}, as {work}'s answers and features were made", flush=True)
+    return recorded
 
 
 def earlier_arch(out: Path) -> str | None:
@@ -553,7 +568,7 @@ def run_train_head(args) -> int:
 
     from core.training.answers import AnswerParams
     from core.training.features import FeatureParams, FeaturesStopped
-    from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, TrainingStopped, train_head
+    from core.training.pipeline import ANSWERS_FILE, BASE_FILE, Budget, RunPaths, TrainingStopped, train_head
     from core.training.report import NOTES_FILE, REPORT_FILE
     from core.prompt import PromptFileError
     from core.training.answers import training_ids
@@ -570,9 +585,10 @@ def run_train_head(args) -> int:
     work = user_path(args.work) if args.work else out / "work"
     if work.exists() and not work.is_dir():
         raise ValueError(f"--work {work}: is a file; name a folder for the run's work")
-    earlier_run = work.is_dir() and any(work.iterdir())
+    earlier_run = work.is_dir() and any(entry.name != BASE_FILE for entry in work.iterdir())  # more than a model's record
     if earlier_run and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
+
     # what the run writes into --out: an earlier run's (resumed) or someone's own files are not replaced unasked
     holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES, REPORT_FILE, NOTES_FILE))
     if args.init_head:
@@ -590,6 +606,9 @@ def run_train_head(args) -> int:
     if holds_head and not earlier_run:  # --resume with nothing to resume: the head there is someone's, not this run's
         raise ValueError(f"--out {args.out}: already holds a head or its notes, and {work} holds no earlier run for "
                          "--resume to continue; choose another --out (or the --work of the run that wrote it)")  # fmt: skip
+    if args.resume and not earlier_run:  # a forgotten --work would otherwise answer every prompt again, unasked
+        raise ValueError(f"--resume: {work} holds no earlier run to continue; give the --work of the run to resume, "
+                         "or leave --resume out to start one")  # fmt: skip
     # now, not after hours of work; after the refusals above, which leave no folder behind
     check_writable(str(work / ANSWERS_FILE), "--work" if args.work else "--out")  # the option the user gave
     check_writable(str(out / "model.safetensors"), "--out")
@@ -606,7 +625,8 @@ def run_train_head(args) -> int:
         unroll_steps=args.unroll_steps, bf16=args.precision == "bf16", seed=args.seed, arch=args.arch,
         init_head=str(user_path(args.init_head).resolve()) if args.init_head else None,
     )  # fmt: skip
-    base = load_base(args.model, args.quantization, args.dtype, args.device)
+    quantization = recorded_quantization(work, args.quantization)
+    base = load_base(args.model, quantization, args.dtype, args.device)
     try:
         report = train_head(base, paths, answers, FeatureParams(), params, budget, draft_vocab=args.draft_vocab or None)
     except (FeaturesStopped, TrainingStopped) as stop:  # no head yet: its training has not started
@@ -616,7 +636,7 @@ def run_train_head(args) -> int:
     if final["accuracy"]:
         held_out = (
             f"held-out top-1 {', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])}, "
-            f"measured as trained, in {args.precision}; eval-heads scores the written head in float32)"
+            "the written head, judged as eval-heads judges it)"
         )  # fmt: skip
     elif data.get("eval_prompts"):  # held out, but the budget skipped their answers, or each is too short to judge
         held_out = f"no held-out figures (none of the {data['eval_prompts']} held-out prompts has an answer of 2 tokens or more here)"
@@ -658,14 +678,16 @@ def run_eval_heads(args) -> int:
     shards = by_split[args.split]
     if not shards:
         other = next((split for split, found in by_split.items() if found), None)
-        hint = f"; it has {other} shards (--split {other})" if other else " (run train-head first)"
+        inner = [name for name in ("features-eagle3", "features") if (features / name).is_dir()]  # a work folder given
+        hint = (f"; it has {other} shards (--split {other})" if other else
+                f"; it is a work folder: give --features {features / inner[0]}" if inner else " (run train-head first)")  # fmt: skip
         raise ValueError(f"{Path(args.features) / args.split}: no feature shards{hint}")
     # resolved and checked now, once (a repo id is looked up on the hub): a missing or wrong folder fails
     # before the model loads and other heads are judged
     folders = {source: resolve_head_folder(str(source)) for source in sources}
     for folder in folders.values():
         head_files(folder)
-    base = load_base(args.model, args.quantization, args.dtype, args.device)
+    base = load_base(args.model, recorded_quantization(features.parent, args.quantization), args.dtype, args.device)
     check_feature_shards(base, shards)  # before any head is judged: no figures are lost to a shard of another model
     results = {}
     try:

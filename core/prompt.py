@@ -124,6 +124,16 @@ class PromptFileError(ValueError):
     """A prompt file that cannot be used, naming the file and line."""
 
 
+def unpaired_surrogate(text: str) -> str | None:
+    """Where `text` holds a lone UTF-16 surrogate, which valid JSON can spell
+    (a "\\ud800" escape without its pair) and no tokenizer or file can take; None otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"a lone surrogate \\u{ord(text[error.start]):04x} at character {error.start + 1}; escapes of U+D800-U+DFFF come in pairs"
+    return None
+
+
 def prompt_rows(path: Path):
     """(line index from 0, the row) of every prompt line in a JSONL file, each
     checked: a JSON object whose 'turns' list starts with the prompt as text.
@@ -152,6 +162,9 @@ def prompt_rows(path: Path):
             raise PromptFileError(f"{path}:{index + 1}: needs a 'turns' list whose first item is the prompt")
         if not turns[0].strip():
             raise PromptFileError(f"{path}:{index + 1}: the prompt is empty")
+        for name, value in (("id", row.get("id")), ("source", row.get("source")), *((f"turn {n + 1}", turn) for n, turn in enumerate(turns))):
+            if isinstance(value, str) and (problem := unpaired_surrogate(value)):
+                raise PromptFileError(f"{path}:{index + 1}: its {name} is not UTF-8 text ({problem})")
         if "id" in row:
             if str(row["id"]) in lines:
                 raise PromptFileError(f"{path}:{index + 1}: id {str(row['id'])!r} is already the id of line {lines[str(row['id'])]}")

@@ -347,12 +347,12 @@ def check_keys(state: dict[str, torch.Tensor], shapes: dict, config: HeadConfig,
 def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = None) -> Path:
     """Write config.json + model.safetensors, the format other EAGLE tools
     read; extra_config overrides or adds config fields."""
-    from safetensors.torch import save_file
+    from models.paths import save_tensors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {key: tensor.detach().contiguous().cpu() for key, tensor in head.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "model.safetensors").chmod(0o644)  # safetensors writes it readable by its owner alone
     settings = {**head.config.to_dict(), **(extra_config or {})}
     (folder / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")

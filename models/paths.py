@@ -1,4 +1,5 @@
-"""Paths as the user types them: `~` and `~user` expanded, or refused by name."""
+"""Paths as the user types them (`~` and `~user` expanded, or refused by
+name), and tensors written there with the path named when the disk refuses."""
 
 from __future__ import annotations
 
@@ -15,3 +16,14 @@ def user_path(text: str | Path) -> Path:
     except RuntimeError:
         user = str(text)[1:].split("/", 1)[0].split("\\", 1)[0]
         raise ModelNotFoundError(f"{text}: no user {user!r} on this computer, so ~{user} cannot be expanded") from None
+
+
+def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, whose own error (a full disk) names no file and
+    is no OSError: an OSError naming `path` instead."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as error:
+        raise OSError(f"{path}: cannot be written ({error})") from error

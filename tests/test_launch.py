@@ -177,6 +177,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     (tmp_path / "features" / "train").mkdir(parents=True)
     (tmp_path / "features" / "train" / "shard-00000.safetensors").write_bytes(b"")
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    (tmp_path / "surrogate.jsonl").write_text('{"turns": ["w1 \\ud800 w2"]}\n')  # valid JSON, no UTF-8 text
     (tmp_path / "long-number.jsonl").write_text('{"turns": ["w1"], "id": 1' + "0" * 5000 + "}\n")
     cases = [
         (["chat", "  "], "the prompt is empty"),
@@ -212,6 +213,9 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["train-head", "--prompts", str(tmp_path / "string-turns.jsonl"), "--out", str(tmp_path / "o")], "string-turns.jsonl:1: needs a 'turns' list"),
         (["train-head", "--prompts", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "o")], "empty.jsonl: no prompts"),
         (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--epochs", "0"], "--epochs: must be at least 1"),
+        (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--answer-temperature", "0"], "--answer-temperature: must be a number above 0"),
+        (["train-head", "--prompts", str(tmp_path / "surrogate.jsonl"), "--out", str(tmp_path / "o")],
+         "surrogate.jsonl:1: its turn 1 is not UTF-8 text (a lone surrogate \\ud800 at character 4"),
         (["eval-heads", "--features", str(tmp_path), "--steps", "0"], "--steps: must be at least 1"),
         (["eval-heads", "--features", str(tmp_path / "features"), "--split", "train", str(ROOT / "assets" / "heads" / "SmolLM2-135M-Instruct"),
           str(tmp_path / "features")], "features: no config.json"),  # a later head that is no head: before the model loads

@@ -179,6 +179,11 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_f
     assert report["training"]["steps"] == report["training"]["total_steps"]
     config = tiny_base.model.config
     head = load_head(str(out), config.hidden_size, config.vocab_size, tiny_base.device, tiny_base.dtype)
+    from core.training.compare import drafted_accuracy
+
+    # the figures the run reports are the written head's, as eval-heads judges it (its 24 draft tokens)
+    judged = drafted_accuracy(tiny_base, load_head(str(out), config.hidden_size, config.vocab_size), sorted((paths.work / "features" / "eval").glob("*.safetensors")))
+    assert report["final_eval"]["accuracy"] == judged["accuracy"] and judged["positions"] > 0
     assert_drafts_losslessly(tiny_base, head, new_head(head_config_for(config), TRAIN.seed), paths.work)
 
 
@@ -270,6 +275,7 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
         (["--out", str(tmp_path / "new"), "--init-head", str(typo)], f"--init-head {typo}: no such folder"),
         (["--out", str(tmp_path / "new"), "--init-head", str(tmp_path)], "no config.json or model.safetensors"),
         (["--out", str(old), "--resume"], "holds no earlier run for --resume to continue"),  # nothing to resume: not replaced
+        (["--out", str(tmp_path / "new"), "--resume"], f"--resume: {tmp_path / 'new' / 'work'} holds no earlier run to continue"),
         (["--out", str(tmp_path / "new"), "--init-head", str(third)], f"--init-head {third}: is an EAGLE-3 head"),
         (["--out", str(tmp_path / "new"), "--init-head", str(old), "--arch", "eagle3"], "an EAGLE-3 head is trained from scratch"),
     ]
@@ -283,6 +289,10 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
     assert f"{dup}:2: has no id, and the one it would get (its line index from 0, '1') is the id of line 1" in capsys.readouterr().err
     assert (tmp_path / "mine" / "TRAINING.md").read_text() == "my notes"
     assert not (tmp_path / "new").exists() and not (old / "work").exists()  # a refused run leaves no folder behind
+    (tmp_path / "fresh" / "work").mkdir(parents=True)  # a run refused after the model loaded left only its record
+    (tmp_path / "fresh" / "work" / "base-model.json").write_text("{}")
+    with pytest.raises(AssertionError, match="the model must not load"):  # not "holds an earlier run": it goes on to load
+        main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "fresh")])
 
 
 def test_a_resumed_run_keeps_the_answers_its_features_came_from(tiny_base, prompts_file, tmp_path, capsys):
@@ -492,7 +502,7 @@ def test_a_budget_spent_before_the_first_training_step_writes_no_head(tiny_base,
     monkeypatch.setattr("models.base.load_base", lambda *args, **kwargs: tiny_base)
     assert main([*options, "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "held-out top-1 50.0%, 25.0% (draft steps 1..2, measured as trained, in bf16" in out
+    assert "held-out top-1 50.0%, 25.0% (draft steps 1..2, the written head, judged as eval-heads judges it)" in out
     assert "the time budget stopped the answers at 5 of 32; this head learned from those only" in out
 
 
@@ -680,7 +690,84 @@ def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tiny_base, prompts
     config = tiny_base.model.config
     drafted = lambda folder: load_head(str(folder), config.hidden_size, config.vocab_size).draft_token_ids.cpu()  # noqa: E731
     assert torch.equal(drafted(tmp_path / "kept"), chosen) and report["draft_vocab_from"] == "init_head"
+    assert f"It started from the head in `{tmp_path / 'start'}` (`--init-head`) and keeps its draft tokens" in (tmp_path / "kept" / NOTES_FILE).read_text()
     # another number of draft tokens: the new answers' most frequent, as for a fresh head
     paths = RunPaths(prompts=prompts_file, out=tmp_path / "other", work=tmp_path / "w2")
     report = train_head(tiny_base, paths, ANSWERS, FEATURES, params, progress=False, draft_vocab=16)
     assert len(drafted(tmp_path / "other")) == 16 and report["draft_vocab_from"] == "answers"
+
+
+def test_a_resume_keeps_the_quantization_its_answers_were_made_with(tmp_path, capsys):
+    """auto is a probe of milliseconds that can decide otherwise from one run to
+    the next: resuming (or judging) a work folder under auto loads the base
+    model as its answers and features were made; a quantization asked for by
+    name is as asked (and refused if it differs, as before)."""
+    from app.cli import recorded_quantization
+    from core.training.pipeline import BASE_FILE
+
+    work = tmp_path / "work"
+    assert recorded_quantization(work, "auto") == "auto"  # nothing recorded: a new run
+    work.mkdir()
+    for recorded, asked, loaded in (("int8", "auto", "int8"), ("none", "auto", "none"), ("int8", "none", "none"), ("4bit", "auto", "auto")):
+        (work / BASE_FILE).write_text(json.dumps({"name": "m", "quantization": recorded}))
+        assert recorded_quantization(work, asked) == loaded, (recorded, asked)
+    assert "--quantization auto: none, as " in capsys.readouterr().out
+
+
+def test_tensors_that_cannot_be_written_are_named_by_their_file(tmp_path):
+    """safetensors' own error (a full disk) names no file and is no OSError: the
+    command line would show a traceback."""
+    from models.paths import save_tensors
+
+    target = tmp_path / "a-file" / "shard.safetensors"
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(OSError, match=f"{target}: cannot be written"):
+        save_tensors({"x": torch.zeros(2)}, target)
+
+
+def test_notes_without_held_out_prompts_have_no_empty_row_or_figures(tiny_base, prompts_file, tmp_path):
+    from core.training.report import render_markdown
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    report = train_head(tiny_base, paths, ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
+    empty = {"positions": 0, "accuracy": [], "chain_accuracy": [], "cross_entropy": [], "smooth_l1": []}
+    for record in report["training"]["history"]:
+        record["eval"] = empty
+    notes = render_markdown({**report, "final_eval": empty})
+    assert "| eval |" not in notes and "Final held-out" not in notes
+    assert "No held-out figures: no held-out prompt has an answer of 2 tokens or more." in notes
+
+
+def test_a_budget_spent_before_the_first_answer_is_a_budget_stop(tiny_base, prompts_file, tmp_path):
+    """Said as the other budget stops are (no head; --resume goes on), not as an error."""
+    import time
+
+    from core.training.pipeline import Budget, TrainingStopped
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    with pytest.raises(TrainingStopped, match="before the first answer"):
+        train_head(tiny_base, paths, ANSWERS, FEATURES, TRAIN, Budget(answers_deadline=time.time() - 1), progress=False, draft_vocab=24)
+    assert not (paths.out / "model.safetensors").exists()
+
+
+def test_a_step_interrupted_midway_is_counted_once(tiny_base, features, tmp_path):
+    """Ctrl-C inside a step (its metrics taken, its update not made): the resumed
+    run does that step again, and the epoch's figures count it once."""
+    _, shards = features
+    straight = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "a", TRAIN)
+    straight.run(progress=False)
+    stopped = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "b", TRAIN)
+    update, calls = stopped.optimizer.step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return update(*args, **kwargs)
+
+    stopped.optimizer.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        stopped.run(progress=False)
+    resumed = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "b", TRAIN)
+    assert resumed.step == 2 and resumed.run(progress=False)
+    assert [r["train"]["positions"] for r in resumed.history] == [r["train"]["positions"] for r in straight.history]

@@ -179,7 +179,7 @@ def forward_batch(base, answers: list[Answer], layer_ids: tuple[int, ...] | None
 
 
 def write_shard(path: Path, sequences: list[Sequence]) -> None:
-    from safetensors.torch import save_file
+    from models.paths import save_tensors
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -191,7 +191,7 @@ def write_shard(path: Path, sequences: list[Sequence]) -> None:
     if sequences[0].aux is not None:
         tensors["aux"] = torch.cat([s.aux for s in sequences]).contiguous()
     partial = path.with_suffix(".partial")
-    save_file(tensors, str(partial))
+    save_tensors(tensors, partial)
     partial.replace(path)  # atomic: a killed run never leaves a half shard
 
 

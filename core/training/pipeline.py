@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from core.training.answers import AnswerParams, cached_answers, generate_answers, read_prompts
+from core.training.compare import drafted_accuracy
 from core.training.features import MANIFEST, FeatureParams, extract_features, is_held_out
 from core.training.report import write_report
 from core.training.trainer import TrainParams, Trainer, frequent_tokens, head_config_for, initial_weights, new_head
@@ -178,9 +179,9 @@ def train_head(
     if train_params.init_head:  # the shapes now, not after hours of answers and features
         initial_weights(Path(train_params.init_head), new_head(head_config_for(base.model.config), 0))
         kept_vocabulary = initial_draft_ids(Path(train_params.init_head), draft_vocab)
+    prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)  # first: a refusal leaves no work folder
     check_base_model(paths.work, base)
     clock = PhaseClock(paths.work / PHASES_FILE)
-    prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)
     if not any(is_held_out(prompt.id, feature_params.eval_fraction) for prompt in prompts):
         print(
             f"note: none of the {len(prompts)} prompts falls in the held-out {feature_params.eval_fraction:.0%} "
@@ -200,6 +201,8 @@ def train_head(
                 base, prompts, paths.work / ANSWERS_FILE, answer_params, budget.answers_deadline, progress
             )
             answers = [answer for answer in answers if (answer.id, answer.sample) in plan]  # not those of removed prompts
+    if not answers and budget.answers_deadline is not None and time.time() >= budget.answers_deadline:
+        raise TrainingStopped("before the first answer; a larger --time-budget-minutes or --answer-share gives the answers time")
     if not answers:
         raise ValueError(f"{paths.work / ANSWERS_FILE}: no answers yet; give the answer phase more time")
     with clock.phase("features"):
@@ -216,7 +219,6 @@ def train_head(
         trainer.run(budget.train_deadline, progress)
         if trainer.step == 0 and trainer.total_steps > 0:  # a random head is no result: nothing is written
             raise TrainingStopped("before the first training step")
-        final = trainer.final_eval()
     head = trainer.head.eval()
     if third:
         eagle3.save(head, paths.out)
@@ -226,6 +228,9 @@ def train_head(
             chosen = kept_vocabulary if kept_vocabulary is not None else frequent_tokens(shards["train"], draft_vocab, vocab_size)
             head = with_draft_vocabulary(head, chosen)
         save_head(head, paths.out)
+    # the head as written, judged as eval-heads judges it (float32; its draft tokens against the base model's
+    # greedy token over the whole vocabulary): training's own figures count its training vocabulary alone
+    final = drafted_accuracy(base, head, shards["eval"], train_params.unroll_steps, train_params.batch_tokens)
     report = {
         "base_model": base.name,
         "arch": train_params.arch,
@@ -234,7 +239,7 @@ def train_head(
                  "features_kept": taken},
         "training": trainer.summary(),
         "final_eval": final,
-        "draft_vocab": draft_vocab,
+        "draft_vocab": len(head.draft_token_ids) if head.draft_token_ids is not None else None,  # as written (at most the vocabulary)
         "draft_vocab_from": "init_head" if kept_vocabulary is not None else "answers",
         "phases": {name: round(seconds, 1) for name, seconds in clock.seconds.items()},
     }

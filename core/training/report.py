@@ -35,6 +35,15 @@ def _numbers(values: list[float]) -> str:
     return " / ".join(f"{value:.3f}" for value in values)
 
 
+def _started_from(report: dict) -> list[str]:
+    """The line saying which head a fine-tune (--init-head) started from, and whose draft tokens it keeps."""
+    init_head = report.get("training", {}).get("params", {}).get("init_head")
+    if not init_head:
+        return []
+    kept = " and keeps its draft tokens" if report.get("draft_vocab_from") == "init_head" else ""
+    return [f"It started from the head in `{init_head}` (`--init-head`){kept}; the data below is this run's alone."]
+
+
 def render_markdown(report: dict) -> str:
     data, training, phases = report["data"], report["training"], report["phases"]
     third = report.get("arch") == "eagle3"
@@ -50,6 +59,7 @@ def render_markdown(report: dict) -> str:
         "",
         f"Self-distilled {kind}, trained by `python3 launch.py train-head`",
         "(core/training/). Steps below are the unrolled draft steps 1/2/3 (EAGLE-3's training-time test).",
+        *_started_from(report),
         "",
         "## Data",
         f"- prompts: {data['prompts']} from `{data['prompts_file']}` ({data['eval_prompts']} held out for evaluation)",
@@ -75,21 +85,29 @@ def render_markdown(report: dict) -> str:
     for record in training["history"]:
         for split in ("train", "eval"):
             metrics = record[split]
+            if not metrics.get("accuracy"):  # no held-out prompt: no row
+                continue
             cells = [str(record["epoch"]), str(record["step"]), split]
             cells += [] if third else [_numbers(metrics["smooth_l1"])]
             cells += [_numbers(metrics["cross_entropy"]), _percent(metrics["accuracy"]), _percent(metrics["chain_accuracy"])]
             lines.append("| " + " | ".join(cells) + " |")
-    if third:
-        lines.append("")
-        lines.append("CE and top-1 are over the draft vocabulary, at positions whose next token is in it.")
+    lines.append("")
+    lines.append(
+        "The table's figures are measured as the head trains (in its training precision"
+        + ("; CE and top-1 over the draft vocabulary, at positions whose next token is in it)." if third else
+           "; top-1 over the whole vocabulary, before the head is cut to its draft tokens).")  # fmt: skip
+    )
     final = report.get("final_eval")
-    if final:
+    if final and final.get("positions"):
         lines += [
             "",
-            f"Final held-out ({int(final['positions']):,} positions): top-1 agreement with the base model's greedy token "
+            f"Final held-out, the written head as `eval-heads` judges it (float32; its draft tokens against the base "
+            f"model's greedy token over the whole vocabulary; {int(final['positions']):,} positions): top-1 "
             f"{_percent(final['accuracy'])} for steps 1/2/3; in a greedy chain, step k is right "
             f"{_percent(final['chain_accuracy'])} of the time when steps < k were.",
         ]
+    elif final is not None:
+        lines += ["", "No held-out figures: no held-out prompt has an answer of 2 tokens or more."]
     lines += ["", "## Wall time"]
     lines += [f"- {name}: {seconds / 60:.1f} min" for name, seconds in phases.items()]
     acceptance = report.get("acceptance")

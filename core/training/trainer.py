@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -104,6 +104,11 @@ class Totals:
         while len(values) <= step:
             values.append(0.0)
         values[step] += value
+
+    def merge(self, other: Totals) -> None:
+        for name in (entry.name for entry in fields(self)):
+            for step, value in enumerate(getattr(other, name)):
+                self.add(step, name, value)
 
     def summary(self) -> dict:
         steps = len(self.positions)
@@ -449,13 +454,15 @@ class Trainer:
             group["lr"] = learning_rate(self.step, self.total_steps, self.params)
         noise = torch.Generator().manual_seed(self.params.seed * 1_000_003 + self.step)
         batch = make_batch(sequences, self.frozen)
-        loss = forward_losses(self.head, batch, self.frozen, self.params, noise, self.train_totals)
+        totals = Totals()  # counted once the step is: a step interrupted before is done again after --resume
+        loss = forward_losses(self.head, batch, self.frozen, self.params, noise, totals)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_value_(self.head.parameters(), self.params.grad_clip)
         self.optimizer.step()
-        self.last_loss = float(loss.detach())
         self.step += 1
+        self.train_totals.merge(totals)
+        self.last_loss = float(loss.detach())
 
     def _epoch_unevaluated(self) -> bool:
         return not self.history or self.history[-1]["step"] != self.step
@@ -485,7 +492,11 @@ class Trainer:
             "steps_per_epoch": self.steps_per_epoch,
         }
         partial = self.folder / (CHECKPOINT + ".partial")
-        torch.save(state, partial)
+        try:
+            torch.save(state, partial)
+        except (OSError, RuntimeError) as error:  # torch's own (a full disk) names no file
+            partial.unlink(missing_ok=True)
+            raise OSError(f"{partial}: cannot be written ({getattr(error, 'strerror', None) or error})") from error
         partial.replace(self.folder / CHECKPOINT)  # over the last checkpoint (rename refuses that on Windows)
 
     def _load(self) -> None:
