@@ -643,7 +643,7 @@ def test_eval_heads_names_features_of_another_model_or_a_damaged_shard(tiny_base
         check_feature_shards(tiny_base, [recorded])
 
 
-def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_base, tiny_dir, prompts_file, tmp_path):
+def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_base, tiny_dir, prompts_file, tmp_path, capsys):
     from app.cli import main
     from core.training.answers import training_ids
     from core.training.features import is_held_out
@@ -675,6 +675,9 @@ def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_base, ti
     assert (work / "documents.jsonl").read_text() == first and [json.loads(line) for line in out.read_text().splitlines()] == rows
 
     assert main([*options[:-4], "--documents", "4", "--min-tokens", "200", "--max-tokens", "100"]) == 2  # min above max
+    # documents longer than all the passages can make: said, with the way out
+    assert main([*options[:13], "--min-tokens", "5000", "--max-tokens", "6000", *options[17:]]) == 0
+    assert "documents are shorter than --min-tokens 5000" in capsys.readouterr().out
 
 
 def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tiny_base, prompts_file, tmp_path):

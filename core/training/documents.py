@@ -65,7 +65,7 @@ def build(passages: list[tuple[str, str]], questions: dict[str, str], tokenizer,
         )
     rng = random.Random(params.seed)
     lengths = {pid: len(tokenizer.encode(text, add_special_tokens=False)) for pid, text in passages}
-    rows = []
+    rows, short = [], 0
     for index in range(params.count):
         target = rng.randint(params.min_tokens, params.max_tokens)
         chosen, total = [], 0
@@ -76,6 +76,7 @@ def build(passages: list[tuple[str, str]], questions: dict[str, str], tokenizer,
             total += lengths[pid]
             if total >= target:
                 break
+        short += total < params.min_tokens
         if index % 2 == 0:
             template = rng.choice(SUMMARIES)
             prompt = template.format(document="\n\n".join(text for _, text in chosen))
@@ -86,6 +87,9 @@ def build(passages: list[tuple[str, str]], questions: dict[str, str], tokenizer,
             prompt = rng.choice(QUESTIONS).format(passages=passages_text, question=questions[asked].strip())
             kind = "rag-long"
         rows.append({"id": f"long-{params.seed}-{index}", "source": kind, "turns": [prompt]})
+    if short:  # too few passages for the length asked: documents come out shorter, and repeat them
+        print(f"note: {short} of the {params.count} documents are shorter than --min-tokens {params.min_tokens}: the "
+              f"{len(passages)} passages hold {sum(lengths.values()):,} tokens in all; answer more prompts (--documents)", flush=True)  # fmt: skip
     return rows
 
 

@@ -97,7 +97,7 @@ def extract_features(
     files = {split: [_shard_path(folder, split, index) for index in range(len(plan))] for split, plan in plans.items()}
     pending = [(split, index) for split, plan in plans.items() for index in range(len(plan)) if not files[split][index].is_file()]
     total = sum(len(a.prompt_ids) + len(a.answer_ids) for split, index in pending for a in plans[split][index])
-    bar = tqdm(total=total, unit="token", unit_scale=True, desc="features", disable=not progress)
+    bar = tqdm(total=total, unit="token", unit_scale=True, desc="features", disable=not progress or not total)  # no bar where every shard is taken
     for done, (split, index) in enumerate(pending):
         if deadline is not None and time.time() > deadline:
             bar.close()
