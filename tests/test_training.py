@@ -774,3 +774,18 @@ def test_a_step_interrupted_midway_is_counted_once(tiny_base, features, tmp_path
     resumed = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "b", TRAIN)
     assert resumed.step == 2 and resumed.run(progress=False)
     assert [r["train"]["positions"] for r in resumed.history] == [r["train"]["positions"] for r in straight.history]
+
+
+def test_a_work_folder_serving_both_kinds_of_head_times_each_alone(tiny_base, prompts_file, tmp_path):
+    """An EAGLE-3 head trained on an EAGLE-2 run's answers (the same --work) is
+    not reported with the EAGLE-2 run's features and training time."""
+    from dataclasses import replace
+
+    work = tmp_path / "work"
+    train_head(tiny_base, RunPaths(prompts_file, tmp_path / "eagle2", work), ANSWERS, FEATURES, TRAIN, progress=False, draft_vocab=24)
+    report = train_head(tiny_base, RunPaths(prompts_file, tmp_path / "eagle3", work), ANSWERS, FEATURES,
+                        replace(TRAIN, arch="eagle3"), progress=False, draft_vocab=24)  # fmt: skip
+    clock = json.loads((work / "phases.json").read_text())
+    assert {"features", "training", "features-eagle3", "training-eagle3"} <= set(clock)
+    assert report["phases"] == {"answers": round(clock["answers"], 1), "features": round(clock["features-eagle3"], 1),
+                                "training": round(clock["training-eagle3"], 1)}  # fmt: skip

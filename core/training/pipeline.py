@@ -205,7 +205,7 @@ def train_head(
         raise TrainingStopped("before the first answer; a larger --time-budget-minutes or --answer-share gives the answers time")
     if not answers:
         raise ValueError(f"{paths.work / ANSWERS_FILE}: no answers yet; give the answer phase more time")
-    with clock.phase("features"):
+    with clock.phase(f"features{suffix}"):  # per kind of head: a work folder's answers may serve both
         shards = extract_features(base, answers, features, feature_params, progress, budget.train_deadline)
     if not shards["train"]:  # no training step is possible: a head would be written untrained
         held, short = held_out_and_short(answers, feature_params.eval_fraction)
@@ -214,7 +214,7 @@ def train_head(
             f"{feature_params.eval_fraction:.0%} of prompts, chosen by id) and {short} are shorter than 2 tokens; "
             "give more prompts, or a larger --max-new-tokens; no head was written"
         )
-    with clock.phase("training"):
+    with clock.phase(f"training{suffix}"):
         trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params, kept_vocabulary)
         trainer.run(budget.train_deadline, progress)
         if trainer.step == 0 and trainer.total_steps > 0:  # a random head is no result: nothing is written
@@ -241,7 +241,8 @@ def train_head(
         "final_eval": final,
         "draft_vocab": len(head.draft_token_ids) if head.draft_token_ids is not None else None,  # as written (at most the vocabulary)
         "draft_vocab_from": "init_head" if kept_vocabulary is not None else "answers",
-        "phases": {name: round(seconds, 1) for name, seconds in clock.seconds.items()},
+        "phases": {name.removesuffix(suffix): round(seconds, 1) for name, seconds in clock.seconds.items()
+                   if name in ("answers", f"features{suffix}", f"training{suffix}")},  # this head's phases alone
     }
     write_report(paths.out, report)
     return report
