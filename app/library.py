@@ -19,6 +19,7 @@ from core.training.report import REPORT_FILE
 from models import bundled, catalog
 from models.base import QUANTIZATIONS
 from models.errors import KestrelError, OutOfMemoryError
+from models.paths import user_path
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,14 @@ def remembered_model(settings: dict) -> dict | None:
     return {"model": model, "head": head, "quantization": quantization, "dtype": dtype}
 
 
+def absolute(source: str | None) -> str | None:
+    """A local path as an absolute one (the next start may run from another
+    folder, as a desktop shortcut does); a repo id, or None, as it is."""
+    if source is None or not user_path(source).exists():
+        return source
+    return str(user_path(source).resolve())
+
+
 class LibraryHandlers:
     def __init__(self, runtime: Runtime, heads_dir: Path, device: str = "auto", compile: str = "auto",
                  remember: Callable[[dict], None] | None = None):  # fmt: skip
@@ -197,7 +206,7 @@ class LibraryHandlers:
         notice = LOADED
         if self.remember is not None:
             try:
-                self.remember({"model": model, "head": head, "quantization": quantization, "dtype": dtype})
+                self.remember({"model": absolute(model), "head": absolute(head), "quantization": quantization, "dtype": dtype})
             except OSError as error:
                 notice += f" (It could not be kept as the model for the next start: {error}.)"
         modes = engine.modes

@@ -796,6 +796,11 @@ def test_the_model_loaded_in_the_tab_is_the_next_start_s(engine, store, tmp_path
     monkeypatch.setattr(app.library, "load_pair", lambda *args: engine)
     library.load(" /models/mine ", "", None, "int8", "bfloat16")
     assert store.load_settings()[MODEL_SETTING] == {"model": "/models/mine", "head": None, "quantization": "int8", "dtype": "bfloat16"}
+    (tmp_path / "local").mkdir()
+    monkeypatch.chdir(tmp_path)
+    library.load("local", "", None, "auto", "auto")  # a local path kept absolute: the next start may run elsewhere
+    assert store.load_settings()[MODEL_SETTING]["model"] == str(tmp_path / "local")
+    library.load(" /models/mine ", "", None, "int8", "bfloat16")
     loads = []
 
     def load_pair(*args):
