@@ -61,8 +61,9 @@ def tree_nodes(high: int):
     return parse
 
 
-def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) -> None:
-    """decoding: the options of commands that decode (a draft head, compiled layers); train-head has neither."""
+def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) -> argparse._ArgumentGroup:
+    """decoding: the options of commands that decode (a draft head, compiled layers); train-head has neither.
+    Returns the group, for a command's own model options."""
     group = parser.add_argument_group("model")
     group.add_argument("--model", help="base model: Hugging Face repo id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     if decoding:
@@ -73,6 +74,7 @@ def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) ->
         group.add_argument("--compile", default="auto", choices=("auto", "on", "graphs", "off"), help="torch.compile the base model's decoder layers, or replay its passes as CUDA graphs: auto (default) = compiled on Linux CPUs with a C++ compiler (g++ or clang++), in float32 or bf16 (the first run compiles for about a minute, later runs read the cache in seconds), CUDA graphs on NVIDIA GPUs; on (compiled), graphs (on a CPU: the same static passes, uncaptured; for checking them), or off (eager)")
     group.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     group.add_argument("--threads", type=integer(1), help="CPU threads for torch (default: torch's choice)")
+    return group
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -154,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(train, decoding=False)  # --init-head starts from a head
     train.add_argument("--samples-per-prompt", type=integer(1), default=2, help="answers per prompt: the first greedy, the others sampled (default 2)")
     train.add_argument("--max-new-tokens", type=integer(1), default=256, help="longest answer in tokens (default 256)")
-    train.add_argument("--answer-temperature", type=number(0.0, 2.0, low_open=True), default=0.7, help="temperature of the sampled answers, above 0 (the first answer of each prompt is the greedy one; default 0.7)")
+    train.add_argument("--answer-temperature", type=number(0.0, 2.0, low_open=True), default=0.7, help="temperature of the sampled answers, above 0 and at most 2 (the first answer of each prompt is the greedy one; default 0.7)")
     train.add_argument("--answer-batch", type=integer(1), default=32, help="prompts per generate call (default 32)")
     train.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="prompts longer than this many tokens are skipped (default 512; raise it for long-prompts' files)")
     train.add_argument("--epochs", type=integer(1), default=2, help="passes over the training features (default 2)")
@@ -189,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--split", default="eval", choices=("eval", "train"), help="which shards to judge on (default eval: the held-out prompts)")
     judge.add_argument("--steps", type=integer(1), default=3, help="draft steps, each fed the head's own earlier output (default 3)")
     judge.add_argument("--json", dest="json_out", help="write the figures to this JSON file")
-    add_model_options(judge, decoding=False)  # judged on stored features: nothing decodes, nothing compiles
-    judge.add_argument("--head", help="a head folder or Hugging Face repo id to judge (default: the bundled head, for the bundled model)")
+    judged = add_model_options(judge, decoding=False)  # judged on stored features: nothing decodes, nothing compiles
+    judged.add_argument("--head", help="a head folder or Hugging Face repo id to judge (default: the bundled head, for the bundled model)")
     judge.add_argument("heads", nargs="*", metavar="HEAD", help="more head folders or Hugging Face repo ids")
 
     test = commands.add_parser("test", help="run the test suite (extra arguments go to pytest)")
@@ -289,12 +291,12 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # a port in use, a file that cannot be written
-        kept = "; the work done so far is kept: run the same command with --resume once that is fixed" if args.command == "train-head" else ""
-        print(f"error: {error}{kept}", file=sys.stderr)
+        hint = resume_hint(args)
+        print(f"error: {error}{f'; {hint} once that is fixed' if hint else ''}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        resume = " (its work is kept: run the same command with --resume to continue)" if args.command == "train-head" else ""
-        print(f"\ninterrupted{resume}", file=sys.stderr)
+        hint = resume_hint(args)
+        print(f"\ninterrupted{f' ({hint} to continue)' if hint else ''}", file=sys.stderr)
         return 130
     return 0
 
@@ -347,6 +349,30 @@ def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
     except OSError as error:
         raise ValueError(f"{option} {path}: cannot write there ({error.strerror or error})") from error
     return target
+
+
+def training_work(args) -> Path:
+    """train-head's work folder: --work, else OUT/work."""
+    return user_path(args.work) if args.work else user_path(args.out) / "work"
+
+
+def holds_a_run(work: Path) -> bool:
+    """Whether `work` holds an earlier train-head run for --resume to continue:
+    more than the record of its base model (a run refused once it had loaded
+    one leaves that alone)."""
+    from core.training.pipeline import BASE_FILE
+
+    try:
+        return work.is_dir() and any(entry.name != BASE_FILE for entry in work.iterdir())
+    except OSError:
+        return False
+
+
+def resume_hint(args) -> str:
+    """What a train-head run stopped by an error or Ctrl+C says about --resume: only where there is something to resume."""
+    if args.command != "train-head" or not holds_a_run(training_work(args)):
+        return ""
+    return "the work done so far is kept: run the same command with --resume"
 
 
 def recorded_quantization(work: Path, asked: str) -> str:
@@ -568,7 +594,7 @@ def run_train_head(args) -> int:
 
     from core.training.answers import AnswerParams
     from core.training.features import FeatureParams, FeaturesStopped
-    from core.training.pipeline import ANSWERS_FILE, BASE_FILE, Budget, RunPaths, TrainingStopped, train_head
+    from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, TrainingStopped, train_head
     from core.training.report import NOTES_FILE, REPORT_FILE
     from core.prompt import PromptFileError
     from core.training.answers import training_ids
@@ -582,10 +608,10 @@ def run_train_head(args) -> int:
         raise ValueError(f"--out {args.out}: is a file; name a folder for the head")
     if not training_ids(user_path(args.prompts)):  # every line checked before the model loads
         raise PromptFileError(f"{args.prompts}: no prompts")
-    work = user_path(args.work) if args.work else out / "work"
+    work = training_work(args)
     if work.exists() and not work.is_dir():
         raise ValueError(f"--work {work}: is a file; name a folder for the run's work")
-    earlier_run = work.is_dir() and any(entry.name != BASE_FILE for entry in work.iterdir())  # more than a model's record
+    earlier_run = holds_a_run(work)
     if earlier_run and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
 

@@ -16,8 +16,8 @@ from app.chat import mode_choices
 from app.runtime import Runtime
 from app.session import load_pair
 from core.training.report import REPORT_FILE
-from models import bundled, catalog
-from models.base import QUANTIZATIONS
+from models import catalog
+from models.base import DTYPES, QUANTIZATIONS
 from models.errors import KestrelError, OutOfMemoryError
 from models.paths import user_path
 
@@ -97,9 +97,9 @@ def same_base(trained_for: str, loaded: str) -> bool:
     if trained_for == loaded:
         return True
     try:
-        first, second = Path(str(trained_for)).expanduser(), Path(str(loaded)).expanduser()
+        first, second = user_path(str(trained_for)), user_path(str(loaded))
         return first.exists() and second.exists() and first.resolve() == second.resolve()
-    except (OSError, ValueError, RuntimeError):  # RuntimeError: a ~user that is no user here
+    except (OSError, ValueError, KestrelError):  # KestrelError: a ~user that is no user here
         return False
 
 
@@ -116,7 +116,6 @@ LOADED = "Loaded."  # the Models tab's notice after a load
 
 TRAINED_LABEL = "Heads you trained for this base"
 MODEL_SETTING = "model"  # in settings.json: the choice of the model last loaded in the Models tab, the next start's
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # the tab's dtype choices
 
 
 def remembered_model(settings: dict) -> dict | None:
@@ -130,9 +129,16 @@ def remembered_model(settings: dict) -> dict | None:
     quantization, dtype = choice.get("quantization", "auto"), choice.get("dtype", "auto")
     if not all(value is None or (isinstance(value, str) and value.strip()) for value in (model, head)):
         return None
-    if quantization not in QUANTIZATIONS or dtype not in DTYPES:
+    if quantization not in QUANTIZATIONS or dtype not in ("auto", *DTYPES):
         return None
     return {"model": model, "head": head, "quantization": quantization, "dtype": dtype}
+
+
+def prepared(engine):
+    """`engine` with its step costs read from the cache, or measured once for its model (a few seconds):
+    before it replaces the loaded one, so that a failure there keeps that one."""
+    engine.prepare_costs()
+    return engine
 
 
 def absolute(source: str | None) -> str | None:
@@ -188,17 +194,18 @@ class LibraryHandlers:
         """Outputs: status, notice, mode selector."""
         model, head = (model or "").strip() or None, (head or "").strip() or None
         loaded = self.runtime.engine
-        if trained and loaded is not None and not same_base(model or bundled.DEFAULT_NAME, loaded.base.name):
-            # the list is of heads for the loaded base; a head for it would draft badly for another, or not load
-            return self.status(), render.escape(
-                f"Loading failed: the head chosen under '{TRAINED_LABEL}' was made for {loaded.base.name}, not for "
-                f"{model or 'the bundled model'}; clear that choice, or the base model box. The previous model is still loaded."
-            ), gr.skip()  # fmt: skip
+        if trained and loaded is not None:  # the list is of heads for the loaded base: with an empty box, that base
+            model = model or loaded.base.name
+            if not same_base(model, loaded.base.name):  # a head for it would draft badly for another, or not load
+                return self.status(), render.escape(
+                    f"Loading failed: the head chosen under '{TRAINED_LABEL}' was made for {loaded.base.name}, not for "
+                    f"{model}; put {loaded.base.name} in the base model box, or clear that choice. The previous model is still loaded."
+                ), gr.skip()  # fmt: skip
         head = trained or head
         try:
             with self.runtime.queue.turn():  # after the requests already waiting, before later ones
-                engine = self.runtime.replace(lambda: load_pair(model, head, quantization, dtype, self.device, self.compile), model or "the bundled model")
-                engine.prepare_costs()  # read from the cache, or measured once for this model (a few seconds)
+                engine = self.runtime.replace(lambda: prepared(load_pair(model, head, quantization, dtype, self.device, self.compile)),
+                                              model or "the bundled model")  # fmt: skip
         except Exception as error:  # KestrelError and ValueError name what is wrong; any other is said as it is
             if not isinstance(error, (KestrelError, ValueError)):
                 log.exception("Loading a model in the Models tab failed")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -172,6 +173,7 @@ def chat_title(chat: dict) -> str:
 class Store:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
+        self.settings_lock = threading.Lock()  # the page's settings and the Models tab's choice are saved from other threads
 
     def load_settings(self) -> dict:
         return self._read(self.folder / SETTINGS_FILE) or {}
@@ -215,9 +217,10 @@ class Store:
         """The saved settings with `changes` made (the others kept as they
         are). A damaged settings file is set aside first; where it cannot be,
         nothing is saved (OSError) rather than the file replaced."""
-        if self.set_aside_damaged_settings() == SETTINGS_FILE:
-            raise OSError(f"{self.folder / SETTINGS_FILE} cannot be read and cannot be set aside, so it is left as it is")
-        self.save_settings({**self.load_settings(), **changes})
+        with self.settings_lock:  # read, changed and written as one: two at once would lose one's change
+            if self.set_aside_damaged_settings() == SETTINGS_FILE:
+                raise OSError(f"{self.folder / SETTINGS_FILE} cannot be read and cannot be set aside, so it is left as it is")
+            self.save_settings({**self.load_settings(), **changes})
 
     def chat_path(self, chat_id: str) -> Path:
         if not chat_id or "/" in chat_id or "\\" in chat_id or chat_id.startswith("."):

@@ -4,6 +4,7 @@ concurrency group, so requests queue instead of running at once."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import webbrowser
@@ -14,7 +15,7 @@ import gradio as gr
 from app import render
 from app.chat import MODE_LABELS, RANGES, ChatHandlers, chat_choices, default_settings, mode_choices
 from app.compare import CompareHandlers
-from app.library import DTYPES, MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, remembered_model
+from app.library import MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, remembered_model
 from app.runtime import Runtime
 from app.server import LOCALHOST, Access, Server, new_api_key
 from app.store import Store, data_dir
@@ -23,6 +24,8 @@ from core.engine import Engine
 from models import catalog
 from models.base import QUANTIZATIONS
 from models.errors import KestrelError
+
+log = logging.getLogger(__name__)
 
 MODEL = {"concurrency_limit": 1, "concurrency_id": "model"}  # every event that runs the model
 # Streams that show their own progress (text, statistics, a notice): Gradio's
@@ -165,7 +168,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 )  # fmt: skip
                 with gr.Row():
                     quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF where Kestrel's kernel is built, else int8 where it is faster")
-                    dtype = gr.Dropdown(list(DTYPES), value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
+                    dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16", "float64"], value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")
                     unload = gr.Button("Unload (free memory)")
@@ -278,9 +281,11 @@ def load_first(args, settings: dict, load_pair) -> Engine:
         try:
             return load_pair(choice["model"], choice["head"], choice["quantization"], choice["dtype"], args.device, args.compile)
         except Exception as error:  # whatever it is, it must not keep Kestrel from starting
+            if not isinstance(error, (KestrelError, ValueError)):
+                log.exception("Loading the model last loaded in the Models tab failed")
             said = error if isinstance(error, (KestrelError, ValueError)) else f"{type(error).__name__}: {error}"
-            print(f"It did not load ({said}); loading the bundled model instead.", flush=True)
-            return load_pair(None, None, "auto", "auto", args.device, args.compile)
+        print(f"It did not load ({said}); loading the bundled model instead (--model chooses another).", flush=True)
+        return load_pair(None, None, "auto", "auto", args.device, args.compile)  # once the failed load's memory is let go
     print(f"Loading {args.model}..." if args.model else "Loading the model (the first run prepares the bundled one)...", flush=True)
     return load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
 

@@ -6,6 +6,7 @@ where it is measured faster."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -205,13 +206,10 @@ def check_folder(path: Path) -> None:
 
 # Libraries' log lines that say nothing a user can act on: bitsandbytes' 8-bit product's cast,
 # on every product of every step (thousands of lines around one reply on a CPU), and a hub
-# kernel package that is not installed (Kestrel runs offline; bitsandbytes falls back by
-# itself); transformers' advice to load a GGUF in float32 for packed kernels that do not run
-# here (it dequantizes the GGUF into plain layers, which Kestrel re-packs for its int4 kernel)
+# kernel package that is not installed (Kestrel runs offline; bitsandbytes falls back by itself)
 LOG_NOISE = {  # logger -> the texts that together mark the line
     "bitsandbytes.autograd._functions": ("MatMul8bitLt: inputs will be cast",),
     "bitsandbytes.backends.cpu.ops": ("from kernels-community", "No module named 'kernels'"),
-    "transformers.quantizers.quantizer_gguf": ("Loading a GGUF checkpoint with its weights packed is fastest in float32",),
 }
 
 
@@ -236,7 +234,7 @@ def quantization_config(quantization: str, dtype: torch.dtype):
     """transformers' bitsandbytes config for 8bit/4bit; None otherwise."""
     if quantization in ("none", "int4", "int8"):
         return None
-    quiet_libraries()  # before bitsandbytes' import, which logs one of them
+    quiet_libraries()  # before the import, which logs one of them
     try:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
@@ -264,7 +262,6 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
 
     from models.hub import reachable
 
-    quiet_libraries()
     # sdpa honours the boolean 4D tree masks of speculative decoding
     options = {"dtype": dtype, "attn_implementation": "sdpa"}
     if gguf_file:
@@ -325,36 +322,45 @@ def check_complete(info: dict, name: str) -> None:
         )
 
 
-MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory", "paging file is too small")
+WINDOWS_MEMORY_ERRORS = (8, 1455)  # ERROR_NOT_ENOUGH_MEMORY, ERROR_COMMITMENT_LIMIT ("the paging file is too small")
 
 
 def out_of_memory(error: BaseException) -> bool:
-    """Whether `error` says memory ran out, in any of the ways torch, numpy and
-    the OS say it (MemoryError, torch's OutOfMemoryError, mmap's ENOMEM,
-    Windows' "not enough memory"), rather than that the files are damaged."""
-    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    text = str(error).lower()
-    return any(words in text for words in MEMORY_WORDS)
+    """Whether `error`, or one it was raised from, says memory ran out, in any
+    of the ways torch, numpy and the OS say it (MemoryError, torch's
+    OutOfMemoryError, ENOMEM, Windows' errors 8 and 1455), rather than that the
+    files are damaged."""
+    from models.hub import error_chain
+
+    for link in error_chain(error):
+        if isinstance(link, (MemoryError, torch.OutOfMemoryError)):
+            return True
+        if isinstance(link, OSError) and (link.errno == errno.ENOMEM or getattr(link, "winerror", None) in WINDOWS_MEMORY_ERRORS):
+            return True
+        if any(words in str(link).lower() for words in MEMORY_WORDS):
+            return True
+    return False
 
 
 def _explain(error: Exception, name: str, quantization: str) -> Exception:
     """Map the many ways loading fails onto Kestrel's errors."""
     from huggingface_hub import errors as hub
 
-    from models.hub import network_cause, unreachable_message
+    from models.hub import error_chain, network_cause, unreachable_message
 
     text = str(error)
     if out_of_memory(error):
         smaller = " or 4-bit weights" if quantization not in ("4bit", "int4") else ""
         return OutOfMemoryError(f"{name}: not enough memory to load the model; free some (close other programs) or choose a smaller model{smaller}")
+    chain = error_chain(error)  # transformers wraps the hub's errors in an OSError of its own
+    if any(isinstance(link, hub.GatedRepoError) for link in chain):
+        return NetworkError(f"{name}: this repo is gated; accept its licence on huggingface.co and log in (hf auth login)")
+    if any(isinstance(link, hub.RepositoryNotFoundError) for link in chain):
+        return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private)")
     cause = network_cause(error)
     if cause is not None:
         return NetworkError(unreachable_message(name, cause))
-    if isinstance(error, hub.GatedRepoError):
-        return NetworkError(f"{name}: this repo is gated; accept its licence on huggingface.co and log in (hf auth login)")
-    if isinstance(error, hub.RepositoryNotFoundError):
-        return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private)")
     if isinstance(error, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)) or "connect" in text.lower():
         return NetworkError(f"{name}: not in the local cache and the Hugging Face hub cannot be reached")
     gguf = str(name).lower().endswith(".gguf")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.errors import HeadFormatError, ModelNotFoundError, NetworkError, json_kind
+from models.errors import HeadFormatError, KestrelError, ModelNotFoundError, NetworkError, json_kind
 from models.paths import user_path
 
 CONFIG_FILE = "config.json"
@@ -416,40 +416,37 @@ def head_files(folder: Path) -> tuple[HeadConfig, Path]:
 
 
 def _full_model_keys(file: Path) -> bool:
-    """Whether a safetensors file holds a whole decoder's layers (model.layers.*),
-    read from its header alone: a base model given as the head."""
-    if file.suffix != ".safetensors":
-        return False
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt") as weights:
-            return any(key.startswith("model.layers.") for key in weights.keys())
-    except Exception:  # an unreadable file is reported by _read_weights
-        return False
+    """Whether a weights file holds a whole decoder's layers (model.layers.*):
+    a base model given as the head."""
+    keys = _weight_keys(file)
+    return keys is not None and any(key.startswith("model.layers.") for key in keys)
 
 
 def holds_a_head(folder: Path) -> bool:
     """Whether `folder` holds a draft head's weights (EAGLE-1/2's fc.weight and
-    layers.0.*, EAGLE-3's midlayer.*, without a decoder's model.layers.*), read
-    without loading them: a head given as the base model."""
-    for name in WEIGHT_FILES:
-        file = folder / name
-        if not file.is_file():
-            continue
-        try:
-            if file.suffix == ".safetensors":
-                from safetensors import safe_open
+    layers.0.*, EAGLE-3's midlayer.*, without a decoder's model.layers.*): a
+    head given as the base model."""
+    file = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
+    keys = _weight_keys(file) if file is not None else None
+    if keys is None:
+        return False
+    layered = any(key.startswith("model.layers.") for key in keys)
+    return not layered and ("fc.weight" in keys or any(key.startswith("midlayer.") for key in keys))
 
-                with safe_open(str(file), framework="pt") as weights:
-                    keys = list(weights.keys())
-            else:  # mapped, not read: the tensors' bytes stay on disk
-                keys = list(torch.load(file, map_location="meta", weights_only=True, mmap=True).keys())
-        except Exception:  # unreadable, or not a map: loading the model names what is wrong
-            return False
-        layered = any(key.startswith("model.layers.") for key in keys)
-        return not layered and ("fc.weight" in keys or any(key.startswith("midlayer.") for key in keys))
-    return False
+
+def _weight_keys(file: Path) -> list[str] | None:
+    """A weights file's keys, read without its tensors (a safetensors header;
+    a PyTorch file mapped, not read); None where it cannot be read that way
+    (loading it names what is wrong)."""
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as weights:
+                return list(weights.keys())
+        return list(torch.load(file, map_location="meta", weights_only=True, mmap=True).keys())
+    except Exception:
+        return None
 
 
 def _sharded_keys(index: Path) -> dict[str, str]:
@@ -537,6 +534,8 @@ def resolve_head_folder(source: str) -> Path:
         raise ModelNotFoundError(f"{source}: no such repo on the Hugging Face hub") from error
     except (hub.LocalEntryNotFoundError, OSError) as error:
         raise NetworkError(f"{source}: not in the local cache and the Hugging Face hub cannot be reached") from error
+    except KestrelError:  # said above already (a repo without config.json is no head)
+        raise
     except Exception as error:  # huggingface_hub lets a proxy's refusal through as the HTTP client's error
         cause = network_cause(error)
         if cause is None:

@@ -56,20 +56,34 @@ def _connects(host: str, port: int) -> bool:
 
 
 HTTP_CLIENTS = ("httpx", "httpx2", "requests", "urllib3")  # the packages whose errors mean the request itself failed
+ANSWERED = ("HTTPStatusError", "HTTPError")  # theirs for a status the server did send (404, 401, ...)
+
+
+def error_chain(error: BaseException) -> list[BaseException]:
+    """`error` and the errors it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def network_cause(error: BaseException) -> BaseException | None:
-    """The HTTP client's own error in `error`'s chain (a proxy that refuses, a
-    TLS failure, a dropped connection: huggingface_hub lets some through as
-    they are, and transformers wraps them in an OSError about local folders);
-    None where there is none."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if type(current).__module__.split(".")[0] in HTTP_CLIENTS:
-            return current
-        current = current.__cause__ or current.__context__
+    """The HTTP client's own error in `error`'s chain where the request itself
+    failed (a proxy that refuses, a TLS failure, a dropped connection:
+    huggingface_hub lets some through as they are, and transformers wraps them
+    in an OSError about local folders); None where there is none, and where the
+    hub answered (a repo not found, a gated one: huggingface_hub's own errors
+    name those)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    chain = error_chain(error)
+    if any(isinstance(link, HfHubHTTPError) for link in chain):
+        return None
+    for link in chain:
+        if type(link).__module__.split(".")[0] in HTTP_CLIENTS and type(link).__name__ not in ANSWERED:
+            return link
     return None
 
 

@@ -21,9 +21,10 @@ def user_path(text: str | Path) -> Path:
 def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
     """safetensors' save_file, whose own error (a full disk) names no file and
     is no OSError: an OSError naming `path` instead."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     try:
         save_file(tensors, str(path), metadata=metadata)
-    except Exception as error:
+    except (SafetensorError, OSError) as error:  # the file's writing, not the tensors (a ValueError names those)
         raise OSError(f"{path}: cannot be written ({error})") from error

@@ -435,7 +435,7 @@ def test_load_in_the_models_tab_sets_the_chat_mode(page, served, tiny_dir, data_
         page.get_by_text("Loaded.", exact=True).wait_for(timeout=120_000)
         page.locator("#model-status").get_by_text("without a draft head (vanilla only)").wait_for(timeout=10_000)
         kept = json.loads((data_dir / "settings.json").read_text())["model"]
-        assert kept == {"model": str(tiny_dir), "head": None, "quantization": "auto", "dtype": "auto"}
+        assert kept == {"model": str(tiny_dir.resolve()), "head": None, "quantization": "auto", "dtype": "auto"}
         page.get_by_role("tab", name="Chat").click()
         page.locator("#mode input[value=eagle2]").wait_for(state="detached", timeout=10_000)
         page.locator("#mode input[value=vanilla]:checked").wait_for(timeout=10_000)

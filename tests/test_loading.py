@@ -43,19 +43,6 @@ def test_bitsandbytes_on_a_cpu_does_not_log_at_every_product(tiny_dir, caplog):
     assert "another warning" in messages and not any("MatMul8bitLt" in message for message in messages)
 
 
-def test_transformers_advice_for_gguf_kernels_that_do_not_run_here_is_dropped(tiny_dir, caplog):
-    """Loading a GGUF in bf16 logged transformers' advice to load it in float32
-    for packed kernels, though it dequantizes the file into plain layers."""
-    import logging
-
-    load_base(str(tiny_dir), quantization="none", dtype="bfloat16")  # any load sets the filter up
-    logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
-    with caplog.at_level(logging.WARNING):
-        logger.warning("Loading a GGUF checkpoint with its weights packed is fastest in float32, and this one was asked for in torch.bfloat16.")
-        logger.warning("another warning")
-    assert [record.getMessage() for record in caplog.records] == ["another warning"]
-
-
 def test_bundled_default_loads_and_reuses_its_conversion():
     first = load_base(None)
     folder = bundled.converted_folder()
@@ -375,6 +362,17 @@ def test_a_bad_head_is_said_before_the_base_model_loads(tmp_path, monkeypatch, t
             session.load_pair(str(tiny_dir), str(head))
 
 
+def wrapped_memory_error() -> OSError:
+    """A MemoryError inside another library's error, as transformers wraps what loading raises."""
+    try:
+        try:
+            raise MemoryError()
+        except MemoryError as error:
+            raise OSError("Unable to load weights from the checkpoint file") from error
+    except OSError as wrapped:
+        return wrapped
+
+
 def test_running_out_of_memory_is_named_and_the_bundled_copy_kept(tmp_path, monkeypatch, tiny_dir):
     """Memory running out while the weights are read (mmap's ENOMEM, numpy's or
     Python's MemoryError, Windows' wording) is not a damaged file: it is named,
@@ -393,6 +391,8 @@ def test_running_out_of_memory_is_named_and_the_bundled_copy_kept(tmp_path, monk
         RuntimeError("unable to mmap 538090408 bytes from file <model.safetensors>: Cannot allocate memory (12)"),
         MemoryError(),
         RuntimeError("[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: you tried to allocate 3538944 bytes."),
+        OSError(22, "The paging file is too small for this operation to complete"),  # Windows' error 1455
+        wrapped_memory_error(),
     ):
 
         def from_pretrained(*args, **kwargs):
@@ -470,3 +470,41 @@ def test_bad_head_files_and_paths_are_named(tmp_path, monkeypatch, tiny_dir):
     from models.base import _explain
 
     assert isinstance(_explain(wrapped, "owner/model", "none"), NetworkError)
+
+
+def test_what_the_hub_answers_is_not_said_as_a_network_failure(monkeypatch):
+    """A repo the hub does not have, a gated one, a repo without a head's
+    config.json: the hub answered (its own errors, raised from the HTTP
+    client's status error), so each is named as such, not as a network to check."""
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub.utils import hf_raise_for_status
+
+    from models import hub
+    from models.base import _explain
+    from models.errors import HeadFormatError, NetworkError
+    from models.head import resolve_head_folder
+
+    def answered(status: int, code: str) -> Exception:
+        request = httpx2.Request("GET", "https://huggingface.co/api/models/owner/name")
+        try:
+            hf_raise_for_status(httpx2.Response(status, headers={"X-Error-Code": code, "X-Error-Message": "x"}, request=request))
+        except Exception as error:  # as transformers wraps it
+            try:
+                raise OSError("owner/name is not a local folder and is not a valid model identifier") from error
+            except OSError as wrapped:
+                return wrapped
+        raise AssertionError("no error raised")
+
+    missing = _explain(answered(404, "RepoNotFound"), "owner/name", "none")
+    assert isinstance(missing, ModelNotFoundError) and "no such repo on the Hugging Face hub" in str(missing)
+    gated = _explain(answered(401, "GatedRepo"), "owner/name", "none")
+    assert isinstance(gated, NetworkError) and "this repo is gated" in str(gated)
+
+    def no_config(*args, **kwargs):
+        raise answered(404, "EntryNotFound").__cause__
+
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_config)
+    with pytest.raises(HeadFormatError, match="owner/name: the repo has no config.json; not a draft head"):
+        resolve_head_folder("owner/name")

@@ -289,7 +289,7 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
     assert f"{dup}:2: has no id, and the one it would get (its line index from 0, '1') is the id of line 1" in capsys.readouterr().err
     assert (tmp_path / "mine" / "TRAINING.md").read_text() == "my notes"
     assert not (tmp_path / "new").exists() and not (old / "work").exists()  # a refused run leaves no folder behind
-    (tmp_path / "fresh" / "work").mkdir(parents=True)  # a run refused after the model loaded left only its record
+    (tmp_path / "fresh" / "work").mkdir(parents=True)  # only a model's record, as runs refused after loading it left before
     (tmp_path / "fresh" / "work" / "base-model.json").write_text("{}")
     with pytest.raises(AssertionError, match="the model must not load"):  # not "holds an earlier run": it goes on to load
         main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "fresh")])
@@ -704,7 +704,7 @@ def test_a_resume_keeps_the_quantization_its_answers_were_made_with(tmp_path, ca
     """auto is a probe of milliseconds that can decide otherwise from one run to
     the next: resuming (or judging) a work folder under auto loads the base
     model as its answers and features were made; a quantization asked for by
-    name is as asked (and refused if it differs, as before)."""
+    name is as asked (check_base_model refuses it where it differs)."""
     from app.cli import recorded_quantization
     from core.training.pipeline import BASE_FILE
 
@@ -789,3 +789,37 @@ def test_a_work_folder_serving_both_kinds_of_head_times_each_alone(tiny_base, pr
     assert {"features", "training", "features-eagle3", "training-eagle3"} <= set(clock)
     assert report["phases"] == {"answers": round(clock["answers"], 1), "features": round(clock["features-eagle3"], 1),
                                 "training": round(clock["training-eagle3"], 1)}  # fmt: skip
+
+
+def test_an_interrupted_run_points_to_resume_only_where_there_is_work(tmp_path, prompts_file, monkeypatch, capsys):
+    """Ctrl+C while the model loads leaves nothing to resume (--resume would be
+    refused); once answers are made, the same command with --resume goes on."""
+    from app.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("models.base.load_base", interrupted)
+    options = ["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "head")]
+    assert main(options) == 130
+    assert "--resume" not in capsys.readouterr().err
+    (tmp_path / "head" / "work" / "answers.jsonl").write_text("")  # as a run stopped in its answers leaves it
+    assert main([*options, "--resume"]) == 130
+    assert "interrupted (the work done so far is kept: run the same command with --resume to continue)" in capsys.readouterr().err
+
+
+def test_a_record_alone_does_not_hold_a_work_folder_to_another_model(tiny_base, tmp_path):
+    """A run refused once it had loaded a model left only that model's record:
+    a run with another model (the fix) takes the folder, where one with
+    answers or features is still refused."""
+    from core.training.pipeline import BASE_FILE, check_base_model, recorded_base
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / BASE_FILE).write_text(json.dumps({"name": "other", "quantization": "none", "sizes": [1], "embedding": "x"}))
+    check_base_model(work, tiny_base)
+    assert recorded_base(work)["name"] == tiny_base.name
+    (work / BASE_FILE).write_text(json.dumps({"name": "other", "quantization": "none", "sizes": [1], "embedding": "x"}))
+    (work / "answers.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"came from another base model \(other\)"):
+        check_base_model(work, tiny_base)

@@ -820,7 +820,7 @@ def test_the_model_loaded_in_the_tab_is_the_next_start_s(engine, store, tmp_path
     loads.clear()
     load_first(start, {MODEL_SETTING: {"model": "/models/gone"}}, load_pair)
     assert [args[0] for args in loads] == ["/models/gone", None]
-    assert "It did not load (/models/gone: no such file or folder); loading the bundled model instead." in capsys.readouterr().out
+    assert "It did not load (/models/gone: no such file or folder); loading the bundled model instead (--model chooses another)." in capsys.readouterr().out
     for kept in ({"model": 3}, {"model": "x", "dtype": "half"}, "x", {"model": " "}):  # edited by hand: not a choice
         loads.clear()
         load_first(start, {MODEL_SETTING: kept}, load_pair)
@@ -853,9 +853,11 @@ def test_a_failed_load_says_what_failed_and_what_is_loaded(engine, store, tmp_pa
     loads = []
     monkeypatch.setattr(app.library, "load_pair", lambda *args: loads.append(args[:2]) or engine)
     _, notice, _ = library.load(str(tmp_path / "another-base"), "", str(tmp_path / "heads" / "mine"), "auto", "auto")
-    assert f"was made for {engine.base.name}, not for {tmp_path / 'another-base'}; clear that choice" in notice and loads == []
+    assert f"was made for {engine.base.name}, not for {tmp_path / 'another-base'}; put {engine.base.name} in the base model box" in notice
+    assert loads == []
     library.load(engine.base.name, "typed", str(tmp_path / "heads" / "mine"), "auto", "auto")
-    assert loads == [(engine.base.name, str(tmp_path / "heads" / "mine"))]  # the same base: the chosen head wins
+    library.load("", "", str(tmp_path / "heads" / "mine"), "auto", "auto")  # the box left empty: the loaded base
+    assert loads == [(engine.base.name, str(tmp_path / "heads" / "mine"))] * 2  # the same base: the chosen head wins
 
 
 def test_a_model_loaded_in_the_tab_replaces_the_mode_it_wanted(engine, store, tmp_path, monkeypatch):

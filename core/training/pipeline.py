@@ -139,6 +139,8 @@ def check_base_model(work: Path, base) -> None:
     bfloat16 load of the same weights is the same model), not by how it was
     named; a work folder from before this record gets it now."""
     recorded = recorded_base(work)
+    if recorded is not None and all(entry.name == BASE_FILE for entry in work.iterdir()):
+        recorded = None  # the record alone (a run refused after it loaded its model): no answers or features to keep apart
     if recorded is None:
         work.mkdir(parents=True, exist_ok=True)
         (work / BASE_FILE).write_text(json.dumps(base_identity(base), indent=2) + "\n", encoding="utf-8")
@@ -179,7 +181,7 @@ def train_head(
     if train_params.init_head:  # the shapes now, not after hours of answers and features
         initial_weights(Path(train_params.init_head), new_head(head_config_for(base.model.config), 0))
         kept_vocabulary = initial_draft_ids(Path(train_params.init_head), draft_vocab)
-    prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)  # first: a refusal leaves no work folder
+    prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)  # first: a refusal leaves no record
     check_base_model(paths.work, base)
     clock = PhaseClock(paths.work / PHASES_FILE)
     if not any(is_held_out(prompt.id, feature_params.eval_fraction) for prompt in prompts):
@@ -219,7 +221,8 @@ def train_head(
         trainer.run(budget.train_deadline, progress)
         if trainer.step == 0 and trainer.total_steps > 0:  # a random head is no result: nothing is written
             raise TrainingStopped("before the first training step")
-    head = trainer.head.eval()
+    head, training = trainer.head.eval(), trainer.summary()
+    del trainer  # its copies of the embedding and lm_head go before the judging below makes its own
     if third:
         eagle3.save(head, paths.out)
     else:
@@ -230,14 +233,15 @@ def train_head(
         save_head(head, paths.out)
     # the head as written, judged as eval-heads judges it (float32; its draft tokens against the base model's
     # greedy token over the whole vocabulary): training's own figures count its training vocabulary alone
-    final = drafted_accuracy(base, head, shards["eval"], train_params.unroll_steps, train_params.batch_tokens)
+    with clock.phase(f"training{suffix}"):
+        final = drafted_accuracy(base, head, shards["eval"], train_params.unroll_steps, train_params.batch_tokens)
     report = {
         "base_model": base.name,
         "arch": train_params.arch,
         "data": {**data_summary(paths, prompts, answers, shards, answer_params, feature_params),
                  "planned_answers": len(plan), "unanswered": len(plan - {(a.id, a.sample) for a in answers}),
                  "features_kept": taken},
-        "training": trainer.summary(),
+        "training": training,
         "final_eval": final,
         "draft_vocab": len(head.draft_token_ids) if head.draft_token_ids is not None else None,  # as written (at most the vocabulary)
         "draft_vocab_from": "init_head" if kept_vocabulary is not None else "answers",

@@ -494,7 +494,9 @@ class Trainer:
         partial = self.folder / (CHECKPOINT + ".partial")
         try:
             torch.save(state, partial)
-        except (OSError, RuntimeError) as error:  # torch's own (a full disk) names no file
+        except (OSError, RuntimeError) as error:  # torch's own for a full disk names no file
+            if isinstance(error, RuntimeError) and "write" not in str(error).lower():  # not the file's writing
+                raise
             partial.unlink(missing_ok=True)
             raise OSError(f"{partial}: cannot be written ({getattr(error, 'strerror', None) or error})") from error
         partial.replace(self.folder / CHECKPOINT)  # over the last checkpoint (rename refuses that on Windows)
