@@ -356,20 +356,10 @@ def training_work(args) -> Path:
     return user_path(args.work) if args.work else user_path(args.out) / "work"
 
 
-def holds_a_run(work: Path) -> bool:
-    """Whether `work` holds an earlier train-head run for --resume to continue:
-    more than the record of its base model (a run refused once it had loaded
-    one leaves that alone)."""
-    from core.training.pipeline import BASE_FILE
-
-    try:
-        return work.is_dir() and any(entry.name != BASE_FILE for entry in work.iterdir())
-    except OSError:
-        return False
-
-
 def resume_hint(args) -> str:
     """What a train-head run stopped by an error or Ctrl+C says about --resume: only where there is something to resume."""
+    from core.training.pipeline import holds_a_run
+
     if args.command != "train-head" or not holds_a_run(training_work(args)):
         return ""
     return "the work done so far is kept: run the same command with --resume"
@@ -397,8 +387,7 @@ def earlier_arch(out: Path) -> str | None:
 
     from core.training.report import REPORT_FILE
     from models import eagle3
-    from models.errors import KestrelError
-    from models.head import read_checkpoint
+    from models.head import head_keys
 
     try:
         arch = json.loads((out / REPORT_FILE).read_text(encoding="utf-8")).get("arch")
@@ -406,11 +395,10 @@ def earlier_arch(out: Path) -> str | None:
         arch = None
     if isinstance(arch, str):
         return arch
-    try:
-        _, state, _ = read_checkpoint(out)
-    except (OSError, ValueError, KestrelError):  # no head there, or one that does not read
+    keys = head_keys(out)
+    if keys is None:  # no head there, or one that does not read
         return None
-    return "eagle3" if eagle3.is_eagle3(state) else "eagle2"
+    return "eagle3" if eagle3.MARKER in keys else "eagle2"
 
 
 def check_initial_head(path: str, arch: str) -> None:
@@ -594,7 +582,7 @@ def run_train_head(args) -> int:
 
     from core.training.answers import AnswerParams
     from core.training.features import FeatureParams, FeaturesStopped
-    from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, TrainingStopped, train_head
+    from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, TrainingStopped, holds_a_run, train_head
     from core.training.report import NOTES_FILE, REPORT_FILE
     from core.prompt import PromptFileError
     from core.training.answers import training_ids
@@ -614,7 +602,6 @@ def run_train_head(args) -> int:
     earlier_run = holds_a_run(work)
     if earlier_run and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
-
     # what the run writes into --out: an earlier run's (resumed) or someone's own files are not replaced unasked
     holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES, REPORT_FILE, NOTES_FILE))
     if args.init_head:

@@ -144,9 +144,14 @@ def prepared(engine):
 def absolute(source: str | None) -> str | None:
     """A local path as an absolute one (the next start may run from another
     folder, as a desktop shortcut does); a repo id, or None, as it is."""
-    if source is None or not user_path(source).exists():
-        return source
-    return str(user_path(source).resolve())
+    path = user_path(source) if source is not None else None
+    return str(path.resolve()) if path is not None and path.exists() else source
+
+
+def error_text(error: Exception) -> str:
+    """A failed load as the user reads it: Kestrel's errors (and bad values) name what is wrong
+    themselves; any other is said with its kind."""
+    return str(error) if isinstance(error, (KestrelError, ValueError)) else f"{type(error).__name__}: {error}"
 
 
 class LibraryHandlers:
@@ -222,7 +227,7 @@ class LibraryHandlers:
 
     def failed(self, error: Exception) -> str:
         """The notice of a load that failed: what went wrong, and which model is loaded now."""
-        text = str(error) if isinstance(error, (KestrelError, ValueError)) else f"{type(error).__name__}: {error}"
+        text = error_text(error)
         text = text if text.endswith((".", "?", "!")) else f"{text}."
         kept = "The previous model is still loaded." if self.runtime.engine is not None else "No model is loaded."
         if isinstance(error, OutOfMemoryError) and self.runtime.engine is not None:

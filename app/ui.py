@@ -15,7 +15,7 @@ import gradio as gr
 from app import render
 from app.chat import MODE_LABELS, RANGES, ChatHandlers, chat_choices, default_settings, mode_choices
 from app.compare import CompareHandlers
-from app.library import MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, remembered_model
+from app.library import MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, error_text, remembered_model
 from app.runtime import Runtime
 from app.server import LOCALHOST, Access, Server, new_api_key
 from app.store import Store, data_dir
@@ -283,7 +283,7 @@ def load_first(args, settings: dict, load_pair) -> Engine:
         except Exception as error:  # whatever it is, it must not keep Kestrel from starting
             if not isinstance(error, (KestrelError, ValueError)):
                 log.exception("Loading the model last loaded in the Models tab failed")
-            said = error if isinstance(error, (KestrelError, ValueError)) else f"{type(error).__name__}: {error}"
+            said = error_text(error)
         print(f"It did not load ({said}); loading the bundled model instead (--model chooses another).", flush=True)
         return load_pair(None, None, "auto", "auto", args.device, args.compile)  # once the failed load's memory is let go
     print(f"Loading {args.model}..." if args.model else "Loading the model (the first run prepares the bundled one)...", flush=True)

@@ -338,7 +338,8 @@ def out_of_memory(error: BaseException) -> bool:
             return True
         if isinstance(link, OSError) and (link.errno == errno.ENOMEM or getattr(link, "winerror", None) in WINDOWS_MEMORY_ERRORS):
             return True
-        if any(words in str(link).lower() for words in MEMORY_WORDS):
+        text = str(link).lower()
+        if any(words in text for words in MEMORY_WORDS):
             return True
     return False
 

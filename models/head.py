@@ -434,6 +434,15 @@ def holds_a_head(folder: Path) -> bool:
     return not layered and ("fc.weight" in keys or any(key.startswith("midlayer.") for key in keys))
 
 
+def head_keys(folder: Path) -> list[str] | None:
+    """A head folder's weight keys, read without its tensors; None where it holds no readable head."""
+    try:
+        _, file = head_files(folder)
+        return list(_sharded_keys(file)) if file.name.endswith(".index.json") else _weight_keys(file)
+    except (OSError, KestrelError):
+        return None
+
+
 def _weight_keys(file: Path) -> list[str] | None:
     """A weights file's keys, read without its tensors (a safetensors header;
     a PyTorch file mapped, not read); None where it cannot be read that way

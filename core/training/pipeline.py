@@ -131,6 +131,16 @@ def recorded_base_problem(work: Path, base, recorded: dict | None = None) -> str
     return None
 
 
+def holds_a_run(work: Path) -> bool:
+    """Whether `work` holds an earlier run's work for --resume to continue:
+    more than the record of its base model (a run refused once it had loaded
+    one leaves that alone)."""
+    try:
+        return work.is_dir() and any(entry.name != BASE_FILE for entry in work.iterdir())
+    except OSError:
+        return False
+
+
 def check_base_model(work: Path, base) -> None:
     """Refuse to resume a work folder whose answers and features another base
     model made (or the same one quantized otherwise): they would be mixed
@@ -139,7 +149,7 @@ def check_base_model(work: Path, base) -> None:
     bfloat16 load of the same weights is the same model), not by how it was
     named; a work folder from before this record gets it now."""
     recorded = recorded_base(work)
-    if recorded is not None and all(entry.name == BASE_FILE for entry in work.iterdir()):
+    if recorded is not None and not holds_a_run(work):
         recorded = None  # the record alone (a run refused after it loaded its model): no answers or features to keep apart
     if recorded is None:
         work.mkdir(parents=True, exist_ok=True)
