@@ -33,6 +33,8 @@ ERROR_TYPES = {
     405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
     503: "service_unavailable_error",
 }  # fmt: skip
+# seconds a client should wait before sending again (Retry-After), where waiting helps
+RETRY_AFTER = {"queue_full": 1, "model_loading": 5, "model_changed": 1}
 log = logging.getLogger("kestrel")
 
 
@@ -48,7 +50,9 @@ class ApiError(Exception):
     def response(self) -> Response:
         """JSON with non-ASCII characters escaped: a message may quote the
         request's own text, which can hold what UTF-8 cannot encode."""
-        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json")
+        retry = RETRY_AFTER.get(self.code)
+        headers = {"Retry-After": str(retry)} if retry is not None else None
+        return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json", headers=headers)
 
 
 class StopScanner:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 from pathlib import Path
 
+from core.config import SEEDS
 from models.paths import user_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +85,7 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
     group.add_argument("--top-p", type=number(0.0, 1.0), default=1.0, help="nucleus sampling mass (default 1.0 = off; 0 keeps the most likely token)")
     group.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely tokens (default 0 = off)")
     group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
-    group.add_argument("--seed", type=integer(0), help="random seed for sampling (default: for a sampled reply, one drawn each run, and shown)")
+    group.add_argument("--seed", type=integer(*SEEDS), help="random seed for sampling, a 64-bit integer (default, or -1: for a sampled reply, one drawn each run, and shown)")
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:
@@ -93,8 +95,8 @@ def add_tree_options(parser: argparse.ArgumentParser) -> None:
     depth, top_k, lookup, branches = (integer(*TREE_LIMITS[field]) for field in ("depth", "top_k", "lookup_tokens", "context_branches"))
     total = tree_nodes(TREE_LIMITS["total_tokens"][1])
     group = parser.add_argument_group("draft tree (EAGLE-2)")
-    group.add_argument("--total-tokens", type=total, default=defaults.total_tokens, help=f"tree nodes verified per step, 2 to {TREE_LIMITS['total_tokens'][1]}; 0 = sized every step from this device's measured costs (default 0)")
-    group.add_argument("--depth", type=depth, default=defaults.depth, help=f"deepest draft (default {defaults.depth})")
+    group.add_argument("--total-tokens", type=total, default=defaults.total_tokens, help=f"tree nodes the head drafts per step, 2 to {TREE_LIMITS['total_tokens'][1]} (branches copied from the context come on top; --lookup-tokens 0 for none); 0 = sized every step from this device's measured costs (default 0)")
+    group.add_argument("--depth", type=depth, default=defaults.depth, help=f"deepest draft of the head (a copied branch may reach deeper; default {defaults.depth})")
     group.add_argument("--tree-top-k", type=top_k, default=defaults.top_k, help=f"children per expanded node (default {defaults.top_k})")
     group.add_argument("--min-path-prob", type=number(0.0, 0.999), default=defaults.min_path_prob, help=f"stop deepening the tree when its best path is less likely than this, 0 = never (default {defaults.min_path_prob})")
     group.add_argument("--lookup-tokens", type=lookup, default=defaults.lookup_tokens, help=f"longest tree branch copied from the context after a repeated n-gram, 0 = off (default {defaults.lookup_tokens})")
@@ -170,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--answer-share", type=number(0.0, 1.0), default=0.4, help="share of the time budget for generating answers (default 0.4)")
     train.add_argument("--init-head", help="start from this head folder's weights (continue training it or fine-tune it on new prompts)")
     train.add_argument("--resume", action="store_true", help="continue from the caches in the work folder")
-    train.add_argument("--seed", type=integer(0), default=0, help="seed of sampling, noise, init and batch order (default 0)")
+    train.add_argument("--seed", type=integer(0, SEEDS[1]), default=0, help="seed of sampling, noise, init and batch order (default 0)")
 
     long = commands.add_parser("long-prompts", help="write long-document training prompts (summaries, questions over passages) made from the model's own answers")
     long.add_argument("--prompts", required=True, help="JSONL prompt file whose answers become the documents' passages")
@@ -184,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     long.add_argument("--max-new-tokens", type=integer(1), default=256, help="longest passage (answer) in tokens (default 256)")
     long.add_argument("--min-passage-tokens", type=integer(1), default=40, help="shorter answers make no passage (default 40)")
     long.add_argument("--answer-batch", type=integer(1), default=32, help="prompts per generate call (default 32)")
-    long.add_argument("--seed", type=integer(0), default=0, help="seed of the passages' choice and the templates (default 0)")
+    long.add_argument("--seed", type=integer(0, SEEDS[1]), default=0, help="seed of the passages' choice and the templates (default 0)")
 
     judge = commands.add_parser("eval-heads", help="held-out top-1 of draft heads (any kind) on the same stored features")
     judge.add_argument("--features", required=True, help="a features folder of train-head (WORK/features-eagle3 serves every kind of head)")
@@ -290,6 +292,9 @@ def main(argv: list[str]) -> int:
     except ValueError as error:  # bad option values and prompt files, named by their messages
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout went away (`chat ... | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush finds no pipe either
+        return 1
     except OSError as error:  # a port in use, a file that cannot be written
         hint = resume_hint(args)
         print(f"error: {error}{f'; {hint} once that is fixed' if hint else ''}", file=sys.stderr)
@@ -474,7 +479,8 @@ def load_engine(args, with_head: bool = True):
 def sampling_from(args):
     from core.config import SamplingParams
 
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
+    seed = None if args.seed == -1 else args.seed  # -1 draws one, as in the API
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, seed)
     return sampling.seeded()  # drawn here, so that the output can name it
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.config import MODES, TREE_LIMITS, SamplingParams, TreeParams
+from core.config import MODES, SEEDS, TREE_LIMITS, SamplingParams, TreeParams
 
 MAX_MESSAGES = 1024  # messages in one chat request
-MAX_STOPS = 4  # stop strings, as OpenAI allows
+MAX_STOPS = 32  # stop strings: OpenAI allows 4, but front-ends made for local servers send more (an instruct template's and the user's own)
 MAX_STOP_CHARS = 256  # characters in one stop string
-MAX_SEED = 2**63 - 1
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Fields that would change the output and that Kestrel cannot honour: refused
 # by name rather than dropped. Each maps to the value that is harmless. OpenAI's
@@ -91,13 +90,13 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
         raise RequestError(
             f"kestrel.{unknown[0]} is not a Kestrel setting; known: {', '.join(sorted(KESTREL_FIELDS))}", f"kestrel.{unknown[0]}"
         )
-    max_tokens = _max_tokens(body) or default_max_tokens
+    max_tokens = _max_tokens(body, default_max_tokens)
     top_k_source = kestrel if "top_k" in kestrel else body
     top_k_name = "kestrel.top_k" if "top_k" in kestrel else "top_k"
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # as OpenAI's: 0 keeps the most likely token alone
-        top_k=_integer(top_k_source, "top_k", 0, 0, 1_000_000, top_k_name),
+        top_k=max(0, _integer(top_k_source, "top_k", 0, -1, 1_000_000, top_k_name)),  # -1: off, as vLLM takes it
         max_new_tokens=max_tokens or 1,
         seed=_seed(body),
     )
@@ -192,18 +191,23 @@ def _prompt(value) -> str | list[int]:
 def _seed(body: dict) -> int | None:
     """OpenAI's seed is any 64-bit integer; -1, which SillyTavern and text-generation-webui
     send by default, means a fresh seed as no seed does."""
-    seed = _integer(body, "seed", None, -MAX_SEED - 1, MAX_SEED)
+    seed = _integer(body, "seed", None, *SEEDS)
     return None if seed == -1 else seed
 
 
-def _max_tokens(body: dict) -> int | None:
-    new = _integer(body, "max_completion_tokens", None, 1, 1 << 30)
-    old = _integer(body, "max_tokens", None, 1, 1 << 30)
+def _max_tokens(body: dict, default: int | None) -> int | None:
+    """The reply's limit, `default` when none is sent; -1, which some front-ends
+    send for "no limit", is none (up to the context window)."""
+    new, old = (_integer(body, name, None, -1, 1 << 30) for name in ("max_completion_tokens", "max_tokens"))
+    for name, value in (("max_completion_tokens", new), ("max_tokens", old)):
+        if value == 0:
+            raise RequestError(f"{name} must be -1 (no limit) or an integer from 1 to {1 << 30}, got 0", name)
     if new is not None and old is not None and new != old:
         raise RequestError(
             f"max_tokens ({old}) and max_completion_tokens ({new}) disagree; send one of them", "max_completion_tokens"
         )
-    return new if new is not None else old
+    limit = new if new is not None else old
+    return default if limit is None else None if limit == -1 else limit
 
 
 def _tree(kestrel: dict) -> TreeParams:

@@ -65,7 +65,7 @@ class ModelQueue:
         with self._condition:
             if len(self._waiting) >= self.max_waiting:
                 raise ModelBusyError(
-                    f"the model is busy: {len(self._waiting)} requests are already waiting "
+                    f"the model is busy: {len(self._waiting)} {'request is' if len(self._waiting) == 1 else 'requests are'} already waiting "
                     f"(at most {self.max_waiting}); try again shortly"
                 )
             ticket = object()

@@ -113,10 +113,13 @@ class Guard:
         it asks to send are allowed as asked: clients add their own (the official
         JavaScript SDK sends X-Stainless-* on every request), and the origin is
         already trusted."""
-        names = [name.strip() for name in requested.split(",") if HEADER_NAME.fullmatch(name.strip())]
+        names = {name.lower(): name for name in ["Authorization", "Content-Type"]}  # header names are case-insensitive
+        for name in requested.split(","):
+            if HEADER_NAME.fullmatch(name.strip()):
+                names.setdefault(name.strip().lower(), name.strip())
         return Response(status_code=204, headers={
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": ", ".join(dict.fromkeys(["Authorization", "Content-Type", *names])),
+            "Access-Control-Allow-Headers": ", ".join(names.values()),
             "Access-Control-Max-Age": "600", "Vary": "Access-Control-Request-Headers",
         })  # fmt: skip
 

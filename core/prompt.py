@@ -187,7 +187,10 @@ def load_prompts(path: str | Path, limit: int | None = None, per_source: int | N
         if prompt_id in lines:
             raise PromptFileError(f"{path}:{index + 1}: id {prompt_id!r} is already the id of line {lines[prompt_id]}")
         lines[prompt_id] = index + 1
-        follow_ups = tuple(turn for turn in turns[1:] if isinstance(turn, str) and turn.strip())
+        for number, turn in enumerate(turns[1:], 2):  # skipped, a bad turn would move the later ones into its place
+            if not (isinstance(turn, str) and turn.strip()):
+                raise PromptFileError(f"{path}:{index + 1}: turn {number} is {'empty' if isinstance(turn, str) else 'not text'}")
+        follow_ups = tuple(turns[1:])
         prompts.append(BenchPrompt(prompt_id, turns[0], source, follow_ups))
     if not prompts:
         raise PromptFileError(f"{path}: no prompts")

@@ -262,7 +262,9 @@ def test_seeded_sampling_repeats(client, engine):
         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
         ({"extra_body": {"repeat_penalty": 1.8}}, "repeat_penalty"),
         ({"extra_body": {"max_new_tokens": 5}}, "max_new_tokens"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [f"w{n}" for n in range(33)]}, "stop"),  # 32 taken: front-ends for local servers send more than OpenAI's 4
+        ({"extra_body": {"top_k": -2}}, "top_k"),
+        ({"max_tokens": -2}, "max_tokens"),
         ({"seed": 2**63}, "seed"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
@@ -302,6 +304,23 @@ def test_prompt_longer_than_the_context_is_400_with_both_lengths(client, engine)
 def test_max_tokens_is_clipped_to_the_context_and_says_so(client, engine):
     reply = chat(client, engine.base.name, max_tokens=100_000, stop=["w0"])
     assert reply.model_dump()["kestrel"]["max_tokens_clipped"]["requested"] == 100_000
+
+
+def test_values_other_servers_take_for_off_mean_off(client, engine):
+    """max_tokens -1 (no limit, to LM Studio's clients) is the context window's,
+    with no clipping notice, for completions too (whose default is 16); top_k -1
+    (vLLM's off) keeps every token; more than 4 stop strings are taken."""
+    whole = chat(client, engine.base.name, max_tokens=None)
+    unlimited = chat(client, engine.base.name, max_tokens=-1)
+    assert unlimited.choices[0].message.content == whole.choices[0].message.content and whole.usage.completion_tokens > 30
+    assert "kestrel" not in unlimited.model_dump() or not unlimited.model_dump()["kestrel"].get("max_tokens_clipped")
+    raw = [client.completions.create(model=engine.base.name, prompt="w5 w6 w1 w2", max_tokens=limit, temperature=0) for limit in (-1, 10**5)]
+    assert raw[0].choices[0].text == raw[1].choices[0].text and raw[0].usage.completion_tokens > 16
+    sampled = [chat(client, engine.base.name, temperature=1.0, seed=3, extra_body={"top_k": k}).choices[0].message.content for k in (0, -1)]
+    assert sampled[0] == sampled[1]
+    stops = [f"zz{n}" for n in range(19)] + [whole.choices[0].message.content.split()[3]]  # the last one meets the reply
+    cut = chat(client, engine.base.name, max_tokens=None, stop=stops)
+    assert cut.choices[0].finish_reason == "stop" and len(cut.choices[0].message.content) < len(whole.choices[0].message.content)
 
 
 def test_a_stop_token_ends_with_stop_and_the_context_window_with_length(client, engine, monkeypatch):
@@ -346,6 +365,7 @@ def test_no_model_is_503(tmp_path_factory):
         with pytest.raises(openai.InternalServerError) as error:
             chat(client, "anything")
         assert error.value.status_code == 503 and "no model is loaded" in error.value.message
+        assert "retry-after" not in error.value.response.headers  # waiting does not load one
         assert httpx.get(f"{server.url}health").status_code == 503
     finally:
         server.close()
@@ -356,7 +376,7 @@ def test_a_model_loading_is_503_then_served(server, client, engine):
     try:
         with pytest.raises(openai.InternalServerError) as error:
             chat(client, engine.base.name)
-        assert error.value.status_code == 503 and error.value.code == "model_loading"
+        assert error.value.status_code == 503 and error.value.code == "model_loading" and error.value.response.headers["retry-after"] == "5"
         assert httpx.get(f"{server.url}health").json()["status"] == "loading"
     finally:
         server.runtime.loading = None
@@ -406,8 +426,8 @@ def test_allowed_origin_gets_cors_headers(engine, tmp_path_factory):
             preflight = connection.options(url, headers={**site, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked})
             assert preflight.status_code == 204 and preflight.content == b""
             assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
-            allowed = {name.strip().lower() for name in preflight.headers["access-control-allow-headers"].split(",")}
-            assert {"authorization", "content-type", "x-stainless-os", "x-stainless-retry-count"} <= allowed
+            allowed = [name.strip().lower() for name in preflight.headers["access-control-allow-headers"].split(",")]
+            assert sorted(allowed) == ["authorization", "content-type", "x-stainless-os", "x-stainless-retry-count"]  # each once
             ok = connection.get(url, headers={**site, "Authorization": "Bearer key-1", "X-Stainless-OS": "Linux"})
             assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:3000"
             refused = connection.get(url, headers=site)
@@ -474,6 +494,7 @@ def test_full_queue_is_429(engine, tmp_path_factory, paced):
             assert httpx.get(f"{server.url}health").json()["queue"]["waiting"] == 2
             refused = httpx.post(f"{server.url}v1/chat/completions", json={**body, "stream": False}, timeout=60)
             assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            assert refused.headers["retry-after"] == "1" and "2 requests are already waiting" in refused.json()["error"]["message"]
             paced(0.0)
             for response in streams:
                 assert response.read().decode().endswith("data: [DONE]\n\n")

@@ -30,8 +30,12 @@ def test_load_prompts_reads_turns_ids_and_sources(tmp_path):
 
 @pytest.mark.parametrize(
     "content, message",
-    [("{bad", r"p\.jsonl:1: not valid JSON"), ('{"id": "x"}', r"p\.jsonl:1: needs a 'turns' list"), ("\n", "no prompts")],
-)
+    [
+        ("{bad", r"p\.jsonl:1: not valid JSON"), ('{"id": "x"}', r"p\.jsonl:1: needs a 'turns' list"), ("\n", "no prompts"),
+        ('{"turns": ["w1"]}\n{"turns": ["w1", 5, "w2"]}', r"p\.jsonl:2: turn 2 is not text"),  # not skipped: "w2" would be turn 2
+        ('{"turns": ["w1", "w2", " "]}', r"p\.jsonl:1: turn 3 is empty"),
+    ],
+)  # fmt: skip
 def test_bad_prompt_files_name_the_line(tmp_path, content, message):
     path = tmp_path / "p.jsonl"
     path.write_text(content)

@@ -199,6 +199,8 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
          "mode llama.cpp is measured greedy only"),
         (["eval-heads", "--features", str(tmp_path / "features"), "--compile", "on"], "unrecognized arguments: --compile"),  # nothing compiles there
         (["chat", "hi", "--temperature", "nan"], "--temperature: must be a number"),
+        (["bench", "--prompts", str(prompts), "--seed", str(2**63)], f"--seed: must be from {-(2**63)} to {2**63 - 1}"),  # as the API takes
+        (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--seed", "-1"], "--seed: must be from 0 to"),
         (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
         (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),
         (["ui", "--listen", "--auth", "user:secret"], "needs a page password and an API key: add --api-key auto (or drop"),
@@ -268,6 +270,24 @@ def test_chat_reads_the_prompt_from_stdin_and_names_the_seed_it_drew(tiny_dir, c
     seed = int(sampled.split(", seed ")[1].split(",")[0])
     again = cli_reply(cli, ["chat", "w1 w2", *options, "--temperature", "1", "--seed", str(seed)], capsys)
     assert reply(again) == reply(sampled) and f"seed {seed}, finished" in again
+    drawn = cli_reply(cli, ["chat", "w1 w2", *options, "--temperature", "1", "--seed", "-1"], capsys)
+    assert ", seed -1," not in drawn and int(drawn.split(", seed ")[1].split(",")[0]) >= 0  # -1 draws one, as in the API
+
+
+def test_chat_into_a_closed_pipe_ends_quietly(tiny_dir):
+    """`chat ... | head`: the reader goes away, and chat ends with no error
+    line and no traceback (exit 1, as Python advises for a broken pipe)."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout now fails with EPIPE
+    try:
+        options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "6"]
+        result = subprocess.run([sys.executable, str(ROOT / "launch.py"), "chat", "w1 w2", *options], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1 and "Broken pipe" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_chat_in_vanilla_mode_loads_no_head(tiny_dir, capsys, monkeypatch):
