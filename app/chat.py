@@ -326,12 +326,14 @@ def cut_short_text(chat: dict, busy: bool = False) -> str:
     """A notice for a chat whose last reply a crash or a killed server cut short,
     or whose last message has no reply (the page was closed or reloaded, or
     Kestrel stopped, before the reply's first token; `busy`: it is on its way)."""
+    if busy:  # its reply is on its way (written now, from this tab or another): it is not cut short
+        return ""
     stats = last_reply_stats(chat)
     last = chat["messages"][-1]["role"] if chat["messages"] else None
     if last == "assistant" and stats and stats.get("finish_reason") == "interrupted":
         return ("The last reply was cut short: Kestrel stopped while writing it. Regenerate writes it again "
                 "(the cut one is kept: Earlier reply shows it).")  # fmt: skip
-    if last == "user" and not busy:
+    if last == "user":
         return "The last message has no reply: it was interrupted before its first token. Regenerate writes one."
     return ""
 
@@ -465,7 +467,7 @@ class ChatHandlers:
             chat.pop(TAKEN_BACK, None)  # a copy: nothing of it is saved yet
             notes.append(FORKED_TEXT)
             self.forked.add(chat["id"])  # the reply's own notice says it again
-        if self.runtime.queue.waiting or self.replying:
+        if self.runtime.queue.busy or self.replying:  # another reply, a comparison, the benchmark or an API request
             notes.append("Waiting for the model...")
         self.runtime.cancel_event(chat["id"]).clear()
         self.sent[chat["id"]] = getattr(request, "session_hash", None)
@@ -878,6 +880,8 @@ class ChatHandlers:
         Outputs: the files, notice."""
         if not chat or not chat["messages"]:
             return gr.skip(), notice_html("There is nothing to export yet: send a message first.")
+        if self._busy(chat):  # the files would lack the reply being written
+            return gr.skip(), busy_notice()
         try:
             if self.exports is None or not Path(self.exports.name).is_dir():  # a temp cleaner may remove it while the app runs
                 self.exports = tempfile.TemporaryDirectory(prefix="kestrel-export-")
@@ -888,6 +892,18 @@ class ChatHandlers:
         except OSError as error:  # a full or read-only temporary folder: the chat itself stays saved
             return gr.skip(), notice_html(f"The chat could not be exported ({error}); it is still saved.")
         return [str(markdown), str(data)], ""
+
+    def exports_of(self, files: list[str] | None, chat: dict | None):
+        """The exported files listed while the chat they hold is shown; none once another is."""
+        if files and (not chat or not all(Path(file).name.startswith(f"chat-{chat['id']}.") for file in files)):
+            return None
+        return gr.skip()
+
+    def listed(self, chat: dict | None):
+        """The saved chats' list, with the chat shown ticked where it is saved (Delete and Export act on it)."""
+        choices = chat_choices(self.store)
+        shown = chat["id"] if chat and any(chat_id == chat["id"] for _, chat_id in choices) else None
+        return gr.update(choices=choices, value=shown)
 
     def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
         """The chat shown with or without colours; while its reply is written, that reply's
@@ -916,6 +932,13 @@ class ChatHandlers:
             if name in settings and render.is_number(settings[name]):
                 low, high = RANGES[name]
                 settings[name] = min(max(settings[name], low), high)
+        if settings.get("seed") in (None, ""):
+            settings["seed"] = -1  # an empty box: a random seed, as a message sent with it gets
+        for name in ("top_k", "seed"):  # a value a message would refuse is not kept for the next load
+            try:
+                _number(settings, name, int)
+            except (KeyError, ValueError):
+                settings.pop(name, None)
         return settings
 
     def _opened(self, chat_id: str | None) -> None:

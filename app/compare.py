@@ -154,8 +154,8 @@ class CompareHandlers:
 
     def arm_benchmark(self, request: gr.Request = None) -> tuple:
         """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice."""
-        self._armed(request, "benchmark")
-        return None, None, None, "Waiting for the model..."
+        self._armed(request, "benchmark")  # its progress bar shows over the table once it runs
+        return None, None, None, "Waiting for the model..." if self.runtime.queue.busy else ""
 
     def _armed(self, request, kind: str) -> None:
         key = compare_key(request)

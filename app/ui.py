@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import render
-from app.chat import MODE_LABELS, RANGES, ChatHandlers, chat_choices, default_settings, mode_choices
+from app.chat import MODE_LABELS, RANGES, ChatHandlers, default_settings, mode_choices
 from app.compare import CompareHandlers
 from app.library import MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, error_text, remembered_model
 from app.runtime import Runtime
@@ -88,7 +88,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                         )  # fmt: skip
                         rate_plot = gr.LinePlot(
                             render.rate_frame([]), x="seconds", y="tokens/s", title="Tokens/s over the reply", height=170,
-                            x_axis_format=".1f", y_axis_format=".0f", elem_id="rate-plot",
+                            x_axis_format="~g", y_axis_format=".0f", elem_id="rate-plot",
                         )  # fmt: skip
                         calibration_plot = gr.LinePlot(
                             render.calibration_frame([]), x="draft confidence", y="accepted", color="series",
@@ -107,7 +107,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                             max_new_tokens = gr.Slider(*RANGES["max_new_tokens"], defaults["max_new_tokens"], step=1, label="Max new tokens")
                             seed = gr.Number(defaults["seed"], label="Seed (-1 = random)")
                             total_tokens = gr.Slider(*RANGES["total_tokens"], tree.total_tokens, step=1, label="Tree: tokens verified per step",
-                                                     info="0 = sized every step from this device's measured costs")  # fmt: skip
+                                                     info="0 = sized every step from this device's measured costs; "
+                                                          "else the head's drafted tokens, and text copied from the chat comes on top")  # fmt: skip
                             depth = gr.Slider(*RANGES["depth"], tree.depth, step=1, label="Tree: depth (the most the head drafts, when sized automatically; text copied from the chat may go deeper)")
                             tree_top_k = gr.Slider(*RANGES["tree_top_k"], tree.top_k, step=1, label="Tree: top-k per node")
                             for box in (temperature, top_p, top_k, max_new_tokens, seed, total_tokens, depth, tree_top_k):
@@ -175,7 +176,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 load_notice = gr.HTML()
 
         chat_outputs = [message, chatbot, chat_state, notice, stats, depth_plot, rate_plot, calibration_plot]
-        refresh = {"fn": lambda: gr.update(choices=chat_choices(store)), "outputs": chats, "show_progress": "hidden"}
+        refresh = {"fn": chat.listed, "inputs": chat_state, "outputs": chats, "show_progress": "hidden"}
         # the sent message, on its way from accept to send: a hidden box rather than a State, so
         # that the page's /send endpoint (gradio_client) still takes the message as its first input
         pending = gr.Textbox(visible=False)
@@ -204,16 +205,22 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         chatbot.clear(None, None, confirmed, js=ask_clear, api_name=False).then(
             chat.clear, [chat_state, confirmed, colour], [chatbot, chat_state, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         ).then(**refresh)
-        new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden")
+        # the exported files stay listed only while their chat is shown
+        exports_shown = {"fn": chat.exports_of, "inputs": [exported, chat_state], "outputs": exported, "show_progress": "hidden"}
+        new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden").then(
+            **exports_shown
+        )
         chats.input(
             chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden"
-        )
+        ).then(**exports_shown)
         delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(
             chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice], show_progress="hidden"
-        )
+        ).then(**exports_shown)
         export.click(chat.export, chat_state, [exported, notice], show_progress="hidden")
         colour.change(chat.recolour, [chat_state, colour], chatbot, show_progress="hidden")
-        gr.on([control.input for control in controls] + [system.blur], chat.remember, [system, *controls], notice, show_progress="hidden")
+        # saved as typed (the last value too: always_last), not only when the box loses the focus, which a reload never gives
+        gr.on([control.input for control in controls] + [system.input, system.blur], chat.remember, [system, *controls], notice,
+              show_progress="hidden", trigger_mode="always_last")  # fmt: skip
 
         # Compare and the benchmark release the tab's Stop at the click (arm), not when their turn
         # comes: a Stop pressed while they wait for the model then applies
@@ -225,7 +232,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         with_eagle.change(lambda on: gr.update(visible=on), with_eagle, eagle_column)
         bench_outputs = [bench_table, bench_chart, bench_json, bench_notice]
         run_bench.click(compare.arm_benchmark, None, bench_outputs, concurrency_limit=None, show_progress="hidden", api_name=False).then(
-            compare.benchmark, [upload, limit, *controls], bench_outputs, **MODEL
+            compare.benchmark, [upload, limit, *controls], bench_outputs, show_progress_on=bench_table, **MODEL
         )  # fmt: skip
 
         wanted_mode = gr.State(None)  # the mode this tab's user picked (or saved), given back when a model has it again

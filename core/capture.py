@@ -1,8 +1,9 @@
 """Capturing the base model's intermediate hidden states for EAGLE-3 heads.
 
 An EAGLE-3 head reads three hidden states of the residual stream: the inputs
-of chosen decoder layers (transformers' `output_hidden_states[i]` is the input
-of layer i; i = L, past the last layer, is the input of the final norm).
+of chosen decoder layers (for i < L, transformers' `output_hidden_states[i]`
+is the input of layer i; i = L, past the last layer, is the input of the final
+norm, where transformers' `output_hidden_states[L]` is its output).
 Forward pre-hooks on the unmodified transformers model keep a reference to
 those three inputs during one forward, so nothing else is stored and no layer
 runs twice; the hooks are removed when the forward ends."""

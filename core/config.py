@@ -58,7 +58,7 @@ class TreeParams:
     total, depth 5-6, top_k 10)."""
 
     total_tokens: int = 0  # nodes verified per step, the root included (EAGLE-2 reranking budget); 0 = sized by the planner
-    depth: int = 8  # most draft expansions per step: the longest path the tree can hold
+    depth: int = 8  # most draft expansions of the head per step (branches copied from the context may go deeper)
     top_k: int = 6  # children per expanded node, and nodes expanded per depth
     min_path_prob: float = 0.0  # stop deepening once the best frontier path's draft probability is below this; 0 = never
     lookup_tokens: int = 16  # longest branch copied from the context after a repeated n-gram; 0 = off

@@ -28,7 +28,7 @@ from core.sampling import FLOAT32_TEMPERATURE, Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree
 from core.tree_check import rows_differing, tree_problem
-from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logits_of, next_logits, verify_tree
+from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logit_form, logits_of, next_logits, verify_tree
 from models import int4, int8
 from models.base import LoadedModel
 from models.bundled import cache_root
@@ -488,8 +488,11 @@ class _Run:
         self.noise = Noise(seed, vocabulary, self.device)
         # sampling over the whole vocabulary from the screened lm_head (verify.NodeGumbel); a
         # temperature so small that logits / temperature leave float32's range takes the full product
-        whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary
-        self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and sampling.temperature >= FLOAT32_TEMPERATURE
+        # the screen reads the lm_head alone: a scale the model puts on its logits goes into the temperature, a softcap cannot
+        scale, softcap = logit_form(self.model.config)
+        self.screen_temperature = sampling.temperature / scale
+        whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary and softcap is None
+        self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and self.screen_temperature >= FLOAT32_TEMPERATURE
         # prompt tokens per prefill forward; one forward where a sliding window's cache
         # keeps fewer keys than an explicit mask over the whole prompt would cover
         self.chunk = len(prompt_ids) if kv_cache.has_sliding_window(self.model.config) else PREFILL_CHUNK
@@ -542,7 +545,7 @@ class _Run:
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]
         elif self.screened_sampling:
-            self.root = self.engine.argmax.sample(features[-1:], [self.noise.at(total)], self.sampling.temperature)[0]
+            self.root = self.engine.argmax.sample(features[-1:], [self.noise.at(total)], self.screen_temperature)[0]
         else:
             logits = logits_of(self.model, features[-1:])[0]
             self.root = sample(probabilities(logits, self.sampling), self.noise.at(total))
@@ -580,10 +583,10 @@ class _Run:
         if self.sampling.greedy:
             path, bonus = accept(tree, NodeArgmax(self.engine.argmax, features, tree))
         elif self.screened_sampling:
-            choice = NodeGumbel(self.engine.argmax, features, tree, self.sampling.temperature, self.noise, self.committed)
+            choice = NodeGumbel(self.engine.argmax, features, tree, self.screen_temperature, self.noise, self.committed)
             path, bonus = accept(tree, choice)
         else:
-            logits = NodeLogits(self.model, features, tree)
+            logits = NodeLogits(self.model, features, tree, self.engine.argmax.row_by_row)
             path, bonus = accept(tree, NodeSample(logits, tree, self.sampling, self.noise, self.committed))
         kv_cache.commit(self.cache, self.committed, path)
         if self.drafter is not None:

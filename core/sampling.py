@@ -7,6 +7,7 @@ distribution, and with one seed the same reply."""
 
 from __future__ import annotations
 
+import numpy
 import torch
 
 from core.config import SamplingParams
@@ -88,26 +89,19 @@ class Noise:
 
     def at(self, position: int) -> torch.Tensor:
         """(V,) float64 Gumbel noise for the token at `position` (0 = the prompt's first)."""
-        generator = torch.Generator().manual_seed(stream_key(self.seed, position))
-        uniform = torch.rand(self.vocabulary, generator=generator, dtype=torch.float64)
-        return (-torch.log(-torch.log(uniform))).to(self.device)
+        uniform = numpy.random.Generator(numpy.random.Philox(key=noise_key(self.seed, position))).random(self.vocabulary)
+        return (-torch.log(-torch.log(torch.from_numpy(uniform)))).to(self.device)
 
 
-def stream_key(seed: int, position: int) -> int:
-    """The 32-bit seed of position `position`'s noise: torch's CPU generator
-    (Mersenne Twister) keeps only the low 32 bits of its seed, so any 64-bit
-    seed and the position are mixed into 32 bits that depend on all their bits
-    (splitmix64's finalizer, twice): seeds 2^32 apart give unrelated noise,
-    and a seed's noise is not another seed's shifted by some positions."""
-    mixed = _mix64(_mix64(seed % (1 << 64)) + position)
-    return (mixed ^ (mixed >> 32)) & 0xFFFFFFFF
-
-
-def _mix64(value: int) -> int:
-    value = (value + 0x9E3779B97F4A7C15) % (1 << 64)
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) % (1 << 64)
-    return value ^ (value >> 31)
+def noise_key(seed: int, position: int) -> int:
+    """The key of position `position`'s noise: all 64 bits of the seed and the
+    position, as the low and high words of a 128-bit Philox key (an integer:
+    numpy reads a list of large integers through float64). Philox is counter-based, a
+    different stream for every key, so no two positions of a reply share
+    noise (a 32-bit seed, as torch's CPU generator keeps, made two positions
+    of a long reply share it: about once in eight replies of 32k tokens), and
+    no seed's noise is another's shifted by some positions."""
+    return position << 64 | seed % (1 << 64)
 
 
 def sample(probs: torch.Tensor, gumbel: torch.Tensor) -> int:

@@ -44,8 +44,32 @@ def next_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def logits_of(model, features: torch.Tensor) -> torch.Tensor:
-    """features (T, H) -> logits (T, V) through the base model's lm_head."""
-    return model.get_output_embeddings()(features)
+    """features (T, H) -> logits (T, V): the base model's lm_head, then what
+    its CausalLM class does to that output (logit_form)."""
+    logits = model.get_output_embeddings()(features)
+    scale, softcap = logit_form(model.config)
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def logit_form(config) -> tuple[float, float | None]:
+    """(scale, softcap): the logits a CausalLM returns are softcap *
+    tanh(scale * lm_head(h) / softcap), or scale * lm_head(h) without a
+    softcap, as transformers' classes make them: Granite divides by
+    `logits_scaling`, Cohere multiplies by `logit_scale`, Falcon-H1 by
+    `lm_head_multiplier`, Gemma 2 and 3 cap with `final_logit_softcapping`.
+    Sampling draws from these logits; the greedy token is the raw product's
+    (both are monotone), so the greedy screen reads the lm_head alone."""
+    scale = 1.0
+    for name, power in (("logits_scaling", -1), ("logit_scale", 1), ("lm_head_multiplier", 1)):
+        value = getattr(config, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            scale *= float(value) ** power
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return scale, float(softcap) if isinstance(softcap, int | float) and not isinstance(softcap, bool) and softcap > 0 else None
 
 
 class NodeLogits:
@@ -54,9 +78,11 @@ class NodeLogits:
     drafted nodes are leaves that are never accepted, so this saves most of
     the lm_head work of a step."""
 
-    def __init__(self, model, features: torch.Tensor, tree: DraftTree):
+    def __init__(self, model, features: torch.Tensor, tree: DraftTree, row_by_row: bool = False):
+        """row_by_row: each node's own product, as a one-token step takes it (an
+        exact engine whose lm_head is not row-invariant: ScreenedArgmax.row_by_row)."""
         self.model, self.features = model, features
-        internal = tree.internal()
+        internal = [] if row_by_row else tree.internal()
         self.rows = dict(zip(internal, logits_of(model, features[internal]))) if internal else {}
 
     def __getitem__(self, node: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from models.errors import HeadFormatError
-from models.head import CONFIG_FILE, MLP, Attention, HeadCache, HeadConfig, RMSNorm, check_keys, save_head
+from models.head import CONFIG_FILE, MLP, Attention, HeadCache, HeadConfig, RMSNorm, check_d2t, check_keys, save_head
 
 log = logging.getLogger("kestrel")
 
@@ -43,7 +43,9 @@ def default_layer_ids(layers: int) -> tuple[int, ...]:
 def configured_layer_ids(config: HeadConfig) -> tuple[int, ...] | None:
     """`eagle_aux_hidden_state_layer_ids` from config.json, at top level or in
     `eagle_config`. Read as vLLM does: id i is the input of decoder layer i,
-    which is transformers' `output_hidden_states[i]`."""
+    which for i < L is transformers' `output_hidden_states[i]`; id L is the
+    final norm's input (transformers' `output_hidden_states[L]` comes after
+    that norm)."""
     extra = config.extra
     ids = extra.get("eagle_aux_hidden_state_layer_ids")
     if ids is None and isinstance(extra.get("eagle_config"), dict):
@@ -209,9 +211,7 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) 
     target = target_hidden_size(config)
     shapes = expected_shapes(config, target, fc_norms="fc_norm.0.weight" in state)
     check_keys(state, shapes, config, file, " in an EAGLE-3 head")
-    target_ids = torch.arange(config.draft_vocab_size) + state["d2t"].long()
-    if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size:
-        raise HeadFormatError(f"{file}: d2t maps draft ids outside the vocabulary of {config.vocab_size} tokens")
+    check_d2t(state, config, file)
 
 
 def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_layers: int) -> Eagle3Head:

@@ -324,6 +324,15 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) 
             "Kestrel reads EAGLE-3 heads in the published layout, whose layer is midlayer.* (rename the keys to load it)"
         )
     check_keys(state, expected_shapes(config), config, file, "; not an EAGLE-1/2 head?")
+    if "d2t" in state:
+        check_d2t(state, config, file)
+
+
+def check_d2t(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) -> None:
+    """Every draft id maps into the base model's vocabulary (target id = draft id + d2t[draft id])."""
+    target_ids = torch.arange(len(state["d2t"])) + state["d2t"].long()
+    if len(target_ids) and (int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size):
+        raise HeadFormatError(f"{file}: d2t maps draft ids outside the vocabulary of {config.vocab_size} tokens")
 
 
 def check_keys(state: dict[str, torch.Tensor], shapes: dict, config: HeadConfig, file: Path, unexpected: str) -> None:

@@ -313,6 +313,17 @@ def test_export_downloads_markdown_and_json(page):
         bodies[href.rsplit(".", 1)[-1]] = response.text()
     assert "**User:**\n\n> w4 w5" in bodies["md"]
     assert [message["content"] for message in json.loads(bodies["json"])["messages"]][0] == "w4 w5"
+    assert page.locator("#chats input").input_value().startswith("w4 w5")  # the chat shown is the one ticked in Saved chats
+    page.locator("#new-chat").click()  # another chat shown: the exported files of this one are no longer listed
+    page.wait_for_function("document.querySelectorAll('#exported a[href]').length === 0", timeout=15_000)
+    page.locator("#system textarea").press_sequentially("w9 w8")  # typed, never left: kept by a reload all the same
+    page.wait_for_timeout(1500)
+    page.reload()
+    page.locator("#system textarea").wait_for()
+    page.wait_for_function("document.querySelector('#system textarea').value === 'w9 w8'", timeout=15_000)
+    page.locator("#system textarea").fill("")  # the next tests' chats have no system prompt (saved as the box is left)
+    page.locator("#message textarea").click()
+    page.wait_for_timeout(1500)
 
 
 def test_compare_shows_both_panes_and_verdict(page):

@@ -168,6 +168,13 @@ def test_reduced_draft_vocabulary_round_trip_and_decoding(tmp_path, tiny_base):
         drafted = [t for s in engine.stream(prompt, mode="eagle2", sampling=params, tree=TreeParams(10, 3, 3)) for t in s.token_ids]
         reference = [t for s in plain.stream(prompt, mode="vanilla", sampling=params) for t in s.token_ids]
         assert drafted == reference
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    state["d2t"][-1] = head.config.vocab_size  # the last draft id mapped past the vocabulary: named at load, not at drafting
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(HeadFormatError, match=f"model.safetensors: d2t maps draft ids outside the vocabulary of {head.config.vocab_size}"):
+        load_head(folder, head.config.hidden_size, head.config.vocab_size)
     drafter_tokens = set()
     from core.drafter import Drafter
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from core.config import SamplingParams
-from core.sampling import Noise, probabilities, sample, stream_key
+from core.sampling import Noise, noise_key, probabilities, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
 
@@ -101,16 +101,17 @@ def test_seed_reproduces_samples_position_by_position():
 
 
 def test_every_bit_of_the_seed_counts():
-    """torch's CPU generator keeps only 32 bits of its seed: seeds 2^32 apart (and
-    the extremes of the 64-bit range) still draw unrelated noise, and no seed's
-    noise is another's shifted by a position."""
+    """Seeds 2^32 apart (and the extremes of the 64-bit range) draw unrelated
+    noise, no seed's noise is another's shifted by a position, and no two
+    (seed, position) pairs share a key."""
     seeds = [7, 7 + 2**32, 7 + 5 * 2**32, 0, 2**32, -(2**63), 2**63 - 3, -3]
     noises = [Noise(seed, 50).at(10) for seed in seeds]
     for i in range(len(seeds)):
         for j in range(i):
             assert not torch.equal(noises[i], noises[j]), (seeds[i], seeds[j])
-    keys = {stream_key(seed, position) for seed in range(64) for position in range(64)}
-    assert len(keys) == 64 * 64  # all distinct (among 4,096 random 32-bit keys a collision has a 0.2% chance)
+    assert noise_key(-3, 5) == 5 * 2**64 + 2**64 - 3 and noise_key(2**63 - 3, 5) != noise_key(-3, 5)
+    # positions 21,017 and 26,259 of seed 0 shared a 32-bit key once; a key holds the whole position now
+    assert not torch.equal(Noise(0, 50).at(21_017), Noise(0, 50).at(26_259))
 
 
 def test_invalid_params_are_named():
@@ -147,3 +148,46 @@ def test_a_filter_that_keeps_one_token_is_greedy():
     decoding takes, not a draw among tokens that the lm_head's rounded logits tie."""
     assert SamplingParams(temperature=1.0, top_k=1).greedy and SamplingParams(temperature=0.7, top_p=0).greedy
     assert not SamplingParams(temperature=1.0, top_k=2).greedy and not SamplingParams(temperature=1.0, top_p=1e-9).greedy
+
+
+@pytest.mark.parametrize(
+    "architecture, setting",
+    [("granite", {"logits_scaling": 4.0}), ("cohere", {"logit_scale": 0.25}), ("gemma3", {"final_logit_softcapping": 1.5})],
+)
+def test_sampling_draws_from_the_logits_the_model_returns(tmp_path, architecture, setting):
+    """Granite divides its lm_head's output, Cohere multiplies it, Gemma 3
+    can cap it: Kestrel's logits are the ones the model returns, and a seeded
+    sample (from the lm_head screen, top_p 1, or the full product, top_p 0.9)
+    is the Gumbel argmax of the model's own distribution."""
+    from transformers import AutoModelForCausalLM, CohereConfig, Gemma3TextConfig, GraniteConfig
+
+    from core.engine import Engine
+    from core.kv_cache import new_cache
+    from core.verify import base_forward, logits_of
+    from models.base import load_base
+    from tests.factory import tiny_config, tiny_tokenizer
+
+    shape = {key: getattr(tiny_config(), key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")}  # fmt: skip
+    config = {"granite": GraniteConfig, "cohere": CohereConfig, "gemma3": Gemma3TextConfig}[architecture](
+        **shape, tie_word_embeddings=False, **setting
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # logits of a few units: the scale and the cap change the draws
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    base = load_base(str(tmp_path), dtype="float64")
+    engine, prompt = Engine(base), [5, 6, 7, 8]
+    ids = torch.tensor([prompt])
+    returned = base.model(ids).logits[0, -1]
+    features = base_forward(base.model, ids[0], torch.arange(len(prompt)), None, new_cache(base.model))
+    assert torch.allclose(logits_of(base.model, features[-1:])[0], returned, rtol=1e-12, atol=1e-12)
+    for top_p in (1.0, 0.9):
+        params = SamplingParams(temperature=0.8, top_p=top_p, max_new_tokens=1)
+        wanted = probabilities(returned, params)
+        for seed in range(30):
+            steps = list(engine.stream(prompt, "vanilla", SamplingParams(0.8, top_p, 0, 1, seed)))
+            assert steps[0].token_ids[0] == sample(wanted, Noise(seed, len(returned), returned.device).at(len(prompt))), (top_p, seed)

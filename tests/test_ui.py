@@ -285,6 +285,16 @@ def test_a_setting_typed_out_of_range_or_emptied_is_named_and_the_message_kept(h
         assert restored == min(max(typed, RANGES[name][0]), RANGES[name][1]) != default_settings()[name]
     else:
         assert restored == default_settings()[name]
+    if name not in SLIDERS:  # not saved: the next load does not call it not valid
+        assert "not valid" not in handlers.restore()[-1]
+
+
+def test_an_empty_seed_box_is_saved_as_random(handlers, store):
+    """An emptied Seed box sends with a random seed, and is kept as -1 (random), not as a setting not valid."""
+    final = list(handlers.send("w1", new_chat(), "", *values(seed=None, temperature=1.0, max_new_tokens=4)))[-1]
+    assert "enter" not in final[3]
+    handlers.remember("", *values(seed=None))
+    assert store.load_settings()["seed"] == -1 and "not valid" not in handlers.restore()[-1]
 
 
 def test_clear_and_delete_refuse_a_chat_another_tab_has_extended(handlers, engine, store):
@@ -639,7 +649,7 @@ def test_stop_pressed_while_a_comparison_waits_for_the_model_applies(engine):
     assert verdict == "Stopping..." and is_skip(bench_notice)  # said at once, not when the turn would come
     updates = list(compare.compare("w4 w5", False, tab("mine"), *values(max_new_tokens=200)))
     assert updates[-1][3] == "Stopped." and not any(update[0] for update in updates)  # not even the first token
-    assert compare.arm_benchmark(tab("mine")) == (None, None, None, "Waiting for the model...")
+    assert compare.arm_benchmark(tab("mine")) == (None, None, None, "")  # the model is free: its progress bar says the rest
     assert compare.stop(tab("mine"))[1] == "Stopping..."
     assert compare.benchmark(None, 1, tab("mine"), *values(max_new_tokens=8), progress=no_progress) == (
         None, None, None, "Stopped before the benchmark started."
@@ -710,6 +720,15 @@ def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypa
     assert notice.startswith("prompt long: ") and "context window is 256" in notice
 
 
+def test_a_message_sent_while_the_model_runs_something_else_says_it_waits(handlers):
+    """A comparison, the benchmark or an API request holds the model (running,
+    not waiting): a message sent meanwhile says that it waits for the model."""
+    with handlers.runtime.queue.turn():
+        notice = handlers.accept("w1", new_chat(), True)[-1]
+    assert "Waiting for the model" in notice
+    assert "Waiting for the model" not in handlers.accept("w1", new_chat(), True)[-1]
+
+
 def test_export_markdown_and_json(handlers):
     chat = list(handlers.send("w1", new_chat(), "w2", *values(max_new_tokens=4)))[-1][2]
     (markdown, data), notice = handlers.export(chat)
@@ -726,6 +745,15 @@ def test_export_markdown_and_json(handlers):
     assert json.loads(open(data).read())["messages"] == chat["messages"]
     files, notice = handlers.export(new_chat())  # nothing to export: said, not silent
     assert files == gr.skip() and "nothing to export yet" in notice
+    assert handlers.exports_of([markdown, data], chat) == gr.skip() and handlers.exports_of([markdown, data], other) is None
+    assert handlers.exports_of([markdown, data], None) is None and handlers.exports_of(None, other) == gr.skip()
+    listed = handlers.listed(other)  # the chat shown is ticked in Saved chats; a new one, not saved, is not
+    assert listed["value"] == other["id"] and other["id"] in [chat_id for _, chat_id in listed["choices"]]
+    assert handlers.listed(new_chat())["value"] is None
+    handlers.replying[chat["id"]] = True  # its next reply on its way: the files would lack it
+    files, notice = handlers.export(chat)
+    assert files == gr.skip() and "A reply is being written" in notice
+    del handlers.replying[chat["id"]]
     assert "no message to edit yet" in handlers.edit_last(new_chat(), True)[3]
     Path(markdown).unlink()
     Path(markdown).mkdir()  # a file that cannot be written: named, no traceback
@@ -1463,6 +1491,9 @@ def test_a_reply_cut_short_by_a_crash_is_said_when_its_chat_opens(handlers, stor
             "stats": {"tokens": 1, "finish_reason": "interrupted"}}]}  # fmt: skip
     store.save_chat(chat)
     assert "cut short" in handlers.open(chat["id"], new_chat(), True)[-1] and "cut short" in handlers.restore()[-1]
+    handlers.replying[chat["id"]] = True  # its reply, saved as it is written, is on its way (in another tab)
+    assert "cut short" not in handlers.open(chat["id"], new_chat(), True)[-1] and "cut short" not in handlers.restore()[-1]
+    del handlers.replying[chat["id"]]
     chat["messages"][-1]["stats"]["finish_reason"] = "length"
     store.save_chat(chat)
     assert "cut short" not in handlers.open(chat["id"], new_chat(), True)[-1]
