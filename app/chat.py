@@ -703,7 +703,7 @@ class ChatHandlers:
             except OSError:
                 pass
         box = message if message is not None else gr.skip()  # a regeneration leaves what is typed in the box alone
-        yield box, display(chat, colour), chat, notice_html(error), *panel
+        yield box, display(chat, colour), chat, notice_html(render.sentence(error)), *panel
 
     def _stats(self, chat: dict, reply: Reply, finished: bool = False) -> str:
         """The stats panel; a finished reply is already in the session totals."""

@@ -180,7 +180,7 @@ class CompareHandlers:
             if refused := speculation_refused(engine, "Comparing"):
                 raise ValueError(refused)
         except (KestrelError, ValueError) as error:
-            yield "", "", "", render.escape(str(error))
+            yield "", "", "", render.escape(render.sentence(str(error)))
             return
         modes = ("vanilla", "eagle", "eagle2") if with_eagle else ("vanilla", "eagle2")
         panes = {mode: "" for mode in ("vanilla", "eagle", "eagle2")}
@@ -196,7 +196,7 @@ class CompareHandlers:
                     panes[mode] = render.pane_html(reply.segments)
                     yield *panes.values(), f"Running {MODE_LABELS[mode]}... {reply.reading_text}".strip()
             except (KestrelError, ValueError) as error:
-                yield *panes.values(), render.escape(str(error))
+                yield *panes.values(), render.escape(render.sentence(str(error)))
                 return
             if reply is None or reply.finish_reason == "cancelled":  # stopped, perhaps before its turn came
                 yield *panes.values(), "Stopped."
@@ -265,7 +265,7 @@ class CompareHandlers:
         except TurnCancelled:
             return None, None, None, "Stopped before the benchmark started."
         except (KestrelError, ValueError, ImportError) as error:
-            return None, None, None, render.escape(str(error))
+            return None, None, None, render.escape(render.sentence(str(error)))
         identical = result["summary"].get("identical_fraction")
         note = "" if options.sampling.greedy else f"Sampled with seed {options.sampling.seed}, the same for every prompt and mode. "
         if identical is not None:

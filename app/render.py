@@ -95,6 +95,16 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def sentence(text: str) -> str:
+    """An engine's message as the page's notices read: opening words of small
+    letters capitalized ("no model is loaded" -> "No model is loaded"; never
+    a name such as "config.json: ..." or a prompt's id before its colon), and
+    a full stop where it ends on a letter or digit."""
+    if re.match(r"[a-z]+ [a-z]+ ", text):
+        text = text[0].upper() + text[1:]
+    return f"{text}." if text[-1:].isalnum() else text
+
+
 def escape(text: str) -> str:
     return html.escape(text, quote=True)
 

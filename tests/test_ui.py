@@ -154,7 +154,7 @@ def test_edit_keeps_the_saved_exchange_until_the_edited_message_is_sent(handlers
     unloaded = ChatHandlers(Runtime(None), Store(store.folder))
     box, pending, _, state, _ = unloaded.accept("w5 edited", edited, True)
     final = list(unloaded.send(pending, state, "", *values(max_new_tokens=4)))[-1]
-    assert final[0] == "w5 edited" and "no model is loaded" in final[3] and final[2]["messages"] == []
+    assert final[0] == "w5 edited" and "No model is loaded; load one in the Models tab." in final[3] and final[2]["messages"] == []
     assert store.load_chat(only["id"])["messages"] == only["messages"]
     again = list(handlers.send(*handlers.accept("w5 again", final[2], True)[1:2], final[2], "", *values(max_new_tokens=4)))[-1][2]
     assert [m["content"] for m in store.load_chat(only["id"])["messages"] if m["role"] == "user"] == ["w5 again"]
@@ -798,7 +798,7 @@ def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store,
     *_, mode = library.unload()
     assert runtime.engine is None and mode["choices"] == [("vanilla", "vanilla")] and library.heads()["choices"] == []
     final = list(ChatHandlers(runtime, store).send("w1", new_chat(), "", *values()))[-1]
-    assert "no model is loaded" in final[3] and final[0] == "w1"
+    assert "No model is loaded" in final[3] and final[0] == "w1"
     status, notice, _ = library.load(str(tmp_path / "missing"), "", None, "none", "float32")
     assert "Loading failed" in notice and "No model is loaded." in notice and "previous" not in notice
     # a file given for a head: its folder is suggested only where it holds a head's config.json
@@ -1763,3 +1763,12 @@ def test_catalog_estimates_keep_the_embedding_at_16_bits():
     assert catalog.estimated_gb(llama, 16) == pytest.approx(llama.parameters * 2 + llama.head_parameters * 2 + catalog.RUNTIME_OVERHEAD_GB)
     assert catalog.fit(catalog.estimated_gb(llama, 8), 12.0) == "tight"
     assert all(0 < entry.embedding_parameters < entry.parameters / 4 for entry in catalog.CATALOG)
+
+
+def test_engine_messages_read_as_sentences_on_the_page():
+    from app.render import sentence
+
+    assert sentence("no model is loaded; load one in the Models tab") == "No model is loaded; load one in the Models tab."
+    assert sentence("config.json: missing field hidden_size") == "config.json: missing field hidden_size."  # a name stays as written
+    assert sentence("prompt long: 305 tokens") == "prompt long: 305 tokens."  # a prompt's id before its colon too
+    assert sentence("Loading failed (see above)") == "Loading failed (see above)" and sentence("") == ""
