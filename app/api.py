@@ -302,7 +302,7 @@ class Api:
             if current is not engine:  # the Models tab loaded or unloaded a model while this waited: not on the old one
                 now = f"{current.base.name} is loaded now" if current is not None else "no model is loaded now"
                 raise ModelChangedError(f"{engine.base.name} was replaced while this request waited for its turn ({now}); send it again")
-            return engine.stream(prepared.prompt_ids, prepared.mode, generation.sampling, generation.tree, cancel, reuse=True)
+            return engine.stream(prepared.prompt_ids, prepared.mode, generation.sampling, generation.tree, cancel, reuse=self.runtime.reuse)
 
         try:
             return Decoding(self.runtime.queue, steps, on_change=on_change)

@@ -3,7 +3,8 @@ through each way of using Kestrel: the `chat` command, the /v1 API (the
 official openai client), the page's endpoint (gradio_client, no browser) and
 the page in headless Chromium. The server runs as its own process, as when a
 user starts it; every run is greedy with the same prompt and settings, one
-after the other, so the ratios to the `chat` command are comparable."""
+after the other, and reads the prompt afresh (the server keeps no caches
+between requests here), so the ratios to the `chat` command are comparable."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def run_app_bench(
     log = Path(environment["KESTREL_DATA_DIR"]) / "server.log"
     with open(log, "w") as output:
         server = subprocess.Popen(
-            [sys.executable, str(root / "launch.py"), "ui", "--no-browser", "--port", str(port), "--threads", str(threads)],
+            [sys.executable, str(root / "launch.py"), "ui", "--no-browser", *fresh_reads(root), "--port", str(port), "--threads", str(threads)],
             stdout=output, stderr=subprocess.STDOUT, env=environment,
         )  # fmt: skip
     rows = []
@@ -68,11 +69,26 @@ def run_app_bench(
                 for row in rows:
                     if row["mode"] == mode and row["round"] == round_index + 1:
                         row["vs_chat_command"] = round(row["tokens_per_s"] / cli["tokens_per_s"], 3)
+    except BaseException:  # an error, Ctrl-C or SIGTERM: the server's log is what tells why
+        show(f"the server's log and data are kept in {environment['KESTREL_DATA_DIR']}")
+        raise
     finally:
         server.terminate()
         server.wait(30)
     shutil.rmtree(environment["KESTREL_DATA_DIR"], ignore_errors=True)
     return rows
+
+
+def fresh_reads(root: Path) -> list[str]:
+    """The server's option to read every prompt afresh, as the chat command does
+    (one that continued the previous way's caches for the same prompt would skip
+    reading it), where the Kestrel at `root` has it (an older one, measured for
+    comparison, has not)."""
+    try:
+        known = "--no-kept-caches" in (root / "app" / "cli.py").read_text(encoding="utf-8")
+    except OSError:
+        known = False
+    return ["--no-kept-caches"] if known else []
 
 
 def chat_command(root: Path, prompt: str, mode: str, max_new_tokens: int, threads: int, environment: dict) -> dict:

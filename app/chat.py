@@ -573,7 +573,7 @@ class ChatHandlers:
             # the message box is left alone: accept emptied it, and what is typed there now is the next message
             yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *empty_panel
             sent_panel = gr.skip(), *empty_panel[1:]
-            replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=True)
+            replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=self.runtime.reuse)
             read = False  # whether the notice shows how far a long conversation is read
             for reply in replies:
                 if reply.finish_reason is not None:

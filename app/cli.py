@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--auth", help="USER:PASS for the page, required by --listen")
     ui.add_argument("--api-key", help="require this key as 'Authorization: Bearer KEY' on the /v1 API; auto = generate one and print it (required by --listen)")
     ui.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let web pages from ORIGIN (e.g. http://localhost:3000) call the /v1 API (CORS); repeatable")
+    ui.add_argument("--no-kept-caches", action="store_true", help="read every request's prompt afresh, never continuing an earlier request's caches (bench-app's server: each way then reads the prompt as the chat command does)")
     ui.add_argument("--max-queue", type=integer(1), default=16, help="requests that may wait for the model; more are refused with 429 (default 16)")
     ui.add_argument("--install-shortcut", action="store_true", help="create a desktop/menu shortcut and exit")
 
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     app_bench = commands.add_parser("bench-app", help="tokens/s of one prompt through the chat command, the API, the page's endpoint and the page in Chromium")
     app_bench.add_argument("--prompt", default="Write a Python function that checks whether a number is prime, and explain it.", help="the user message (default: a prime-check request)")
     app_bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated decoding modes (default vanilla,eagle2)")
-    app_bench.add_argument("--max-new-tokens", type=integer(1), default=256, help="most tokens per reply (default 256)")
+    app_bench.add_argument("--max-new-tokens", type=integer(1, 2048), default=256, help="most tokens per reply, at most 2048 as on the page (default 256)")
     app_bench.add_argument("--threads", type=integer(1), default=2, help="CPU threads of the chat command and the server (default 2)")
     app_bench.add_argument("--rounds", type=integer(1), default=2, help="rounds of every way and mode; the table shows medians (default 2)")
     app_bench.add_argument("--port", type=PORT, default=7877, help="port of the server it starts (default 7877)")
@@ -260,9 +261,9 @@ def main(argv: list[str]) -> int:
 
     from models.errors import KestrelError
 
-    if args.command in ("train-head", "ui"):
+    if args.command in ("train-head", "ui", "bench-app"):
         # kill, logout, shutdown or a closed terminal end these as Ctrl-C does:
-        # train-head saves its checkpoint and clock, the page saves the replies being written
+        # train-head saves its checkpoint and clock, the page saves the replies being written, bench-app stops its server
         import signal
 
         for name in ("SIGTERM", "SIGHUP"):  # no SIGHUP on Windows

@@ -113,12 +113,15 @@ class Runtime:
     """Holds one Engine. A new model is swapped in only once it has loaded,
     so a failed load leaves the previous one usable."""
 
-    def __init__(self, engine_or_loader: Engine | Callable[[], Engine] | None, max_waiting: int = 16):
+    def __init__(self, engine_or_loader: Engine | Callable[[], Engine] | None, max_waiting: int = 16, reuse: bool = True):
+        """reuse: requests continue the caches of earlier ones where their prompts
+        continue them (Engine.stream's `reuse`); off, each reads its prompt afresh."""
         self._engine = engine_or_loader if isinstance(engine_or_loader, Engine) else None
         self._loader = None if isinstance(engine_or_loader, Engine) else engine_or_loader
         self._lock = threading.Lock()
         self._cancels: dict[str, threading.Event] = {}
         self.queue = ModelQueue(max_waiting)
+        self.reuse = reuse
         self.loading: str | None = None  # what is being loaded, while a load runs
         self.on_stop: list[Callable[[], None]] = []  # run when the server stops (the chat page saves its replies)
 

@@ -329,7 +329,7 @@ def serve(args) -> int:
     remove_leftovers(store_dir)
     engine = load_first(args, Store(store_dir).load_settings(), load_pair)
     prepare_costs(engine)
-    runtime = Runtime(engine, max_waiting=args.max_queue)
+    runtime = Runtime(engine, max_waiting=args.max_queue, reuse=not args.no_kept_caches)
     print(f"Loaded {runtime.describe()}", flush=True)
     print(f"Chats and settings: {store_dir}", flush=True)
     server = Server(build_app(runtime, store_dir, args.device, args.compile), runtime, access, args.port)

@@ -132,6 +132,23 @@ def test_a_conversation_s_next_turn_reads_only_what_is_new_with_the_same_reply(c
         assert reply.choices[0].message.content == engine_text(engine, turn)[0], mode
 
 
+def test_a_server_without_kept_caches_reads_every_prompt_afresh(engine, tmp_path_factory):
+    """`ui --no-kept-caches` (bench-app's server): the same prompt sent again is read again."""
+    from app.cli import build_parser
+
+    assert build_parser().parse_args(["ui", "--no-kept-caches"]).no_kept_caches
+    runtime = Runtime(engine, reuse=False)
+    server = Server(build_app(runtime, tmp_path_factory.mktemp("fresh-data")), runtime, Access(), 8100)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0, timeout=120)
+        replies = [chat(client, engine.base.name) for _ in range(2)]
+        assert [reply.usage.model_dump()["prompt_tokens_details"]["cached_tokens"] for reply in replies] == [0, 0]
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    finally:
+        server.close()
+
+
 def test_list_of_text_parts_is_the_same_message(client, engine):
     parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "w1 w2 w3"}]}]
     assert chat(client, engine.base.name, messages=parts).choices[0].message.content == engine_text(engine)[0]
