@@ -30,7 +30,7 @@ def detected_memory() -> tuple[float | None, str]:
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return props.total_memory / 2**30, f"GPU {props.name}"
+        return props.total_memory / 1e9, f"GPU {props.name}"
     total = system_memory_gb()
     if total is None:
         return None, "unknown memory (no GPU detected)"
@@ -38,9 +38,9 @@ def detected_memory() -> tuple[float | None, str]:
 
 
 def system_memory_gb() -> float | None:
-    """The machine's RAM in GB: sysconf on Linux and macOS, GlobalMemoryStatusEx on Windows."""
+    """The machine's RAM in GB (10^9 bytes, as the catalog's estimates): sysconf on Linux and macOS, GlobalMemoryStatusEx on Windows."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError, AttributeError):
         pass
     try:
@@ -53,7 +53,7 @@ def system_memory_gb() -> float | None:
 
         status = MemoryStatus(length=ctypes.sizeof(MemoryStatus))
         if ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
-            return status.total / 2**30
+            return status.total / 1e9
     except (AttributeError, ImportError, OSError):
         pass
     return None
@@ -64,7 +64,7 @@ def catalog_frame(available_gb: float | None) -> pd.DataFrame:
     for entry in catalog.CATALOG:
         smallest = catalog.estimated_gb(entry, 4)
         row = {"model": entry.name, "parameters (B)": entry.parameters,
-               f"4-bit on a {catalog.CONSUMER_GPU_GB:.0f} GB GPU": catalog.fit(smallest, catalog.CONSUMER_GPU_GB)}  # fmt: skip
+               f"4-bit on a {catalog.CONSUMER_GPU_NAME} GPU": catalog.fit(smallest, catalog.CONSUMER_GPU_GB)}  # fmt: skip
         for label, bits in (("4-bit", 4), ("8-bit", 8), ("16-bit", 16)):
             needed = catalog.estimated_gb(entry, bits)
             row[f"{label} GB"] = f"{needed:.1f} ({catalog.fit(needed, available_gb)} here)"

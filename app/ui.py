@@ -153,7 +153,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 status = gr.HTML(elem_id="model-status")
                 gr.Markdown(
                     f"Detected memory: **{memory_gb:.1f} GB** of {memory_kind}; each size says whether it fits here. "
-                    f"'4-bit on a {catalog.CONSUMER_GPU_GB:.0f} GB GPU' says whether the 4-bit model fits one "
+                    f"'4-bit on a {catalog.CONSUMER_GPU_NAME} GPU' says whether the 4-bit model fits one "
                     "(an RTX 3060). Estimates include the draft head and about 1 GB of runtime overhead; "
                     "4/8-bit need bitsandbytes (CUDA for speed)."
                     if memory_gb else f"Detected memory: {memory_kind}."

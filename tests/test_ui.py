@@ -1763,6 +1763,11 @@ def test_catalog_estimates_keep_the_embedding_at_16_bits():
     assert catalog.estimated_gb(llama, 16) == pytest.approx(llama.parameters * 2 + llama.head_parameters * 2 + catalog.RUNTIME_OVERHEAD_GB)
     assert catalog.fit(catalog.estimated_gb(llama, 8), 12.0) == "tight"
     assert all(0 < entry.embedding_parameters < entry.parameters / 4 for entry in catalog.CATALOG)
+    eagle2 = catalog.find("Llama-3.1-8B-Instruct")  # a published EAGLE-1/2 head carries the base's embedding, loaded as its own
+    assert catalog.estimated_gb(eagle2, 4) == pytest.approx(
+        (eagle2.parameters - eagle2.embedding_parameters) / 2 + (eagle2.embedding_parameters + eagle2.head_parameters + 0.525) * 2
+        + catalog.RUNTIME_OVERHEAD_GB)  # fmt: skip
+    assert catalog.CONSUMER_GPU_GB == pytest.approx(12.88, abs=0.01)  # an RTX 3060's 12 GiB, in the estimates' GB of 10^9 bytes
 
 
 def test_engine_messages_read_as_sentences_on_the_page():
