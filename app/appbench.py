@@ -47,6 +47,7 @@ def run_app_bench(
         )  # fmt: skip
     rows = []
     try:
+        show(f"starting the server on port {port} (it loads and compiles the model first)")
         url = wait_until_up(log, server)
         model = api_model(url)
         for round_index in range(rounds):

@@ -12,14 +12,18 @@ ICON = ROOT / "assets" / "kestrel.svg"
 
 
 def desktop_entry(root: Path, python: str) -> str:
+    """A freedesktop.org entry: Exec's arguments quoted (with \\ " ` $ escaped
+    inside the quotes, and the whole line's backslashes and % doubled, as the
+    specification asks of string values and field codes), other values with
+    their backslashes doubled, so that any folder name starts Kestrel."""
     return "\n".join([
         "[Desktop Entry]",
         "Type=Application",
         "Name=Kestrel",
         "Comment=Local LLM chat with EAGLE-2 speculative decoding",
-        f'Exec="{python}" "{root / "launch.py"}"',
-        f"Path={root}",
-        f"Icon={root / 'assets' / 'kestrel.svg'}",
+        f"Exec={exec_argument(python)} {exec_argument(str(root / 'launch.py'))}",
+        f"Path={entry_value(str(root))}",
+        f"Icon={entry_value(str(root / 'assets' / 'kestrel.svg'))}",
         "Terminal=true",
         "Categories=Utility;Development;",
         "",
@@ -36,8 +40,25 @@ def windows_batch(root: Path, python: str) -> str:
     return "\r\n".join(lines)
 
 
+def exec_argument(text: str) -> str:
+    """One argument of a desktop entry's Exec line (quoted, escaped within the
+    quotes, then the line's own string escaping and % of field codes)."""
+    quoted = '"' + "".join("\\" + c if c in '"`$\\' else c for c in text) + '"'
+    return entry_value(quoted).replace("%", "%%")
+
+
+def entry_value(text: str) -> str:
+    """A desktop entry's string value: a backslash is written doubled (\\s would read as a space)."""
+    return text.replace("\\", "\\\\")
+
+
 def mac_command(root: Path, python: str) -> str:
-    return f'#!/bin/bash\ncd "{root}"\nexec "{python}" launch.py "$@"\n'
+    """bash, with the paths in single quotes (nothing is expanded there; a ' is closed, escaped and reopened)."""
+    return f"#!/bin/bash\ncd {shell_quoted(str(root))}\nexec {shell_quoted(python)} launch.py \"$@\"\n"
+
+
+def shell_quoted(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
 
 
 def base_python() -> str:

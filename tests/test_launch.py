@@ -51,6 +51,9 @@ def test_an_incomplete_venv_is_made_again(monkeypatch, tmp_path, capsys):
     python.write_text("#!/bin/sh\nexit 1\n")
     python.chmod(0o755)
     assert launch.venv_problem() == "it has no working pip"
+    python.write_text('#!/bin/sh\necho "3 10"\n')  # a Python too old for the pinned packages, pip or not
+    assert launch.venv_problem() == "it was made with Python 3.10; the pinned packages need 3.11 to 3.14"
+    python.write_text("#!/bin/sh\nexit 1\n")
 
     installed, real_run = [], subprocess.run
 
@@ -63,11 +66,15 @@ def test_an_incomplete_venv_is_made_again(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(launch.subprocess, "run", fake_venv)
     monkeypatch.setattr(launch, "run_pip", lambda args, step: installed.append(step))
     launch.bootstrap()
-    assert "incomplete (it has no working pip): making it again" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cannot be used (it has no working pip): making it again" in out and "(first run: a few minutes)" in out
     assert launch.venv_problem() is None and len(installed) == 2
     assert launch.STAMP.read_text() == launch.wanted_stamp()
     launch.bootstrap()  # up to date: nothing is done
     assert len(installed) == 2
+    launch.STAMP.write_text("an older requirements.txt")
+    launch.bootstrap()  # the same .venv, its packages installed again
+    assert "[2/2] Installing packages (requirements.txt changed)" in capsys.readouterr().out and len(installed) == 4
 
 
 def test_a_python_older_than_the_requirements_need_is_refused_by_name(capsys, monkeypatch):

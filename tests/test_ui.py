@@ -980,6 +980,43 @@ def test_cli_refuses_listen_without_auth(capsys):
     assert "--auth USER:PASS" in capsys.readouterr().err
 
 
+def test_shortcuts_start_kestrel_from_any_folder_name(tmp_path):
+    """A folder named with %, quotes, $, ` or a backslash: the desktop entry's
+    Exec line reads back (string escapes, then quoting) as the real paths,
+    and the macOS command changes into that folder with nothing expanded."""
+    from app.shortcut import desktop_entry, mac_command
+
+    root = tmp_path / "100% $HOME `x` a\\sb \"q\" it's"
+    root.mkdir()
+    line = next(line for line in desktop_entry(root, "/usr/bin/python3").splitlines() if line.startswith("Exec="))[5:]
+    general = {"s": " ", "n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    text, index = "", 0
+    while index < len(line):  # the string escapes of a desktop entry's values
+        if line[index] == "\\":
+            text, index = text + general.get(line[index + 1], "\\" + line[index + 1]), index + 2
+        else:
+            text, index = text + line[index], index + 1
+    assert "%" not in text.replace("%%", "")  # no field code
+    arguments, current, quoted, index = [], "", False, 0
+    text = text.replace("%%", "%")
+    while index < len(text):  # the Exec quoting rule
+        char = text[index]
+        if quoted and char == "\\":
+            current, index = current + text[index + 1], index + 2
+            continue
+        if char == '"':
+            quoted = not quoted
+        elif char == " " and not quoted:
+            arguments, current = arguments + [current], ""
+        else:
+            current += char
+        index += 1
+    assert arguments + [current] == ["/usr/bin/python3", str(root / "launch.py")]
+    script = mac_command(root, "/bin/echo").replace("exec ", "exec pwd; : ")
+    ran = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert ran.stdout.strip() == str(root), ran.stderr
+
+
 def test_install_shortcut_linux(tmp_path, monkeypatch):
     from app.shortcut import install
 
