@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 MODES = ("vanilla", "eagle", "eagle2")
 
 SEED_LIMIT = 2**32  # seeds drawn for sampling settings without one are below this
-SEEDS = (-(2**63), 2**63 - 1)  # the seeds taken (OpenAI's: any 64-bit integer; -1 at the edges draws a fresh one)
+SEEDS = (-(2**63), 2**63 - 1)  # the seeds the API and the commands take (any 64-bit integer, as OpenAI's; there -1 draws a fresh one)
 
 
 @dataclass(frozen=True)
