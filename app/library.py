@@ -18,7 +18,7 @@ from app.session import load_pair
 from core.training.report import REPORT_FILE
 from models import catalog
 from models.base import DTYPES, QUANTIZATIONS
-from models.errors import KestrelError, OutOfMemoryError
+from models.errors import HeadFormatError, KestrelError, OutOfMemoryError
 from models.paths import user_path
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,8 @@ class LibraryHandlers:
         kept = "The previous model is still loaded." if self.runtime.engine is not None else "No model is loaded."
         if isinstance(error, OutOfMemoryError) and self.runtime.engine is not None:
             kept += " It stays loaded while another loads: Unload it first, then Load."
-        return f"Loading failed: {render.escape(text)} {kept}"
+        which = " (the draft head)" if isinstance(error, HeadFormatError) else ""  # a base and a head may both be folders
+        return f"Loading failed{which}: {render.escape(text)} {kept}"
 
     def load_here(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
         """load, and this tab's wanted mode: a model loaded here sets the mode

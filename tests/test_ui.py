@@ -805,6 +805,10 @@ def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store,
     (tmp_path / "notes.txt").write_text("x")
     status, notice, _ = library.load(str(tiny_dir), str(tmp_path / "notes.txt"), None, "none", "float32")
     assert "is a file; a draft head is the folder holding config.json and its weights." in notice
+    (tmp_path / "bad-head").mkdir()  # a folder whose config.json lacks a head's fields: said to be the head's
+    (tmp_path / "bad-head" / "config.json").write_text('{"vocab_size": 64}')
+    status, notice, _ = library.load(str(tiny_dir), str(tmp_path / "bad-head"), None, "none", "float32")
+    assert notice.startswith("Loading failed (the draft head): ") and "bad-head" in notice and "missing field" in notice
 
 
 def test_the_model_loaded_in_the_tab_is_the_next_start_s(engine, store, tmp_path, monkeypatch, capsys):
