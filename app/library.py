@@ -21,6 +21,8 @@ from models.base import DTYPES, QUANTIZATIONS
 from models.errors import HeadFormatError, KestrelError, OutOfMemoryError
 from models.paths import user_path
 
+DTYPE_CHOICES = ("auto", *sorted(DTYPES, key=lambda name: name == "float64"))  # the tab's: float64 (slow) last
+
 log = logging.getLogger(__name__)
 
 
@@ -129,7 +131,7 @@ def remembered_model(settings: dict) -> dict | None:
     quantization, dtype = choice.get("quantization", "auto"), choice.get("dtype", "auto")
     if not all(value is None or (isinstance(value, str) and value.strip()) for value in (model, head)):
         return None
-    if quantization not in QUANTIZATIONS or dtype not in ("auto", *DTYPES):
+    if quantization not in QUANTIZATIONS or dtype not in DTYPE_CHOICES:
         return None
     return {"model": model, "head": head, "quantization": quantization, "dtype": dtype}
 

@@ -15,7 +15,7 @@ import gradio as gr
 from app import render
 from app.chat import MODE_LABELS, RANGES, ChatHandlers, default_settings, mode_choices
 from app.compare import CompareHandlers
-from app.library import MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, error_text, remembered_model
+from app.library import DTYPE_CHOICES, MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, error_text, remembered_model
 from app.runtime import Runtime
 from app.server import LOCALHOST, Access, Server, new_api_key
 from app.store import Store, data_dir
@@ -169,7 +169,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 )  # fmt: skip
                 with gr.Row():
                     quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF where Kestrel's kernel is built, else int8 where it is faster")
-                    dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16", "float64"], value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
+                    dtype = gr.Dropdown(list(DTYPE_CHOICES), value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")
                     unload = gr.Button("Unload (free memory)")
