@@ -21,6 +21,7 @@ from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
 from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, message_problem, new_chat, oldest_messages, to_json, to_markdown
+from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine
 from models.errors import KestrelError
@@ -268,7 +269,33 @@ def reply_summary(reply: Reply, mode: str, settings: dict | None = None) -> dict
         "mean_tree_size": round(snapshot.mean_tree_size, 2),
         "mean_tree_depth": round(snapshot.mean_tree_depth, 2),
         "finish_reason": reply.finish_reason,
+        # the side panel's charts, drawn again when the chat is opened or the page reloaded
+        "acceptance_by_depth": [round(rate, 3) for rate in snapshot.acceptance_by_depth],
+        "rate_points": [[seconds, round(rate, 1)] for seconds, rate in thinned(reply.rate_points, RATE_POINTS_KEPT)],
     }
+
+
+RATE_POINTS_KEPT = 240  # a reply's tokens/s curve is saved with at most this many points
+
+
+def thinned(points: list, limit: int) -> list:
+    """At most `limit` of `points`, evenly spread, the last one kept."""
+    if len(points) <= limit:
+        return list(points)
+    step = len(points) / limit
+    return [points[min(len(points) - 1, round((i + 1) * step) - 1)] for i in range(limit)]
+
+
+def saved_plots(stats: dict | None) -> tuple:
+    """The depth and rate charts of a reply's stored summary (empty where it has
+    none: saved before they were kept, a vanilla reply, a hand-edited file)."""
+    stats = stats if isinstance(stats, dict) else {}
+    rates, points = stats.get("acceptance_by_depth"), stats.get("rate_points")
+    if not (isinstance(rates, list) and all(render.is_number(r) for r in rates)):
+        rates = []
+    if not (isinstance(points, list) and all(isinstance(p, list) and len(p) == 2 and all(render.is_number(v) for v in p) for p in points)):
+        points = []
+    return render.depth_frame(None, rates), render.rate_frame([tuple(p) for p in points])
 
 
 def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
@@ -799,7 +826,9 @@ class ChatHandlers:
             return gr.skip(), gr.skip(), gr.skip(), notice_html("This reply has no earlier versions: Regenerate keeps the replies it replaces.")
         chat = copy.deepcopy(chat)
         chat["messages"][-1] = {**earlier[-1], EARLIER: [without(last, EARLIER), *earlier[:-1]]}  # the others in turn, then this one again
-        note = f"Another kept reply ({len(earlier) + 1} kept for this message; press Earlier reply again for the next)."
+        made = made_with_line(earlier[-1].get("stats"))
+        note = (f"Another kept reply{f' ({made})' if made else ''}: {len(earlier) + 1} are kept for this message; "
+                "press Earlier reply again for the next.")  # fmt: skip
         note = f"{note} {self._save(chat)}".strip()
         stats = render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat))
         return display(chat, colour), chat, stats, notice_html(note)
@@ -845,7 +874,8 @@ class ChatHandlers:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         self._opened(loaded["id"])
         stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
-        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *EMPTY_PLOTS, gr.skip(), notice_html(cut_short_text(loaded, self._busy(loaded)))
+        plots = saved_plots(last_reply_stats(loaded))
+        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *plots, gr.skip(), notice_html(cut_short_text(loaded, self._busy(loaded)))
 
     def _kept_open(self, chat: dict, notice: str) -> tuple:
         """open's outputs where the chat shown stays: the list of saved chats
@@ -950,6 +980,14 @@ class ChatHandlers:
             self.store.update_settings(changes)
         except OSError:
             pass  # saved again with the next change; a settings file is not worth an error dialog
+
+    def plots_of(self, chat: dict | None) -> tuple:
+        """The depth and rate charts of the chat's last reply as saved (a page
+        reloaded, a kept reply shown by Earlier reply), or empty charts while a
+        reply is written. Outputs: depth plot, rate plot."""
+        if not chat or self._busy(chat):
+            return gr.skip(), gr.skip()
+        return saved_plots(last_reply_stats(chat))
 
     def restore_page(self) -> tuple:
         """At page load: restore's outputs, then the saved mode where the model

@@ -9,6 +9,7 @@ import html
 import itertools
 import math
 import re
+from collections.abc import Sequence
 
 import pandas as pd
 
@@ -381,9 +382,10 @@ def stats_html(
 DEPTH_ORDER = [str(depth) for depth in range(1, 129)]
 
 
-def depth_frame(snapshot: Snapshot | None) -> pd.DataFrame:
-    """Acceptance rate per draft depth, for the bar chart."""
-    rates = snapshot.acceptance_by_depth if snapshot is not None else ()
+def depth_frame(snapshot: Snapshot | None, saved: Sequence[float] = ()) -> pd.DataFrame:
+    """Acceptance rate per draft depth, for the bar chart: the live reply's, or
+    the `saved` rates of a stored one."""
+    rates = snapshot.acceptance_by_depth if snapshot is not None else saved
     # depths are labels, even in the empty frame: the page's chart fixes its axis type at its first
     # value, and an empty column of floats made it a number axis (ticks at 0.5, 1.5, ...)
     depths = pd.Series([str(d + 1) for d in range(len(rates))], dtype=object)

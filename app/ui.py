@@ -192,7 +192,10 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         ).then(**refresh)
         stop.click(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
         demo.unload(chat.forget_session)  # a closed tab's waiting Send or Regenerate no longer holds its chat
-        earlier.click(chat.earlier_reply, [chat_state, colour], [chatbot, chat_state, stats, notice], show_progress="hidden").then(**refresh)
+        saved_plots = {"fn": chat.plots_of, "inputs": chat_state, "outputs": [depth_plot, rate_plot], "show_progress": "hidden", "api_name": False}
+        earlier.click(chat.earlier_reply, [chat_state, colour], [chatbot, chat_state, stats, notice], show_progress="hidden").then(
+            **refresh
+        ).then(**saved_plots)
         edit.click(chat.edit_last, [chat_state, colour], [message, chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
         confirmed = gr.Checkbox(False, visible=False)
@@ -242,7 +245,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         )  # fmt: skip
         unload.click(library.unload, None, [status, load_notice, mode], **MODEL).then(library.heads, None, trained)
 
-        demo.load(chat.restore_page, None, [*controls, system, chatbot, chat_state, chats, stats, notice, wanted_mode])
+        demo.load(chat.restore_page, None, [*controls, system, chatbot, chat_state, chats, stats, notice, wanted_mode]).then(**saved_plots)
         demo.load(library.status, None, status).then(library.heads, None, trained)
         # what another tab loaded or unloaded since this page was opened
         models_tab.select(library.status, None, status, show_progress="hidden", api_name=False).then(library.heads, None, trained)

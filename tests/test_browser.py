@@ -136,6 +136,16 @@ def test_chat_streams_reply_and_live_stats(page):
         timeout=10_000,
     )
     screenshot(page, "chat")
+    # a reload draws the charts of the chat's last reply again, from its saved figures
+    page.reload()
+    page.wait_for_function(
+        """() => {
+            const labels = [...document.querySelectorAll('#depth-plot svg text')].map((t) => t.textContent.trim());
+            return labels.includes('1') && labels.includes('2')
+                && document.querySelectorAll('#rate-plot path[aria-label]').length > 0;
+        }""",
+        timeout=15_000,
+    )
 
 
 def test_depth_chart_in_depth_order_after_the_tab_came_back_mid_reply(page):

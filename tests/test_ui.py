@@ -85,6 +85,24 @@ def test_send_streams_text_and_stats(handlers, store):
     assert store.load_chat(chat["id"])["messages"] == chat["messages"]
 
 
+def test_a_chat_opened_or_reloaded_draws_its_last_replys_charts_again(handlers, store, monkeypatch):
+    monkeypatch.setattr(chat_module, "RATE_POINTS_KEPT", 3)
+    monkeypatch.setattr("app.reply.RATE_INTERVAL", 0.0)  # a point per step: more than are kept
+    updates = list(handlers.send("w1 w2 w3", new_chat(), "", *values(max_new_tokens=30)))
+    _, _, chat, _, _, depth, rate, _ = updates[-1]
+    saved = store.load_chat(chat["id"])["messages"][-1]["stats"]
+    assert saved["acceptance_by_depth"] == [round(r, 3) for r in depth["acceptance"]] and len(depth) > 0
+    assert len(saved["rate_points"]) == 3 and saved["rate_points"][-1][0] == rate["seconds"].iloc[-1] and len(rate) > 3
+    for plots in (handlers.open(chat["id"], new_chat(), True)[4:6], handlers.plots_of(store.load_chat(chat["id"]))):
+        assert list(plots[0]["acceptance"]) == saved["acceptance_by_depth"] and list(plots[0]["depth"]) == [str(d + 1) for d in range(len(depth))]
+        assert [list(p) for p in zip(plots[1]["seconds"], plots[1]["tokens/s"])] == saved["rate_points"]
+    broken = store.load_chat(chat["id"])
+    broken["messages"][-1]["stats"].update(acceptance_by_depth="high", rate_points=[[1.0, "fast"]])  # a hand-edited file
+    depth, rate = handlers.plots_of(broken)
+    assert len(depth) == 0 and len(rate) == 0
+    assert [is_skip(p) for p in handlers.plots_of(None)] == [True, True]
+
+
 def test_stop_ends_reply_within_a_step(handlers, engine):
     chat = new_chat()
     stream = handlers.send("w1", chat, "", *values(max_new_tokens=200, mode="vanilla"))
@@ -1695,7 +1713,8 @@ def test_regenerate_keeps_the_replies_it_replaces_and_earlier_reply_shows_them(h
         view, chat, stats, notice = handlers.earlier_reply(chat, True)
         shown.append(chat["messages"][-1]["content"])
         assert f">{chat['messages'][-1]['stats']['tokens']}<" in stats  # the panel shows the figures of the reply shown
-        assert "3 kept for this message" in notice and store.load_chat(chat["id"])["messages"][-1]["content"] == shown[-1]
+        assert "3 are kept for this message" in notice and store.load_chat(chat["id"])["messages"][-1]["content"] == shown[-1]
+        assert f"({chat['messages'][-1]['stats']['mode']}, " in notice  # says how the reply shown was made
         assert shown[-1] in str(view) and len(chat["messages"]) == 2
     assert shown == [second, first, third["content"]]  # back to the latest
     text, _, edited, _ = handlers.edit_last(chat, True)  # while an edit is pending, the saved chat ends with the exchange taken back
