@@ -64,7 +64,15 @@ def is_skip(value) -> bool:
     return isinstance(value, dict) and value.get("__type__") == "update" and len(value) == 1
 
 
-def test_send_streams_text_and_stats(handlers, store):
+def test_send_streams_text_and_stats(handlers, store, engine, monkeypatch):
+    chat_steps = engine.chat
+
+    def paced(*args, **kwargs):  # steps a little apart, as a real model's are: on a busy machine the tiny
+        for step in chat_steps(*args, **kwargs):  # model's whole reply could be done before the page's first read
+            yield step
+            time.sleep(0.02)
+
+    monkeypatch.setattr(engine, "chat", paced)
     updates = list(handlers.send("w1 w2 w3", new_chat(), "w5", *values(max_new_tokens=30)))
     streamed = [u for u in updates[1:-1] if not is_skip(u[1])]
     assert len(streamed) >= 2, "the reply should arrive in several updates"
