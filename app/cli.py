@@ -357,16 +357,37 @@ def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def working_in(work: Path, command: str):
+    """Hold `work` for this command while it runs (an OS file lock, gone with
+    the process however it ends): a second run in the same folder would write
+    its answers and features among this one's."""
+    from app.store import DataLock
+    from core.training.work import LOCK_FILE
+
+    lock = DataLock(work, LOCK_FILE)
+    if not lock.acquire():
+        raise ValueError(f"{work}: another {command} run is working in this folder; wait for it to end, or choose another "
+                         f"{'--out/--work' if command == 'train-head' else '--work'}")  # fmt: skip
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def training_work(args) -> Path:
     """train-head's work folder: --work, else OUT/work."""
     return user_path(args.work) if args.work else user_path(args.out) / "work"
 
 
 def resume_hint(args) -> str:
-    """What a train-head run stopped by an error or Ctrl+C says about --resume: only where there is something to resume."""
-    from core.training.pipeline import holds_a_run
+    """What a train-head run stopped by an error or Ctrl+C says about --resume: only where there is something to resume.
+    Asked from the error handlers, where a Ctrl+C may have come while torch was being imported: nothing here imports it."""
+    if args.command != "train-head":
+        return ""
+    from core.training.work import holds_a_run
 
-    if args.command != "train-head" or not holds_a_run(training_work(args)):
+    if not holds_a_run(training_work(args)):
         return ""
     return "the work done so far is kept: run the same command with --resume"
 
@@ -560,6 +581,7 @@ def run_long_prompts(args) -> int:
     from core.prompt import PromptFileError
     from core.training.answers import AnswerParams, training_ids
     from core.training.documents import DOCUMENTS_FILE, LongParams, long_prompts
+    from core.training.pipeline import check_base_model
     from models.base import load_base
 
     set_threads(args.threads)
@@ -572,29 +594,31 @@ def run_long_prompts(args) -> int:
         raise ValueError(f"--out {args.out}: is the --prompts file; write the long prompts to another file")
     if out.is_dir():
         raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
+    if args.min_passage_tokens > args.max_new_tokens:  # no answer could make a passage
+        raise ValueError(f"--min-passage-tokens {args.min_passage_tokens}: is above --max-new-tokens {args.max_new_tokens}, "
+                         "the longest answer; lower it or raise --max-new-tokens")  # fmt: skip
     check_writable(str(out), "--out")
     work = user_path(args.work)
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--work {args.work}: is a file; name a folder for the answers the documents are made of")
     check_writable(str(work / DOCUMENTS_FILE), "--work")
-    base = load_base(args.model, args.quantization, args.dtype, args.device)
-    answers = AnswerParams(1, args.max_new_tokens, 0.7, args.answer_batch, seed=args.seed)
-    params = LongParams(args.count, args.min_tokens, args.max_tokens, args.seed, args.min_passage_tokens)
-    rows = long_prompts(base, prompts, work, args.documents, params, answers)
+    with working_in(work, "long-prompts"):
+        base = load_base(args.model, args.quantization, args.dtype, args.device)
+        check_base_model(work, base)  # answers cached there by another model would be its text, or its token ids
+        answers = AnswerParams(1, args.max_new_tokens, 0.7, args.answer_batch, seed=args.seed)
+        params = LongParams(args.count, args.min_tokens, args.max_tokens, args.seed, args.min_passage_tokens)
+        rows = long_prompts(base, prompts, work, args.documents, params, answers)
     write_atomic(out, "".join(json.dumps(row) + "\n" for row in rows), shared=True)
     print(f"{len(rows)} long prompts written to {out}; train on them with train-head --prompts {out} --max-prompt-tokens {args.max_tokens + 200}")
     return 0
 
 
 def run_train_head(args) -> int:
-    import time
-
-    from core.training.answers import AnswerParams
-    from core.training.features import FeatureParams, FeaturesStopped
-    from core.training.pipeline import ANSWERS_FILE, Budget, RunPaths, TrainingStopped, holds_a_run, train_head
-    from core.training.report import NOTES_FILE, REPORT_FILE
     from core.prompt import PromptFileError
     from core.training.answers import training_ids
-    from core.training.trainer import TrainParams
-    from models.base import load_base
+    from core.training.pipeline import ANSWERS_FILE
+    from core.training.report import NOTES_FILE, REPORT_FILE
+    from core.training.work import holds_a_run
     from models.head import CONFIG_FILE, WEIGHT_FILES
 
     set_threads(args.threads)
@@ -632,6 +656,22 @@ def run_train_head(args) -> int:
     # now, not after hours of work; after the refusals above, which leave no folder behind
     check_writable(str(work / ANSWERS_FILE), "--work" if args.work else "--out")  # the option the user gave
     check_writable(str(out / "model.safetensors"), "--out")
+    with working_in(work, "train-head"):
+        if holds_a_run(work) and not args.resume:  # one that started since the check above, and has ended
+            raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
+        return train_in(args, out, work)
+
+
+def train_in(args, out: Path, work: Path) -> int:
+    """run_train_head's run, once its options and folders are checked and `work` is held."""
+    import time
+
+    from core.training.answers import AnswerParams
+    from core.training.features import FeatureParams, FeaturesStopped
+    from core.training.pipeline import Budget, RunPaths, TrainingStopped, train_head
+    from core.training.trainer import TrainParams
+    from models.base import load_base
+
     budget = Budget()
     if args.time_budget_minutes is not None:
         start = time.time()

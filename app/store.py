@@ -41,8 +41,8 @@ class DataLock:
     process however it ends (no stale lock after a crash); the file names the
     holder's address, for a second start to open instead."""
 
-    def __init__(self, folder: Path):
-        self.path = folder / LOCK_FILE
+    def __init__(self, folder: Path, name: str = LOCK_FILE):
+        self.path = folder / name
         self._file = None
 
     def acquire(self) -> bool:

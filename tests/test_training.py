@@ -1,7 +1,10 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +65,22 @@ def test_answer_cache_resumes_without_regenerating(tiny_base, prompts_file, tmp_
     resumed = generate_answers(tiny_base, prompts, cache, ANSWERS, progress=False)
     key = lambda a: (a.id, a.sample)  # noqa: E731
     assert sorted(resumed, key=key) == sorted(full, key=key)  # the same batches, the same seeds
+
+
+def test_the_largest_seed_answers_and_trains(tiny_base, features, prompts_file, tmp_path):
+    """--seed takes 0 to 2^63-1; the seeds derived from it per batch, step and
+    epoch overflowed torch's generators past about 1.8e13, after the model had loaded."""
+    from dataclasses import replace
+
+    from core.training.answers import derived_seed
+
+    largest = 2**63 - 1
+    assert derived_seed(5, 7) == 5 * 1_000_003 + 7 and derived_seed(5, 1, 7919) == 5 * 7919 + 1  # as before, where it fits
+    prompts = read_prompts(prompts_file, tiny_base.tokenizer)[:2]
+    answers = generate_answers(tiny_base, prompts, tmp_path / "answers.jsonl", replace(ANSWERS, seed=largest), progress=False)
+    assert len(answers) == 4
+    _, shards = features
+    assert Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "train", replace(TRAIN, epochs=1, seed=largest)).run(progress=False)
 
 
 def test_features_stop_between_shards_past_the_deadline_and_resume(tiny_base, features, tmp_path, monkeypatch):
@@ -678,6 +697,36 @@ def test_long_prompts_are_documents_made_of_the_models_own_answers(tiny_base, ti
     # documents longer than all the passages can make: said, with the way out
     assert main([*options[:13], "--min-tokens", "5000", "--max-tokens", "6000", *options[17:]]) == 0
     assert "documents are shorter than --min-tokens 5000" in capsys.readouterr().out
+    # documents shorter than every passage: each still holds one (it was empty, or an IndexError)
+    assert main([*options[:13], "--min-tokens", "1", "--max-tokens", "5", *options[17:]]) == 0
+    for row in [json.loads(line) for line in out.read_text().splitlines()]:
+        assert any(text and text in row["turns"][0] for text in passages.values()), row
+
+
+def test_long_prompts_refuses_another_models_answers_a_second_run_and_passages_longer_than_answers(
+    tiny_dir, prompts_file, tmp_path, capsys
+):
+    from app.cli import main
+    from app.store import DataLock
+    from core.training.work import LOCK_FILE
+    from tests.factory import save_tiny_model
+
+    out, work = tmp_path / "long.jsonl", tmp_path / "docs"
+    options = ["long-prompts", "--prompts", str(prompts_file), "--out", str(out), "--work", str(work), "--model", str(tiny_dir),
+               "--documents", "8", "--count", "2", "--min-tokens", "30", "--max-tokens", "60", "--max-new-tokens", "16",
+               "--min-passage-tokens", "4", "--answer-batch", "4", "--threads", "1"]  # fmt: skip
+    assert main([*options[:-6], "--min-passage-tokens", "17", *options[-4:]]) == 2  # before the model loads
+    assert "--min-passage-tokens 17: is above --max-new-tokens 16" in capsys.readouterr().err and not work.exists()
+    assert main([*options[:6], str(prompts_file), *options[7:]]) == 2
+    assert f"--work {prompts_file}: is a file" in capsys.readouterr().err
+    lock = DataLock(work, LOCK_FILE)
+    assert lock.acquire()  # as a run working there holds it
+    assert main(options) == 2 and "another long-prompts run is working in this folder" in capsys.readouterr().err
+    lock.release()
+    assert main(options) == 0
+    other = save_tiny_model(tmp_path / "other", "qwen3", seed=5)
+    assert main([*options[:8], str(other), *options[9:]]) == 2  # the cached answers are the first model's
+    assert "its answers and features came from another base model" in capsys.readouterr().err
 
 
 def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tiny_base, prompts_file, tmp_path):
@@ -806,6 +855,36 @@ def test_an_interrupted_run_points_to_resume_only_where_there_is_work(tmp_path, 
     (tmp_path / "head" / "work" / "answers.jsonl").write_text("")  # as a run stopped in its answers leaves it
     assert main([*options, "--resume"]) == 130
     assert "interrupted (the work done so far is kept: run the same command with --resume to continue)" in capsys.readouterr().err
+    # the hint is told without torch: a Ctrl+C in the first seconds comes while torch is being imported, and
+    # importing it again from the handler raised a traceback over "interrupted"
+    script = ("import sys; from argparse import Namespace; from app.cli import resume_hint; "
+              f"hints = [resume_hint(Namespace(command=c, work={str(tmp_path / 'head' / 'work')!r}, out=None)) for c in ('chat', 'train-head')]; "
+              "print(hints[1]); assert 'torch' not in sys.modules and hints[0] == ''")  # fmt: skip
+    ran = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    assert ran.returncode == 0 and "run the same command with --resume" in ran.stdout, ran.stderr
+
+
+def test_a_second_run_in_a_work_folder_is_refused_while_the_first_works(tmp_path, prompts_file, monkeypatch, capsys):
+    """Two train-head runs on one --out had both passed the check for an
+    earlier run (the first had written nothing yet) and answered into the same
+    cache, each prompt twice."""
+    from app.cli import main
+    from app.store import DataLock
+    from core.training.work import LOCK_FILE, holds_a_run
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr("models.base.load_base", loaded)
+    work = tmp_path / "head" / "work"
+    lock = DataLock(work, LOCK_FILE)
+    assert lock.acquire()  # the first run, working
+    assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "head")]) == 2
+    assert f"{work}: another train-head run is working in this folder" in capsys.readouterr().err
+    lock.release()
+    assert not holds_a_run(work)  # the lock's file alone is no run to resume
+    with pytest.raises(AssertionError, match="the model must not load"):
+        main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "head")])
 
 
 def test_a_record_alone_does_not_hold_a_work_folder_to_another_model(tiny_base, tmp_path):

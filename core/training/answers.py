@@ -133,7 +133,7 @@ def generate_answers(
         for index, batch in batches:
             if deadline is not None and time.time() > deadline:
                 break
-            answers = answer_batch(base, batch, params, stops, pad, seed=params.seed * 1_000_003 + index)
+            answers = answer_batch(base, batch, params, stops, pad, seed=derived_seed(params.seed, index))
             for answer in answers:
                 if (answer.id, answer.sample) not in done:
                     out.write(json.dumps(answer.__dict__) + "\n")
@@ -183,6 +183,14 @@ def drop_partial_line(path: Path) -> None:
 
 
 @torch.inference_mode()
+def derived_seed(seed: int, index: int, factor: int = 1_000_003) -> int:
+    """The seed of one batch, step or epoch of a run seeded `seed`: distinct
+    per index, and within what torch's generators take for any --seed (a
+    product past 2^64 ended a run once its model had loaded); the plain
+    product where that fits."""
+    return (seed * factor + index) % 2**63
+
+
 def answer_batch(base, batch, params: AnswerParams, stops: list[int], pad: int, seed: int) -> list[Answer]:
     """One generate call; greedy and sampled pairs never share a batch row's
     settings, so a mixed batch is split in two."""

@@ -70,7 +70,7 @@ def build(passages: list[tuple[str, str]], questions: dict[str, str], tokenizer,
         target = rng.randint(params.min_tokens, params.max_tokens)
         chosen, total = [], 0
         for pid, text in rng.sample(passages, len(passages)):
-            if total + lengths[pid] > params.max_tokens and total >= params.min_tokens // 2:
+            if chosen and total + lengths[pid] > params.max_tokens and total >= params.min_tokens // 2:
                 continue
             chosen.append((pid, text))
             total += lengths[pid]

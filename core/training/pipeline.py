@@ -18,12 +18,12 @@ from core.training.compare import drafted_accuracy
 from core.training.features import MANIFEST, FeatureParams, extract_features, is_held_out
 from core.training.report import write_report
 from core.training.trainer import TrainParams, Trainer, frequent_tokens, head_config_for, initial_weights, new_head
+from core.training.work import BASE_FILE, holds_a_run
 from models import eagle3
 from models.head import save_head, with_draft_vocabulary
 
 ANSWERS_FILE = "answers.jsonl"
 PHASES_FILE = "phases.json"
-BASE_FILE = "base-model.json"  # which base model (and quantization) made the work folder's answers and features
 EMBEDDING_ROWS = 4096  # embedding rows that tell one base model from another
 # Tokens the head drafts among: on the bundled 135M model the 8192 most frequent
 # answer tokens cut drafting time by more than half and tau by about 5% (README).
@@ -129,16 +129,6 @@ def recorded_base_problem(work: Path, base, recorded: dict | None = None) -> str
         return (f"its answers and features came from {name} with --quantization {quantization}, and this run loads it "
                 f"with {base.quantization}: give --quantization {quantization}")  # fmt: skip
     return None
-
-
-def holds_a_run(work: Path) -> bool:
-    """Whether `work` holds an earlier run's work for --resume to continue:
-    more than the record of its base model (a run refused once it had loaded
-    one leaves that alone)."""
-    try:
-        return work.is_dir() and any(entry.name != BASE_FILE for entry in work.iterdir())
-    except OSError:
-        return False
 
 
 def check_base_model(work: Path, base) -> None:

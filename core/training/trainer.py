@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from core.training.answers import derived_seed
 from core.training.features import Sequence, read_shard
 from models.eagle3 import Eagle3Head
 from models.head import DraftHead, HeadCache, HeadConfig
@@ -336,7 +337,7 @@ def shard_lengths(path: Path) -> list[int]:
 def plan_epoch(shards: list[Path], lengths: list[list[int]], batch_tokens: int, seed: int, epoch: int):
     """[(shard index, [sequence indices])] in training order: shards shuffled,
     length-bucketed batches shuffled within each shard."""
-    generator = torch.Generator().manual_seed(seed * 7919 + epoch)
+    generator = torch.Generator().manual_seed(derived_seed(seed, epoch, 7919))
     plan = []
     for shard in torch.randperm(len(shards), generator=generator).tolist():
         order = sorted(range(len(lengths[shard])), key=lambda i: lengths[shard][i])
@@ -452,7 +453,7 @@ class Trainer:
     def _train_step(self, sequences: list[Sequence]) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.step, self.total_steps, self.params)
-        noise = torch.Generator().manual_seed(self.params.seed * 1_000_003 + self.step)
+        noise = torch.Generator().manual_seed(derived_seed(self.params.seed, self.step))
         batch = make_batch(sequences, self.frozen)
         totals = Totals()  # counted once the step is: a step interrupted before is done again after --resume
         loss = forward_losses(self.head, batch, self.frozen, self.params, noise, totals)
