@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--work", help="folder for the resumable caches: answers, features, checkpoints (default: OUT/work)")
     add_model_options(train, decoding=False)  # --init-head starts from a head
     train.add_argument("--samples-per-prompt", type=integer(1), default=2, help="answers per prompt: the first greedy, the others sampled (default 2)")
-    train.add_argument("--max-new-tokens", type=integer(1), default=256, help="longest answer in tokens (default 256)")
+    train.add_argument("--max-new-tokens", type=integer(2), default=256,
+                       help="longest answer in tokens, 2 or more (an answer teaches from its second token on; default 256)")  # fmt: skip
     train.add_argument("--answer-temperature", type=number(0.0, 2.0, low_open=True), default=0.7, help="temperature of the sampled answers, above 0 and at most 2 (the first answer of each prompt is the greedy one; default 0.7)")
     train.add_argument("--answer-batch", type=integer(1), default=32, help="prompts per generate call (default 32)")
     train.add_argument("--max-prompt-tokens", type=integer(1), default=512, help="prompts longer than this many tokens are skipped (default 512; raise it for long-prompts' files)")
@@ -630,6 +631,9 @@ def run_train_head(args) -> int:
     work = training_work(args)
     if work.exists() and not work.is_dir():
         raise ValueError(f"--work {work}: is a file; name a folder for the run's work")
+    if work.resolve() == out.resolve():  # the head among gigabytes of features, deleted with them
+        raise ValueError(f"--work {args.work}: is the --out folder; give the run's work (answers, features, checkpoints) "
+                         "a folder of its own, or leave --work out (OUT/work)")  # fmt: skip
     earlier_run = holds_a_run(work)
     if earlier_run and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")

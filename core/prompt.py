@@ -166,6 +166,9 @@ def prompt_rows(path: Path):
             if isinstance(value, str) and (problem := unpaired_surrogate(value)):
                 raise PromptFileError(f"{path}:{index + 1}: its {name} is not UTF-8 text ({problem})")
         if "id" in row:
+            if isinstance(row["id"], bool) or not isinstance(row["id"], str | int | float):  # str() would make "None" of null
+                raise PromptFileError(f"{path}:{index + 1}: its id {json.dumps(row['id'])[:40]} is not text or a number; "
+                                      "give one, or leave 'id' out")  # fmt: skip
             if str(row["id"]) in lines:
                 raise PromptFileError(f"{path}:{index + 1}: id {str(row['id'])!r} is already the id of line {lines[str(row['id'])]}")
             lines[str(row["id"])] = index + 1

@@ -35,6 +35,7 @@ def test_load_prompts_reads_turns_ids_and_sources(tmp_path):
         ("{bad", r"p\.jsonl:1: not valid JSON"), ('{"id": "x"}', r"p\.jsonl:1: needs a 'turns' list"), ("\n", "no prompts"),
         ('{"turns": ["w1"]}\n{"turns": ["w1", 5, "w2"]}', r"p\.jsonl:2: turn 2 is not text"),  # not skipped: "w2" would be turn 2
         ('{"turns": ["w1", "w2", " "]}', r"p\.jsonl:1: turn 3 is empty"),
+        ('{"id": 7, "turns": ["w1"]}\n{"id": null, "turns": ["w2"]}', r"p\.jsonl:2: its id null is not text or a number"),
     ],
 )  # fmt: skip
 def test_bad_prompt_files_name_the_line(tmp_path, content, message):

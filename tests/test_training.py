@@ -83,6 +83,33 @@ def test_the_largest_seed_answers_and_trains(tiny_base, features, prompts_file, 
     assert Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "train", replace(TRAIN, epochs=1, seed=largest)).run(progress=False)
 
 
+def test_a_full_disk_at_a_checkpoint_names_the_file_and_leaves_no_partial_one(tiny_base, features, tmp_path, monkeypatch):
+    """torch.save on a full disk raises a RuntimeError naming neither file nor
+    cause ("basic_ios::clear: iostream error"), and the phase clock's own
+    failure then hid it behind a bare "[Errno 28]"."""
+    from core.training import trainer as trainer_module
+    from core.training.pipeline import PhaseClock
+
+    def full(state, path):
+        Path(path).write_bytes(b"half a checkpoint")
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(trainer_module.torch, "save", full)
+    _, shards = features
+    folder = tmp_path / "train"
+    with pytest.raises(OSError, match=r"checkpoint\.pt\.partial: cannot be written \(basic_ios::clear: iostream error; [\d,]+ MB free on its disk\)"):
+        Trainer(tiny_base, shards["train"], shards["eval"], folder, TRAIN).run(progress=False)
+    assert [p.name for p in folder.glob("*.partial")] == []
+    clock = PhaseClock(tmp_path / "phases.json")
+    monkeypatch.setattr(Path, "write_text", lambda *args, **kwargs: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="the phase's own error"):  # not the clock's, which fails the same way after it
+        with clock.phase("train"):
+            raise OSError("the phase's own error")
+    with pytest.raises(OSError, match=r"phases\.json\.partial: cannot be written \(No space left on device\)"):
+        with clock.phase("train"):
+            pass
+
+
 def test_features_stop_between_shards_past_the_deadline_and_resume(tiny_base, features, tmp_path, monkeypatch):
     from core.training import features as extraction
 
@@ -289,6 +316,7 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
         (["--out", str(old), "--resume", "--arch", "eagle3"], "holds an eagle2 head; this --arch eagle3 run would replace it"),
         (["--out", str(third), "--resume"], "holds an eagle3 head; this --arch eagle2 run would replace it"),  # no report: told by its keys
         (["--out", str(tmp_path / "new"), "--work", str(prompts_file)], "is a file; name a folder"),
+        (["--out", str(tmp_path / "new"), "--work", str(tmp_path / "new")], "is the --out folder; give the run's work"),
         (["--out", str(tmp_path / "new"), "--work", str(prompts_file / "sub")], "--work"),
         (["--out", str(old), "--init-head", str(old), "--resume"], "is the --init-head folder"),
         (["--out", str(tmp_path / "new"), "--init-head", str(typo)], f"--init-head {typo}: no such folder"),
@@ -788,6 +816,15 @@ def test_notes_without_held_out_prompts_have_no_empty_row_or_figures(tiny_base, 
     notes = render_markdown({**report, "final_eval": empty})
     assert "| eval |" not in notes and "Final held-out" not in notes
     assert "No held-out figures: no held-out prompt has an answer of 2 tokens or more." in notes
+    # the notes say what this run did: its number of unrolled steps, its draft tokens, the answers the budget cut
+    assert "draft steps 1/2/3" in notes and "drafting from 24 of the base model's tokens" in notes
+    one_step = {**report, "draft_vocab": None, "training": {**report["training"], "params": {**report["training"]["params"], "unroll_steps": 1}},
+                "final_eval": {**empty, "positions": 10, "accuracy": [0.5], "chain_accuracy": [0.5]},
+                "data": {**report["data"], "planned_answers": 32, "unanswered": 20, "features_kept": False}}  # fmt: skip
+    notes = render_markdown(one_step)
+    assert "1/2/3" not in notes and "one draft step (no unrolled steps)" in notes and "1 unrolled step " in notes
+    assert "top-1 50.0% for step 1;" in notes and "draft tokens" not in notes and "drafting from the whole vocabulary" in notes
+    assert "the time budget stopped the answers at 12 of 32 planned" in notes
 
 
 def test_a_budget_spent_before_the_first_answer_is_a_budget_stop(tiny_base, prompts_file, tmp_path):

@@ -64,24 +64,37 @@ class PhaseClock:
 
         def save_every() -> None:
             while not stop.wait(self.SAVE_EVERY):
-                save_now()
+                try:
+                    save_now()
+                except OSError:  # a full disk: the phase's own writing says so; the time is saved at its end
+                    pass
 
         saver = threading.Thread(target=save_every, name="phase-clock", daemon=True)
         saver.start()
+        failed = True
         try:
             yield
+            failed = False
         finally:
             stop.set()
             saver.join()
-            save_now()
+            try:
+                save_now()
+            except OSError:
+                if not failed:
+                    raise  # else the error that stopped the phase is the one to tell
 
     def _save(self, name: str, seconds: float) -> None:
         with self.lock:
             self.seconds[name] = seconds
             self.path.parent.mkdir(parents=True, exist_ok=True)
             partial = self.path.with_name(self.path.name + ".partial")  # whole or not at all
-            partial.write_text(json.dumps(self.seconds, indent=2) + "\n")
-            partial.replace(self.path)
+            try:
+                partial.write_text(json.dumps(self.seconds, indent=2) + "\n")
+                partial.replace(self.path)
+            except OSError as error:
+                partial.unlink(missing_ok=True)
+                raise OSError(f"{partial}: cannot be written ({error.strerror or error})") from error
 
 
 class TrainingStopped(Exception):
@@ -214,7 +227,8 @@ def train_head(
         raise ValueError(
             f"nothing to train on: of the {len(answers)} answers, {held} answer held-out prompts (about "
             f"{feature_params.eval_fraction:.0%} of prompts, chosen by id) and {short} are shorter than 2 tokens; "
-            "give more prompts, or a larger --max-new-tokens; no head was written"
+            f"give more prompts, or a larger --max-new-tokens, with another --work (or delete {paths.work}: its answers "
+            "are kept for --resume, which keeps their settings); no head was written"
         )
     with clock.phase(f"training{suffix}"):
         trainer = Trainer(base, shards["train"], shards["eval"], paths.work / f"train{suffix}", train_params, kept_vocabulary)

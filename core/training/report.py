@@ -44,6 +44,17 @@ def _started_from(report: dict) -> list[str]:
     return [f"It started from the head in `{init_head}` (`--init-head`){kept}; the data below is this run's alone."]
 
 
+def _unanswered(data: dict) -> str:
+    """What the answers line adds where some planned answers were not made."""
+    unanswered, planned = data.get("unanswered", 0), data.get("planned_answers", 0)
+    if not unanswered:
+        return ""
+    if data.get("features_kept"):
+        return (f"; {unanswered} of the {planned} planned were not made: the features were taken from the answers made "
+                "before, and a resumed run keeps them")  # fmt: skip
+    return f"; the time budget stopped the answers at {planned - unanswered} of {planned} planned"
+
+
 def render_markdown(report: dict) -> str:
     data, training, phases = report["data"], report["training"], report["phases"]
     third = report.get("arch") == "eagle3"
@@ -53,18 +64,24 @@ def render_markdown(report: dict) -> str:
             f"{report.get('draft_vocab') or 'all'} draft tokens, no feature regression)"
         )
     else:
-        kind = "EAGLE-1/2 head (one decoder layer)"
+        drafted = f"drafting from {report['draft_vocab']:,} of the base model's tokens" if report.get("draft_vocab") else "drafting from the whole vocabulary"
+        kind = f"EAGLE-1/2 head (one decoder layer, {drafted})"
+    unroll = training["params"]["unroll_steps"]
+    steps = "/".join(str(k) for k in range(1, unroll + 1))
     lines = [
         f"# Draft head for {report['base_model']}",
         "",
         f"Self-distilled {kind}, trained by `python3 launch.py train-head`",
-        "(core/training/). Steps below are the unrolled draft steps 1/2/3 (EAGLE-3's training-time test).",
+        "(core/training/). "
+        + (f"Steps below are the unrolled draft steps {steps} (EAGLE-3's training-time test)." if unroll > 1 else
+           "Its figures are for one draft step (no unrolled steps)."),  # fmt: skip
         *_started_from(report),
         "",
         "## Data",
         f"- prompts: {data['prompts']} from `{data['prompts_file']}` ({data['eval_prompts']} held out for evaluation)",
         f"- answers: {data['answers']} ({data['samples_per_prompt']} planned per prompt, sample 0 greedy, the others at "
-        f"temperature {data['temperature']}; {100 * data['finished_fraction']:.0f}% ended before {data['max_new_tokens']} tokens)",
+        f"temperature {data['temperature']}; {100 * data['finished_fraction']:.0f}% ended before {data['max_new_tokens']} tokens)"
+        + _unanswered(data),
         f"- answer tokens: {data['answer_tokens']:,}; feature rows (prompts + answers): {data['feature_rows']:,} "
         f"in {data['shards']} shards, {data['feature_megabytes']:.1f} MB of bf16"
         + (" (three layers' inputs per row)" if third else ""),
@@ -77,7 +94,7 @@ def render_markdown(report: dict) -> str:
     lines.append(
         f"- AdamW lr {params['learning_rate']} (warm-up {training.get('warmup_steps', params['warmup_steps'])}, cosine to x{params['min_lr_ratio']}), "
         f"betas 0.9/0.95, gradient value clip {params['grad_clip']}, input noise +-{params['noise']} x rms, "
-        f"{params['unroll_steps']} unrolled steps (weights decay x{params['step_decay']}), "
+        f"{params['unroll_steps']} unrolled step{'s' if params['unroll_steps'] != 1 else ''} (weights decay x{params['step_decay']}), "
         f"{'bf16 autocast' if params['bf16'] else 'fp32'}, seed {params['seed']}"
     )
     columns = ["epoch", "step", "split", *([] if third else ["SmoothL1"]), "CE", "top-1 (teacher-forced)", "chain step accuracy"]
@@ -95,15 +112,17 @@ def render_markdown(report: dict) -> str:
     lines.append(
         "The table's figures are measured as the head trains (in its training precision"
         + ("; CE and top-1 over the draft vocabulary, at positions whose next token is in it)." if third else
-           "; top-1 over the whole vocabulary, before the head is cut to its draft tokens).")  # fmt: skip
+           "; top-1 over the whole vocabulary" + (", before the head is cut to its draft tokens)." if report.get("draft_vocab") else ")."))  # fmt: skip
     )
     final = report.get("final_eval")
     if final and final.get("positions"):
         lines += [
             "",
-            f"Final held-out, the written head as `eval-heads` judges it (float32; its draft tokens against the base "
+            f"Final held-out, the written head as `eval-heads` judges it (float32; "
+            f"{'its draft tokens' if report.get('draft_vocab') else 'its tokens'} against the base "
             f"model's greedy token over the whole vocabulary; {int(final['positions']):,} positions): top-1 "
-            f"{_percent(final['accuracy'])} for steps 1/2/3; in a greedy chain, step k is right "
+            f"{_percent(final['accuracy'])} for step{'s' if len(final['accuracy']) > 1 else ''} "
+            f"{'/'.join(str(k) for k in range(1, len(final['accuracy']) + 1))}; in a greedy chain, step k is right "
             f"{_percent(final['chain_accuracy'])} of the time when steps < k were.",
         ]
     elif final is not None:

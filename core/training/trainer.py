@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -425,7 +426,7 @@ class Trainer:
         from tqdm import tqdm
 
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", desc="train", disable=not progress)
-        started = time.time()
+        started, failed = time.time(), True
         try:
             if self.step and self.step % self.steps_per_epoch == 0 and self._epoch_unevaluated():
                 self._end_epoch(self.step // self.steps_per_epoch - 1)  # killed between the last step and its eval
@@ -435,6 +436,7 @@ class Trainer:
                 loaded, sequences = None, []
                 for shard, indices in plan[offset:]:
                     if (deadline is not None and time.time() > deadline) or self.step == stop_at:
+                        failed = False
                         return False
                     if shard != loaded:
                         sequences, loaded = read_shard(self.train_shards[shard]), shard
@@ -445,10 +447,15 @@ class Trainer:
                         self._save(started)
                         started = time.time()
                 self._end_epoch(epoch)
+            failed = False
             return True
         finally:  # every exit, Ctrl-C included, leaves a checkpoint
-            self._save(started)
             bar.close()
+            try:
+                self._save(started)
+            except OSError:
+                if not failed:
+                    raise  # else the error that stopped the run is the one to tell (a full disk: the same again)
 
     def _train_step(self, sequences: list[Sequence]) -> None:
         for group in self.optimizer.param_groups:
@@ -495,11 +502,12 @@ class Trainer:
         partial = self.folder / (CHECKPOINT + ".partial")
         try:
             torch.save(state, partial)
-        except (OSError, RuntimeError) as error:  # torch's own for a full disk names no file
-            if isinstance(error, RuntimeError) and "write" not in str(error).lower():  # not the file's writing
-                raise
+        except (OSError, RuntimeError) as error:  # torch's own for a full disk names no file, nor the disk
             partial.unlink(missing_ok=True)
-            raise OSError(f"{partial}: cannot be written ({getattr(error, 'strerror', None) or error})") from error
+            reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
+            if isinstance(error, RuntimeError):  # "basic_ios::clear: iostream error", "unexpected pos ..."
+                reason = f"{reason}; {shutil.disk_usage(self.folder).free / 1e6:,.0f} MB free on its disk"
+            raise OSError(f"{partial}: cannot be written ({reason})") from error
         partial.replace(self.folder / CHECKPOINT)  # over the last checkpoint (rename refuses that on Windows)
 
     def _load(self) -> None:
