@@ -544,11 +544,13 @@ def run_chat(args) -> int:
     engine = load_engine(args, with_head=args.mode != "vanilla")  # vanilla needs no head: not loaded, not compiled
     from core.engine import Reading
 
-    if tree.planned and args.mode in (None, "eagle2"):
+    mode = args.mode or ("eagle2" if "eagle2" in engine.modes else "vanilla")
+    if args.mode is None and engine.head is not None and mode == "vanilla":  # as the page and the API do
+        print(f"note: answering with vanilla decoding: {engine.speculation_problem()}", file=sys.stderr, flush=True)
+    if tree.planned and mode == "eagle2":
         from app.session import prepare_costs
 
         prepare_costs(engine)
-    mode = args.mode or ("eagle2" if engine.head is not None else "vanilla")
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]

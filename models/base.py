@@ -277,7 +277,16 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
         tokenizer = AutoTokenizer.from_pretrained(
             location, local_files_only=cache_only, **({"gguf_file": gguf_file} if gguf_file else {})
         )
-        model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **options)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **options)
+        except ValueError as error:
+            if "scaled_dot_product_attention" not in str(error):
+                raise
+            # an architecture transformers runs with its eager attention only (Gemma 2, Bloom, GPT-J): the
+            # model's own replies (vanilla), while tree passes, which need sdpa's masks, are not offered
+            log.info(f"{name}: transformers runs this architecture with eager attention only; vanilla decoding")
+            options["attn_implementation"] = "eager"
+            model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **options)
     except Exception as error:  # translated into one specific, readable error
         raise _explain(error, name, quantization) from error
     check_complete(info, name)
@@ -291,6 +300,11 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     if quantization in ("int4", "int8"):
         from models import int4, int8
 
+        if quantization in ("int4", "int8") and int8.decoder_layers(model) is None and not automatic:
+            raise QuantizationUnavailableError(
+                f"{name}: {quantization} replaces the linears of decoder layers kept as model.layers, and "
+                f"{type(model).__name__} keeps its layers otherwise; use none"
+            )
         if quantization == "int4" and not int4.fits(model):
             if not automatic:
                 raise QuantizationUnavailableError(

@@ -373,7 +373,10 @@ def kernel_available(device: torch.device) -> bool:
 def fits(model: nn.Module) -> bool:
     """Whether the kernel takes every decoder linear: input sizes a whole number
     of groups, output sizes a multiple of 16 (the packer's tile)."""
-    linears = [module for module in model.get_decoder().layers.modules() if isinstance(module, nn.Linear)]
+    layers = int8.decoder_layers(model)
+    if layers is None:
+        return False
+    linears = [module for module in layers.modules() if isinstance(module, nn.Linear)]
     return all(module.in_features % GROUP == 0 and module.out_features % 16 == 0 for module in linears)
 
 

@@ -528,9 +528,17 @@ def torch_kernel_takes(weight: torch.Tensor) -> bool:
     return takes(weight) and available(weight.device)
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers where the kernels replace linears (`model.layers` of
+    the decoder, as Llama-like models keep them), or None (GPT-2's `h`, say)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) and len(layers) else None
+
+
 def fits(model: nn.Module) -> bool:
     """Whether the int8 kernels take every decoder linear of `model`."""
-    return all(takes(linear.weight) for linear in _linears(model.get_decoder().layers))
+    layers = decoder_layers(model)
+    return layers is not None and all(takes(linear.weight) for linear in _linears(layers))
 
 
 def tiles_available() -> bool:

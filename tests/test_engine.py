@@ -353,7 +353,7 @@ def test_a_long_prompt_is_read_in_chunks_with_the_same_reply(engine64, monkeypat
 
 
 @pytest.mark.parametrize("window, refused", [(16, True), (4096, False)])
-def test_a_mistral_sliding_window_shorter_than_the_context_turns_speculation_off(tmp_path, window, refused):
+def test_a_mistral_sliding_window_shorter_than_the_context_turns_speculation_off(tmp_path, window, refused, capsys):
     """Mistral's config has no layer types: its window is read from sliding_window
     (Mistral-7B-v0.1: 4,096 of 32,768 positions), and tree passes do not model it."""
     folder = save_tiny_model(tmp_path / "m", "mistral", vocab_size=48, sliding_window=window)
@@ -367,6 +367,14 @@ def test_a_mistral_sliding_window_shorter_than_the_context_turns_speculation_off
         list(engine.stream(list(range(8, 40)), mode="eagle2", sampling=SamplingParams(max_new_tokens=8)))
     steps = list(engine.stream(list(range(8, 40)), mode="vanilla", sampling=SamplingParams(max_new_tokens=8)))
     assert steps[-1].finish_reason in ("stop", "length")  # vanilla decodes past the window
+    # the chat command given such a model and a head, no --mode: answered in vanilla, saying why, as the page and API do
+    from app.cli import main
+    from models.head import save_head
+
+    save_head(random_head(base.model, seed=1), tmp_path / "head")
+    assert main(["chat", "w1 w2", "--model", str(folder), "--head", str(tmp_path / "head"), "--dtype", "float64",
+                 "--temperature", "0", "--max-new-tokens", "4", "--threads", "1"]) == 0  # fmt: skip
+    assert "note: answering with vanilla decoding: speculative decoding does not support sliding-window" in capsys.readouterr().err
 
 
 def test_a_sliding_window_model_reads_a_long_prompt_in_one_forward(tmp_path, monkeypatch):

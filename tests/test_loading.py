@@ -508,3 +508,80 @@ def test_what_the_hub_answers_is_not_said_as_a_network_failure(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_config)
     with pytest.raises(HeadFormatError, match="owner/name: the repo has no config.json; not a draft head"):
         resolve_head_folder("owner/name")
+
+
+def save_other_model(folder: Path, config) -> Path:
+    """A tiny model of an architecture outside the tested four, with the tests' tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.factory import tiny_tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_a_model_without_llama_like_layers_runs_unquantized_and_refuses_what_needs_them(tmp_path):
+    """GPT-2 keeps its layers as `transformer.h`: int8/int4 asked for are refused
+    by name, auto keeps the weights as they are, and an EAGLE-3 head (whose
+    features are captured at model.layers) is refused; each had raised an
+    AttributeError traceback."""
+    from transformers import GPT2Config
+
+    from core.config import SamplingParams
+    from core.engine import Engine
+    from tests.factory import random_eagle3_head
+
+    folder = save_other_model(tmp_path / "gpt2", GPT2Config(vocab_size=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=4))
+    for quantization in ("int8", "int4"):
+        with pytest.raises(QuantizationUnavailableError, match=f"{quantization} replaces the linears of decoder layers kept as model.layers"):
+            load_base(str(folder), quantization=quantization, dtype="float32")
+    from models import int4, int8
+
+    base = load_base(str(folder), quantization="auto", dtype="float32")
+    assert base.quantization == "none" and not int8.fits(base.model) and not int4.fits(base.model)
+    steps = list(Engine(base).stream([5, 9, 10], "vanilla", SamplingParams(max_new_tokens=4)))
+    assert steps[-1].finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="where an EAGLE-3 head's features are captured; use an EAGLE-1/2 head"):
+        Engine(base, random_eagle3_head(base.model, layer_ids=(0, 1, 2)))
+
+
+def test_a_model_whose_forward_takes_no_tree_mask_runs_vanilla_without_a_head(tmp_path):
+    """Falcon with ALiBi fails a tree pass with an error of its own; the check of
+    exact rows had let it through only as NotImplementedError, so the model
+    loaded with a head (vanilla only) but not without one."""
+    from transformers import FalconConfig
+
+    from core.config import SamplingParams
+    from core.engine import Engine
+
+    config = FalconConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+                          new_decoder_architecture=False, multi_query=True, bos_token_id=1, eos_token_id=4)  # fmt: skip
+    base = load_base(str(save_other_model(tmp_path / "falcon", config)), quantization="none", dtype="float32")
+    engine = Engine(base)
+    assert engine.modes == ("vanilla",) and not engine.exact
+    steps = list(engine.stream([5, 9, 10], "vanilla", SamplingParams(max_new_tokens=4)))
+    assert steps[-1].finish_reason in ("stop", "length")
+
+
+def test_an_architecture_transformers_runs_with_eager_attention_only_decodes_vanilla(tmp_path):
+    """Gemma 2 has no sdpa attention in transformers: it was refused as "not
+    supported by transformers". It loads with eager attention and decodes its
+    own replies (vanilla), as transformers' generate does; tree passes are not offered."""
+    from transformers import Gemma2Config
+
+    from core.config import SamplingParams
+    from core.engine import Engine
+    from tests.factory import random_head
+
+    config = Gemma2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=4, pad_token_id=2)  # fmt: skip
+    base = load_base(str(save_other_model(tmp_path / "gemma2", config)), quantization="none", dtype="float32")
+    assert base.model.config._attn_implementation == "eager"
+    engine = Engine(base, random_head(base.model))
+    assert engine.modes == ("vanilla",) and engine.speculation_problem()
+    prompt = [5, 9, 10, 11, 20, 30]
+    ours = [token for step in engine.stream(prompt, "vanilla", SamplingParams(max_new_tokens=10)) for token in step.token_ids]
+    expected = base.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :].tolist()
+    assert ours == expected[: len(ours)] and len(ours) >= 1
