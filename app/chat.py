@@ -338,6 +338,7 @@ def stored(chat: dict) -> dict:
     return without(chat, TAKEN_BACK)
 
 
+TYPED_TEXT = "The message box holds text that Edit would replace: send it, or empty the box, first."
 EDIT_PENDING_TEXT = ("An edit is pending: send the edited message first, or open the chat again from Saved chats "
                      "to leave it as it was.")  # fmt: skip
 
@@ -788,16 +789,21 @@ class ChatHandlers:
             return notice_html(f"The saved chats could not be changed ({error}).")
         return ""
 
-    def edit_last(self, chat: dict | None, colour: bool) -> tuple:
+    def edit_last(self, chat: dict | None, colour: bool, typed: str | None = None) -> tuple:
         """Take back the last user message (and the reply to it) for editing.
         The saved chat keeps them until the edited message is sent (and again
         if that send fails), so a reload or another chat opened meanwhile
         loses nothing; from the send on, the saved chat holds the edited message.
+        `typed`: what the message box holds, which the message taken back would
+        replace: refused unless it is the one an earlier Edit put there.
         Outputs: message box, chatbot, chat state, notice."""
         if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), busy_notice()
         if self._stale(chat):
             return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+        put_back = (chat or {}).get(TAKEN_BACK) or [{}]
+        if typed and typed.strip() and typed != put_back[0].get("content"):
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(TYPED_TEXT)
         chat = copy.deepcopy(chat) if chat else new_chat()
         users = [i for i, m in enumerate(chat["messages"]) if m["role"] == "user"]
         if not users:

@@ -90,7 +90,7 @@ class Guard:
     def _refusal(self, scope, headers: dict) -> Response | None:
         if self.access.loopback and host_name(headers.get("host", "")) not in LOOPBACK_NAMES:
             shown = headers.get("host", "(none)")
-            return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers only to 127.0.0.1 and localhost").response()
+            return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers only to 127.0.0.1, localhost and ::1").response()
         if not is_api(scope["path"]):
             return None  # the page: Gradio checks its own origins and login
         origin = headers.get("origin")

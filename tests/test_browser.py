@@ -202,7 +202,7 @@ def test_regenerate_while_a_reply_is_written_is_refused_at_once(page, data_dir):
     assert chats[0]["messages"][-1]["stats"]["tokens"] == 6 and len(chats[0]["messages"]) == 2
     assert chats[0]["messages"][-1]["earlier"][0]["stats"]["finish_reason"] == "cancelled"  # the replaced reply is kept
     page.locator("#earlier-reply").click()  # and shown again
-    page.locator("#notice").get_by_text("2 kept for this message").wait_for(timeout=10_000)
+    page.locator("#notice").get_by_text("2 are kept for this message").wait_for(timeout=10_000)
     chat = json.loads((data_dir / "chats" / f"{kept[0]['id']}.json").read_text())
     assert chat["messages"][-1]["content"] == kept[0]["messages"][-1]["content"]
     assert " ".join(kept[0]["messages"][-1]["content"].split())[:20] in " ".join(assistant_text(page).split())
@@ -230,6 +230,13 @@ def test_send_or_enter_while_a_reply_is_written_is_refused_and_keeps_the_text(pa
         saved = [json.loads(path.read_text()) for path in (data_dir / "chats").glob("*.json")]
         kept = [chat for chat in saved if chat["messages"] and chat["messages"][0]["content"] == f"w4 w{number}"]
         assert len(kept) == 1 and [m["role"] for m in kept[0]["messages"]] == ["user", "assistant"]
+    # Edit would put the last message in the box in place of the typed text: refused, the text kept
+    page.locator("#edit").click()
+    page.locator("#notice").get_by_text("holds text that Edit would replace").wait_for(timeout=5_000)
+    assert box.input_value() == "w6 w7"
+    box.fill("")
+    page.locator("#edit").click()  # an empty box takes the message
+    page.wait_for_function("document.querySelector('#message textarea').value === 'w4 w1'", timeout=5_000)
     box.fill("")
 
 

@@ -161,7 +161,10 @@ def test_edit_keeps_the_saved_exchange_until_the_edited_message_is_sent(handlers
     # a reload before sending shows the chat whole: nothing is lost
     reloaded = ChatHandlers(Runtime(engine), Store(store.folder)).restore()[-4]
     assert reloaded["messages"] == store.load_chat(chat["id"])["messages"] and len(reloaded["messages"]) == 4
-    edited_again = handlers.edit_last(edited, True)  # a second Edit takes back the exchange before
+    # a second Edit takes back the exchange before, in place of the text the first put in the box; but not of text typed there
+    assert handlers.edit_last(edited, True, "w2 changed")[3] == chat_module.notice_html(chat_module.TYPED_TEXT)
+    assert handlers.edit_last(chat, True, "typed before any Edit")[3] == chat_module.notice_html(chat_module.TYPED_TEXT)
+    edited_again = handlers.edit_last(edited, True, "w2")
     assert edited_again[0] == "w1" and edited_again[2]["messages"] == [] and len(store.load_chat(chat["id"])["messages"]) == 4
     # sending the edited message replaces the exchange taken back, in this chat (not a copy)
     box, pending, _, state, notice = handlers.accept("w2 edited", edited, True)
