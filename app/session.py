@@ -31,15 +31,33 @@ def load_pair(
 ) -> Engine:
     """with_head False: the base model alone (vanilla decoding), no head loaded or compiled.
     A head that is missing or not a head is said before the base model loads (a large one takes minutes)."""
-    from models.head import head_files, resolve_head_folder
+    from models.head import check_fits_sizes, head_files, resolve_head_folder
 
     head_source = (head or default_head(model)) if with_head else None
     if head_source is not None:
         head_source = resolve_head_folder(str(head_source))
         head_files(head_source)
+        check_fits_sizes(head_source, *folder_sizes(model))
     base = load_base(model, quantization, dtype, device)
     draft_head = None if head_source is None else load_draft_head(base, head_source)
     return Engine(base, draft_head, head or "bundled", compile)
+
+
+def folder_sizes(model: str | None) -> tuple[int | None, int | None]:
+    """(hidden size, vocabulary) from a local model folder's config.json, read
+    before its weights; None for what it does not say, or for a repo id or GGUF file."""
+    import json
+
+    from models.paths import user_path
+
+    try:
+        settings = json.loads((user_path(model) / "config.json").read_text(encoding="utf-8")) if model else None
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(settings, dict):
+        return None, None
+    sizes = [settings.get(name) for name in ("hidden_size", "vocab_size")]
+    return tuple(size if isinstance(size, int) and not isinstance(size, bool) else None for size in sizes)
 
 
 def load_draft_head(base, source, dtype=None):

@@ -443,6 +443,21 @@ def holds_a_head(folder: Path) -> bool:
     return not layered and ("fc.weight" in keys or any(key.startswith("midlayer.") for key in keys))
 
 
+def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | None) -> None:
+    """What load_head checks of a head against its base model's sizes, from the
+    head's config and keys alone: said before a large base model loads, not
+    after. EAGLE-3 heads, which may be narrower than their base, are left to
+    load_head; a size not known (None) is not checked."""
+    from models import eagle3
+
+    config, file = head_files(folder)
+    keys = head_keys(folder) or []
+    if hidden_size is not None and eagle3.MARKER not in keys and config.hidden_size != hidden_size:
+        raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
+    if vocab_size is not None and config.vocab_size != vocab_size:
+        raise HeadFormatError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
+
+
 def head_keys(folder: Path) -> list[str] | None:
     """A head folder's weight keys, read without its tensors; None where it holds no readable head."""
     try:

@@ -357,6 +357,16 @@ def test_a_bad_head_is_said_before_the_base_model_loads(tmp_path, monkeypatch, t
         (tmp_path / "missing", ModelNotFoundError, "no such draft-head folder"),
         (tiny_dir, HeadFormatError, "a whole model's weights"),
     ]
+    from models.head import save_head
+    from tests.factory import random_head, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    for name, changes in (("wide", {"hidden_size": 96}), ("words", {"vocab_size": 80})):  # a head made for another base
+        save_head(random_head(AutoModelForCausalLM.from_config(tiny_config(**changes))), tmp_path / name)
+    cases += [
+        (tmp_path / "wide", HeadFormatError, "head hidden_size 96 != base model hidden size 64"),
+        (tmp_path / "words", HeadFormatError, "head vocab_size 80 != base model vocabulary 64"),
+    ]
     for head, error, message in cases:
         with pytest.raises(error, match=message):
             session.load_pair(str(tiny_dir), str(head))
