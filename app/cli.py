@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -262,7 +263,7 @@ def main(argv: list[str]) -> int:
 
     from models.errors import KestrelError
 
-    if args.command in ("train-head", "ui", "bench-app"):
+    if args.command in ("train-head", "ui", "bench-app", "bench"):
         # kill, logout, shutdown or a closed terminal end these as Ctrl-C does:
         # train-head saves its checkpoint and clock, the page saves the replies being written, bench-app stops its server
         import signal
@@ -321,21 +322,27 @@ def stop_on_interrupt():
     import threading
 
     stop = threading.Event()
-    previous = signal.getsignal(signal.SIGINT)
-    # only where Ctrl+C would raise: an ignored SIGINT (a background job) stays ignored
-    if threading.current_thread() is not threading.main_thread() or previous is not signal.default_int_handler:
+    if threading.current_thread() is not threading.main_thread():
         yield stop
         return
+    # only where the signal would raise: an ignored SIGINT (a background job) stays ignored; a kill or
+    # hang-up where main() made them raise as Ctrl+C does (bench) stops the decoding the same way
+    previous = {number: signal.getsignal(number) for number in
+                [signal.SIGINT, *(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))]}  # fmt: skip
+    taken = [number for number, handler in previous.items() if handler in (signal.default_int_handler, _interrupted)]
 
     def interrupted(signum, frame):
         stop.set()
-        signal.signal(signal.SIGINT, previous)
+        for number in taken:  # a second signal raises at once
+            signal.signal(number, previous[number])
 
-    signal.signal(signal.SIGINT, interrupted)
+    for number in taken:
+        signal.signal(number, interrupted)
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number in taken:
+            signal.signal(number, previous[number])
 
 
 def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
@@ -785,6 +792,7 @@ def run_bench_command(args) -> int:
     from app.session import load_draft_head, prepare_costs
     from app.store import write_atomic
     from core.bench import BenchCancelled, check_head_named, format_table, head_of, parse_mode, run_bench
+    from core.config import TreeParams
     from core.engine import Engine
     from models.head import head_files, local_head_folder
 
@@ -798,6 +806,7 @@ def run_bench_command(args) -> int:
             raise ValueError(f"--other-head names {name} twice ({others[name]} and {source})")
         others[name] = source
     for mode in modes:
+        parse_mode(mode, TreeParams())  # a mode that takes no head is said as such, before any head's name
         check_head_named(mode, others)
     drafting = {head_of(mode) for mode in modes}
     unused = [name for name in others if name not in drafting]
@@ -814,13 +823,17 @@ def run_bench_command(args) -> int:
         raise ValueError("mode llama.cpp needs --llama-python: a Python with llama-cpp-python installed")
     if "llama.cpp" in modes and not sampling.greedy:
         raise ValueError("mode llama.cpp is measured greedy only; use --temperature 0")
-    planned = any(parse_mode(mode, tree)[0] == "eagle2" for mode in modes)
-    engine = load_engine(args)
+    if "llama.cpp" in modes and shutil.which(str(user_path(args.llama_python))) is None:
+        raise ValueError(f"--llama-python {args.llama_python}: no such program")
+    drafted = [(head_of(mode), *parse_mode(mode, tree)) for mode in modes]
+    own_head = any(head is None and mode in ("eagle", "eagle2") for head, mode, _ in drafted)  # else no head is loaded
+    planned = {head for head, mode, shape in drafted if mode == "eagle2" and shape.planned}  # the heads whose trees the costs size
+    engine = load_engine(args, with_head=own_head)
     other_heads = {
         name: Engine(engine.base, load_draft_head(engine.base, source), source, args.compile) for name, source in others.items()
     }
-    if args.calibrate or planned:
-        for chosen in [engine, *other_heads.values()]:
+    for name, chosen in [(None, engine), *other_heads.items()]:
+        if (args.calibrate and chosen.head is not None) or name in planned:
             prepare_costs(chosen, args.calibrate)
 
     def show(done: int, total: int, description: str) -> None:  # on the terminal only: a saved table stays clean
@@ -841,6 +854,8 @@ def run_bench_command(args) -> int:
                 if json_out:
                     write(stopped.result)
                     print(f"wrote {args.json_out} (the prompts finished before the interrupt)")
+            elif json_out and json_out.exists():  # not this run's: say so, rather than leave it to pass for one
+                print(f"no prompt finished; {args.json_out} was not written (the file there is an earlier run's)")
             raise KeyboardInterrupt from None
     print(format_table(result))
     if json_out:

@@ -191,7 +191,8 @@ def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: Sa
         def __call__(self, input_ids, scores, **kwargs):
             return torch.full((input_ids.shape[0],), cancel is not None and cancel.is_set(), dtype=torch.bool, device=input_ids.device)
 
-    options = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(engine.stop_ids), pad_token_id=0,
+    room = engine.context_limit - len(prompt_ids)  # where Kestrel's modes stop too (finish_reason "context")
+    options = dict(max_new_tokens=min(sampling.max_new_tokens, room), eos_token_id=sorted(engine.stop_ids), pad_token_id=0,
                    stopping_criteria=StoppingCriteriaList([Cancelled()]))  # fmt: skip
     if sampling.greedy:
         options["do_sample"] = False
@@ -237,6 +238,7 @@ def run_bench(
     timed with the conversation read afresh. Later turns' rows are named
     ID#2, ID#3, ..."""
     other_heads = other_heads or {}
+    warmup = min(warmup, len(prompts))  # as many as run (and as the result records)
     engines = {}
     for label in modes:
         mode, _ = parse_mode(label, tree)
@@ -245,16 +247,24 @@ def run_bench(
         engines[label] = other_heads[name] if name else engine
         if mode in MODES and mode not in engines[label].modes:
             raise ValueError(f"mode {mode} needs a draft head; give --head")
+    names = {prompt.id for prompt in prompts}
+    for prompt in prompts:  # a later turn's row is named ID#N: no prompt may already be called so
+        for turn in range(2, min(turns, 1 + len(prompt.follow_ups)) + 1):
+            if f"{prompt.id}#{turn}" in names:
+                raise ValueError(f"prompt {prompt.id}#{turn}: the rows of prompt {prompt.id}'s turn {turn} are named so in a "
+                                 "--turns run; rename that prompt")  # fmt: skip
     encoded = [engine.encode([{"role": "user", "content": prompt.text}]) for prompt in prompts]
     for prompt, ids in zip(prompts, encoded):  # before anything runs, not when its turn comes
         if len(ids) >= engine.context_limit:
             raise ValueError(f"prompt {prompt.id}: {len(ids)} tokens; the model's context window is {engine.context_limit}")
     stick = LlamaStick(llama_python, engine, sampling) if "llama.cpp" in modes else None
     rows, total, done = [], len(prompts) * len(modes), 0
+    left_out = []  # conversations with a turn past the context window: every mode's rows of them dropped
 
     def check_cancel() -> None:  # a prompt whose rows are cut short does not count: only finished prompts do
         if cancel is not None and cancel.is_set():
-            raise BenchCancelled(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns) if rows else None)
+            raise BenchCancelled(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns,
+                                              left_out=left_out) if rows else None)  # fmt: skip
 
     try:
         for ids in encoded[:warmup]:
@@ -263,7 +273,7 @@ def run_bench(
                 run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=16), tree, stick, cancel)
         for prompt, ids in zip(prompts, encoded):
             measured = []  # this prompt's rows, kept once every mode has run it in full
-            for mode in modes:
+            for index, mode in enumerate(modes):
                 if progress:
                     progress(done, total, f"{prompt.id} / {mode}")
                 check_cancel()
@@ -272,17 +282,29 @@ def run_bench(
                     check_cancel()
                     measured.append({"id": prompt.id, "source": prompt.source, "mode": mode, **result})
                 else:
-                    measured += _conversation(engines[mode], prompt, mode, sampling, tree, stick, cancel, turns, check_cancel)
+                    try:
+                        measured += _conversation(engines[mode], prompt, mode, sampling, tree, stick, cancel, turns, check_cancel)
+                    except TurnTooLong as error:  # the modes would be compared over different turns: none is kept
+                        left_out.append(str(error))
+                        measured, done = None, done + len(modes) - index
+                        break
                 done += 1
-            rows += measured
+            rows += measured or []
             if partial is not None and done < total:
-                partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns))
+                partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns, left_out=left_out))
     finally:
         if stick is not None:
             stick.close()
     if progress:
         progress(total, total, "done")
-    return bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=True, turns=turns)
+    if not rows and left_out:
+        raise ValueError(f"every conversation has a turn past the context window ({left_out[0]}, ...); use fewer --turns "
+                         "or a smaller --max-new-tokens")  # fmt: skip
+    return bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=True, turns=turns, left_out=left_out)
+
+
+class TurnTooLong(ValueError):
+    """A later turn of a conversation that does not fit the context window (its length depends on the replies before it)."""
 
 
 def _conversation(engine: Engine, prompt: BenchPrompt, label: str, sampling, tree, stick, cancel, turns: int, check_cancel) -> list[dict]:
@@ -295,7 +317,8 @@ def _conversation(engine: Engine, prompt: BenchPrompt, label: str, sampling, tre
         messages.append({"role": "user", "content": text})
         ids = engine.encode(messages)
         if len(ids) + 1 >= engine.context_limit:
-            raise ValueError(f"prompt {prompt.id}, turn {turn}: {len(ids)} tokens; the model's context window is {engine.context_limit}")
+            raise TurnTooLong(f"prompt {prompt.id}, turn {turn} ({label}): {len(ids)} tokens, past the model's context window of "
+                              f"{engine.context_limit}")  # fmt: skip
         extra = {"turn": turn, "prompt_tokens": len(ids)}
         if ours and turn > 1:
             extra["fresh_first_token_seconds"] = fresh_first_token_seconds(engine, ids, label, sampling, tree)
@@ -338,11 +361,13 @@ def bench_result(
     *,
     complete: bool,
     turns: int = 1,
+    left_out: list[str] | None = None,
 ) -> dict:
     """The JSON-ready result of the rows measured (every mode of each finished
     prompt); engines: the engine of each mode label."""
     modes = tuple(engines)
     summary = summarize(rows, modes, sampling)
+    summary["left_out"] = list(left_out or [])
     # how planned drafts' measured times relate to the cost table's (core/calibration.DraftTiming)
     summary["draft_timing"] = {}
     for label in modes:
@@ -463,10 +488,11 @@ def format_table(result: dict) -> str:
     if summary["speedup"] is not None:
         identical = summary["identical_fraction"]
         lines.append(f"eagle2 speedup {summary['speedup']:.2f}x, tau {summary['mean_accepted_length']:.2f}, "
-                     f"identical_fraction {'n/a (sampled without a seed)' if identical is None else identical}")  # fmt: skip
+                     f"identical_fraction {'n/a (sampled without a seed)' if identical is None else f'{identical:.2f}'}")  # fmt: skip
+    replies = "replies" if result["settings"].get("turns", 1) > 1 else "prompts"  # a --turns run compares each turn's reply
     for mode, fraction in summary.get("identical_fraction_by_mode", {}).items():
-        if mode != "eagle2" and fraction < 1:
-            lines.append(f"note: {mode}'s replies differ from vanilla's on {1 - fraction:.0%} of the prompts, "
+        if fraction < 1:
+            lines.append(f"note: {mode}'s replies differ from vanilla's on {1 - fraction:.0%} of the {replies}, "
                          "so its tokens/s times other text")  # fmt: skip
     greedy = sampling["temperature"] == 0 or sampling["top_k"] == 1 or sampling["top_p"] == 0
     if not greedy and sampling["seed"] is not None:
@@ -477,9 +503,11 @@ def format_table(result: dict) -> str:
                      "takes much of a reply's time); raise --max-new-tokens for speed figures")  # fmt: skip
     for mode, later in summary.get("later_turns", {}).items():
         kept, fresh = later["first_token_seconds"], later["fresh_first_token_seconds"]
-        lines.append(f"{mode}, {later['turns']} later turns: first token after {kept / later['turns']:.2f} s on average with the kept caches "
+        lines.append(f"{mode}, {later['turns']} later turn{'s' if later['turns'] != 1 else ''}: first token after {kept / later['turns']:.2f} s on average with the kept caches "
                      f"({later['reused_tokens']:,} of {later['prompt_tokens']:,} prompt tokens kept), {fresh / later['turns']:.2f} s read afresh"
                      + (f" ({fresh / kept:.1f}x)" if kept > 0 else ""))  # fmt: skip
+    for reason in summary.get("left_out", []):
+        lines.append(f"note: left out, {reason}: every mode's rows of that conversation are dropped")
     for source, taus in summary["tau_by_source"].items():
         lines.append(f"tau on {source}: " + ", ".join(f"{m} {t:.2f}" for m, t in taus.items() if t is not None))
     return "\n".join(lines)

@@ -118,7 +118,7 @@ def test_sampled_bench_compares_replies_made_with_one_seed(tiny_base, tmp_path):
     assert result["summary"]["identical_fraction"] == 1.0
     assert result["summary"]["identical_fraction_by_mode"] == {"eagle2": 1.0}
     table = format_table(result)
-    assert "identical_fraction 1.0" in table and "sampled with seed 7 (--seed 7 repeats it)" in table
+    assert "identical_fraction 1.00" in table and "sampled with seed 7 (--seed 7 repeats it)" in table
     assert "note: the replies average" in table and "too few to time well" in table  # 8 tokens at most
     again = run_bench(engine, load_prompts(path), ("vanilla", "generate"), sampling, warmup=0)
     def generated(run):
@@ -356,3 +356,70 @@ def test_bench_app_refuses_modes_the_page_cannot_run_before_starting_a_server(ca
         main(["bench-app", "--max-new-tokens", "2049"])
     assert "--max-new-tokens: must be from 1 to 2048" in capsys.readouterr().err
     assert appbench.fresh_reads(Path(__file__).resolve().parent.parent) == ["--no-kept-caches"] and appbench.fresh_reads(tmp_path) == []  # an older Kestrel has no such option
+
+
+def test_a_conversation_past_the_context_window_is_left_out_and_baselines_stop_where_kestrel_does(tiny_base, tmp_path):
+    """A later turn that no longer fits (its length depends on the replies)
+    ended the whole run without a table; the other prompts are kept now. And
+    transformers' generate ran past the window where Kestrel's modes stop,
+    timing other work."""
+    engine = Engine(tiny_base, random_head(tiny_base.model, seed=3))
+    words = lambda count, start: " ".join(f"w{(start + i) % 50}" for i in range(count))  # noqa: E731
+    path = write_prompts(tmp_path / "p.jsonl", [
+        {"id": "long", "turns": [words(40, 0), words(100, 7), words(100, 13)]}, {"id": "short", "turns": ["w7 w8", "w9"]},
+    ])  # fmt: skip
+    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2", "generate"), SamplingParams(max_new_tokens=12),
+                       TreeParams(10, 3, 3), warmup=5, turns=3)  # fmt: skip
+    assert sorted({row["id"] for row in result["prompts"]}) == ["short", "short#2"]
+    assert len(result["summary"]["left_out"]) == 1 and result["summary"]["left_out"][0].startswith("prompt long, turn 3 (vanilla)")
+    assert "note: left out, prompt long, turn 3 (vanilla)" in format_table(result) and result["settings"]["warmup"] == 2
+    # a prompt 16 tokens short of the window: every mode stops there, generate too
+    near = write_prompts(tmp_path / "near.jsonl", [{"id": "near", "turns": [words(engine.context_limit - 16 - 8, 3)]}])
+    prompt_tokens = len(engine.encode([{"role": "user", "content": load_prompts(near)[0].text}]))
+    result = run_bench(engine, load_prompts(near), ("vanilla", "generate", "prompt-lookup"), SamplingParams(max_new_tokens=64), warmup=0)
+    tokens = {row["mode"]: row["tokens"] for row in result["prompts"]}
+    assert max(tokens.values()) <= engine.context_limit - prompt_tokens and tokens["generate"] == tokens["vanilla"]
+    assert result["summary"]["identical_fraction_by_mode"] == {"generate": 1.0, "prompt-lookup": 1.0}
+    # a prompt named as another's later turn would share its rows
+    clash = write_prompts(tmp_path / "clash.jsonl", [{"id": "a", "turns": ["w1", "w2"]}, {"id": "a#2", "turns": ["w3"]}])
+    with pytest.raises(ValueError, match="prompt a#2: the rows of prompt a's turn 2 are named so"):
+        run_bench(engine, load_prompts(clash), ("vanilla",), SamplingParams(max_new_tokens=4), warmup=0, turns=2)
+
+
+def test_bench_loads_no_head_for_modes_without_one_and_refuses_bad_options_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
+    from app import session
+    from app.cli import main
+
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "turns": ["w1 w2"]}])
+    common = ["bench", "--prompts", str(path), "--model", str(tiny_dir), "--dtype", "float64", "--warmup", "0", "--max-new-tokens", "4"]
+    assert main([*common, "--modes", "vanilla,generate", "--head", str(tmp_path / "no-head")]) == 0  # none is loaded
+    assert "vanilla" in capsys.readouterr().out
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(session, "load_base", loaded)
+    for options, message in (
+        (["--modes", "generate@x"], "only eagle and eagle2 draft with a head"),  # not "give --other-head x=...", which fails next
+        (["--modes", "vanilla,llama.cpp", "--llama-python", str(tmp_path / "no-python")], "no such program"),
+    ):
+        assert main([*common, *options]) == 2 and message in capsys.readouterr().err
+
+
+def test_a_kill_stops_a_bench_as_ctrl_c_does():
+    """SIGTERM (a time limit, a scheduler) ended bench at once, with no table:
+    where main() makes it raise as Ctrl+C does, it stops the decoding instead."""
+    import os
+    import signal
+
+    from app.cli import _interrupted, stop_on_interrupt
+
+    before = signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        with stop_on_interrupt() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.is_set()
+            assert signal.getsignal(signal.SIGTERM) is _interrupted  # a second one raises at once
+        assert signal.getsignal(signal.SIGTERM) is _interrupted
+    finally:
+        signal.signal(signal.SIGTERM, before)
