@@ -221,5 +221,7 @@ def format_rows(rows: list[dict]) -> str:
             if group:
                 rate = statistics.median(row["tokens_per_s"] for row in group)
                 ratio = statistics.median(row["vs_chat_command"] for row in group)
-                lines.append(f"{way:<32} {mode:<8} {group[-1]['tokens']:>6} {rate:>9.1f} {ratio:>7.2f}x")
+                counts = sorted({row["tokens"] for row in group})  # the same each round, unless a reply differed
+                tokens = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+                lines.append(f"{way:<32} {mode:<8} {tokens:>6} {rate:>9.1f} {ratio:>7.2f}x")
     return "\n".join(lines)

@@ -202,6 +202,8 @@ def test_bench_app_reads_the_chat_command_and_server_lines_and_shows_medians():
     table = format_rows(rows).splitlines()
     assert table[1].split()[-2:] == ["11.0", "1.00x"]
     assert table[2].split()[-2:] == ["7.0", "0.70x"]  # medians of three rounds
+    rows[-1]["tokens"] = 12  # a round whose reply came out longer: the range, not the last round's count
+    assert format_rows(rows).splitlines()[2].split()[-3:] == ["10-12", "7.0", "0.70x"]
 
 
 def test_a_crashing_llama_cpp_helper_is_reported_as_a_crash(tmp_path):
