@@ -375,12 +375,33 @@ def working_in(work: Path, command: str):
 
     lock = DataLock(work, LOCK_FILE)
     if not lock.acquire():
-        raise ValueError(f"{work}: another {command} run is working in this folder; wait for it to end, or choose another "
-                         f"{'--out/--work' if command == 'train-head' else '--work'}")  # fmt: skip
+        raise ValueError(busy_text(work, lock.holder(), command))
+    lock.announce(command)  # for a refused second run to name
     try:
         yield
     finally:
         lock.release()
+
+
+def busy_text(work: Path, holder: str, command: str) -> str:
+    """The refusal of a run in a work folder that another run holds."""
+    other = f"{holder} run" if holder in ("train-head", "long-prompts") else "Kestrel command"
+    return (f"{work}: another {other} is working in this folder; wait for it to end, or choose another "
+            f"{'--out/--work' if command == 'train-head' else '--work'}")  # fmt: skip
+
+
+def held_by(work: Path) -> str | None:
+    """The command holding `work` now (working_in), or None where none does."""
+    from app.store import DataLock
+    from core.training.work import LOCK_FILE
+
+    if not (work / LOCK_FILE).is_file():
+        return None
+    lock = DataLock(work, LOCK_FILE)
+    if lock.acquire():
+        lock.release()
+        return None
+    return lock.holder()
 
 
 def training_work(args) -> Path:
@@ -643,6 +664,9 @@ def run_train_head(args) -> int:
     if work.resolve() == out.resolve():  # the head among gigabytes of features, deleted with them
         raise ValueError(f"--work {args.work}: is the --out folder; give the run's work (answers, features, checkpoints) "
                          "a folder of its own, or leave --work out (OUT/work)")  # fmt: skip
+    holder = held_by(work)
+    if holder is not None:  # before what its work there looks like to this run
+        raise ValueError(busy_text(work, holder, "train-head"))
     earlier_run = holds_a_run(work)
     if earlier_run and not args.resume:
         raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
@@ -845,7 +869,8 @@ def run_bench_command(args) -> int:
     with stop_on_interrupt() as stop:
         try:
             result = run_bench(
-                engine, prompts, modes, sampling, tree, args.warmup, show if sys.stderr.isatty() else None, args.llama_python,
+                engine, prompts, modes, sampling, tree, args.warmup, show if sys.stderr.isatty() else None,
+                str(user_path(args.llama_python)) if args.llama_python else None,  # as checked above: ~ expanded
                 other_heads, partial=write if json_out else None, cancel=stop, turns=args.turns,
             )  # fmt: skip
         except BenchCancelled as stopped:

@@ -290,7 +290,7 @@ def run_bench(
                         break
                 done += 1
             rows += measured or []
-            if partial is not None and done < total:
+            if partial is not None and done < total and rows:  # none yet: a conversation left out comes first
                 partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns, left_out=left_out))
     finally:
         if stick is not None:
@@ -451,7 +451,7 @@ def summarize(rows: list[dict], modes: tuple[str, ...], sampling: SamplingParams
         identical = {
             mode: sum(outputs[(i, mode)] == outputs[(i, "vanilla")] for i in ids) / len(ids)
             for mode in modes
-            if mode != "vanilla" and (sampling.greedy or totals[mode]["mean_accepted_length"] is not None)
+            if ids and mode != "vanilla" and (sampling.greedy or totals[mode]["mean_accepted_length"] is not None)
         }
         summary["identical_fraction"] = identical.get("eagle2")
         summary["identical_fraction_by_mode"] = identical

@@ -369,12 +369,15 @@ def test_a_conversation_past_the_context_window_is_left_out_and_baselines_stop_w
     words = lambda count, start: " ".join(f"w{(start + i) % 50}" for i in range(count))  # noqa: E731
     path = write_prompts(tmp_path / "p.jsonl", [
         {"id": "long", "turns": [words(40, 0), words(100, 7), words(100, 13)]}, {"id": "short", "turns": ["w7 w8", "w9"]},
+        {"id": "last", "turns": ["w3"]},
     ])  # fmt: skip
+    written = []  # the JSON after each prompt but the last: none while no prompt is kept (the left-out one came first)
     result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2", "generate"), SamplingParams(max_new_tokens=12),
-                       TreeParams(10, 3, 3), warmup=5, turns=3)  # fmt: skip
-    assert sorted({row["id"] for row in result["prompts"]}) == ["short", "short#2"]
+                       TreeParams(10, 3, 3), warmup=5, turns=3, partial=lambda r: written.append(json.loads(json.dumps(r))))  # fmt: skip
+    assert [sorted({row["id"] for row in partial["prompts"]}) for partial in written] == [["short", "short#2"]]
+    assert sorted({row["id"] for row in result["prompts"]}) == ["last", "short", "short#2"]
     assert len(result["summary"]["left_out"]) == 1 and result["summary"]["left_out"][0].startswith("prompt long, turn 3 (vanilla)")
-    assert "note: left out, prompt long, turn 3 (vanilla)" in format_table(result) and result["settings"]["warmup"] == 2
+    assert "note: left out, prompt long, turn 3 (vanilla)" in format_table(result) and result["settings"]["warmup"] == 3
     # a prompt 16 tokens short of the window: every mode stops there, generate too
     near = write_prompts(tmp_path / "near.jsonl", [{"id": "near", "turns": [words(engine.context_limit - 16 - 8, 3)]}])
     prompt_tokens = len(engine.encode([{"role": "user", "content": load_prompts(near)[0].text}]))

@@ -749,7 +749,7 @@ def test_long_prompts_refuses_another_models_answers_a_second_run_and_passages_l
     assert f"--work {prompts_file}: is a file" in capsys.readouterr().err
     lock = DataLock(work, LOCK_FILE)
     assert lock.acquire()  # as a run working there holds it
-    assert main(options) == 2 and "another long-prompts run is working in this folder" in capsys.readouterr().err
+    assert main(options) == 2 and "another Kestrel command is working in this folder" in capsys.readouterr().err
     lock.release()
     assert main(options) == 0
     other = save_tiny_model(tmp_path / "other", "qwen3", seed=5)
@@ -916,9 +916,14 @@ def test_a_second_run_in_a_work_folder_is_refused_while_the_first_works(tmp_path
     work = tmp_path / "head" / "work"
     lock = DataLock(work, LOCK_FILE)
     assert lock.acquire()  # the first run, working
+    lock.announce("long-prompts")
     assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "head")]) == 2
-    assert f"{work}: another train-head run is working in this folder" in capsys.readouterr().err
+    assert f"{work}: another long-prompts run is working in this folder" in capsys.readouterr().err
+    (work / "answers.jsonl").write_text("")  # once it has written answers: still said as busy, not as an earlier run to --resume
+    assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "head")]) == 2
+    assert f"{work}: another long-prompts run is working in this folder" in capsys.readouterr().err
     lock.release()
+    (work / "answers.jsonl").unlink()
     assert not holds_a_run(work)  # the lock's file alone is no run to resume
     with pytest.raises(AssertionError, match="the model must not load"):
         main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "head")])

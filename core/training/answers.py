@@ -182,7 +182,6 @@ def drop_partial_line(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-@torch.inference_mode()
 def derived_seed(seed: int, index: int, factor: int = 1_000_003) -> int:
     """The seed of one batch, step or epoch of a run seeded `seed`: distinct
     per index, and within what torch's generators take for any --seed (a
@@ -191,6 +190,7 @@ def derived_seed(seed: int, index: int, factor: int = 1_000_003) -> int:
     return (seed * factor + index) % 2**63
 
 
+@torch.inference_mode()
 def answer_batch(base, batch, params: AnswerParams, stops: list[int], pad: int, seed: int) -> list[Answer]:
     """One generate call; greedy and sampled pairs never share a batch row's
     settings, so a mixed batch is split in two."""
