@@ -298,6 +298,19 @@ def saved_plots(stats: dict | None) -> tuple:
     return render.depth_frame(None, rates), render.rate_frame([tuple(p) for p in points])
 
 
+def saved_sampling(stats: dict | None) -> SamplingParams:
+    """The sampling settings a stored reply was made with (greedy where they
+    are not stored, or not valid: a hand-edited file)."""
+    settings = (stats or {}).get("settings") if isinstance(stats, dict) else None
+    if not isinstance(settings, dict):
+        return SamplingParams()
+    chosen = {name: settings[name] for name in ("temperature", "top_p", "top_k") if render.is_number(settings.get(name))}
+    try:
+        return SamplingParams(**chosen)
+    except (TypeError, ValueError):
+        return SamplingParams()
+
+
 def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
     tokens, forwards = chat["session"]["tokens"], chat["session"]["forwards"]
     if reply is not None and reply.snapshot is not None:
@@ -989,11 +1002,16 @@ class ChatHandlers:
 
     def plots_of(self, chat: dict | None) -> tuple:
         """The depth and rate charts of the chat's last reply as saved (a page
-        reloaded, a kept reply shown by Earlier reply), or empty charts while a
-        reply is written. Outputs: depth plot, rate plot."""
+        reloaded, a kept reply shown by Earlier reply), and the calibration the
+        loaded model has learned so far under that reply's sampling settings (as
+        a reply shows it: the model's, over every request); nothing while a reply
+        is written. Outputs: depth plot, rate plot, calibration plot."""
         if not chat or self._busy(chat):
-            return gr.skip(), gr.skip()
-        return saved_plots(last_reply_stats(chat))
+            return gr.skip(), gr.skip(), gr.skip()
+        stats = last_reply_stats(chat)
+        engine = self.runtime.engine
+        curve = engine.calibration_curve(saved_sampling(stats)) if engine is not None else []
+        return *saved_plots(stats), render.calibration_frame(curve)
 
     def restore_page(self) -> tuple:
         """At page load: restore's outputs, then the saved mode where the model

@@ -87,10 +87,12 @@ def verdict_html(
     lines = []
     if "eagle2" in replies and base:
         lines.append(f"EAGLE-2 speedup: <b id='verdict-speedup'>{replies['eagle2'].snapshot.tokens_per_s / base:.2f}x</b>")
-    shortest = min(reply.snapshot.tokens for reply in replies.values())
-    if shortest < SHORT_REPLY:
-        lines.append(f"<span id='verdict-short'>The shortest reply has {shortest} tokens, too short to time well (reading "
-                     "the prompt takes much of its time); for a speed comparison let the replies run longer (Max new tokens).</span>")  # fmt: skip
+    shortest = min(replies.values(), key=lambda reply: reply.snapshot.tokens)
+    if shortest.snapshot.tokens < SHORT_REPLY:
+        longer = ("let the replies run longer (Max new tokens)" if shortest.finish_reason == "length" else
+                  "ask for a longer answer (this one ended on its own)")  # fmt: skip
+        lines.append(f"<span id='verdict-short'>The shortest reply has {shortest.snapshot.tokens} tokens, too short to time well "
+                     f"(reading the prompt takes much of its time); for a speed comparison {longer}.</span>")  # fmt: skip
     if not greedy:
         with_seed = "" if seed is None else f" with seed {seed}"
         lines.append(f"Sampled{with_seed} in every mode: one seed makes the same sample whatever trees were drafted.")
@@ -143,7 +145,7 @@ def speculation_refused(engine, what: str) -> str | None:
 class CompareHandlers:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
-        self.pending: dict[str, str] = {}  # tab's cancel key -> "compare" or "benchmark", from the click to the run's end
+        self.pending: dict[str, str] = {}  # a run's cancel key -> "compare" or "benchmark", from the click to the run's end
 
     def arm(self, request: gr.Request = None) -> tuple:
         """Compare pressed, before the run waits for the model: this tab's Stop is
@@ -154,13 +156,19 @@ class CompareHandlers:
 
     def arm_benchmark(self, request: gr.Request = None) -> tuple:
         """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice."""
-        self._armed(request, "benchmark")  # its progress bar shows over the table once it runs
-        return None, None, None, "Waiting for the model..." if self.runtime.queue.busy else ""
+        self._armed(request, "benchmark")  # its progress bar says "Waiting for the model...", then how far it got
+        return None, None, None, ""
 
     def _armed(self, request, kind: str) -> None:
-        key = compare_key(request)
-        self.runtime.cancel_event(key).clear()
+        key = compare_key(request, kind)  # the tab's comparison and benchmark each have their own: arming one
+        self.runtime.cancel_event(key).clear()  # leaves a Stop pressed for the other as it was
         self.pending[key] = kind
+
+    def forget(self, request: gr.Request = None) -> None:
+        """A browser tab closed: its comparison and benchmark stop (running or
+        waiting), rather than hold the model for a page no one reads."""
+        for kind in ("compare", "benchmark"):
+            self.runtime.cancel(compare_key(request, kind))
 
     def compare(self, prompt: str, with_eagle: bool, request: gr.Request, *values) -> Iterator[tuple]:
         """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict. The tab's
@@ -168,7 +176,7 @@ class CompareHandlers:
         try:
             yield from self._compare(prompt, with_eagle, request, values)
         finally:
-            self.pending.pop(compare_key(request), None)
+            self.pending.pop(compare_key(request, "compare"), None)
 
     def _compare(self, prompt: str, with_eagle: bool, request, values) -> Iterator[tuple]:
         prompt = (prompt or "").strip()
@@ -185,7 +193,7 @@ class CompareHandlers:
         modes = ("vanilla", "eagle", "eagle2") if with_eagle else ("vanilla", "eagle2")
         panes = {mode: "" for mode in ("vanilla", "eagle", "eagle2")}
         replies: dict[str, Reply] = {}
-        cancel = self.runtime.cancel_event(compare_key(request))
+        cancel = self.runtime.cancel_event(compare_key(request, "compare"))
         messages = [{"role": "user", "content": prompt}]
         yield *panes.values(), "Running vanilla..."
         for mode in modes:
@@ -222,10 +230,10 @@ class CompareHandlers:
     def stop(self, request: gr.Request = None) -> tuple:
         """Compare's Stop: this tab's comparison or benchmark, never its chat reply nor another tab's run.
         Outputs: verdict, benchmark notice ("Stopping..." at once where a run is on or waits for the model)."""
-        key = compare_key(request)
-        self.runtime.cancel(key)
-        running = self.pending.get(key)
-        return tuple("Stopping..." if running == kind else gr.skip() for kind in ("compare", "benchmark"))
+        keys = {kind: compare_key(request, kind) for kind in ("compare", "benchmark")}
+        for key in keys.values():
+            self.runtime.cancel(key)
+        return tuple("Stopping..." if self.pending.get(key) == kind else gr.skip() for kind, key in keys.items())
 
     def benchmark(self, upload, limit: int, request: gr.Request, *values, progress=gr.Progress()) -> tuple:
         """Outputs: summary table, tokens/s bar chart, full result (JSON), notice.
@@ -233,10 +241,10 @@ class CompareHandlers:
         try:
             return self._benchmark(upload, limit, request, values, progress)
         finally:
-            self.pending.pop(compare_key(request), None)
+            self.pending.pop(compare_key(request, "benchmark"), None)
 
     def _benchmark(self, upload, limit: int, request, values, progress) -> tuple:
-        cancel = self.runtime.cancel_event(compare_key(request))
+        cancel = self.runtime.cancel_event(compare_key(request, "benchmark"))
         try:
             from core.bench import BenchCancelled, run_bench
             from core.prompt import load_prompts
@@ -250,6 +258,8 @@ class CompareHandlers:
                 prompts = load_prompts(path, limit=int(limit) if limit else None)
             except ValueError as error:  # named as the user knows the file, not by Gradio's copy of it
                 raise ValueError(str(error).replace(str(path), Path(path).name)) from None
+            if self.runtime.queue.busy:  # over the table, where its progress shows once it runs
+                progress(None, desc="Waiting for the model...")
             with self.runtime.queue.turn(cancel):
                 result = run_bench(
                     engine, prompts, ("vanilla", "eagle2"), options.sampling, options.tree, warmup=1,
@@ -272,15 +282,16 @@ class CompareHandlers:
             note += f"EAGLE-2 output identical to vanilla on {100 * identical:.0f}% of the prompts."
         if int(limit or 0) > len(prompts):
             held = "1 prompt; it was" if len(prompts) == 1 else f"{len(prompts)} prompts; all were"
-            note = f"{note} The file holds {held} run."
+            where = "The file holds" if upload else "The built-in prompts are"
+            note = f"{note} {where} {held} run."
         return summary_frame(result), speed_frame(result), result, note
 
 
-def compare_key(request: gr.Request | None) -> str:
-    """The cancel signal of a tab's Compare runs: one per browser tab (Gradio's
-    session), apart from the chat's (chat.py uses the chat id) and other tabs'."""
+def compare_key(request: gr.Request | None, kind: str = "compare") -> str:
+    """The cancel signal of a tab's comparison or benchmark: one each per browser
+    tab (Gradio's session), apart from the chat's (chat.py uses the chat id) and other tabs'."""
     session = getattr(request, "session_hash", None)
-    return f"compare:{session or 'local'}"
+    return f"{kind}:{session or 'local'}"
 
 
 def summary_frame(result: dict) -> pd.DataFrame:

@@ -65,7 +65,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                         )  # fmt: skip
                         notice = gr.HTML(elem_id="notice")
                         with gr.Row():
-                            message = gr.Textbox(placeholder="Message (Enter to send)", show_label=False, scale=5, elem_id="message")
+                            message = gr.Textbox(placeholder="Message (Enter to send)", label="Message", show_label=False, scale=5, elem_id="message")
                             send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
                             stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
                         with gr.Row():
@@ -92,7 +92,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                         )  # fmt: skip
                         calibration_plot = gr.LinePlot(
                             render.calibration_frame([]), x="draft confidence", y="accepted", color="series",
-                            x_lim=[0, 1], y_lim=[0, 1], title="Calibration: drafted nodes accepted, by draft confidence",
+                            x_lim=[0, 1], y_lim=[0, 1], title="Accepted, by draft confidence",
                             height=200, elem_id="calibration-plot",
                         )  # fmt: skip
                         with gr.Accordion("Decoding settings", open=True):
@@ -119,7 +119,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 gr.Markdown("One prompt through vanilla decoding, then EAGLE-2, one after the other, "
                             "with the decoding settings of the Chat tab.")  # fmt: skip
                 with gr.Row():
-                    prompt = gr.Textbox(placeholder="Prompt to compare", show_label=False, scale=5, elem_id="compare-prompt")
+                    prompt = gr.Textbox(placeholder="Prompt to compare (Enter to run)", label="Prompt to compare", show_label=False, scale=5,
+                                        elem_id="compare-prompt")  # fmt: skip
                     run_compare = gr.Button("Compare", variant="primary", scale=1, elem_id="compare-run")
                     stop_compare = gr.Button("Stop", variant="stop", scale=1, elem_id="compare-stop")
                 with_eagle = gr.Checkbox(False, label="Also run EAGLE (static tree)")
@@ -143,7 +144,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                         limit = gr.Slider(1, 80, 4, step=1, label="Prompts to run", elem_id="bench-limit")
                     run_bench = gr.Button("Run benchmark", elem_id="bench-run")
                     bench_notice = gr.HTML(elem_id="bench-notice")
-                    bench_table = gr.Dataframe(label="Summary", interactive=False, elem_id="bench-table")
+                    bench_table = gr.Dataframe(headers=["mode", "tokens", "seconds", "tokens/s", "tau", "speedup"], label="Summary",
+                                               interactive=False, elem_id="bench-table")  # fmt: skip
                     bench_chart = gr.BarPlot(x="mode", y="tokens/s", y_lim=[0, None], sort=[MODE_LABELS[m] for m in MODES], title="Tokens/s",
                                              height=200, elem_id="bench-chart")  # as the table: vanilla first
                     bench_json = gr.JSON(label="Full result", open=False)
@@ -192,7 +194,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         ).then(**refresh)
         stop.click(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
         demo.unload(chat.forget_session)  # a closed tab's waiting Send or Regenerate no longer holds its chat
-        saved_plots = {"fn": chat.plots_of, "inputs": chat_state, "outputs": [depth_plot, rate_plot], "show_progress": "hidden", "api_name": False}
+        demo.unload(compare.forget)  # ... nor its comparison or benchmark the model
+        saved_plots = {"fn": chat.plots_of, "inputs": chat_state, "outputs": [depth_plot, rate_plot, calibration_plot],
+                       "show_progress": "hidden", "api_name": False}  # fmt: skip
         earlier.click(chat.earlier_reply, [chat_state, colour], [chatbot, chat_state, stats, notice], show_progress="hidden").then(
             **refresh
         ).then(**saved_plots)
@@ -228,7 +232,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         # Compare and the benchmark release the tab's Stop at the click (arm), not when their turn
         # comes: a Stop pressed while they wait for the model then applies
         panes = [pane_vanilla, pane_eagle, pane_eagle2, verdict]
-        run_compare.click(compare.arm, None, panes, concurrency_limit=None, show_progress="hidden", api_name=False).then(
+        gr.on([run_compare.click, prompt.submit], compare.arm, None, panes, concurrency_limit=None, show_progress="hidden", api_name=False).then(
             compare.compare, [prompt, with_eagle, *controls], panes, api_name="compare", **STREAM
         )  # fmt: skip
         stop_compare.click(compare.stop, None, [verdict, bench_notice], concurrency_limit=None, show_progress="hidden")

@@ -141,7 +141,9 @@ def test_chat_streams_reply_and_live_stats(page):
     page.wait_for_function(
         """() => {
             const labels = [...document.querySelectorAll('#depth-plot svg text')].map((t) => t.textContent.trim());
-            return labels.includes('1') && labels.includes('2')
+            const measured = [...document.querySelectorAll('#calibration-plot path[aria-label]')]
+                .filter((m) => m.getAttribute('aria-label').includes('series: measured'));
+            return labels.includes('1') && labels.includes('2') && measured.length > 0
                 && document.querySelectorAll('#rate-plot path[aria-label]').length > 0;
         }""",
         timeout=15_000,
@@ -347,7 +349,7 @@ def test_compare_shows_both_panes_and_verdict(page):
     settings(page, 30)  # the Chat tab's settings apply to Compare
     page.get_by_role("tab", name="Compare").click()
     page.locator("#compare-prompt textarea").fill("w4 w5")
-    page.locator("#compare-run").click()
+    page.locator("#compare-prompt textarea").press("Enter")  # as Compare does
     page.locator("#verdict").wait_for(timeout=60_000)
     assert page.locator("#pane-vanilla .kestrel-pane").inner_text().strip()
     assert page.locator("#pane-eagle2 .kestrel-pane").inner_text().strip()

@@ -106,9 +106,11 @@ def test_a_chat_opened_or_reloaded_draws_its_last_replys_charts_again(handlers, 
         assert [list(p) for p in zip(plots[1]["seconds"], plots[1]["tokens/s"])] == saved["rate_points"]
     broken = store.load_chat(chat["id"])
     broken["messages"][-1]["stats"].update(acceptance_by_depth="high", rate_points=[[1.0, "fast"]])  # a hand-edited file
-    depth, rate = handlers.plots_of(broken)
+    depth, rate, _ = handlers.plots_of(broken)
     assert len(depth) == 0 and len(rate) == 0
-    assert [is_skip(p) for p in handlers.plots_of(None)] == [True, True]
+    assert [is_skip(p) for p in handlers.plots_of(None)] == [True, True, True]
+    calibration = handlers.plots_of(store.load_chat(chat["id"]))[2]  # the model's, as the reply left it
+    assert len(calibration[calibration["series"] == "measured"].dropna()) > 0
 
 
 def test_stop_ends_reply_within_a_step(handlers, engine):
@@ -576,6 +578,15 @@ def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
     assert vanilla and eagle and eagle2
     assert "identical to vanilla" in verdict and "verdict-eagle2-tps" in verdict
     assert "too short to time well" in verdict  # 20 tokens at most
+    # the way to longer replies: the token limit where the shortest reply reached it, else a prompt that asks for more
+    from app.compare import verdict_html
+
+    def short(finish_reason: str) -> Reply:
+        return Reply(snapshot=Snapshot(5, 2, 0.1, 0.01, 50.0, 2.5, 0.0, 0.0, ()), finish_reason=finish_reason)
+
+    ended = verdict_html({"vanilla": short("stop"), "eagle2": short("stop")}, True)
+    assert "ask for a longer answer (this one ended on its own)" in ended and "Max new tokens" not in ended
+    assert "let the replies run longer (Max new tokens)" in verdict_html({"vanilla": short("length"), "eagle2": short("length")}, True)
     verdict = list(CompareHandlers(Runtime(engine)).compare("w3 w4", False, None, *values(max_new_tokens=60)))[-1][3]
     tokens = [int(n) for n in re.findall(r'-tau">[^<]*</td><td class="value">(\d+)</td>', verdict)]
     assert len(tokens) == 2 and ("too short" in verdict) == (min(tokens) < compare_module.SHORT_REPLY)
@@ -678,7 +689,17 @@ def test_stop_pressed_while_a_comparison_waits_for_the_model_applies(engine):
     assert verdict == "Stopping..." and is_skip(bench_notice)  # said at once, not when the turn would come
     updates = list(compare.compare("w4 w5", False, tab("mine"), *values(max_new_tokens=200)))
     assert updates[-1][3] == "Stopped." and not any(update[0] for update in updates)  # not even the first token
-    assert compare.arm_benchmark(tab("mine")) == (None, None, None, "")  # the model is free: its progress bar says the rest
+    # a comparison stopped while it waits stays stopped when the benchmark is pressed next (they shared one signal)
+    compare.arm(tab("mine"))
+    compare.stop(tab("mine"))
+    compare.arm_benchmark(tab("mine"))
+    assert list(compare.compare("w4 w5", False, tab("mine"), *values(max_new_tokens=200)))[-1][3] == "Stopped."
+    compare.benchmark(None, 1, tab("mine"), *values(max_new_tokens=8), progress=no_progress)
+    # a tab closed while its comparison waits: it never runs
+    compare.arm(tab("closed"))
+    compare.forget(tab("closed"))
+    assert list(compare.compare("w4 w5", False, tab("closed"), *values(max_new_tokens=200)))[-1][3] == "Stopped."
+    assert compare.arm_benchmark(tab("mine")) == (None, None, None, "")  # its progress bar says the rest
     assert compare.stop(tab("mine"))[1] == "Stopping..."
     assert compare.benchmark(None, 1, tab("mine"), *values(max_new_tokens=8), progress=no_progress) == (
         None, None, None, "Stopped before the benchmark started."
