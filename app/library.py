@@ -188,7 +188,8 @@ class LibraryHandlers:
     def heads(self) -> dict:
         engine = self.runtime.engine
         choices = trained_heads(self.heads_dir, engine.base.name, engine.model.config) if engine is not None else []
-        return gr.update(choices=choices, value=None)
+        where = f"head folders in {self.heads_dir} made for the loaded base model (train-head --out there)"
+        return gr.update(choices=choices, value=None, info=where if choices else f"none yet: {where}")
 
     def pick(self, name: str) -> tuple:
         """A catalog row fills the model and head boxes. Outputs: model, head."""
@@ -248,7 +249,8 @@ class LibraryHandlers:
         """Outputs: status, notice, mode selector."""
         try:
             with self.runtime.queue.turn():
-                self.runtime.unload()
+                held = self.runtime.unload()
         except KestrelError as error:
             return self.status(), render.escape(str(error)), gr.skip()
-        return self.status(), "Unloaded; memory freed.", gr.update(choices=mode_choices(["vanilla"]), value="vanilla")
+        said = "Unloaded; memory freed." if held else "No model is loaded; there was nothing to unload."
+        return self.status(), said, gr.update(choices=mode_choices(["vanilla"]), value="vanilla")

@@ -189,10 +189,13 @@ class Runtime:
         free_memory()
         return engine
 
-    def unload(self) -> None:
+    def unload(self) -> bool:
+        """Drop the model (or the one waiting to load); whether there was one."""
         with self._lock:
+            held = self._engine is not None or self._loader is not None
             self._engine, self._loader = None, None
         free_memory()
+        return held
 
     def cancel(self, key: str | None) -> None:
         """Stop the request of one browser session, running or waiting."""

@@ -161,9 +161,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     if memory_gb else f"Detected memory: {memory_kind}."
                 )  # fmt: skip
                 gr.Dataframe(catalog_frame(memory_gb), interactive=False, label="Catalog")
-                entry = gr.Dropdown([e.name for e in catalog.CATALOG], label="Catalog entry", value=None)
+                entry = gr.Dropdown([e.name for e in catalog.CATALOG], label="Catalog entry", value=None, elem_id="catalog-entry")
                 with gr.Row():
-                    model_box = gr.Textbox(label="Base model (repo id, local folder or .gguf file; empty = bundled default)")
+                    model_box = gr.Textbox(label="Base model (repo id, local folder or .gguf file; empty = bundled default)", elem_id="model-box")
                     head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
                 trained = gr.Dropdown(
                     [], label=f"{TRAINED_LABEL} (overrides the head box)",
@@ -244,6 +244,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
 
         wanted_mode = gr.State(None)  # the mode this tab's user picked (or saved), given back when a model has it again
         entry.input(library.pick, entry, [model_box, head_box])
+        for box in (model_box, head_box):  # typed over: the boxes no longer hold the entry shown
+            box.input(lambda: None, None, entry, show_progress="hidden", api_name=False)
         load.click(library.load_here, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode, wanted_mode], **MODEL).then(
             library.heads, None, trained
         )  # fmt: skip

@@ -478,6 +478,13 @@ def test_models_tab(page):
     page.get_by_text("Vicuna-13B v1.3").first.wait_for(timeout=10_000)
     assert "llama" in page.locator("#model-status").inner_text().lower() or page.locator("#model-status").inner_text()
     screenshot(page, "models")
+    # a catalog entry fills the boxes; typing over them leaves the entry no longer shown as chosen
+    page.locator("#catalog-entry input").click()
+    page.get_by_role("option").filter(has_text="Vicuna-13B").first.click()
+    page.wait_for_function("document.querySelector('#model-box textarea').value !== ''", timeout=10_000)
+    assert page.locator("#catalog-entry input").input_value()
+    page.locator("#model-box textarea").press_sequentially("x")
+    page.wait_for_function("document.querySelector('#catalog-entry input').value === ''", timeout=10_000)
 
 
 # A reply as models write them: every markdown construct that colouring could break.

@@ -845,8 +845,10 @@ def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store,
     status, notice, mode = library.load(str(tiny_dir), "", None, "none", "float32")
     assert notice == "Loaded." and runtime.engine is not engine and mode["choices"] == [("vanilla", "vanilla")]
     assert calls == [("cpu", "off")] * 2
-    *_, mode = library.unload()
+    _, notice, mode = library.unload()
     assert runtime.engine is None and mode["choices"] == [("vanilla", "vanilla")] and library.heads()["choices"] == []
+    assert notice == "Unloaded; memory freed." and library.heads()["info"].startswith("none yet: head folders in")
+    assert library.unload()[1] == "No model is loaded; there was nothing to unload."  # not "Unloaded" again
     final = list(ChatHandlers(runtime, store).send("w1", new_chat(), "", *values()))[-1]
     assert "No model is loaded" in final[3] and final[0] == "w1"
     status, notice, _ = library.load(str(tmp_path / "missing"), "", None, "none", "float32")
