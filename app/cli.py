@@ -669,7 +669,7 @@ def run_train_head(args) -> int:
         raise ValueError(busy_text(work, holder, "train-head"))
     earlier_run = holds_a_run(work)
     if earlier_run and not args.resume:
-        raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
+        raise ValueError(earlier_run_text(work))
     # what the run writes into --out: an earlier run's (resumed) or someone's own files are not replaced unasked
     holds_head = any((out / name).exists() for name in (CONFIG_FILE, *WEIGHT_FILES, REPORT_FILE, NOTES_FILE))
     if args.init_head:
@@ -695,8 +695,12 @@ def run_train_head(args) -> int:
     check_writable(str(out / "model.safetensors"), "--out")
     with working_in(work, "train-head"):
         if holds_a_run(work) and not args.resume:  # one that started since the check above, and has ended
-            raise ValueError(f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work")
+            raise ValueError(earlier_run_text(work))
         return train_in(args, out, work)
+
+
+def earlier_run_text(work: Path) -> str:
+    return f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work"
 
 
 def train_in(args, out: Path, work: Path) -> int:

@@ -294,20 +294,19 @@ def compare_key(request: gr.Request | None, kind: str = "compare") -> str:
     return f"{kind}:{session or 'local'}"
 
 
+SUMMARY_COLUMNS = ("mode", "tokens", "seconds", "tokens/s", "tau", "speedup")  # the benchmark's table, also before a run
+
+
 def summary_frame(result: dict) -> pd.DataFrame:
     base = result["modes"].get("vanilla", {}).get("tokens_per_s")
     rows = []
     for mode, totals in result["modes"].items():
         tau = totals.get("mean_accepted_length")
-        rows.append({
-            "mode": MODE_LABELS.get(mode, mode),
-            "tokens": totals["tokens"],
-            "seconds": round(totals["seconds"], 2),
-            "tokens/s": round(totals["tokens_per_s"], 1),
-            "tau": None if tau is None else round(tau, 2),
-            "speedup": round(totals["tokens_per_s"] / base, 2) if base else None,
-        })  # fmt: skip
-    return pd.DataFrame(rows)
+        rows.append((
+            MODE_LABELS.get(mode, mode), totals["tokens"], round(totals["seconds"], 2), round(totals["tokens_per_s"], 1),
+            None if tau is None else round(tau, 2), round(totals["tokens_per_s"] / base, 2) if base else None,
+        ))  # fmt: skip
+    return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
 
 
 def speed_frame(result: dict) -> pd.DataFrame:

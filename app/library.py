@@ -188,8 +188,12 @@ class LibraryHandlers:
     def heads(self) -> dict:
         engine = self.runtime.engine
         choices = trained_heads(self.heads_dir, engine.base.name, engine.model.config) if engine is not None else []
-        where = f"head folders in {self.heads_dir} made for the loaded base model (train-head --out there)"
-        return gr.update(choices=choices, value=None, info=where if choices else f"none yet: {where}")
+        return gr.update(choices=choices, value=None, info=self.heads_info if choices else f"none yet: {self.heads_info}")
+
+    @property
+    def heads_info(self) -> str:
+        """Where the trained-heads list looks."""
+        return f"head folders in {self.heads_dir} made for the loaded base model (train-head --out there)"
 
     def pick(self, name: str) -> tuple:
         """A catalog row fills the model and head boxes. Outputs: model, head."""

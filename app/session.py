@@ -31,13 +31,12 @@ def load_pair(
 ) -> Engine:
     """with_head False: the base model alone (vanilla decoding), no head loaded or compiled.
     A head that is missing or not a head is said before the base model loads (a large one takes minutes)."""
-    from models.head import check_fits_sizes, head_files, resolve_head_folder
+    from models.head import check_fits_sizes, resolve_head_folder
 
     head_source = (head or default_head(model)) if with_head else None
     if head_source is not None:
         head_source = resolve_head_folder(str(head_source))
-        head_files(head_source)
-        check_fits_sizes(head_source, *folder_sizes(model))
+        check_fits_sizes(head_source, *folder_sizes(model))  # its files read (head_files), and its sizes
     base = load_base(model, quantization, dtype, device)
     draft_head = None if head_source is None else load_draft_head(base, head_source)
     return Engine(base, draft_head, head or "bundled", compile)

@@ -14,7 +14,7 @@ import gradio as gr
 
 from app import render
 from app.chat import MODE_LABELS, RANGES, ChatHandlers, default_settings, mode_choices
-from app.compare import CompareHandlers
+from app.compare import SUMMARY_COLUMNS, CompareHandlers
 from app.library import DTYPE_CHOICES, MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, error_text, remembered_model
 from app.runtime import Runtime
 from app.server import LOCALHOST, Access, Server, new_api_key
@@ -144,7 +144,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                         limit = gr.Slider(1, 80, 4, step=1, label="Prompts to run", elem_id="bench-limit")
                     run_bench = gr.Button("Run benchmark", elem_id="bench-run")
                     bench_notice = gr.HTML(elem_id="bench-notice")
-                    bench_table = gr.Dataframe(headers=["mode", "tokens", "seconds", "tokens/s", "tau", "speedup"], label="Summary",
+                    bench_table = gr.Dataframe(headers=list(SUMMARY_COLUMNS), label="Summary",
                                                interactive=False, elem_id="bench-table")  # fmt: skip
                     bench_chart = gr.BarPlot(x="mode", y="tokens/s", y_lim=[0, None], sort=[MODE_LABELS[m] for m in MODES], title="Tokens/s",
                                              height=200, elem_id="bench-chart")  # as the table: vanilla first
@@ -167,7 +167,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
                 trained = gr.Dropdown(
                     [], label=f"{TRAINED_LABEL} (overrides the head box)",
-                    info=f"head folders in {library.heads_dir} made for the loaded base model (train-head --out there)",
+                    info=library.heads_info,
                 )  # fmt: skip
                 with gr.Row():
                     quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF where Kestrel's kernel is built, else int8 where it is faster")

@@ -15,11 +15,13 @@ from contextlib import contextmanager
 
 import torch
 
+from models import int8
+
 
 class LayerCapture:
     def __init__(self, model, layer_ids: tuple[int, ...]):
         decoder = model.get_decoder()
-        if not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList) or not hasattr(decoder, "norm"):
+        if int8.decoder_layers(model) is None or not hasattr(decoder, "norm"):
             raise ValueError(f"{type(model).__name__} keeps its decoder layers otherwise than as model.layers and "
                              "model.norm, where an EAGLE-3 head's features are captured; use an EAGLE-1/2 head")  # fmt: skip
         layers = len(decoder.layers)

@@ -318,10 +318,8 @@ class Engine:
         self._use_exact(True)
         try:
             exact = rows_differing(self.model) == 0
-        except NotImplementedError:  # an attention feature the row-invariant one does not model
-            exact = False
-        except Exception:  # a model whose forward takes no tree mask (Falcon's ALiBi): vanilla only, as it was
-            exact = False
+        except Exception:  # NotImplementedError: an attention feature the row-invariant one does not model; any
+            exact = False  # other: a forward that takes no tree mask (Falcon's ALiBi), vanilla only as it was
         if not exact:
             self._use_exact(False)
         self.argmax.row_by_row = exact  # unscreened greedy choices then take one lm_head row at a time

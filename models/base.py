@@ -300,7 +300,7 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     if quantization in ("int4", "int8"):
         from models import int4, int8
 
-        if quantization in ("int4", "int8") and int8.decoder_layers(model) is None and not automatic:
+        if int8.decoder_layers(model) is None and not automatic:
             raise QuantizationUnavailableError(
                 f"{name}: {quantization} replaces the linears of decoder layers kept as model.layers, and "
                 f"{type(model).__name__} keeps its layers otherwise; use none"

@@ -44,6 +44,11 @@ def _started_from(report: dict) -> list[str]:
     return [f"It started from the head in `{init_head}` (`--init-head`){kept}; the data below is this run's alone."]
 
 
+def _steps(count: int) -> str:
+    """"1/2/3": the draft steps 1 to `count`."""
+    return "/".join(str(k) for k in range(1, count + 1))
+
+
 def _unanswered(data: dict) -> str:
     """What the answers line adds where some planned answers were not made."""
     unanswered, planned = data.get("unanswered", 0), data.get("planned_answers", 0)
@@ -67,13 +72,12 @@ def render_markdown(report: dict) -> str:
         drafted = f"drafting from {report['draft_vocab']:,} of the base model's tokens" if report.get("draft_vocab") else "drafting from the whole vocabulary"
         kind = f"EAGLE-1/2 head (one decoder layer, {drafted})"
     unroll = training["params"]["unroll_steps"]
-    steps = "/".join(str(k) for k in range(1, unroll + 1))
     lines = [
         f"# Draft head for {report['base_model']}",
         "",
         f"Self-distilled {kind}, trained by `python3 launch.py train-head`",
         "(core/training/). "
-        + (f"Steps below are the unrolled draft steps {steps} (EAGLE-3's training-time test)." if unroll > 1 else
+        + (f"Steps below are the unrolled draft steps {_steps(unroll)} (EAGLE-3's training-time test)." if unroll > 1 else
            "Its figures are for one draft step (no unrolled steps)."),  # fmt: skip
         *_started_from(report),
         "",
@@ -122,7 +126,7 @@ def render_markdown(report: dict) -> str:
             f"{'its draft tokens' if report.get('draft_vocab') else 'its tokens'} against the base "
             f"model's greedy token over the whole vocabulary; {int(final['positions']):,} positions): top-1 "
             f"{_percent(final['accuracy'])} for step{'s' if len(final['accuracy']) > 1 else ''} "
-            f"{'/'.join(str(k) for k in range(1, len(final['accuracy']) + 1))}; in a greedy chain, step k is right "
+            f"{_steps(len(final['accuracy']))}; in a greedy chain, step k is right "
             f"{_percent(final['chain_accuracy'])} of the time when steps < k were.",
         ]
     elif final is not None:
