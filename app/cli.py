@@ -699,6 +699,9 @@ def run_train_head(args) -> int:
         return train_in(args, out, work)
 
 
+NO_HEAD_YET = 75  # sysexits' EX_TEMPFAIL: nothing to use yet, --resume goes on; a script's `&&` stops here
+
+
 def earlier_run_text(work: Path) -> str:
     return f"{work}: holds an earlier run; pass --resume to continue it, or choose another --out/--work"
 
@@ -732,7 +735,7 @@ def train_in(args, out: Path, work: Path) -> int:
         report = train_head(base, paths, answers, FeatureParams(), params, budget, draft_vocab=args.draft_vocab or None)
     except (FeaturesStopped, TrainingStopped) as stop:  # no head yet: its training has not started
         print(f"stopped by the time budget ({stop}); no head was written; run again with --resume to continue ({work})")
-        return 0
+        return NO_HEAD_YET
     training, data, final = report["training"], report["data"], report["final_eval"]
     if final["accuracy"]:
         held_out = (

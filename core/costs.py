@@ -158,6 +158,16 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def where(name: str | None) -> str | None:
+    """A model or head as the cache knows it: a local folder by its full path
+    (`./head` from two working folders is two heads, `head` and `./head/` one),
+    anything else (a hub id) as given."""
+    if name is None:
+        return None
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
 def cache_key(
     device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str,
     compiled: bool = False, row_kernel: str | None = None, int4_kernel: str | None = None, draft_kernel: str | None = None,

@@ -283,7 +283,7 @@ class Engine:
             return self.costs
         base = self.base
         key = costs.cache_key(
-            base.device, base.name, self.head_name, base.dtype, base.quantization,
+            base.device, costs.where(base.name), costs.where(self.head_name), base.dtype, base.quantization,
             compiled=self.compiled is not None, graphs=self.graphed is not None and self.graphed.problem is None, row_kernel=self._row_kernel(),
             int4_kernel=int4.kernel_of(self.model), draft_kernel=self._draft_kernel(), screen=self._screen_route(),
         )  # fmt: skip

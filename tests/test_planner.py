@@ -327,6 +327,15 @@ def test_costs_are_measured_once_and_remeasured_when_the_setup_changes(tiny_dir,
     monkeypatch.setattr(Engine, "_screen_route", lambda self: "tiles")  # the one-row screen measured faster elsewhere
     Engine(base, random_head(base.model)).prepare_costs()
     assert len(measured) == 6
+    for folder in ("a/head", "b/head"):
+        (tmp_path / "w" / folder).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "w" / "a")
+    Engine(base, random_head(base.model), "head").prepare_costs()
+    Engine(base, random_head(base.model), "./head/").prepare_costs()  # the same folder, typed otherwise
+    assert len(measured) == 7
+    monkeypatch.chdir(tmp_path / "w" / "b")
+    Engine(base, random_head(base.model), "head").prepare_costs()  # another folder of the same name
+    assert len(measured) == 8
     assert Engine(base, None).prepare_costs() is None  # nothing to plan without a head
 
 
