@@ -405,7 +405,10 @@ class Engine:
         drafter = self._drafter(mode, tree, sampling)
         check_prompt(self, prompt_ids)  # a refused prompt takes no kept caches
         kept, first = self._take_kept(prompt_ids, drafter is not None) if reuse else (None, 0)
-        run = _Run(self, list(prompt_ids), drafter, sampling, kept, first)
+        passive = drafter is None and reuse and self._drafting_ready(kept, first)
+        if passive:  # vanilla keeps the head's pairs for the next turn (it never drafts): a drafting turn after it reads only what is new
+            drafter = Drafter(self.draft_head, self.model, tree, None, self.vocabulary)
+        run = _Run(self, list(prompt_ids), drafter, sampling, kept, first, passive)
         whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
             yield from _steps(run, cancel, reading)
@@ -422,6 +425,14 @@ class Engine:
         finally:
             if reuse and whole:
                 self._keep(run.kept())
+
+    def _drafting_ready(self, kept: _Kept | None, first: int) -> bool:
+        """Whether a vanilla request continuing `kept` (None: reading afresh)
+        can leave caches a drafting request continues: a head that drafts for
+        this model, and the head's pairs of the positions it keeps."""
+        if self.head is None or self.speculation_problem() is not None:
+            return False
+        return not first or kept.head_cache is not None
 
     def _drafter(self, mode: str, tree: TreeParams, sampling: SamplingParams = SamplingParams()) -> Drafter | None:
         if mode not in MODES:
@@ -477,10 +488,13 @@ class _Run:
 
     def __init__(
         self, engine: Engine, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingParams,
-        kept: _Kept | None = None, first: int = 0,
+        kept: _Kept | None = None, first: int = 0, passive: bool = False,
     ):  # fmt: skip
-        """kept, first: caches to continue and how many of their positions this prompt keeps (Engine._take_kept)."""
+        """kept, first: caches to continue and how many of their positions this
+        prompt keeps (Engine._take_kept); passive: `drafter` only gathers the
+        head's pairs, for a later request, and drafts nothing (vanilla)."""
         self.engine, self.model, self.drafter, self.sampling = engine, engine.model, drafter, sampling
+        self.passive = passive
         self.prompt_ids = prompt_ids
         self.device = self.model.get_input_embeddings().weight.device
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()))
@@ -619,7 +633,7 @@ class _Run:
         """The draft tree, or the root alone for vanilla decoding and when the
         tree would not fit in the context window."""
         root_only = make_tree(self.root, [], [])
-        if self.drafter is None:
+        if self.drafter is None or self.passive:
             return root_only
         tree = self.drafter.draft(self.root)
         room = self.engine.context_limit - self.committed - 1  # positions left after the root's

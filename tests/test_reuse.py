@@ -220,16 +220,47 @@ def test_a_stopped_reply_and_a_long_prompt_read_in_chunks_continue_exactly(engin
     assert tokens_of(events) == tokens_of(engine.stream(conversation, mode="vanilla", sampling=PARAMS))
 
 
-def test_a_drafting_turn_after_a_vanilla_one_reads_everything_again(engine):
-    """A vanilla reply leaves no head cache, and the head needs a pair for every token."""
+def test_a_drafting_turn_after_a_vanilla_one_continues_its_caches(engine):
+    """A vanilla reply, with a head loaded, keeps the head's pairs of every
+    token it reads and writes (never running the head): the drafting turn
+    after it reads only what is new, with the head's keys of a fresh read."""
     engine.forget()
     prompt = random_tokens(10, seed=10)
     reply = tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS, reuse=True))
     conversation = prompt + reply + random_tokens(4, seed=11)
     events = list(engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
+    assert last_stats(events).reused_tokens == len(prompt) + len(reply) - 1
+    assert tokens_of(events) == tokens_of(engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE))
+    # eagle2, then vanilla continuing it, then eagle2 again: each turn reads what is new only
+    conversation = conversation + tokens_of(events) + random_tokens(3, seed=12)
+    after = list(engine.stream(conversation, mode="vanilla", sampling=PARAMS, reuse=True))
+    assert last_stats(after).reused_tokens > len(prompt) + len(reply)
+    conversation = conversation + tokens_of(after) + random_tokens(3, seed=13)
+    kept, head = kept_after_prefill(engine, conversation)
+    engine.forget()
+    again, fresh = kept_after_prefill(engine, conversation)
+    assert head.length == fresh.length == len(conversation)
+    assert torch.allclose(head.keys, fresh.keys, atol=1e-9) and torch.allclose(head.values, fresh.values, atol=1e-9)
+
+
+def test_a_kept_cache_without_the_head_s_pairs_is_continued_by_vanilla_and_read_again_to_draft(engine, monkeypatch):
+    """A kept cache without the head's pairs (here: none were gathered, as for a
+    model without a head) is continued by vanilla as before, and a drafting
+    turn after it reads everything again."""
+    engine.forget()
+    prompt = random_tokens(10, seed=16)
+    monkeypatch.setattr(Engine, "_drafting_ready", lambda self, kept, first: False)
+    reply = tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS, reuse=True))
+    assert engine.kept_conversations[0].head_cache is None
+    monkeypatch.undo()
+    conversation = prompt + reply + random_tokens(3, seed=17)
+    after = list(engine.stream(conversation, mode="vanilla", sampling=PARAMS, reuse=True))
+    assert last_stats(after).reused_tokens == len(prompt) + len(reply) - 1
+    assert engine.kept_conversations[0].head_cache is None  # the pairs of its first positions were never made
+    conversation = conversation + tokens_of(after) + random_tokens(3, seed=18)
+    events = list(engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE, reuse=True))
     assert last_stats(events).reused_tokens == 0
-    after = list(engine.stream(conversation + tokens_of(events), mode="vanilla", sampling=PARAMS, reuse=True))
-    assert last_stats(after).reused_tokens == len(conversation) + len(tokens_of(events)) - 1
+    assert tokens_of(events) == tokens_of(engine.stream(conversation, mode="vanilla", sampling=PARAMS))
 
 
 def test_requests_without_reuse_leave_the_kept_caches_alone(engine):
