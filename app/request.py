@@ -29,7 +29,12 @@ REFUSED = {
     "min_tokens": (None, 0), "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "max_new_tokens": (None,), "n_predict": (None,), "truncate": (None,),
     "grammar": (None, ""), "json_schema": (None,), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "logits_processors": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "logits_processors": (None,), "structured_outputs": (None,),
+    "ban_eos_token": (None, False), "do_sample": (None, True), "num_beams": (None, 1), "no_repeat_ngram_size": (None, 0),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {}), "n_probs": (None, 0),
+    "dynatemp_range": (None, 0, 0.0), "tfs": (None, 1, 1.0), "typical": (None, 1, 1.0),
+    "epsilon_cutoff": (None, 0, 0.0), "eta_cutoff": (None, 0, 0.0),
 }  # fmt: skip
 TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest); total_tokens 0 = sized by the planner (1 is refused by name below)
     ("tree_top_k" if field == "top_k" else field): (field, *limits) for field, limits in TREE_LIMITS.items()

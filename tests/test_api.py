@@ -279,6 +279,9 @@ def test_seeded_sampling_repeats(client, engine):
         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
         ({"extra_body": {"repeat_penalty": 1.8}}, "repeat_penalty"),
         ({"extra_body": {"max_new_tokens": 5}}, "max_new_tokens"),
+        ({"extra_body": {"do_sample": False}}, "do_sample"),
+        ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, "chat_template_kwargs"),
+        ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
         ({"stop": [f"w{n}" for n in range(33)]}, "stop"),  # 32 taken: front-ends for local servers send more than OpenAI's 4
         ({"extra_body": {"top_k": -2}}, "top_k"),
         ({"max_tokens": -2}, "max_tokens"),
@@ -299,7 +302,8 @@ def test_bad_values_are_400_naming_the_parameter(client, engine, changes, param)
 
 
 def test_ignored_fields_do_not_matter(client, engine):
-    harmless = {"ignore_eos": False, "repeat_penalty": 1.0, "stop_token_ids": [], "skip_special_tokens": True}
+    harmless = {"ignore_eos": False, "repeat_penalty": 1.0, "stop_token_ids": [], "skip_special_tokens": True, "do_sample": True,
+                "add_generation_prompt": True, "chat_template_kwargs": {}}  # fmt: skip
     reply = chat(client, engine.base.name, user="ann", metadata={"k": "v"}, n=1, logprobs=False, extra_body=harmless)
     assert reply.choices[0].message.content == engine_text(engine)[0]
 
