@@ -20,7 +20,7 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, message_problem, new_chat, oldest_messages, to_json, to_markdown
+from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, chat_title, message_problem, new_chat, oldest_messages, to_json, to_markdown
 from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine
@@ -368,7 +368,7 @@ def cut_short_text(chat: dict, busy: bool = False) -> str:
     or whose last message has no reply (the page was closed or reloaded, or
     Kestrel stopped, before the reply's first token; `busy`: it is on its way)."""
     if busy:  # its reply is on its way (written now, from this tab or another): it is not cut short
-        return ""
+        return BEING_WRITTEN_TEXT
     stats = last_reply_stats(chat)
     last = chat["messages"][-1]["role"] if chat["messages"] else None
     if last == "assistant" and stats and stats.get("finish_reason") == "interrupted":
@@ -401,8 +401,11 @@ def notice_html(text: str) -> str:
 
 
 BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
+BEING_WRITTEN_TEXT = ("A reply to this chat is being written (sent from another tab): it shows here as far as it was saved; "
+                      "open the chat again from Saved chats once it ends to see all of it.")  # fmt: skip
 GONE_TEXT = "That chat is no longer saved: it was deleted in another tab or window. The list shows the saved chats again."
 STOPPING_TEXT = "Stopping..."
+WAITING_TEXT = "Waiting for the model..."
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
 STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
@@ -485,6 +488,7 @@ class ChatHandlers:
         # ids of chats whose accepted message (or regeneration) waits for the model, not yet started -> the
         # browser tab's session: a tab closed meanwhile never starts it, and its unload forgets the mark
         self.sent: dict[str, str | None] = {}
+        self.accepting = threading.Lock()  # one accept at a time: a second press of Send checks what the first marked
 
     def accept(self, message: str, chat: dict | None, colour: bool, request: gr.Request = None) -> tuple:
         """At once on Send, before the reply waits for the model: the message
@@ -498,8 +502,16 @@ class ChatHandlers:
         text = (message or "").strip()
         if not text:  # no pending message: send does nothing
             return message, "", gr.skip(), gr.skip(), notice_html("Type a message first.")
-        if self._busy(chat):  # being answered (from this tab or another): the text stays in the box, nothing is queued
-            return message, "", gr.skip(), gr.skip(), busy_notice()
+        session = getattr(request, "session_hash", None)
+        with self.accepting:
+            if chat and session is not None and self.sent.get(chat["id"]) == session:
+                # this tab's Send pressed twice (a double click, Enter twice) before the first went on: the first goes on alone
+                return gr.skip(), "", gr.skip(), gr.skip(), gr.skip()
+            if self._busy(chat):  # being answered (from this tab or another): the text stays in the box, nothing is queued
+                return message, "", gr.skip(), gr.skip(), busy_notice()
+            return self._accepted(text, chat, colour, session)
+
+    def _accepted(self, text: str, chat: dict | None, colour: bool, session: str | None) -> tuple:
         chat = copy.deepcopy(chat) if chat else new_chat()
         notes = []
         if self._stale(chat):
@@ -509,9 +521,9 @@ class ChatHandlers:
             notes.append(FORKED_TEXT)
             self.forked.add(chat["id"])  # the reply's own notice says it again
         if self.runtime.queue.busy or self.replying:  # another reply, a comparison, the benchmark or an API request
-            notes.append("Waiting for the model...")
+            notes.append(WAITING_TEXT)
         self.runtime.cancel_event(chat["id"]).clear()
-        self.sent[chat["id"]] = getattr(request, "session_hash", None)
+        self.sent[chat["id"]] = session
         sent = copy.deepcopy(stored(chat))
         sent["messages"].append({"role": "user", "content": text})
         try:
@@ -611,11 +623,13 @@ class ChatHandlers:
         sent_panel = SKIP_PANEL
         try:
             empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
+            # waiting behind an API request, which the page's own queue does not hold back
+            read = self.runtime.queue.busy  # whether the notice shows more than `note` (the wait, how far a long conversation is read)
+            waiting = f"{note} {WAITING_TEXT}".strip() if read else note
             # the message box is left alone: accept emptied it, and what is typed there now is the next message
-            yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(note), *empty_panel
+            yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(waiting), *empty_panel
             sent_panel = gr.skip(), *empty_panel[1:]
             replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=self.runtime.reuse)
-            read = False  # whether the notice shows how far a long conversation is read
             for reply in replies:
                 if reply.finish_reason is not None:
                     continue
@@ -937,10 +951,20 @@ class ChatHandlers:
             folder = Path(self.exports.name)
             markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
             markdown.write_text(to_markdown(chat), encoding="utf-8")
-            data.write_text(to_json(stored(chat)), encoding="utf-8")
+            data.write_text(to_json(self._as_saved(chat)), encoding="utf-8")
         except OSError as error:  # a full or read-only temporary folder: the chat itself stays saved
             return gr.skip(), notice_html(f"The chat could not be exported ({error}); it is still saved.")
         return [str(markdown), str(data)], ""
+
+    def _as_saved(self, chat: dict) -> dict:
+        """The chat as its saved file has it: the title and time of the last
+        change are set when it is saved (the page's copy lacks them), and are
+        now's where the page holds what is not saved yet."""
+        exported = stored(chat)
+        saved = self.store.load_chat(chat["id"])
+        if saved is not None and saved["messages"] == exported["messages"]:
+            return {**exported, "title": saved.get("title", ""), "updated": saved.get("updated", exported.get("updated"))}
+        return {**exported, "title": chat_title(exported), "updated": time.time()}
 
     def exports_of(self, files: list[str] | None, chat: dict | None):
         """The exported files listed while the chat they hold is shown; none once another is."""

@@ -73,6 +73,17 @@ COPY_JS = """() => {
     const write = navigator.clipboard.writeText.bind(navigator.clipboard);
     navigator.clipboard.writeText = (text) => write(fromChat ? plain(text) : text);
   }
+  // the notice lines are live regions: a screen reader says what they say (a refusal, "Stopped.", an error)
+  const live = ["notice", "bench-notice", "load-notice", "verdict-box"];
+  const mark = (tries) => {
+    const missing = live.filter((id) => {
+      const element = document.getElementById(id);
+      if (element) { element.setAttribute("role", "status"); element.setAttribute("aria-live", "polite"); }
+      return !element;
+    });
+    if (missing.length && tries > 0) setTimeout(() => mark(tries - 1), 250);
+  };
+  mark(120);
   document.addEventListener("copy", (event) => {  // without the clipboard API (http on a LAN): a selected textarea
     const active = document.activeElement;
     if (fromChat && active && active.tagName === "TEXTAREA") {
@@ -80,6 +91,14 @@ COPY_JS = """() => {
       event.preventDefault();
     }
   }, true);
+}"""
+# A message given back to the message box (app/ui.py's `returned`): the box as
+# it is if nothing came back; else the message, followed by what was typed
+# since it was sent (a next message), unless that is empty or the same.
+GIVE_BACK_JS = """(returned, typed) => {
+  if (!returned) return [typed, ""];
+  const now = (typed || "").trim();
+  return [!now || now === returned.trim() ? returned : returned + "\\n\\n" + typed, ""];
 }"""
 CSS = """
 .kestrel-stats table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }

@@ -175,9 +175,14 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")
                     unload = gr.Button("Unload (free memory)")
-                load_notice = gr.HTML()
+                load_notice = gr.HTML(elem_id="load-notice")
 
-        chat_outputs = [message, chatbot, chat_state, notice, stats, depth_plot, rate_plot, calibration_plot]
+        # a message that goes back to the box (stopped before its reply started, refused): by way of a hidden
+        # box, which `give_back` joins to what was typed meanwhile, so neither is lost
+        returned = gr.Textbox(visible=False)
+        give_back = {"fn": None, "inputs": [returned, message], "outputs": [message, returned], "js": render.GIVE_BACK_JS,
+                     "show_progress": "hidden", "api_name": False}  # fmt: skip
+        chat_outputs = [returned, chatbot, chat_state, notice, stats, depth_plot, rate_plot, calibration_plot]
         refresh = {"fn": chat.listed, "inputs": chat_state, "outputs": chats, "show_progress": "hidden"}
         # the sent message, on its way from accept to send: a hidden box rather than a State, so
         # that the page's /send endpoint (gradio_client) still takes the message as its first input
@@ -187,11 +192,11 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             trigger(
                 chat.accept, [message, chat_state, colour], [message, pending, chatbot, chat_state, notice],
                 concurrency_limit=None, show_progress="hidden", api_name=False, trigger_mode="multiple",  # a Send during a reply is refused, not dropped
-            ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**refresh)  # fmt: skip
+            ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**give_back).then(**refresh)  # fmt: skip
         refused = gr.Checkbox(False, visible=False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
         regenerate.click(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
-        ).then(**refresh)
+        ).then(**give_back).then(**refresh)
         stop.click(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
         demo.unload(chat.forget_session)  # a closed tab's waiting Send or Regenerate no longer holds its chat
         demo.unload(compare.forget)  # ... nor its comparison or benchmark the model

@@ -242,6 +242,52 @@ def test_send_or_enter_while_a_reply_is_written_is_refused_and_keeps_the_text(pa
     box.fill("")
 
 
+def test_a_message_stopped_while_it_waits_comes_back_before_the_text_typed_since(page, served):
+    """Behind a request the page's own queue does not hold back (an API client's),
+    the message says it waits; stopped there, it comes back to the box ahead of
+    what was typed meanwhile, which is kept (it was replaced). The notice line is
+    a live region, so a screen reader says it."""
+    runtime = served[1]
+    settings(page, 4)
+    page.locator("#new-chat").click()
+    box = page.locator("#message textarea")
+    with runtime.queue.turn():  # the model is busy
+        send(page, "w1 w2")
+        page.locator("#notice").get_by_text("Waiting for the model").wait_for(timeout=5_000)
+        time.sleep(1.0)  # the reply's own first frame has come by now: it says so too
+        assert "Waiting for the model" in page.locator("#notice").inner_text()
+        box.fill("w3 w4")
+        page.locator("#stop").click()
+        time.sleep(0.5)
+    page.locator("#notice").get_by_text("Stopped before the reply started").wait_for(timeout=10_000)
+    page.wait_for_function("document.querySelector('#message textarea').value === 'w1 w2\\n\\nw3 w4'", timeout=5_000)
+    assert page.locator("#notice").get_attribute("role") == "status"
+    box.fill("")
+
+
+def test_send_pressed_twice_sends_the_message_once(page, data_dir):
+    """A double click on Send (or Enter twice) sends once: the second press had
+    found the first's message saved and gone on as a copy of the chat."""
+    settings(page, 4)
+    page.locator("#new-chat").click()
+    send(page, "w5 w6")
+    page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+    page.locator("#message textarea").fill("w7 w8")
+    page.locator("#send").dblclick()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        saved = [json.loads(path.read_text()) for path in (data_dir / "chats").glob("*.json")]
+        ours = [chat for chat in saved if chat["messages"] and chat["messages"][0]["content"] == "w5 w6"]
+        if any(len(chat["messages"]) == 4 for chat in ours):
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)  # a second reply would have started by now
+    saved = [json.loads(path.read_text()) for path in (data_dir / "chats").glob("*.json")]
+    ours = [chat for chat in saved if chat["messages"] and chat["messages"][0]["content"] == "w5 w6"]
+    assert len(ours) == 1 and [m["role"] for m in ours[0]["messages"]] == ["user", "assistant"] * 2, ours
+    assert "another tab" not in page.locator("#notice").inner_text()
+
+
 def test_a_setting_typed_out_of_range_gets_no_unnamed_error(page):
     """Typing into a slider's box sends each value as typed: Gradio's own check
     answered "Value 5 is greater than maximum value 2." in toasts that named no
@@ -331,7 +377,9 @@ def test_export_downloads_markdown_and_json(page):
         assert response.ok, f"{href}: {response.status}"
         bodies[href.rsplit(".", 1)[-1]] = response.text()
     assert "**User:**\n\n> w4 w5" in bodies["md"]
-    assert [message["content"] for message in json.loads(bodies["json"])["messages"]][0] == "w4 w5"
+    exported = json.loads(bodies["json"])
+    assert [message["content"] for message in exported["messages"]][0] == "w4 w5"
+    assert exported["title"] == "w4 w5" and exported["updated"] > exported["created"]  # as the saved file has them
     assert page.locator("#chats input").input_value().startswith("w4 w5")  # the chat shown is the one ticked in Saved chats
     page.locator("#new-chat").click()  # another chat shown: the exported files of this one are no longer listed
     page.wait_for_function("document.querySelectorAll('#exported a[href]').length === 0", timeout=15_000)
