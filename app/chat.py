@@ -242,7 +242,7 @@ def run_settings(engine: Engine, mode: str, options: Options) -> dict:
         "quantization": engine.base.quantization, "temperature": sampling.temperature, "top_p": sampling.top_p,
         "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens, "seed": sampling.seed,
     }  # fmt: skip
-    if mode != "vanilla":
+    if mode == "eagle2":  # EAGLE drafts its fixed tree: the Tree settings do not apply to it
         settings["tree"] = {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k}
     return settings
 
@@ -490,18 +490,35 @@ class ChatHandlers:
         self.sent: dict[str, str | None] = {}
         self.accepting = threading.Lock()  # one accept at a time: a second press of Send checks what the first marked
 
-    def accept(self, message: str, chat: dict | None, colour: bool, request: gr.Request = None) -> tuple:
+    @staticmethod
+    def shown_id(chat: dict | None) -> str:
+        """The id the page keeps of the chat it shows (app/ui.py's shown_id)."""
+        return chat["id"] if chat else ""
+
+    def recover(self, chat: dict | None, shown: str):
+        """Before a button acts on the chat shown: where the server restarted
+        since the page showed it (the chat state went with the server), the saved
+        chat that the page's `shown` id names; else the state as it is."""
+        if chat is None and shown:
+            return self.store.load_chat(shown) or gr.skip()
+        return gr.skip()
+
+    def accept(self, message: str, chat: dict | None, colour: bool, shown: str = "", request: gr.Request = None) -> tuple:
         """At once on Send, before the reply waits for the model: the message
         leaves the box for the chat (saved, so a reload keeps it), the chat's
         Stop signal is reset (a Stop from now on stops this reply, even while it
         waits for its turn), and the text goes on to `send` through a hidden box.
         A chat that another browser tab has changed on disk since this tab
         showed it goes on as a copy under a new id: neither tab's messages
-        overwrite the other's, and each has its own Stop.
+        overwrite the other's, and each has its own Stop. `shown`: the id of
+        the chat the page shows, by which a page open across a server restart
+        (its chat state gone with the server) continues that chat.
         Outputs: message box, pending message, chatbot, chat state, notice."""
         text = (message or "").strip()
         if not text:  # no pending message: send does nothing
             return message, "", gr.skip(), gr.skip(), notice_html("Type a message first.")
+        if chat is None and shown:
+            chat = self.store.load_chat(shown)  # None where it was never saved (an empty new chat) or is gone
         session = getattr(request, "session_hash", None)
         with self.accepting:
             if chat and session is not None and self.sent.get(chat["id"]) == session:
@@ -945,6 +962,8 @@ class ChatHandlers:
             return gr.skip(), notice_html("There is nothing to export yet: send a message first.")
         if self._busy(chat):  # the files would lack the reply being written
             return gr.skip(), busy_notice()
+        if self._stale(chat):  # the files would lack what another tab added
+            return gr.skip(), notice_html(STALE_TEXT)
         try:
             if self.exports is None or not Path(self.exports.name).is_dir():  # a temp cleaner may remove it while the app runs
                 self.exports = tempfile.TemporaryDirectory(prefix="kestrel-export-")

@@ -42,6 +42,9 @@ def as_typed(control: gr.components.Component) -> None:
     control.preprocess = lambda payload: payload
 
 
+CHATBOT_HEIGHT = "clamp(200px, calc(100vh - 350px), 760px)"
+
+
 def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: str = "auto") -> gr.Blocks:
     store = Store(Path(store_dir))
     chat = ChatHandlers(runtime, store)
@@ -60,20 +63,21 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     with gr.Column(scale=3):
                         system = gr.Textbox(label="System prompt", lines=1, elem_id="system")
                         chatbot = gr.Chatbot(
-                            elem_id="chatbot", height=460, sanitize_html=True, show_label=False,
+                            # as tall as the window leaves room for: the message box, Send and the buttons below stay in view
+                            elem_id="chatbot", height=CHATBOT_HEIGHT, sanitize_html=True, show_label=False,
                             feedback_options=None, buttons=["copy", "copy_all"],
                         )  # fmt: skip
                         notice = gr.HTML(elem_id="notice")
                         with gr.Row():
                             message = gr.Textbox(placeholder="Message (Enter to send)", label="Message", show_label=False, scale=5, elem_id="message")
-                            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
-                            stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+                            send = gr.Button("Send", variant="primary", scale=1, min_width=70, elem_id="send")
+                            stop = gr.Button("Stop", variant="stop", scale=1, min_width=70, elem_id="stop")
                         with gr.Row():
-                            regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
-                            earlier = gr.Button("Earlier reply", size="sm", elem_id="earlier-reply")
-                            edit = gr.Button("Edit last message", size="sm", elem_id="edit")
-                            clear = gr.Button("Clear", size="sm", elem_id="clear")
-                            new = gr.Button("New chat", size="sm", elem_id="new-chat")
+                            regenerate = gr.Button("Regenerate", size="sm", min_width=80, elem_id="regenerate")
+                            earlier = gr.Button("Earlier reply", size="sm", min_width=80, elem_id="earlier-reply")
+                            edit = gr.Button("Edit last message", size="sm", min_width=80, elem_id="edit")
+                            clear = gr.Button("Clear", size="sm", min_width=80, elem_id="clear")
+                            new = gr.Button("New chat", size="sm", min_width=80, elem_id="new-chat")
                         with gr.Accordion("Saved chats", open=False):
                             chats = gr.Dropdown(label="Open a saved chat", choices=[], elem_id="chats")
                             with gr.Row():
@@ -107,7 +111,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                             max_new_tokens = gr.Slider(*RANGES["max_new_tokens"], defaults["max_new_tokens"], step=1, label="Max new tokens")
                             seed = gr.Number(defaults["seed"], label="Seed (-1 = random)")
                             total_tokens = gr.Slider(*RANGES["total_tokens"], tree.total_tokens, step=1, label="Tree: tokens verified per step",
-                                                     info="0 = sized every step from this device's measured costs; "
+                                                     info="the three Tree settings are EAGLE-2's (EAGLE drafts a fixed tree); "
+                                                          "0 = sized every step from this device's measured costs; "
                                                           "else the head's drafted tokens, and text copied from the chat comes on top")  # fmt: skip
                             depth = gr.Slider(*RANGES["depth"], tree.depth, step=1, label="Tree: depth (the most the head drafts, when sized automatically; text copied from the chat may go deeper)")
                             tree_top_k = gr.Slider(*RANGES["tree_top_k"], tree.top_k, step=1, label="Tree: top-k per node")
@@ -187,14 +192,21 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         # the sent message, on its way from accept to send: a hidden box rather than a State, so
         # that the page's /send endpoint (gradio_client) still takes the message as its first input
         pending = gr.Textbox(visible=False)
+        # the id of the chat shown, kept by the page itself: a server restarted since the page opened has lost
+        # chat_state (kept by the server), and Send then continues the saved chat this names instead of a new one
+        shown_id = gr.Textbox(visible="hidden", elem_id="shown-chat-id")
+        chat_state.change(chat.shown_id, chat_state, shown_id, show_progress="hidden", api_name=False)
+        # before the buttons that act on the chat shown: after such a restart, the saved chat that shown_id names
+        recover = {"fn": chat.recover, "inputs": [chat_state, shown_id], "outputs": chat_state, "show_progress": "hidden",
+                   "api_name": False, "concurrency_limit": None}  # fmt: skip
         for trigger, api_name in ((send.click, "send"), (message.submit, False)):
             # accept at once (the message leaves the box and is saved; Stop applies from here), then wait for the model
             trigger(
-                chat.accept, [message, chat_state, colour], [message, pending, chatbot, chat_state, notice],
+                chat.accept, [message, chat_state, colour, shown_id], [message, pending, chatbot, chat_state, notice],
                 concurrency_limit=None, show_progress="hidden", api_name=False, trigger_mode="multiple",  # a Send during a reply is refused, not dropped
             ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**give_back).then(**refresh)  # fmt: skip
         refused = gr.Checkbox(False, visible=False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
-        regenerate.click(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
+        regenerate.click(**recover).then(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
         ).then(**give_back).then(**refresh)
         stop.click(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
@@ -202,15 +214,15 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         demo.unload(compare.forget)  # ... nor its comparison or benchmark the model
         saved_plots = {"fn": chat.plots_of, "inputs": chat_state, "outputs": [depth_plot, rate_plot, calibration_plot],
                        "show_progress": "hidden", "api_name": False}  # fmt: skip
-        earlier.click(chat.earlier_reply, [chat_state, colour], [chatbot, chat_state, stats, notice], show_progress="hidden").then(
+        earlier.click(**recover).then(chat.earlier_reply, [chat_state, colour], [chatbot, chat_state, stats, notice], show_progress="hidden").then(
             **refresh
         ).then(**saved_plots)
-        edit.click(chat.edit_last, [chat_state, colour, message], [message, chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
+        edit.click(**recover).then(chat.edit_last, [chat_state, colour, message], [message, chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
         confirmed = gr.Checkbox(False, visible=False)
         ask = "() => confirm('{}')".format
         ask_clear = ask("Clear this chat? Its messages are deleted from the saved chats.")
-        clear.click(None, None, confirmed, js=ask_clear, api_name=False).then(
+        clear.click(None, None, confirmed, js=ask_clear, api_name=False).then(**recover).then(
             chat.clear, [chat_state, confirmed], [chatbot, chat_state, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         ).then(**refresh)
         # the chatbot's own trash icon empties the view at once: the same question, and the chat shown again if refused
@@ -225,10 +237,10 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         chats.input(
             chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden"
         ).then(**exports_shown)
-        delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(
+        delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(**recover).then(
             chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         ).then(**exports_shown)
-        export.click(chat.export, chat_state, [exported, notice], show_progress="hidden")
+        export.click(**recover).then(chat.export, chat_state, [exported, notice], show_progress="hidden")
         colour.change(chat.recolour, [chat_state, colour], chatbot, show_progress="hidden")
         # saved as typed (the last value too: always_last), not only when the box loses the focus, which a reload never gives
         gr.on([control.input for control in controls] + [system.input, system.blur], chat.remember, [system, *controls], notice,

@@ -380,6 +380,8 @@ def test_export_downloads_markdown_and_json(page):
     exported = json.loads(bodies["json"])
     assert [message["content"] for message in exported["messages"]][0] == "w4 w5"
     assert exported["title"] == "w4 w5" and exported["updated"] > exported["created"]  # as the saved file has them
+    # the page keeps the id of the chat shown, by which Send after a server restart continues it
+    assert page.locator("#shown-chat-id textarea").input_value() == exported["id"]
     assert page.locator("#chats input").input_value().startswith("w4 w5")  # the chat shown is the one ticked in Saved chats
     page.locator("#new-chat").click()  # another chat shown: the exported files of this one are no longer listed
     page.wait_for_function("document.querySelectorAll('#exported a[href]').length === 0", timeout=15_000)

@@ -210,6 +210,9 @@ def test_a_reply_stores_its_settings_and_seed_and_they_make_it_again(handlers, e
     greedy = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]["messages"][-1]["stats"]
     assert greedy["settings"]["seed"] is None and "greedy" in store_module.made_with(greedy)
     assert store_module.made_with(greedy).endswith("cut at the token limit")  # 4 of 4 tokens
+    for mode, tree in (("eagle2", {"total_tokens": 10, "depth": 3, "top_k": 2}), ("eagle", None), ("vanilla", None)):
+        made = list(handlers.send("w1", new_chat(), "", *values(mode=mode, total_tokens=10, depth=3, tree_top_k=2, max_new_tokens=4)))
+        assert made[-1][2]["messages"][-1]["stats"]["settings"].get("tree") == tree, mode  # EAGLE's fixed tree: not the settings
     assert store_module.made_with({"mode": 3, "settings": "x", "tokens": True}) == ""  # a file edited by hand
     long = " ".join(["w1"] * (engine.context_limit // 2))  # two of these and their replies do not fit: the oldest are left out
     chat = new_chat()
@@ -330,10 +333,13 @@ def test_an_empty_seed_box_is_saved_as_random(handlers, store):
 
 def test_clear_and_delete_refuse_a_chat_another_tab_has_extended(handlers, engine, store):
     """A tab showing a chat that another tab has since written to: Clear and
-    Delete would remove messages this tab never showed, so they say so instead."""
+    Delete would remove messages this tab never showed, and Export would leave
+    them out, so they say so instead."""
     shown = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
     elsewhere = list(ChatHandlers(Runtime(engine), store).send("w2", shown, "", *values(max_new_tokens=4)))[-1][2]
     assert elsewhere["id"] == shown["id"] and len(store.load_chat(shown["id"])["messages"]) == 4
+    assert "changed in another tab" in handlers.export(shown)[-1]
+    assert len(handlers.export(elsewhere)[0]) == 2  # the chat as saved: exported
     assert "changed in another tab" in handlers.clear(shown)[-1]
     assert "changed in another tab" in handlers.delete(shown)[-1]
     assert len(store.load_chat(shown["id"])["messages"]) == 4
@@ -1364,6 +1370,24 @@ def test_a_chat_cleared_in_one_tab_and_continued_in_another_keeps_both(handlers,
     tab_b = list(handlers.send("w3", tab_b, "", *values(max_new_tokens=4)))[-1][2]
     assert [m["content"] for m in store.load_chat(first["id"])["messages"] if m["role"] == "user"] == ["w1", "w2"]
     assert [m["content"] for m in store.load_chat(tab_b["id"])["messages"] if m["role"] == "user"] == ["w3"]
+
+
+def test_a_page_open_across_a_server_restart_continues_the_chat_it_shows(handlers, engine, store):
+    """The server's chat state goes with the server; the id the page keeps
+    names the chat, so Send continues it instead of starting a new one."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    assert handlers.shown_id(chat) == chat["id"] and handlers.shown_id(None) == ""
+    restarted = ChatHandlers(Runtime(engine), Store(store.folder))
+    _, pending, shown, state, notice = restarted.accept("w2", None, True, chat["id"])
+    assert state["id"] == chat["id"] and [m["content"] for m in state["messages"]] == [m["content"] for m in chat["messages"]]
+    assert "another tab" not in notice and "w1" in str(shown)
+    final = list(restarted.send(pending, state, "", *values(max_new_tokens=4)))[-1][2]
+    assert final["id"] == chat["id"] and [m["role"] for m in store.load_chat(chat["id"])["messages"]] == ["user", "assistant"] * 2
+    _, _, _, state, _ = restarted.accept("w3", None, True, new_chat()["id"])  # a new chat never saved: a new chat still
+    assert state["messages"] == []
+    # the other buttons (Edit, Clear, Delete, Regenerate, Export, Earlier reply) first take the saved chat back the same way
+    assert restarted.recover(None, chat["id"])["id"] == chat["id"]
+    assert restarted.recover(None, new_chat()["id"]) == gr.skip() and restarted.recover(final, chat["id"]) == gr.skip()
 
 
 def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
