@@ -23,7 +23,7 @@ from app.runtime import Runtime
 from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, chat_title, message_problem, new_chat, oldest_messages, to_json, to_markdown
 from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
-from core.engine import ContextOverflowError, Engine
+from core.engine import ContextOverflowError, Engine, check_prompt
 from models.errors import KestrelError
 
 # The settings controls, in the order their values reach the handlers.
@@ -400,7 +400,7 @@ def notice_html(text: str) -> str:
     return f'<div class="kestrel-notice">{render.escape(text)}</div>' if text else ""
 
 
-BUSY_TEXT = "A reply is being written: wait for it or press Stop first."
+BUSY_TEXT = "A reply is being written (or waits for the model): wait for it or press Stop first."
 BEING_WRITTEN_TEXT = ("A reply to this chat is being written (sent from another tab): it shows here as far as it was saved; "
                       "open the chat again from Saved chats once it ends to see all of it.")  # fmt: skip
 GONE_TEXT = "That chat is no longer saved: it was deleted in another tab or window. The list shows the saved chats again."
@@ -622,6 +622,11 @@ class ChatHandlers:
         if dropped:
             note = f"{note} Dropped the {oldest_messages(dropped)} to fit the context window.".strip()
             made_with = {**made_with, "context_dropped": dropped}  # kept with the reply: it was written without them
+        try:  # a message too long even alone is refused before the panel is emptied for its reply
+            check_prompt(engine, engine.encode(messages))
+        except ContextOverflowError as error:
+            yield from self._failed(chat, message, colour, overflow_text(engine, messages, error), kept)
+            return
         cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
         if cancel.is_set():  # Stop was pressed while this waited for its turn in the page's queue
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)

@@ -395,13 +395,20 @@ def made_with(stats) -> str:
     settings = stats.get("settings") if isinstance(stats.get("settings"), dict) else {}
     parts = [str(stats["mode"])] if isinstance(stats.get("mode"), str) else []
     if isinstance(settings.get("model"), str):
-        parts.append(settings["model"])
+        weights = ", ".join(settings[key] for key in ("dtype", "quantization") if isinstance(settings.get(key), str))
+        parts.append(f"{settings['model']} ({weights})" if weights else settings["model"])
     if is_number(settings.get("temperature")) and settings["temperature"] > 0:
         parts.append(f"temperature {settings['temperature']:g}")
         parts += [f"{label} {settings[key]}" for key, label in (("top_p", "top-p"), ("top_k", "top-k"), ("seed", "seed"))
                   if is_number(settings.get(key))]  # fmt: skip
     elif "temperature" in settings:
         parts.append("greedy")
+    if is_number(settings.get("max_new_tokens")):
+        parts.append(f"at most {settings['max_new_tokens']} new tokens")
+    tree = settings.get("tree") if isinstance(settings.get("tree"), dict) else {}
+    if all(is_number(tree.get(key)) for key in ("total_tokens", "depth", "top_k")):
+        shape = f"depth up to {tree['depth']}, top-k {tree['top_k']}"
+        parts.append(f"trees sized by the planner ({shape})" if tree["total_tokens"] == 0 else f"trees of {tree['total_tokens']} tokens ({shape})")
     figures = (("tokens", "{} tokens"), ("tokens_per_s", "{:.1f} tokens/s"),
                ("decoding_tokens_per_s", "{:.1f} tokens/s after the first token"), ("tau", "tau {:.2f}"))  # fmt: skip
     parts += [form.format(stats[key]) for key, form in figures if is_number(stats.get(key))]

@@ -210,6 +210,8 @@ def test_a_reply_stores_its_settings_and_seed_and_they_make_it_again(handlers, e
     greedy = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]["messages"][-1]["stats"]
     assert greedy["settings"]["seed"] is None and "greedy" in store_module.made_with(greedy)
     assert store_module.made_with(greedy).endswith("cut at the token limit")  # 4 of 4 tokens
+    assert f"{engine.base.name} ({str(engine.base.dtype).removeprefix('torch.')}, {engine.base.quantization})" in store_module.made_with(greedy)
+    assert "at most 4 new tokens, trees sized by the planner (depth up to" in store_module.made_with(greedy)
     for mode, tree in (("eagle2", {"total_tokens": 10, "depth": 3, "top_k": 2}), ("eagle", None), ("vanilla", None)):
         made = list(handlers.send("w1", new_chat(), "", *values(mode=mode, total_tokens=10, depth=3, tree_top_k=2, max_new_tokens=4)))
         assert made[-1][2]["messages"][-1]["stats"]["settings"].get("tree") == tree, mode  # EAGLE's fixed tree: not the settings
@@ -564,6 +566,15 @@ def test_a_reply_cut_at_the_window_stays_for_continue(engine):
             return engine.encode(messages)
 
     assert fit_context(Alternating(), messages, room=16) == (messages[2:], 2)
+
+
+def test_a_message_too_long_for_the_window_leaves_the_last_reply_s_panel(handlers, engine):
+    """Refused before its reply starts: the box gets it back, the panel and charts keep the last reply's figures."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    updates = list(handlers.send(" ".join(["w1"] * engine.context_limit), chat, "", *values(max_new_tokens=4)))
+    assert len(updates) == 1 and "context window" in updates[0][3] and "shorten the message" in updates[0][3]
+    assert updates[0][0].startswith("w1 w1") and all(output == gr.skip() for output in updates[0][4:])
+    assert updates[0][2]["messages"] == chat["messages"]
 
 
 def test_a_system_prompt_too_long_for_the_window_is_named(engine):
