@@ -26,7 +26,7 @@ from core.drafter import STATIC_PATHS, Drafter, Planning, draft_vocabulary
 from core.prompt import encode_chat, load_prompts, stop_token_ids
 from core.sampling import FLOAT32_TEMPERATURE, Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
-from core.tree import make_tree
+from core.tree import make_tree, shallower
 from core.tree_check import rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logit_form, logits_of, next_logits, verify_tree
 from models import int4, int8
@@ -630,8 +630,8 @@ class _Run:
         return features, capture.features()
 
     def _draft(self):
-        """The draft tree, or the root alone for vanilla decoding and when the
-        tree would not fit in the context window."""
+        """The draft tree, the root alone for vanilla decoding, and near the
+        context window's end the part of the tree that fits before it."""
         root_only = make_tree(self.root, [], [])
         if self.drafter is None or self.passive:
             return root_only
@@ -639,8 +639,8 @@ class _Run:
         room = self.engine.context_limit - self.committed - 1  # positions left after the root's
         if int(tree.depths.max()) < room:
             return tree
-        self.drafter.discard()
-        return root_only
+        self.drafter.discard()  # not the tree the planner chose: its verdicts would mislead calibration
+        return shallower(tree, room)
 
     def cancelled(self) -> Step:
         self.finish_reason = "cancelled"

@@ -410,8 +410,9 @@ def test_the_decoding_rate_leaves_out_the_time_spent_reading_the_prompt(monkeypa
 
 
 def test_a_tree_that_does_not_fit_before_the_context_window_teaches_calibration_nothing(tmp_path, monkeypatch):
-    """Near the window's end a drafted tree is dropped for the root alone; its nodes were
-    never verified, so they must not count as rejected (they shrank later trees)."""
+    """Near the window's end a drafted tree is cut to the levels that fit (the
+    reply the same as vanilla's); the tree verified is not the one the planner
+    chose, so its nodes must not count as rejected (they shrank later trees)."""
     from core import drafter as drafter_module
     from core import engine as engine_module
     from tests.test_planner import GPU_LIKE
@@ -434,8 +435,23 @@ def test_a_tree_that_does_not_fit_before_the_context_window_teaches_calibration_
     monkeypatch.setattr(engine_module, "verify_tree", spy_verify)
     tree = TreeParams(depth=4, top_k=3)
     steps = list(engine.stream([8, 9, 10, 11], "eagle2", SamplingParams(max_new_tokens=200), tree))
-    assert steps[-1].finish_reason == "context" and 0 in verified[-5:]  # steps that verified the root alone
+    assert steps[-1].finish_reason == "context"
     assert all(nodes in (0, drafted) for nodes, drafted in zip(observed, verified))
+    assert any(0 < drafted and nodes == 0 for nodes, drafted in zip(observed, verified))  # cut, verified, taught nothing
+    vanilla = list(engine.stream([8, 9, 10, 11], "vanilla", SamplingParams(max_new_tokens=200)))
+    assert [t for step in steps for t in step.token_ids] == [t for step in vanilla for t in step.token_ids]
+    assert sum(len(step.token_ids) for step in steps) == 64 - 4
+
+
+def test_a_tree_cut_to_a_depth_keeps_each_kept_node_s_parent():
+    from core.tree import make_tree, shallower
+
+    tree = make_tree(7, [1, 2, 3, 4, 5, 6], [-1, -1, 0, 2, 1, 4])  # depths 1, 1, 2, 3, 2, 3
+    cut = shallower(tree, 3)
+    assert cut.tokens.tolist() == [7, 1, 2, 3, 5] and cut.parents == (-1, 0, 0, 1, 2) and cut.depths.tolist() == [0, 1, 1, 2, 2]
+    assert shallower(tree, 1).tokens.tolist() == [7]
+    whole = shallower(tree, 4)
+    assert whole.tokens.tolist() == tree.tokens.tolist() and whole.parents == tree.parents
 
 
 def test_the_context_branch_matches_from_the_prompt_s_first_token(engine64):
