@@ -406,6 +406,7 @@ BEING_WRITTEN_TEXT = ("A reply to this chat is being written (sent from another 
 GONE_TEXT = "That chat is no longer saved: it was deleted in another tab or window. The list shows the saved chats again."
 STOPPING_TEXT = "Stopping..."
 WAITING_TEXT = "Waiting for the model..."
+EMPTY_CHAT_TEXT = "This chat has no messages yet: there is nothing to {}."
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
 STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
@@ -896,6 +897,8 @@ class ChatHandlers:
         shown_again = gr.skip() if colour is None or not chat else display(chat, colour)
         if not confirmed:
             return shown_again, *(gr.skip(),) * 5
+        if not chat or not (chat["messages"] or chat.get(TAKEN_BACK)):
+            return shown_again, *(gr.skip(),) * 4, notice_html(EMPTY_CHAT_TEXT.format("clear"))
         if self._busy(chat):
             return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), busy_notice()
         if self._stale(chat):  # it would delete messages this tab never showed
@@ -946,6 +949,8 @@ class ChatHandlers:
         Outputs: chatbot, chat, chat list, stats, depth plot, rate plot, notice."""
         if not confirmed:
             return (gr.skip(),) * 7
+        if not chat or not (chat["messages"] or chat.get(TAKEN_BACK)):
+            return *(gr.skip(),) * 6, notice_html(EMPTY_CHAT_TEXT.format("delete"))
         if self._busy(chat):  # its reply would save it again when it ends
             return *(gr.skip(),) * 6, busy_notice()
         if self._stale(chat):  # it would delete messages this tab never showed

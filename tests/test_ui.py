@@ -1336,6 +1336,11 @@ def test_send_accepts_at_once_and_a_stop_before_its_turn_holds(handlers, store):
     assert all(is_skip(update[0]) for update in handlers.send(pending, chat, "", *values(max_new_tokens=8)))  # the next draft too
 
 
+def test_clear_and_delete_of_a_chat_without_messages_say_there_is_nothing_to_remove(handlers, store):
+    assert "nothing to clear" in handlers.clear(new_chat())[-1] and "nothing to delete" in handlers.delete(new_chat())[-1]
+    assert "nothing to delete" in handlers.delete(None)[-1]
+
+
 def test_clear_new_and_edit_wait_for_the_reply_being_written(handlers, store):
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=8)))[-1][2]
     stream = handlers.send("w2", chat, "", *values(max_new_tokens=200, mode="vanilla"))
