@@ -401,11 +401,12 @@ def notice_html(text: str) -> str:
 
 
 BUSY_TEXT = "A reply is being written (or waits for the model): wait for it or press Stop first."
-BEING_WRITTEN_TEXT = ("A reply to this chat is being written (sent from another tab): it shows here as far as it was saved; "
+BEING_WRITTEN_TEXT = ("A reply to this chat is still being written: it shows here as far as it was saved; "
                       "open the chat again from Saved chats once it ends to see all of it.")  # fmt: skip
 GONE_TEXT = "That chat is no longer saved: it was deleted in another tab or window. The list shows the saved chats again."
 STOPPING_TEXT = "Stopping..."
 WAITING_TEXT = "Waiting for the model..."
+DOUBLE_PRESS_S = 1.0  # a second Send of the same text from the same tab within this is the same press
 EMPTY_CHAT_TEXT = "This chat has no messages yet: there is nothing to {}."
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
@@ -490,6 +491,7 @@ class ChatHandlers:
         # browser tab's session: a tab closed meanwhile never starts it, and its unload forgets the mark
         self.sent: dict[str, str | None] = {}
         self.accepting = threading.Lock()  # one accept at a time: a second press of Send checks what the first marked
+        self.pressed: dict[str | None, tuple[str | None, str, float]] = {}  # per tab: the last Send's chat id, text and time
 
     @staticmethod
     def shown_id(chat: dict | None) -> str:
@@ -522,8 +524,10 @@ class ChatHandlers:
             chat = self.store.load_chat(shown)  # None where it was never saved (an empty new chat) or is gone
         session = getattr(request, "session_hash", None)
         with self.accepting:
-            if chat and session is not None and self.sent.get(chat["id"]) == session:
-                # this tab's Send pressed twice (a double click, Enter twice) before the first went on: the first goes on alone
+            pressed, self.pressed[session] = self.pressed.get(session), (chat["id"] if chat else None, text, time.monotonic())
+            if session is not None and pressed is not None and pressed[:2] == self.pressed[session][:2] and \
+                    self.pressed[session][2] - pressed[2] < DOUBLE_PRESS_S:  # fmt: skip
+                # this tab's Send pressed twice (a double click, Enter twice): both carry the same text, and the first goes on alone
                 return gr.skip(), "", gr.skip(), gr.skip(), gr.skip()
             if self._busy(chat):  # being answered (from this tab or another): the text stays in the box, nothing is queued
                 return message, "", gr.skip(), gr.skip(), busy_notice()
@@ -807,6 +811,7 @@ class ChatHandlers:
         if session is not None:
             for chat_id in [chat_id for chat_id, owner in self.sent.items() if owner == session]:
                 self.sent.pop(chat_id, None)
+            self.pressed.pop(session, None)
 
     def _busy(self, chat: dict | None) -> bool:
         """Whether this chat's reply is being written, or its sent message waits
@@ -1013,7 +1018,9 @@ class ChatHandlers:
         if chat and chat["id"] in self.replying:
             self.replying[chat["id"]] = colour
             return gr.skip()
-        return display(chat or new_chat(), colour)
+        if chat is None:  # a server restarted since the page showed its chat: left as shown (the next action takes it back)
+            return gr.skip()
+        return display(chat, colour)
 
     def remember(self, system: str, *values):
         """Save the settings as soon as they change. Output: notice (said only where they cannot be saved)."""

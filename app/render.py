@@ -74,16 +74,19 @@ COPY_JS = """() => {
     navigator.clipboard.writeText = (text) => write(fromChat ? plain(text) : text);
   }
   // the notice lines are live regions: a screen reader says what they say (a refusal, "Stopped.", an error)
+  // (the Compare and Models tabs are built when first opened: marked then)
   const live = ["notice", "bench-notice", "load-notice", "verdict-box"];
-  const mark = (tries) => {
-    const missing = live.filter((id) => {
+  const mark = () => {
+    for (const id of live) {
       const element = document.getElementById(id);
-      if (element) { element.setAttribute("role", "status"); element.setAttribute("aria-live", "polite"); }
-      return !element;
-    });
-    if (missing.length && tries > 0) setTimeout(() => mark(tries - 1), 250);
+      if (element && element.getAttribute("role") !== "status") {
+        element.setAttribute("role", "status");
+        element.setAttribute("aria-live", "polite");
+      }
+    }
   };
-  mark(120);
+  mark();
+  new MutationObserver(mark).observe(document.body, { childList: true, subtree: true });
   document.addEventListener("copy", (event) => {  // without the clipboard API (http on a LAN): a selected textarea
     const active = document.activeElement;
     if (fromChat && active && active.tagName === "TEXTAREA") {

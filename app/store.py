@@ -405,7 +405,7 @@ def made_with(stats) -> str:
         parts.append("greedy")
     if is_number(settings.get("max_new_tokens")):
         parts.append(f"at most {settings['max_new_tokens']} new tokens")
-    tree = settings.get("tree") if isinstance(settings.get("tree"), dict) else {}
+    tree = settings.get("tree") if isinstance(settings.get("tree"), dict) and stats.get("mode") == "eagle2" else {}  # EAGLE's is fixed
     if all(is_number(tree.get(key)) for key in ("total_tokens", "depth", "top_k")):
         shape = f"depth up to {tree['depth']}, top-k {tree['top_k']}"
         parts.append(f"trees sized by the planner ({shape})" if tree["total_tokens"] == 0 else f"trees of {tree['total_tokens']} tokens ({shape})")

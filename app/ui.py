@@ -195,7 +195,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         # the id of the chat shown, kept by the page itself: a server restarted since the page opened has lost
         # chat_state (kept by the server), and Send then continues the saved chat this names instead of a new one
         shown_id = gr.Textbox(visible="hidden", elem_id="shown-chat-id")
-        chat_state.change(chat.shown_id, chat_state, shown_id, show_progress="hidden", api_name=False)
+        # set after each change of the chat shown (a State's .change listener would hash the whole chat at every streamed frame)
+        remember = {"fn": chat.shown_id, "inputs": chat_state, "outputs": shown_id, "show_progress": "hidden", "api_name": False,
+                    "concurrency_limit": None}  # fmt: skip
         # before the buttons that act on the chat shown: after such a restart, the saved chat that shown_id names
         recover = {"fn": chat.recover, "inputs": [chat_state, shown_id], "outputs": chat_state, "show_progress": "hidden",
                    "api_name": False, "concurrency_limit": None}  # fmt: skip
@@ -204,7 +206,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             trigger(
                 chat.accept, [message, chat_state, colour, shown_id], [message, pending, chatbot, chat_state, notice],
                 concurrency_limit=None, show_progress="hidden", api_name=False, trigger_mode="multiple",  # a Send during a reply is refused, not dropped
-            ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**give_back).then(**refresh)  # fmt: skip
+            ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**give_back).then(**refresh).then(**remember)  # fmt: skip
         refused = gr.Checkbox(False, visible=False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
         regenerate.click(**recover).then(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
@@ -224,22 +226,22 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         ask_clear = ask("Clear this chat? Its messages are deleted from the saved chats.")
         clear.click(None, None, confirmed, js=ask_clear, api_name=False).then(**recover).then(
             chat.clear, [chat_state, confirmed], [chatbot, chat_state, stats, depth_plot, rate_plot, notice], show_progress="hidden"
-        ).then(**refresh)
+        ).then(**refresh).then(**remember)
         # the chatbot's own trash icon empties the view at once: the same question, and the chat shown again if refused
-        chatbot.clear(None, None, confirmed, js=ask_clear, api_name=False).then(
+        chatbot.clear(None, None, confirmed, js=ask_clear, api_name=False).then(**recover).then(
             chat.clear, [chat_state, confirmed, colour], [chatbot, chat_state, stats, depth_plot, rate_plot, notice], show_progress="hidden"
-        ).then(**refresh)
+        ).then(**refresh).then(**remember)
         # the exported files stay listed only while their chat is shown
         exports_shown = {"fn": chat.exports_of, "inputs": [exported, chat_state], "outputs": exported, "show_progress": "hidden"}
         new.click(chat.new, [chat_state, system], [chatbot, chat_state, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden").then(
             **exports_shown
-        )
+        ).then(**remember)
         chats.input(
             chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden"
-        ).then(**exports_shown)
+        ).then(**exports_shown).then(**remember)
         delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(**recover).then(
             chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice], show_progress="hidden"
-        ).then(**exports_shown)
+        ).then(**exports_shown).then(**remember)
         export.click(**recover).then(chat.export, chat_state, [exported, notice], show_progress="hidden")
         colour.change(chat.recolour, [chat_state, colour], chatbot, show_progress="hidden")
         # saved as typed (the last value too: always_last), not only when the box loses the focus, which a reload never gives
@@ -268,7 +270,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         )  # fmt: skip
         unload.click(library.unload, None, [status, load_notice, mode], **MODEL).then(library.heads, None, trained)
 
-        demo.load(chat.restore_page, None, [*controls, system, chatbot, chat_state, chats, stats, notice, wanted_mode]).then(**saved_plots)
+        demo.load(chat.restore_page, None, [*controls, system, chatbot, chat_state, chats, stats, notice, wanted_mode]).then(**saved_plots).then(
+            **remember
+        )
         demo.load(library.status, None, status).then(library.heads, None, trained)
         # what another tab loaded or unloaded since this page was opened
         models_tab.select(library.status, None, status, show_progress="hidden", api_name=False).then(library.heads, None, trained)

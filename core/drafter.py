@@ -115,6 +115,9 @@ class Drafted:
     depths: list[int]  # (N-1,) depth in the tree, from 1
 
 
+CATCH_UP_CHUNK = 512  # committed pairs the head reads in one forward, at most
+
+
 class Drafter:
     def __init__(
         self,
@@ -158,12 +161,18 @@ class Drafter:
         return self.pending[0]
 
     def catch_up(self) -> None:
-        """Run the head over the pending committed pairs, in one forward."""
+        """Run the head over the pending committed pairs: one forward, or one
+        per CATCH_UP_CHUNK of them after a long prompt, so that no mask or
+        attention grows with the square of a long conversation."""
         pending = self.joined_pending()
         if pending is None:
             return
         features, next_tokens = pending
         self.pending = []
+        for first in range(0, len(next_tokens), CATCH_UP_CHUNK):
+            self._read(features[first : first + CATCH_UP_CHUNK], next_tokens[first : first + CATCH_UP_CHUNK])
+
+    def _read(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         start, count = self.cache.length, len(next_tokens)
         device = features.device
         positions = torch.arange(start, start + count, device=device)

@@ -288,6 +288,60 @@ def test_send_pressed_twice_sends_the_message_once(page, data_dir):
     assert "another tab" not in page.locator("#notice").inner_text()
 
 
+def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny_base, tmp_path):
+    """The server's chat state goes with it; the page keeps the id of the chat
+    it shows, so Send continues that chat (it started a new one without the
+    earlier turns) and the chatbot's trash icon clears it (it found none)."""
+    from app.runtime import Runtime
+    from app.server import Server
+    from app.store import Store
+    from app.ui import build_app
+    from core.engine import Engine
+    from tests.factory import random_head
+
+    engine = Engine(tiny_base, random_head(tiny_base.model))
+
+    def serve():
+        runtime = Runtime(engine)
+        server = Server(build_app(runtime, tmp_path), runtime, port=7993)
+        return server, server.start()
+
+    server, url = serve()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(url)
+        page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        settings(page, 4)
+        send(page, "w1 w2")
+        page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+        server.close()
+        server, again = serve()
+        assert again == url
+        time.sleep(3)  # the page notices the server is back
+        send(page, "w3 w4")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(len(c["messages"]) for c in map(Store(tmp_path).load_chat, ids(tmp_path))) < 4:
+            time.sleep(0.2)
+        chats = [Store(tmp_path).load_chat(chat_id) for chat_id in ids(tmp_path)]
+        assert len(chats) == 1 and [m["content"] for m in chats[0]["messages"] if m["role"] == "user"] == ["w1 w2", "w3 w4"]
+        server.close()
+        server, _ = serve()
+        time.sleep(3)
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.locator("#chatbot button[aria-label='Clear']").click()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and ids(tmp_path):
+            time.sleep(0.2)
+        assert ids(tmp_path) == []  # the saved chat cleared, as the page showed it
+    finally:
+        page.close()
+        server.close()
+
+
+def ids(folder: Path) -> list[str]:
+    return [path.stem for path in (folder / "chats").glob("*.json")]
+
+
 def test_a_setting_typed_out_of_range_gets_no_unnamed_error(page):
     """Typing into a slider's box sends each value as typed: Gradio's own check
     answered "Value 5 is greater than maximum value 2." in toasts that named no
@@ -360,7 +414,7 @@ def test_clear_and_delete_ask_first_and_delete_empties_the_panel(page, data_dir)
     assert not any(chat["title"] == "w11 w12" for chat in Store(data_dir).list_chats())
 
 
-def test_export_downloads_markdown_and_json(page):
+def test_export_downloads_markdown_and_json(page, data_dir):
     settings(page, 4)
     page.locator("#new-chat").click()
     page.wait_for_function("!document.querySelector('#chatbot').innerText.includes('w1')")
@@ -379,7 +433,8 @@ def test_export_downloads_markdown_and_json(page):
     assert "**User:**\n\n> w4 w5" in bodies["md"]
     exported = json.loads(bodies["json"])
     assert [message["content"] for message in exported["messages"]][0] == "w4 w5"
-    assert exported["title"] == "w4 w5" and exported["updated"] > exported["created"]  # as the saved file has them
+    saved = json.loads((data_dir / "chats" / f"{exported['id']}.json").read_text())
+    assert exported["title"] == saved["title"] == "w4 w5" and exported["updated"] == saved["updated"]  # as the saved file has them
     # the page keeps the id of the chat shown, by which Send after a server restart continues it
     assert page.locator("#shown-chat-id textarea").input_value() == exported["id"]
     assert page.locator("#chats input").input_value().startswith("w4 w5")  # the chat shown is the one ticked in Saved chats
@@ -412,6 +467,8 @@ def test_compare_shows_both_panes_and_verdict(page):
     page.locator("#bench-run").click()
     page.locator("#bench-table").get_by_text("EAGLE-2").wait_for(timeout=60_000)
     assert "identical to vanilla on 100%" in page.locator("#bench-notice").inner_text()
+    # built when the tab was first opened, its notices are live regions too (a screen reader says them)
+    assert page.locator("#bench-notice").get_attribute("role") == page.locator("#verdict-box").get_attribute("role") == "status"
     screenshot(page, "compare")
 
 

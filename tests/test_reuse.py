@@ -332,3 +332,22 @@ def test_on_cpus_that_read_prompts_row_by_row_a_continued_bf16_cache_is_a_fresh_
     for ours, theirs in zip(kept.cache.layers, engine.kept_conversations[0].cache.layers):
         assert torch.equal(ours.keys[..., :length, :], theirs.keys[..., :length, :])
         assert torch.equal(ours.values[..., :length, :], theirs.values[..., :length, :])
+
+
+def test_the_head_reads_a_long_prompt_s_pairs_in_chunks_as_in_one_forward(engine, monkeypatch):
+    """After a long prompt the head reads its pairs a chunk at a time (no mask
+    as large as the conversation squared): the same keys as one read, and the
+    same reply."""
+    from core import drafter as drafter_module
+
+    conversation = random_tokens(23, seed=30)
+    engine.forget()
+    _, whole = kept_after_prefill(engine, conversation)
+    reply = tokens_of(engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE))
+    monkeypatch.setattr(drafter_module, "CATCH_UP_CHUNK", 5)
+    engine.forget()
+    _, chunked = kept_after_prefill(engine, conversation)
+    assert whole.length == chunked.length == len(conversation)
+    assert torch.allclose(whole.keys, chunked.keys, atol=1e-9) and torch.allclose(whole.values, chunked.values, atol=1e-9)
+    assert tokens_of(engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE)) == reply
+    assert reply == tokens_of(engine.stream(conversation, mode="vanilla", sampling=PARAMS))

@@ -10,6 +10,7 @@ import re
 import stat
 import subprocess
 import time
+import types
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -1406,6 +1407,23 @@ def test_a_page_open_across_a_server_restart_continues_the_chat_it_shows(handler
     assert restarted.recover(None, new_chat()["id"]) == gr.skip() and restarted.recover(final, chat["id"]) == gr.skip()
 
 
+def test_send_pressed_twice_in_one_tab_is_one_send_also_for_a_chat_another_tab_changed(handlers, engine, store):
+    """Both presses carry the same text: the second does nothing, whether the
+    first continued the chat or went on as a copy of it. Another text, or
+    another tab, is a send of its own."""
+    tab = types.SimpleNamespace(session_hash="tab-a")
+    shown = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    list(ChatHandlers(Runtime(engine), store).send("w2", shown, "", *values(max_new_tokens=4)))  # another tab extends it
+    first = handlers.accept("w3", shown, True, "", tab)
+    assert first[1] == "w3" and first[3]["id"] != shown["id"]  # a copy
+    second = handlers.accept("w3", shown, True, "", tab)
+    assert second[1] == "" and all(output == gr.skip() for output in (second[0], *second[2:]))
+    copies = [chat for chat in store.list_chats() if chat["id"] not in (shown["id"],)]
+    assert len(copies) == 1
+    assert handlers.accept("w4", shown, True, "", tab)[1] == "w4"  # another message: sent
+    assert handlers.accept("w3", first[3], True, "", types.SimpleNamespace(session_hash="tab-b"))[1] == "w3"
+
+
 def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
     """Two tabs show the same saved chat; one sends. When the other sends next,
     its view is out of date: it continues as a new chat, and the first tab's
@@ -1626,7 +1644,7 @@ def test_a_reply_cut_short_by_a_crash_is_said_when_its_chat_opens(handlers, stor
     assert "cut short" in handlers.open(chat["id"], new_chat(), True)[-1] and "cut short" in handlers.restore()[-1]
     handlers.replying[chat["id"]] = True  # its reply, saved as it is written, is on its way (in another tab)
     for notice in (handlers.open(chat["id"], new_chat(), True)[-1], handlers.restore()[-1]):
-        assert "cut short" not in notice and "is being written (sent from another tab)" in notice  # not shown as the whole reply
+        assert "cut short" not in notice and "is still being written" in notice  # not shown as the whole reply
     del handlers.replying[chat["id"]]
     chat["messages"][-1]["stats"]["finish_reason"] = "length"
     store.save_chat(chat)
