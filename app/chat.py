@@ -502,9 +502,12 @@ class ChatHandlers:
         """Before a button acts on the chat shown: where the server restarted
         since the page showed it (the chat state went with the server), the saved
         chat that the page's `shown` id names; else the state as it is."""
-        if chat is None and shown:
-            return self.store.load_chat(shown) or gr.skip()
-        return gr.skip()
+        restored = self._restored(chat, shown)
+        return restored if restored is not chat else gr.skip()
+
+    def _restored(self, chat: dict | None, shown: str) -> dict | None:
+        """`chat`, or where it is None (the server restarted) the saved chat named `shown`, if there is one."""
+        return self.store.load_chat(shown) if chat is None and shown else chat
 
     def accept(self, message: str, chat: dict | None, colour: bool, shown: str = "", request: gr.Request = None) -> tuple:
         """At once on Send, before the reply waits for the model: the message
@@ -520,8 +523,7 @@ class ChatHandlers:
         text = (message or "").strip()
         if not text:  # no pending message: send does nothing
             return message, "", gr.skip(), gr.skip(), notice_html("Type a message first.")
-        if chat is None and shown:
-            chat = self.store.load_chat(shown)  # None where it was never saved (an empty new chat) or is gone
+        chat = self._restored(chat, shown)  # None where it was never saved (an empty new chat) or is gone
         session = getattr(request, "session_hash", None)
         with self.accepting:
             pressed, self.pressed[session] = self.pressed.get(session), (chat["id"] if chat else None, text, time.monotonic())
