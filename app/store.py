@@ -208,7 +208,11 @@ class Store:
         for path in (chats, self.folder):
             if path.is_dir():
                 return None if os.access(path, os.W_OK) else f"{path} cannot be written"
-        return None
+        # not made yet (a new KESTREL_DATA_DIR): the first save makes it in the nearest folder that exists
+        nearest = next((parent for parent in self.folder.parents if parent.exists()), None)
+        if nearest is None or not nearest.is_dir():
+            return f"{self.folder} cannot be made ({nearest} is not a folder)" if nearest is not None else None
+        return None if os.access(nearest, os.W_OK) else f"{self.folder} cannot be made ({nearest} cannot be written)"
 
     def save_settings(self, settings: dict) -> None:
         write_atomic(self.folder / SETTINGS_FILE, json.dumps(settings, indent=2))

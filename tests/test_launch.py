@@ -75,6 +75,15 @@ def test_an_incomplete_venv_is_made_again(monkeypatch, tmp_path, capsys):
     launch.STAMP.write_text("an older requirements.txt")
     launch.bootstrap()  # the same .venv, its packages installed again
     assert "[2/2] Installing packages (requirements.txt changed)" in capsys.readouterr().out and len(installed) == 4
+    launch.STAMP.unlink()  # an install cut short (Ctrl+C, offline): finished, not called a change of requirements.txt
+    launch.bootstrap()
+    assert "[2/2] Installing packages (finishing an install that was cut short)" in capsys.readouterr().out and len(installed) == 6
+
+
+def test_a_venv_that_cannot_be_made_gets_the_fix_for_its_cause():
+    assert "cannot be written: copy Kestrel into a folder you own" in launch.venv_fix("Error: [Errno 13] Permission denied: '/x/.venv'")
+    assert "free some disk space" in launch.venv_fix("OSError: [Errno 28] No space left on device")
+    assert "apt install python3-venv" in launch.venv_fix("Error: Command '[...ensurepip...]' returned non-zero exit status 1.")
 
 
 def test_a_python_older_than_the_requirements_need_is_refused_by_name(capsys, monkeypatch):

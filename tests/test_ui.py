@@ -1629,6 +1629,16 @@ def test_a_data_folder_that_cannot_be_saved_to_is_named_when_the_page_loads(hand
     assert f"{store.folder} cannot be written" in handlers.restore()[-1]
 
 
+def test_a_new_data_folder_that_cannot_be_made_is_named_before_a_save(tmp_path, monkeypatch):
+    """A KESTREL_DATA_DIR not made yet is made at the first save, in the nearest folder that exists: where that
+    cannot be written (or is a file), the page says so at load rather than at the first message."""
+    assert Store(tmp_path / "new" / "data").write_problem() is None
+    (tmp_path / "file").write_text("x")
+    assert "cannot be made" in Store(tmp_path / "file" / "data").write_problem()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)  # a read-only folder (root may write anywhere)
+    assert f"{tmp_path / 'new' / 'data'} cannot be made ({tmp_path} cannot be written)" == Store(tmp_path / "new" / "data").write_problem()
+
+
 def test_saved_settings_that_are_not_valid_are_named_at_page_load(handlers, store):
     store.save_settings({"temperature": "hot", "max_new_tokens": 1e9, "colour": "yes", "top_p": 0.5})
     notice = handlers.restore()[-1]
