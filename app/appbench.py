@@ -99,8 +99,7 @@ def chat_command(root: Path, prompt: str, mode: str, max_new_tokens: int, thread
     if done.returncode != 0:  # its own error line says why
         last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         raise KestrelError(f"the chat command ({mode}) failed: {last}")
-    output = done.stdout
-    tokens, rate = CHAT_RATE.findall(output)[-1]
+    tokens, rate = CHAT_RATE.findall(done.stdout + done.stderr)[-1]  # the figures' line: on stderr, on stdout in older versions
     return {"tokens": int(tokens), "tokens_per_s": float(rate)}
 
 

@@ -595,12 +595,14 @@ def run_chat(args) -> int:
     if step.finish_reason == "cancelled" and not step.stats.tokens:
         raise KeyboardInterrupt  # stopped while reading the prompt: nothing to report
     stats = step.stats
+    print(flush=True)  # the reply's end; its figures go to stderr, so that `chat ... > reply.txt` holds the reply alone
     print(
-        f"\n\n[{mode}] {stats.tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s"
+        f"\n[{mode}] {stats.tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s"
         f"{'' if stats.decoding_tokens_per_s is None else f' ({stats.decoding_tokens_per_s:.1f} after the first token)'}, "
         f"tau {stats.mean_accepted_length:.2f}, trees of {stats.mean_tree_size:.1f} nodes (depth {stats.mean_tree_depth:.1f}), "
         f"first token after {stats.time_to_first_token:.2f} s, "
-        f"{'' if sampling.greedy else f'seed {sampling.seed}, '}finished: {step.finish_reason}"
+        f"{'' if sampling.greedy else f'seed {sampling.seed}, '}finished: {step.finish_reason}",
+        file=sys.stderr,
     )
     return 130 if step.finish_reason == "cancelled" else 0
 

@@ -265,7 +265,7 @@ def test_chat_writes_the_reply_to_stdout_and_progress_to_stderr(tiny_dir, capsys
         for handler in set(kestrel.handlers) - set(handlers):
             kestrel.removeHandler(handler)
     captured = capsys.readouterr()
-    assert code == 0 and "[vanilla] 4 tokens" in captured.out
+    assert code == 0 and "[vanilla] 4 tokens" in captured.err and "tokens" not in captured.out  # the reply alone on stdout
     assert "a progress message" in captured.err and "a progress message" not in captured.out
 
 
@@ -279,14 +279,16 @@ def test_chat_reads_the_prompt_from_stdin_and_names_the_seed_it_drew(tiny_dir, c
     options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "6"]
     monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2\n"))
     assert cli.main(["chat", "-", *options]) == 0
-    reply = lambda out: out.split("\n\n[")[0]  # noqa: E731 (the statistics line holds timings)
-    assert reply(capsys.readouterr().out) == reply(cli_reply(cli, ["chat", "w1 w2\n", *options], capsys))
+    first = capsys.readouterr().out  # the reply alone: the statistics line (with its timings) goes to stderr
+    assert first.strip() and "tokens/s" not in first and first == cli_reply(cli, ["chat", "w1 w2\n", *options], capsys)
     assert cli.main(["chat", "w1 w2", *options, "--temperature", "1"]) == 0
-    sampled = capsys.readouterr().out
-    seed = int(sampled.split(", seed ")[1].split(",")[0])
-    again = cli_reply(cli, ["chat", "w1 w2", *options, "--temperature", "1", "--seed", str(seed)], capsys)
-    assert reply(again) == reply(sampled) and f"seed {seed}, finished" in again
-    drawn = cli_reply(cli, ["chat", "w1 w2", *options, "--temperature", "1", "--seed", "-1"], capsys)
+    sampled = capsys.readouterr()
+    seed = int(sampled.err.split(", seed ")[1].split(",")[0])
+    assert cli.main(["chat", "w1 w2", *options, "--temperature", "1", "--seed", str(seed)]) == 0
+    again = capsys.readouterr()
+    assert again.out == sampled.out and f"seed {seed}, finished" in again.err
+    assert cli.main(["chat", "w1 w2", *options, "--temperature", "1", "--seed", "-1"]) == 0
+    drawn = capsys.readouterr().err
     assert ", seed -1," not in drawn and int(drawn.split(", seed ")[1].split(",")[0]) >= 0  # -1 draws one, as in the API
 
 
@@ -315,7 +317,8 @@ def test_chat_in_vanilla_mode_loads_no_head(tiny_dir, capsys, monkeypatch):
     monkeypatch.setattr(session, "load_draft_head", lambda base, source, dtype=None: loaded.append(source))
     monkeypatch.setattr(session, "default_head", lambda model: "some head")
     options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "3"]
-    assert "[vanilla] 3 tokens" in cli_reply(cli, ["chat", "w1 w2", *options, "--mode", "vanilla"], capsys)
+    assert cli.main(["chat", "w1 w2", *options, "--mode", "vanilla"]) == 0
+    assert "[vanilla] 3 tokens" in capsys.readouterr().err
     assert loaded == []
 
 
@@ -354,8 +357,8 @@ def test_ctrl_c_while_decoding_stops_the_reply_or_the_bench_with_what_it_has(tin
     monkeypatch.setattr(Engine, "stream", interrupted_stream)
     options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1"]
     assert cli.main(["chat", "w1 w2", *options, "--max-new-tokens", "12", "--mode", "vanilla"]) == 130
-    out = capsys.readouterr().out
-    assert "[vanilla] 3 tokens" in out and "finished: cancelled" in out
+    err = capsys.readouterr().err
+    assert "[vanilla] 3 tokens" in err and "finished: cancelled" in err
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"w{i} w2"]}) + "\n" for i in range(3)))
     calls.update(made=0, interrupted=3)  # the warm-up's reply, the first prompt's, then the second prompt's
