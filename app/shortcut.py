@@ -11,17 +11,30 @@ ROOT = Path(__file__).resolve().parent.parent
 ICON = ROOT / "assets" / "kestrel.svg"
 
 
-def desktop_entry(root: Path, python: str) -> str:
+# Where Kestrel keeps its chats and its converted model: a shortcut made while
+# these are set starts Kestrel with them (else it would find neither there).
+MOVED_FOLDERS = ("KESTREL_DATA_DIR", "KESTREL_CACHE_DIR")
+
+
+def moved_folders() -> list[tuple[str, str]]:
+    """(name, full path) of each of MOVED_FOLDERS set now."""
+    return [(name, str(Path(os.environ[name]).expanduser().resolve())) for name in MOVED_FOLDERS if os.environ.get(name)]
+
+
+def desktop_entry(root: Path, python: str, folders: list[tuple[str, str]] = ()) -> str:
     """A freedesktop.org entry: Exec's arguments quoted (with \\ " ` $ escaped
     inside the quotes, and the whole line's backslashes and % doubled, as the
     specification asks of string values and field codes), other values with
-    their backslashes doubled, so that any folder name starts Kestrel."""
+    their backslashes doubled, so that any folder name starts Kestrel.
+    `folders`: variables set for it, through env."""
+    setting = "".join(f"env {exec_argument(f'{name}={value}')} " if index == 0 else f"{exec_argument(f'{name}={value}')} "
+                      for index, (name, value) in enumerate(folders))  # fmt: skip
     return "\n".join([
         "[Desktop Entry]",
         "Type=Application",
         "Name=Kestrel",
         "Comment=Local LLM chat with EAGLE-2 speculative decoding",
-        f"Exec={exec_argument(python)} {exec_argument(str(root / 'launch.py'))}",
+        f"Exec={setting}{exec_argument(python)} {exec_argument(str(root / 'launch.py'))}",
         f"Path={entry_value(str(root))}",
         f"Icon={entry_value(str(root / 'assets' / 'kestrel.svg'))}",
         "Terminal=true",
@@ -30,13 +43,14 @@ def desktop_entry(root: Path, python: str) -> str:
     ])  # fmt: skip
 
 
-def windows_batch(root: Path, python: str) -> str:
+def windows_batch(root: Path, python: str, folders: list[tuple[str, str]] = ()) -> str:
     """cmd reads a batch file in the console's code page: switched to UTF-8
     first, so that a folder named with accents is found ('%' doubled: cmd
     expands it even in quotes). launch.py keeps the window open after a
     failure; the pause covers a Python that is gone (cmd's 9009)."""
     root_text, python_text = (str(path).replace("%", "%%") for path in (root, python))
-    lines = ["@echo off", "chcp 65001 >nul", f'cd /d "{root_text}"', f'"{python_text}" launch.py %*', "if errorlevel 9009 pause", ""]
+    setting = [f'set "{name}={value.replace("%", "%%")}"' for name, value in folders]
+    lines = ["@echo off", "chcp 65001 >nul", *setting, f'cd /d "{root_text}"', f'"{python_text}" launch.py %*', "if errorlevel 9009 pause", ""]
     return "\r\n".join(lines)
 
 
@@ -52,9 +66,10 @@ def entry_value(text: str) -> str:
     return text.replace("\\", "\\\\")
 
 
-def mac_command(root: Path, python: str) -> str:
+def mac_command(root: Path, python: str, folders: list[tuple[str, str]] = ()) -> str:
     """bash, with the paths in single quotes (nothing is expanded there; a ' is closed, escaped and reopened)."""
-    return f"#!/bin/bash\ncd {shell_quoted(str(root))}\nexec {shell_quoted(python)} launch.py \"$@\"\n"
+    setting = "".join(f"export {name}={shell_quoted(value)}\n" for name, value in folders)
+    return f"#!/bin/bash\n{setting}cd {shell_quoted(str(root))}\nexec {shell_quoted(python)} launch.py \"$@\"\n"
 
 
 def shell_quoted(text: str) -> str:
@@ -110,11 +125,12 @@ def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None =
     known = windows_desktop() if home is None and platform.startswith("win") else None  # OneDrive may move it
     home = home or Path.home()
     desktop = known or (home / "Desktop" if platform.startswith("win") or platform == "darwin" else xdg_desktop(home))
+    folders = moved_folders()
     if platform.startswith("win"):
-        return [_write_executable(desktop / "Kestrel.bat", windows_batch(root, base_python()))]
+        return [_write_executable(desktop / "Kestrel.bat", windows_batch(root, base_python(), folders))]
     if platform == "darwin":
-        return [_write_executable(desktop / "Kestrel.command", mac_command(root, base_python()))]
-    entry = desktop_entry(root, base_python())
+        return [_write_executable(desktop / "Kestrel.command", mac_command(root, base_python(), folders))]
+    entry = desktop_entry(root, base_python(), folders)
     data_home = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share")
     written = [_write_executable(data_home / "applications" / "kestrel.desktop", entry)]
     if desktop.is_dir() and desktop.resolve() != home.resolve():

@@ -1062,7 +1062,8 @@ def test_shortcuts_start_kestrel_from_any_folder_name(tmp_path):
 
     root = tmp_path / "100% $HOME `x` a\\sb \"q\" it's"
     root.mkdir()
-    line = next(line for line in desktop_entry(root, "/usr/bin/python3").splitlines() if line.startswith("Exec="))[5:]
+    folders = [("KESTREL_DATA_DIR", str(root / "data")), ("KESTREL_CACHE_DIR", str(root / "cache"))]  # set when it was made
+    line = next(line for line in desktop_entry(root, "/usr/bin/python3", folders).splitlines() if line.startswith("Exec="))[5:]
     general = {"s": " ", "n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
     text, index = "", 0
     while index < len(line):  # the string escapes of a desktop entry's values
@@ -1085,17 +1086,18 @@ def test_shortcuts_start_kestrel_from_any_folder_name(tmp_path):
         else:
             current += char
         index += 1
-    assert arguments + [current] == ["/usr/bin/python3", str(root / "launch.py")]
-    script = mac_command(root, "/bin/echo").replace("exec ", "exec pwd; : ")
+    assert arguments + [current] == ["env", *(f"{name}={value}" for name, value in folders), "/usr/bin/python3", str(root / "launch.py")]
+    script = mac_command(root, "/bin/echo", folders).replace("exec ", 'pwd; echo "$KESTREL_DATA_DIR"; echo "$KESTREL_CACHE_DIR"; exit; : ')
     ran = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
-    assert ran.stdout.strip() == str(root), ran.stderr
+    assert ran.stdout.splitlines() == [str(root), str(root / "data"), str(root / "cache")], ran.stderr
 
 
 def test_install_shortcut_linux(tmp_path, monkeypatch):
     from app.shortcut import install
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    for name in ("XDG_DATA_HOME", "KESTREL_DATA_DIR", "KESTREL_CACHE_DIR"):  # a shortcut made with none moved
+        monkeypatch.delenv(name, raising=False)
     (tmp_path / "Desktop").mkdir()
     written = install(platform="linux")
     assert written == [tmp_path / ".local/share/applications/kestrel.desktop", tmp_path / "Desktop/kestrel.desktop"]
@@ -1109,6 +1111,11 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     lines = batch.read_bytes().decode("utf-8").split("\r\n")  # cmd reads it in UTF-8 from its second line on
     assert lines[1] == "chcp 65001 >nul" and lines[3] == f'"{python}" launch.py %*'  # one Python: no second run after a failure
     assert lines[4] == "if errorlevel 9009 pause"  # a Python that is gone: the window stays to say so
+    monkeypatch.setenv("KESTREL_DATA_DIR", str(tmp_path / "100% chats"))  # the shortcut starts Kestrel with the folders set now
+    moved = install(platform="win32", home=tmp_path)[0].read_bytes().decode("utf-8").split("\r\n")
+    assert moved[2] == f'set "KESTREL_DATA_DIR={tmp_path / "100%% chats"}"' and moved[4] == f'"{python}" launch.py %*'
+    assert f'Exec=env "KESTREL_DATA_DIR={tmp_path / "100%% chats"}" "{python}"' in install(platform="linux")[0].read_text()
+    monkeypatch.delenv("KESTREL_DATA_DIR")
     assert 'cd /d "C:\\100%% Kestrel"' in install(root=Path("C:\\100% Kestrel"), platform="win32", home=tmp_path)[0].read_text()
     assert install(platform="darwin", home=tmp_path)[0].name == "Kestrel.command"
     (tmp_path / ".config").mkdir()  # a localised desktop folder, as freedesktop's user-dirs names it
