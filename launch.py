@@ -38,9 +38,21 @@ def fail(cause: str, fix: str) -> None:
     sys.exit(1)
 
 
+# Set by the Linux menu and desktop entry that `--install-shortcut` writes: the
+# terminal it opens closes when Kestrel ends, so an error waits for Enter there.
+SHORTCUT = "KESTREL_SHORTCUT"
+
+
+def window_closes() -> bool:
+    """Whether the console closes when Kestrel ends: a double-clicked launch.py
+    or Kestrel.bat on Windows, a shortcut's terminal on Linux (a terminal the
+    user opened, or macOS's, stays)."""
+    return os.name == "nt" or bool(os.environ.get(SHORTCUT))
+
+
 def hold_window(prompt: str) -> None:
-    """In a console window (e.g. opened by a double-click), wait for Enter so that it stays open."""
-    if sys.stdin is not None and sys.stdin.isatty():
+    """In a console window that closes when Kestrel ends, wait for Enter so that it stays open."""
+    if window_closes() and sys.stdin is not None and sys.stdin.isatty():
         try:
             input(prompt)
         except (EOFError, OSError):
@@ -250,7 +262,7 @@ def set_up() -> None:
 
 
 def run_in_console(command: "list[str]") -> int:
-    """Run Kestrel in this console and wait for it (Windows). Its output is
+    """Run Kestrel in this console and wait for it (Windows, a Linux shortcut). Its output is
     UTF-8 whatever the console's code page, so that replies with any
     characters can be piped to a file. Ctrl+C reaches both processes: this one
     keeps waiting while Kestrel stops. After a failure the window stays open
@@ -276,7 +288,7 @@ def main() -> None:
         sys.exit(130)
     if not in_venv():
         command = [str(venv_python()), str(Path(__file__).resolve()), *sys.argv[1:]]
-        if os.name == "nt":  # execv on Windows detaches from the console
+        if window_closes():  # execv on Windows detaches from the console; a shortcut's window waits after an error
             sys.exit(run_in_console(command))
         os.execv(command[0], command)
     sys.path.insert(0, str(ROOT))

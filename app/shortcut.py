@@ -14,6 +14,7 @@ ICON = ROOT / "assets" / "kestrel.svg"
 # Where Kestrel keeps its chats and its converted model: a shortcut made while
 # these are set starts Kestrel with them (else it would find neither there).
 MOVED_FOLDERS = ("KESTREL_DATA_DIR", "KESTREL_CACHE_DIR")
+SHORTCUT = "KESTREL_SHORTCUT"  # launch.py's: set by the Linux entry, whose terminal closes when Kestrel ends
 
 
 def moved_folders() -> list[tuple[str, str]]:
@@ -130,7 +131,7 @@ def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None =
         return [_write_executable(desktop / "Kestrel.bat", windows_batch(root, base_python(), folders))]
     if platform == "darwin":
         return [_write_executable(desktop / "Kestrel.command", mac_command(root, base_python(), folders))]
-    entry = desktop_entry(root, base_python(), folders)
+    entry = desktop_entry(root, base_python(), [(SHORTCUT, "1"), *folders])  # its terminal closes at the end: an error waits there
     data_home = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share")
     written = [_write_executable(data_home / "applications" / "kestrel.desktop", entry)]
     if desktop.is_dir() and desktop.resolve() != home.resolve():

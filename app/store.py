@@ -28,7 +28,7 @@ REPLACE_TRIES = 6 if os.name == "nt" else 1
 def data_dir() -> Path:
     """Kestrel's user data folder; KESTREL_DATA_DIR overrides it (tests)."""
     override = os.environ.get("KESTREL_DATA_DIR")
-    return Path(override) if override else Path(platformdirs.user_data_dir("kestrel"))
+    return Path(override).expanduser() if override else Path(platformdirs.user_data_dir("kestrel"))  # "~/..." as a shell would
 
 
 LOCK_FILE = "kestrel.lock"

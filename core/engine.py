@@ -56,7 +56,7 @@ SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "t
 def costs_folder() -> Path:
     """Where measured step costs are cached; KESTREL_COSTS_DIR overrides it."""
     override = os.environ.get("KESTREL_COSTS_DIR")
-    return Path(override) if override else cache_root() / "costs"
+    return Path(override).expanduser() if override else cache_root() / "costs"
 
 
 class ContextOverflowError(KestrelError):

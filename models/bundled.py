@@ -24,7 +24,7 @@ log = logging.getLogger("kestrel")
 def cache_root() -> Path:
     """Where Kestrel caches converted models; KESTREL_CACHE_DIR overrides it."""
     override = os.environ.get("KESTREL_CACHE_DIR")
-    return Path(override) if override else Path(platformdirs.user_cache_dir("kestrel"))
+    return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("kestrel"))  # "~/..." as a shell would
 
 
 def use_compile_cache() -> None:

@@ -2,6 +2,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,24 @@ def test_windows_console_run_passes_utf8_and_the_exit_code(monkeypatch, tmp_path
     script = f"import os, sys; open({str(out)!r}, 'w').write(os.environ.get('PYTHONUTF8', '')); sys.exit(3)"
     assert launch.run_in_console([sys.executable, "-c", script]) == 3
     assert out.read_text() == "1"
+
+
+def test_an_error_waits_for_enter_only_where_the_window_closes_when_kestrel_ends(monkeypatch):
+    """A terminal the user opened stays (a script over ssh must not wait);
+    a Linux shortcut's and a Windows console close, so there it waits."""
+    asked = []
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(isatty=lambda: True))
+    monkeypatch.setattr("builtins.input", lambda prompt: asked.append(prompt))
+    monkeypatch.setattr(launch.os, "name", "posix")
+    monkeypatch.delenv(launch.SHORTCUT, raising=False)
+    launch.hold_window("Press Enter to close.")
+    assert asked == [] and not launch.window_closes()
+    monkeypatch.setenv(launch.SHORTCUT, "1")
+    launch.hold_window("Press Enter to close.")
+    assert asked == ["Press Enter to close."] and launch.window_closes()
+    monkeypatch.delenv(launch.SHORTCUT)
+    monkeypatch.setattr(launch.os, "name", "nt")
+    assert launch.window_closes()
 
 
 @pytest.mark.parametrize("command", [[], ["chat"], ["bench"], ["train-head"], ["ui"]])

@@ -1103,7 +1103,8 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     assert written == [tmp_path / ".local/share/applications/kestrel.desktop", tmp_path / "Desktop/kestrel.desktop"]
     text = written[0].read_text()
     assert text.startswith("[Desktop Entry]") and "launch.py" in text and "Terminal=true" in text
-    python = text.split('Exec="')[1].split('"')[0]  # the Python that made .venv, not whatever python3 is
+    assert 'Exec=env "KESTREL_SHORTCUT=1" "' in text  # its terminal closes when Kestrel ends: launch.py holds it after an error
+    python = text.split('Exec=env "KESTREL_SHORTCUT=1" "')[1].split('"')[0]  # the Python that made .venv, not whatever python3 is
     assert subprocess.run([python, "-c", "import sys; print(sys.version_info >= (3, 11))"], capture_output=True, text=True).stdout == "True\n"
     assert written[0].stat().st_mode & stat.S_IXUSR
     batch = install(platform="win32", home=tmp_path)[0]
@@ -1114,7 +1115,7 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     monkeypatch.setenv("KESTREL_DATA_DIR", str(tmp_path / "100% chats"))  # the shortcut starts Kestrel with the folders set now
     moved = install(platform="win32", home=tmp_path)[0].read_bytes().decode("utf-8").split("\r\n")
     assert moved[2] == f'set "KESTREL_DATA_DIR={tmp_path / "100%% chats"}"' and moved[4] == f'"{python}" launch.py %*'
-    assert f'Exec=env "KESTREL_DATA_DIR={tmp_path / "100%% chats"}" "{python}"' in install(platform="linux")[0].read_text()
+    assert f'Exec=env "KESTREL_SHORTCUT=1" "KESTREL_DATA_DIR={tmp_path / "100%% chats"}" "{python}"' in install(platform="linux")[0].read_text()
     monkeypatch.delenv("KESTREL_DATA_DIR")
     assert 'cd /d "C:\\100%% Kestrel"' in install(root=Path("C:\\100% Kestrel"), platform="win32", home=tmp_path)[0].read_text()
     assert install(platform="darwin", home=tmp_path)[0].name == "Kestrel.command"
@@ -1634,6 +1635,15 @@ def test_a_data_folder_that_cannot_be_saved_to_is_named_when_the_page_loads(hand
     (store.folder / "settings.json").rmdir()
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only file system (root may write anywhere else)
     assert f"{store.folder} cannot be written" in handlers.restore()[-1]
+
+
+def test_folders_set_with_a_tilde_are_in_the_home_folder(monkeypatch):
+    from app.store import data_dir
+    from models.bundled import cache_root
+
+    monkeypatch.setenv("KESTREL_DATA_DIR", "~/kestrel-chats")
+    monkeypatch.setenv("KESTREL_CACHE_DIR", "~/kestrel-cache")
+    assert data_dir() == Path.home() / "kestrel-chats" and cache_root() == Path.home() / "kestrel-cache"
 
 
 def test_a_new_data_folder_that_cannot_be_made_is_named_before_a_save(tmp_path, monkeypatch):
