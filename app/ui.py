@@ -5,6 +5,7 @@ concurrency group, so requests queue instead of running at once."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import webbrowser
@@ -40,6 +41,15 @@ def as_typed(control: gr.components.Component) -> None:
     names neither the setting nor keeps the message being sent, where
     Options.from_values names the setting and gives the message back."""
     control.preprocess = lambda payload: payload
+
+
+def open_browser(url: str) -> None:
+    """The page in the desktop's browser. Without a graphical session (Linux
+    over ssh, a server), none: Python's fallback is a text browser such as
+    lynx, which would take over the terminal that shows Kestrel's own lines."""
+    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        return
+    webbrowser.open(url)
 
 
 CHATBOT_HEIGHT = "clamp(200px, calc(100vh - 350px), 760px)"
@@ -354,7 +364,7 @@ def serve(args) -> int:
         print(f"Kestrel is already running {where} with the chats in {store_dir}; "
               "a second one would save over its chats. Set KESTREL_DATA_DIR to run another with chats of its own.", flush=True)  # fmt: skip
         if url and not args.no_browser:
-            webbrowser.open(url)
+            open_browser(url)
         return 0
     remove_leftovers(store_dir)
     engine = load_first(args, Store(store_dir).load_settings(), load_pair)
@@ -376,7 +386,7 @@ def serve(args) -> int:
         if access.api_key is not None and args.api_key == "auto":
             print(f"API key (shown once): {access.api_key}", flush=True)
         if not args.no_browser:
-            webbrowser.open(server.url)
+            open_browser(server.url)
         server.wait()
     except KeyboardInterrupt:
         try:

@@ -1047,6 +1047,25 @@ def test_access_is_local_unless_listen_with_auth_and_api_key():
     assert access_from(ui_args("--allow-origin", "http://localhost:3000/")).allow_origins == ("http://localhost:3000",)
 
 
+def test_the_browser_opens_only_where_there_is_a_desktop(monkeypatch):
+    """Linux without a graphical session (ssh, a server): Python's fallback would run a text browser in Kestrel's terminal."""
+    from app import ui
+
+    opened = []
+    monkeypatch.setattr(ui.webbrowser, "open", opened.append)
+    monkeypatch.setattr(ui.sys, "platform", "linux")
+    for name in ("DISPLAY", "WAYLAND_DISPLAY"):
+        monkeypatch.delenv(name, raising=False)
+    ui.open_browser("http://127.0.0.1:7860/")
+    assert opened == []
+    monkeypatch.setenv("WAYLAND_DISPLAY", "wayland-0")
+    ui.open_browser("http://127.0.0.1:7860/")
+    monkeypatch.delenv("WAYLAND_DISPLAY")
+    monkeypatch.setattr(ui.sys, "platform", "darwin")
+    ui.open_browser("http://127.0.0.1:7861/")
+    assert opened == ["http://127.0.0.1:7860/", "http://127.0.0.1:7861/"]
+
+
 def test_cli_refuses_listen_without_auth(capsys):
     from app.cli import main
 
