@@ -104,6 +104,30 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+CONVERTED_BYTES = 520 * 2**20  # the converted model's files, about
+
+
+def unwritable(cache: Path, why: str) -> KestrelError:
+    return KestrelError(
+        f"the bundled model cannot be written into Kestrel's cache {cache} ({why}); it needs about "
+        f"{CONVERTED_BYTES >> 20} MB there: free some space, or set KESTREL_CACHE_DIR to a folder that can be written"
+    )  # fmt: skip
+
+
+def check_room(cache: Path) -> None:
+    """Raise `unwritable` where the converted model cannot go: a cache that
+    cannot be made or written, or with less free space than the model takes."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(cache).free
+    except OSError as error:
+        raise unwritable(cache, str(error)) from error
+    if not os.access(cache, os.W_OK):
+        raise unwritable(cache, "it cannot be written")
+    if free < CONVERTED_BYTES:
+        raise unwritable(cache, f"{free >> 20} MB free")
+
+
 def convert(gguf: Path, folder: Path) -> None:
     """GGUF -> a plain transformers folder, written beside and renamed into place
     so that an interrupted conversion never leaves a half-written model."""
@@ -111,6 +135,7 @@ def convert(gguf: Path, folder: Path) -> None:
 
     from models.base import out_of_memory
 
+    check_room(folder.parent)  # before the half minute of converting, not after it
     log.info(f"Preparing the bundled model {DEFAULT_NAME} (once, about 30 s)...")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -143,10 +168,7 @@ def convert(gguf: Path, folder: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
-        raise KestrelError(
-            f"the bundled model cannot be written into Kestrel's cache {folder.parent} ({error}); it needs about "
-            "520 MB there: free some space, or set KESTREL_CACHE_DIR to a folder that can be written"
-        ) from error
+        raise unwritable(folder.parent, str(error)) from error
     if complete(folder):  # another start finished first: use its copy
         shutil.rmtree(staging, ignore_errors=True)
         return

@@ -273,6 +273,24 @@ def test_a_stopped_or_failed_conversion_leaves_no_half_copy(tmp_path, monkeypatc
     with pytest.raises(KestrelError, match=f"cannot be written into Kestrel's cache {tmp_path / 'models'} .*No space left.*KESTREL_CACHE_DIR"):
         bundled.convert(tmp_path / "x.gguf", folder)
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == []
+    # a cache without the room, or that cannot be written, is said before the half minute of converting
+    read = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: read.append(1))
+    monkeypatch.setattr(bundled.shutil, "disk_usage", lambda path: SimpleNamespace(free=100 << 20))
+    with pytest.raises(KestrelError, match="cannot be written into Kestrel's cache .*100 MB free.*about 520 MB"):
+        bundled.convert(tmp_path / "x.gguf", folder)
+    monkeypatch.undo()
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: read.append(1))
+    monkeypatch.setattr(bundled.os, "access", lambda path, mode: False)  # a read-only cache (root may write anywhere)
+    with pytest.raises(KestrelError, match="cannot be written into Kestrel's cache .*it cannot be written"):
+        bundled.convert(tmp_path / "x.gguf", folder)
+    monkeypatch.undo()
+    assert read == []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: SimpleNamespace(save_pretrained=lambda f: None))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Loaded())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda config: SimpleNamespace(
+        load_state_dict=lambda *a, **k: None, save_pretrained=lambda folder: saving["run"](folder)))
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", lambda **settings: None)
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     (tmp_path / "models" / f"M.partial-{gone}").mkdir()  # a conversion killed outright (kill -9)
