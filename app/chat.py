@@ -10,6 +10,7 @@ import math
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -407,6 +408,7 @@ GONE_TEXT = "That chat is no longer saved: it was deleted in another tab or wind
 STOPPING_TEXT = "Stopping..."
 WAITING_TEXT = "Waiting for the model..."
 DOUBLE_PRESS_S = 1.0  # a second Send of the same text from the same tab within this is the same press
+SENT_MARK = "\x00sent:"  # accept's message to send, in the hidden box: this mark, a token, ":" and the text
 EMPTY_CHAT_TEXT = "This chat has no messages yet: there is nothing to {}."
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
@@ -492,6 +494,7 @@ class ChatHandlers:
         self.sent: dict[str, str | None] = {}
         self.accepting = threading.Lock()  # one accept at a time: a second press of Send checks what the first marked
         self.pressed: dict[str | None, tuple[str | None, str, float]] = {}  # per tab: the last Send's chat id, text and time
+        self.unsent: set[str] = set()  # tokens of messages accepted whose send has not begun
 
     @staticmethod
     def shown_id(chat: dict | None) -> str:
@@ -529,8 +532,11 @@ class ChatHandlers:
             pressed, self.pressed[session] = self.pressed.get(session), (chat["id"] if chat else None, text, time.monotonic())
             if session is not None and pressed is not None and pressed[:2] == self.pressed[session][:2] and \
                     self.pressed[session][2] - pressed[2] < DOUBLE_PRESS_S:  # fmt: skip
-                # this tab's Send pressed twice (a double click, Enter twice): both carry the same text, and the first goes on alone
-                return gr.skip(), "", gr.skip(), gr.skip(), gr.skip()
+                # this tab's Send pressed twice (a double click, Enter twice): both carry the same text, and the first
+                # goes on alone. An error the page does not show ends this press's events (send follows accept's
+                # success only): a send it started would take the place of the first press's (the page runs one
+                # send of a tab at a time) and read the hidden box before the first press had filled it
+                raise gr.Error("Send was pressed again", visible=False, print_exception=False)
             if self._busy(chat):  # being answered (from this tab or another): the text stays in the box, nothing is queued
                 return message, "", gr.skip(), gr.skip(), busy_notice()
             return self._accepted(text, chat, colour, session)
@@ -556,11 +562,20 @@ class ChatHandlers:
         except OSError:
             pass  # saved with the reply, or reported then
         shown_chat = [*display(sent, colour), shown({"role": "assistant", "content": ""}, colour)]
-        return "", text, shown_chat, chat, notice_html(" ".join(notes))
+        token = uuid.uuid4().hex
+        self.unsent.add(token)
+        return "", f"{SENT_MARK}{token}:{text}", shown_chat, chat, notice_html(" ".join(notes))
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
         """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot, calibration plot."""
-        message = (message or "").strip()
+        message = message or ""
+        if message.startswith(SENT_MARK):  # from accept (a caller of /send gives the message alone)
+            token, _, message = message.removeprefix(SENT_MARK).partition(":")
+            if token not in self.unsent:  # sent already: the send of a second press of the same Send
+                yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
+                return
+            self.unsent.discard(token)
+        message = message.strip()
         if not message:  # accept refused it and said why (or a caller of /send sent nothing)
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
             return

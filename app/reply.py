@@ -53,8 +53,11 @@ class Reply:
         self._sample_rate(step.stats)
 
     def _sample_rate(self, snapshot: Snapshot) -> None:
+        """A point at the first token (the prompt's reading in its interval), then every RATE_INTERVAL and at
+        the end: a reply shorter than the interval still draws a line, from its first token to its last."""
         last_seconds, last_tokens = self.last_sample
-        if snapshot.seconds - last_seconds >= RATE_INTERVAL or self.finish_reason is not None:
+        first = not self.rate_points and snapshot.tokens > 0
+        if first or snapshot.seconds - last_seconds >= RATE_INTERVAL or self.finish_reason is not None:
             elapsed = snapshot.seconds - last_seconds
             if elapsed > 0:
                 self.rate_points.append((round(snapshot.seconds, 3), (snapshot.tokens - last_tokens) / elapsed))

@@ -216,7 +216,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             trigger(
                 chat.accept, [message, chat_state, colour, shown_id], [message, pending, chatbot, chat_state, notice],
                 concurrency_limit=None, show_progress="hidden", api_name=False, trigger_mode="multiple",  # a Send during a reply is refused, not dropped
-            ).then(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**give_back).then(**refresh).then(**remember)  # fmt: skip
+            ).success(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**give_back).then(**refresh).then(**remember)  # fmt: skip
         refused = gr.Checkbox(False, visible=False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
         regenerate.click(**recover).then(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM

@@ -286,6 +286,8 @@ def test_send_pressed_twice_sends_the_message_once(page, data_dir):
     ours = [chat for chat in saved if chat["messages"] and chat["messages"][0]["content"] == "w5 w6"]
     assert len(ours) == 1 and [m["role"] for m in ours[0]["messages"]] == ["user", "assistant"] * 2, ours
     assert "another tab" not in page.locator("#notice").inner_text()
+    assert page.locator("[data-testid='toast-body']").count() == 0  # the second press ends unseen
+    screenshot(page, "double-send")
 
 
 def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny_base, tmp_path):

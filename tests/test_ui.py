@@ -94,6 +94,12 @@ def test_send_streams_text_and_stats(handlers, store, engine, monkeypatch):
     assert store.load_chat(chat["id"])["messages"] == chat["messages"]
 
 
+def test_a_reply_shorter_than_the_rate_interval_draws_a_line(handlers):
+    """A point at the first token and one at the end (a single point drew nothing)."""
+    rate = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][6]
+    assert len(rate) == 2 and rate["seconds"].iloc[0] < rate["seconds"].iloc[1] and (rate["tokens/s"] > 0).all()
+
+
 def test_a_chat_opened_or_reloaded_draws_its_last_replys_charts_again(handlers, store, monkeypatch):
     monkeypatch.setattr(chat_module, "RATE_POINTS_KEPT", 3)
     monkeypatch.setattr("app.reply.RATE_INTERVAL", 0.0)  # a point per step: more than are kept
@@ -1337,7 +1343,7 @@ def test_send_accepts_at_once_and_a_stop_before_its_turn_holds(handlers, store):
     chat = new_chat()
     handlers.stop(chat)  # pressed earlier, with nothing running
     box, pending, shown_chat, chat, _ = handlers.accept(" w1 w2 ", chat, True)
-    assert box == "" and pending == "w1 w2" and [m["content"] for m in store.load_chat(chat["id"])["messages"]] == ["w1 w2"]
+    assert box == "" and pending.endswith(":w1 w2") and [m["content"] for m in store.load_chat(chat["id"])["messages"]] == ["w1 w2"]
     assert "w1 w2" in str(shown_chat)
     final = list(handlers.send(pending, chat, "", *values(max_new_tokens=8)))[-1]
     assert final[2]["messages"][-1]["role"] == "assistant"  # the old Stop did not cancel it
@@ -1442,13 +1448,15 @@ def test_send_pressed_twice_in_one_tab_is_one_send_also_for_a_chat_another_tab_c
     shown = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
     list(ChatHandlers(Runtime(engine), store).send("w2", shown, "", *values(max_new_tokens=4)))  # another tab extends it
     first = handlers.accept("w3", shown, True, "", tab)
-    assert first[1] == "w3" and first[3]["id"] != shown["id"]  # a copy
-    second = handlers.accept("w3", shown, True, "", tab)
-    assert second[1] == "" and all(output == gr.skip() for output in (second[0], *second[2:]))
+    assert first[1].endswith(":w3") and first[3]["id"] != shown["id"]  # a copy
+    with pytest.raises(gr.Error):  # unseen, it ends the second press's events: no send of its own
+        handlers.accept("w3", shown, True, "", tab)
+    sends = [list(handlers.send(first[1], first[3], "", *values(max_new_tokens=4))) for _ in range(2)]  # both presses' sends
+    assert sends[0][-1][2]["messages"][-1]["role"] == "assistant" and all(output == gr.skip() for output in sends[1][-1][:4])
     copies = [chat for chat in store.list_chats() if chat["id"] not in (shown["id"],)]
     assert len(copies) == 1
-    assert handlers.accept("w4", shown, True, "", tab)[1] == "w4"  # another message: sent
-    assert handlers.accept("w3", first[3], True, "", types.SimpleNamespace(session_hash="tab-b"))[1] == "w3"
+    assert handlers.accept("w4", shown, True, "", tab)[1].endswith(":w4")  # another message: sent
+    assert handlers.accept("w3", first[3], True, "", types.SimpleNamespace(session_hash="tab-b"))[1].endswith(":w3")
 
 
 def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
@@ -1605,6 +1613,7 @@ def test_one_running_page_per_data_folder(tmp_path, capsys, monkeypatch):
     first.announce("http://127.0.0.1:7860/")
     assert not DataLock(tmp_path).acquire() and DataLock(tmp_path).holder() == "http://127.0.0.1:7860/"
     opened = []
+    monkeypatch.setenv("DISPLAY", ":0")  # a desktop session, where a browser is started
     monkeypatch.setenv("KESTREL_DATA_DIR", str(tmp_path))
     monkeypatch.setattr(ui.webbrowser, "open", opened.append)
     monkeypatch.setattr("app.session.load_pair", lambda *a, **k: pytest.fail("a second start must not load a model"))
@@ -1931,7 +1940,7 @@ def test_a_message_from_another_tab_during_a_reply_keeps_the_reply(handlers, sto
     handlers.stop(tab_a)
     list(stream)
     _, pending_b, _, tab_b, notice = handlers.accept("w3", tab_b, True)
-    assert pending_b == "w3" and tab_b["id"] != first["id"] and "changed in another tab" in notice
+    assert pending_b.endswith(":w3") and tab_b["id"] != first["id"] and "changed in another tab" in notice
     list(handlers.send(pending_b, tab_b, "", *values(max_new_tokens=4)))
     assert [m["content"] for m in store.load_chat(first["id"])["messages"] if m["role"] == "user"] == ["w1", "w2"]
     assert [m["content"] for m in store.load_chat(tab_b["id"])["messages"] if m["role"] == "user"] == ["w1", "w3"]
