@@ -644,8 +644,9 @@ class ChatHandlers:
         if dropped:
             note = f"{note} Dropped the {oldest_messages(dropped)} to fit the context window.".strip()
             made_with = {**made_with, "context_dropped": dropped}  # kept with the reply: it was written without them
-        try:  # a message too long even alone is refused before the panel is emptied for its reply
-            check_prompt(engine, engine.encode(messages))
+        try:  # fit_context kept turns that fit, or the newest message alone, which may not: that is refused here,
+            if all(m["role"] == "system" for m in messages[:-1]):  # before the panel is emptied for its reply
+                check_prompt(engine, engine.encode(messages))
         except ContextOverflowError as error:
             yield from self._failed(chat, message, colour, overflow_text(engine, messages, error), kept)
             return

@@ -28,8 +28,7 @@ def desktop_entry(root: Path, python: str, folders: list[tuple[str, str]] = ()) 
     specification asks of string values and field codes), other values with
     their backslashes doubled, so that any folder name starts Kestrel.
     `folders`: variables set for it, through env."""
-    setting = "".join(f"env {exec_argument(f'{name}={value}')} " if index == 0 else f"{exec_argument(f'{name}={value}')} "
-                      for index, (name, value) in enumerate(folders))  # fmt: skip
+    setting = "env " + "".join(f"{exec_argument(f'{name}={value}')} " for name, value in folders) if folders else ""
     return "\n".join([
         "[Desktop Entry]",
         "Type=Application",

@@ -209,9 +209,9 @@ class Store:
             if path.is_dir():
                 return None if os.access(path, os.W_OK) else f"{path} cannot be written"
         # not made yet (a new KESTREL_DATA_DIR): the first save makes it in the nearest folder that exists
-        nearest = next((parent for parent in self.folder.parents if parent.exists()), None)
-        if nearest is None or not nearest.is_dir():
-            return f"{self.folder} cannot be made ({nearest} is not a folder)" if nearest is not None else None
+        nearest = next(parent for parent in self.folder.absolute().parents if parent.exists())  # the root at least
+        if not nearest.is_dir():
+            return f"{self.folder} cannot be made ({nearest} is not a folder)"
         return None if os.access(nearest, os.W_OK) else f"{self.folder} cannot be made ({nearest} cannot be written)"
 
     def save_settings(self, settings: dict) -> None:

@@ -62,10 +62,11 @@ def make_tree(root: int, tokens: list[int], parents: list[int]) -> DraftTree:
 def shallower(tree: DraftTree, depth: int) -> DraftTree:
     """The nodes of `tree` less than `depth` deep (the root at least): a
     subtree, since a node's ancestors are shallower than it."""
-    kept = [node for node in range(1, tree.size) if int(tree.depths[node]) < depth]
+    depths, tokens = tree.depths.tolist(), tree.tokens.tolist()
+    kept = [node for node in range(1, tree.size) if depths[node] < depth]
     index = {node: position for position, node in enumerate(kept)}
     parents = [index[tree.parents[node]] if tree.parents[node] > 0 else -1 for node in kept]
-    return make_tree(int(tree.tokens[0]), [int(tree.tokens[node]) for node in kept], parents)
+    return make_tree(tokens[0], [tokens[node] for node in kept], parents)
 
 
 def rerank(scores: torch.Tensor, parents: list[int], keep: int) -> list[int]:
