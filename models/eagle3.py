@@ -40,6 +40,20 @@ def default_layer_ids(layers: int) -> tuple[int, ...]:
     return tuple(sorted((min(2, layers), layers // 2, max(layers - 3, 0))))
 
 
+def training_layer_ids(layers: int) -> tuple[int, ...]:
+    """The layers a new head fuses: the reference choice where its three are
+    different layers (L >= 7, and L = 2 or 3); on a 4- to 6-layer base, where
+    it names a layer twice (which config.json may not), the second layer, the
+    middle one and the last one's input instead. A 1-layer base has only two
+    points to read (ids 0 and 1): no EAGLE-3 head."""
+    reference = default_layer_ids(layers)
+    if len(set(reference)) == 3:
+        return reference
+    if layers < 2:
+        raise ValueError(f"an EAGLE-3 head fuses three layers of its base model; this one has {layers} decoder layer")
+    return (1, layers // 2, layers - 1)
+
+
 def configured_layer_ids(config: HeadConfig) -> tuple[int, ...] | None:
     """`eagle_aux_hidden_state_layer_ids` from config.json, at top level or in
     `eagle_config`. Read as vLLM does: id i is the input of decoder layer i,

@@ -118,6 +118,23 @@ def test_feature_layers_come_from_the_config_or_the_default(base64, tmp_path):
             head_files(folder)  # from config.json alone, before any base model loads
 
 
+def test_a_new_head_fuses_three_different_layers_that_load_again(base64, tmp_path):
+    """Training's layers: the reference (2, L//2, L-3) where those are three layers;
+    on 4- to 6-layer bases, where it repeats one (refused in config.json), three others."""
+    for layers in range(2, 81):
+        ids = eagle3.training_layer_ids(layers)
+        assert len(set(ids)) == 3 and list(ids) == sorted(ids) and 0 <= ids[0] and ids[-1] <= layers, (layers, ids)
+        if len(set(eagle3.default_layer_ids(layers))) == 3:
+            assert ids == eagle3.default_layer_ids(layers)
+    assert eagle3.training_layer_ids(5) == (1, 2, 4)
+    with pytest.raises(ValueError, match="fuses three layers of its base model; this one has 1 decoder layer"):
+        eagle3.training_layer_ids(1)
+    _, folder = saved(base64, tmp_path / "head", layer_ids=eagle3.training_layer_ids(5))
+    config = base64.model.config
+    loaded = load_head(folder, config.hidden_size, config.vocab_size, dtype=torch.float64, base_layers=5)
+    assert loaded.layer_ids == (1, 2, 4)
+
+
 def test_captured_features_are_the_models_own_hidden_states(base64):
     """Hook i holds transformers' output_hidden_states[i]: the input of
     decoder layer i, and for i = L the last layer's output before the norm."""

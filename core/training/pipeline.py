@@ -186,7 +186,7 @@ def train_head(
     on features that include three captured layers (their own cache folders)."""
     third = train_params.arch == "eagle3"
     if third:
-        layers = eagle3.default_layer_ids(base.model.config.num_hidden_layers)
+        layers = eagle3.training_layer_ids(base.model.config.num_hidden_layers)
         feature_params = replace(feature_params, layer_ids=layers)
         train_params = replace(train_params, loss_vocab=draft_vocab)
     suffix = "-eagle3" if third else ""

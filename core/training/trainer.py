@@ -155,7 +155,7 @@ def new_head(config: HeadConfig, seed: int) -> DraftHead:
 
 def new_eagle3_head(base, draft_ids: torch.Tensor | None, seed: int) -> Eagle3Head:
     """An EAGLE-3 head for `base` drafting among `draft_ids` (None: all tokens),
-    features from layers 2, L//2 and L-3. Its lm_head and norm start as the
+    features from layers 2, L//2 and L-3 (eagle3.training_layer_ids). Its lm_head and norm start as the
     base model's (rows of the draft vocabulary), so its first output already
     reads like a base feature; the rest is freshly initialised."""
     from models import eagle3
@@ -165,7 +165,7 @@ def new_eagle3_head(base, draft_ids: torch.Tensor | None, seed: int) -> Eagle3He
     vocab = model.get_output_embeddings().weight.shape[0]
     draft_ids = torch.arange(vocab) if draft_ids is None else draft_ids.cpu()
     config = replace(head_config_for(model.config), bias=False, draft_vocab_size=len(draft_ids))
-    head = eagle3.new_head(config, eagle3.default_layer_ids(model.config.num_hidden_layers), draft_ids)
+    head = eagle3.new_head(config, eagle3.training_layer_ids(model.config.num_hidden_layers), draft_ids)
     with torch.no_grad():
         head.lm_head.weight.copy_(model.get_output_embeddings().weight[draft_ids.to(base.device)].float().cpu())
         head.norm.weight.copy_(model.get_decoder().norm.weight.float().cpu())
