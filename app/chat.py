@@ -34,7 +34,7 @@ TEXT_INTERVAL = 0.5  # seconds between chat text updates: each one costs the bro
 # of the reply and of Gradio's component state, taken from the decoding on small machines
 PANEL_INTERVAL = 0.5  # seconds between updates of the statistics
 PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost the browser most to redraw)
-SAVE_INTERVAL = 5.0  # seconds between saves of a new reply as it grows: a crash loses at most this much of it
+SAVE_INTERVAL = 2.0  # seconds between saves of a new reply as it grows: a crash loses at most this much of it
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 
 

@@ -110,6 +110,9 @@ CSS = """
 .kestrel-pane { white-space: pre-wrap; min-height: 12em; max-height: 30em; overflow-y: auto;
   padding: 8px; border: 1px solid var(--border-color-primary); border-radius: 6px; }
 .kestrel-legend span { padding: 0 4px; }
+/* the chat's clear and copy-all buttons in a row of their own above the messages, not over them */
+#chatbot .icon-button-wrapper.top-panel { position: static; align-self: flex-end; margin: 2px 4px 0 0; }
+#chatbot .bubble-wrap { height: auto; flex: 1 1 0; min-height: 0; }
 """
 
 

@@ -344,6 +344,25 @@ def ids(folder: Path) -> list[str]:
     return [path.stem for path in (folder / "chats").glob("*.json")]
 
 
+def test_the_chat_fits_a_small_window_and_its_buttons_cover_no_message(page):
+    """At 1280x720 the message box, Send and the buttons below stay in view, and the
+    chat's own clear and copy-all buttons sit above the messages, not over them."""
+    page.set_viewport_size({"width": 1280, "height": 720})
+    page.locator("#new-chat").click()
+    settings(page, 8)
+    send(page, "w1 w2 w3 " * 12)
+    page.wait_for_function("() => !['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim())", timeout=60_000)
+    page.evaluate("() => window.scrollTo(0, 0)")  # setting the token limit scrolled the page to it
+    for selector in ("#message", "#send", "#stop", "#new-chat"):
+        box = page.locator(selector).bounding_box()
+        assert box and box["y"] >= 0 and box["y"] + box["height"] <= 720, (selector, box)
+    # above the area the messages scroll in, so that no scrolled message passes under them
+    toolbar = page.locator("#chatbot .icon-button-wrapper.top-panel").bounding_box()
+    messages = page.locator("#chatbot .bubble-wrap").bounding_box()
+    assert toolbar and messages, (toolbar, messages)
+    assert toolbar["y"] + toolbar["height"] <= messages["y"] + 1, (toolbar, messages)
+
+
 def test_a_setting_typed_out_of_range_gets_no_unnamed_error(page):
     """Typing into a slider's box sends each value as typed: Gradio's own check
     answered "Value 5 is greater than maximum value 2." in toasts that named no
