@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from app.decoding import Decoding
 from app.request import Generation, RequestError, parse_chat, parse_completion
@@ -459,11 +460,14 @@ async def read_body(request: Request) -> bytes:
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is {int(declared)} bytes; at most {MAX_BODY_BYTES} are accepted")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect as error:  # a client that hung up while sending: answered (to no one) without a traceback
+        raise ApiError(400, f"the client closed the connection after {size} bytes of the request body") from error
     return b"".join(chunks)
 
 

@@ -103,6 +103,17 @@ GIVE_BACK_JS = """(returned, typed) => {
   const now = (typed || "").trim();
   return [!now || now === returned.trim() ? returned : returned + "\\n\\n" + typed, ""];
 }"""
+# Text typed into a box, kept in this tab's sessionStorage as it changes and put back when
+# the page loads again (a reload, a restarted server): each tab keeps its own, and a box
+# emptied by Send keeps nothing.
+def keep_typed_js(key: str) -> str:
+    return f"""(text) => {{ try {{ sessionStorage.setItem("kestrel-{key}", text || ""); }} catch (e) {{}} }}"""
+
+
+def typed_back_js(key: str) -> str:
+    return f"""() => {{ try {{ return sessionStorage.getItem("kestrel-{key}") || ""; }} catch (e) {{ return ""; }} }}"""
+
+
 CSS = """
 .kestrel-stats table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
 .kestrel-stats td { padding: 2px 6px; border-bottom: 1px solid var(--border-color-primary); }

@@ -284,6 +284,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             **remember
         )
         demo.load(library.status, None, status).then(library.heads, None, trained)
+        for box, key in ((message, "message"), (prompt, "compare-prompt")):  # what was typed survives a reload
+            box.change(None, box, None, js=render.keep_typed_js(key), api_name=False)
+            demo.load(None, None, box, js=render.typed_back_js(key), api_name=False)
         # what another tab loaded or unloaded since this page was opened
         models_tab.select(library.status, None, status, show_progress="hidden", api_name=False).then(library.heads, None, trained)
         mode.input(lambda picked: picked, mode, wanted_mode, show_progress="hidden", api_name=False)

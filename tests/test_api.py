@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
+import socket
 import threading
 import time
 
@@ -537,6 +539,28 @@ def test_a_client_gone_mid_stream_frees_the_model_within_a_step(server, client, 
     assert reply.choices[0].message.content and time.monotonic() - started < 3
     time.sleep(0.5)
     assert PacedEngine.steps - steps < 10  # the abandoned reply stopped decoding
+
+
+def test_a_client_gone_while_sending_its_body_leaves_no_traceback(server, client, engine):
+    """A client that closes the connection partway through its request body (an editor
+    cancelling a long prompt): no "Exception in ASGI application" on the server's terminal."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        host, port = server.url.split("//")[1].strip("/").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as connection:
+                connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: 200\r\n\r\n{\"model\": \"x\"")  # fmt: skip
+                time.sleep(0.2)
+        time.sleep(0.5)
+        assert chat(client, engine.base.name, max_tokens=2).choices[0].message.content
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records if record.levelno >= logging.ERROR] == []
 
 
 def test_bad_input_fuzz_is_always_a_4xx_json_error(server, client, engine):

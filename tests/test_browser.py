@@ -471,6 +471,32 @@ def test_export_downloads_markdown_and_json(page, data_dir):
     page.wait_for_timeout(1500)
 
 
+def test_text_typed_but_not_sent_survives_a_reload(page):
+    """The message box and Compare's prompt as typed come back after a reload, in this tab
+    (sessionStorage); a message sent leaves nothing to bring back."""
+    settings(page, 4)
+    page.locator("#message textarea").press_sequentially("w7 w6")
+    page.get_by_role("tab", name="Compare").click()
+    page.locator("#compare-prompt textarea").press_sequentially("w5 w4")
+    page.reload()
+    page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+    page.wait_for_function("document.querySelector('#message textarea').value === 'w7 w6'", timeout=15_000)
+    page.get_by_role("tab", name="Compare").click()
+    page.wait_for_function("document.querySelector('#compare-prompt textarea').value === 'w5 w4'", timeout=15_000)
+    page.get_by_role("tab", name="Chat").click()
+    page.locator("#new-chat").click()
+    page.locator("#send").click()
+    page.wait_for_function("!['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim())", timeout=60_000)
+    assert page.locator("#message textarea").input_value() == ""
+    page.reload()
+    page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+    page.wait_for_timeout(1000)
+    assert page.locator("#message textarea").input_value() == ""
+    page.get_by_role("tab", name="Compare").click()
+    assert page.locator("#compare-prompt textarea").input_value() == "w5 w4"
+    page.locator("#compare-prompt textarea").fill("")  # the next tests type their own
+
+
 def test_compare_shows_both_panes_and_verdict(page):
     settings(page, 30)  # the Chat tab's settings apply to Compare
     page.get_by_role("tab", name="Compare").click()
