@@ -37,6 +37,7 @@ file), its attention likewise one opaque op (`kestrel::head_attend`)."""
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 import types
@@ -322,6 +323,60 @@ def worth_trying(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and compiler_available()
 
 
+class _DamagedCache(logging.Filter):
+    """Notes torch's "unable to load compiled graph" (an entry of its compile
+    cache cut short, by a crash or a full disk while it was written) and keeps
+    the traceback torch prints with it, at every start, off the terminal."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "unable to load compiled graph" in str(record.msg):
+            self.seen += 1
+            return False
+        return True
+
+
+@contextmanager
+def _watching_the_cache() -> Iterator[_DamagedCache]:
+    logger = logging.getLogger("torch._inductor.codecache")
+    watch = _DamagedCache()
+    logger.addFilter(watch)
+    try:
+        yield watch
+    finally:
+        logger.removeFilter(watch)
+
+
+def _clear_damaged_cache() -> str:
+    """Empty torch's compile cache, whose damaged entries torch skips but keeps
+    (and code compiled next to them read differently from a fresh compile's
+    here): -> what the user is told."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    folder = cache_dir()
+    shutil.rmtree(folder, ignore_errors=True)
+    return (f"torch's compile cache ({folder}) was damaged (a crash or a full disk while it was written?); it has been "
+            "emptied, and the next start compiles afresh (about a minute)")
+
+
+# what reading a cut-short file of torch's compile cache raises (a generated module, a built library, a pickle)
+CUT_SHORT = ("Failed to import", "file too short", "invalid ELF header", "truncated", "UnpicklingError", "EOFError")
+
+
+def _failure(error: Exception, what: str) -> str:
+    """Why compiling `what` failed; a file of torch's compile cache that could not
+    be read (cut short) empties the cache, which would fail every start."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    said = str(error)
+    if cache_dir() in said and any(sign in said for sign in CUT_SHORT):
+        return _clear_damaged_cache()
+    return f"compiling {what} failed ({type(error).__name__}: {str(error)[:200]})"
+
+
 def compile_model(model, progress: Callable[[str], None] | None = None) -> Compiled | None:
     """Compile the decoder layers now (a one-token step and a multi-row pass
     for each segment length) and check the compiled loop against the
@@ -347,14 +402,15 @@ def compile_model(model, progress: Callable[[str], None] | None = None) -> Compi
         start = time.perf_counter()
         if progress:
             progress("Compiling the model (about a minute the first time; later starts read the cache)...")
-        compiled.warm()
-        problem = _loop_problem(compiled)
+        with _watching_the_cache() as watch:
+            compiled.warm()
+        problem = _clear_damaged_cache() if watch.seen else _loop_problem(compiled)
         if progress:
             progress(f"Compiled in {time.perf_counter() - start:.0f} s")
     except Exception as error:  # no usable compiler or an unsupported operation: stay eager
         if compiled is not None:
             uncompile(compiled)
-        log.warning(f"Decoding eagerly: compiling the model failed ({type(error).__name__}: {str(error)[:200]})")
+        log.warning(f"Decoding eagerly: {_failure(error, 'the model')}")
         return None
     if problem is not None:
         uncompile(compiled)
@@ -573,11 +629,14 @@ def compile_head(head, embed, progress: Callable[[str], None] | None = None) -> 
         start = time.perf_counter()
         if progress:
             progress("Compiling the draft head (cached for later starts)...")
-        problem = _head_problem(compiled, embed)
+        with _watching_the_cache() as watch:
+            problem = _head_problem(compiled, embed)
+        if watch.seen:
+            problem = _clear_damaged_cache()
         if progress:
             progress(f"Compiled in {time.perf_counter() - start:.0f} s")
     except Exception as error:
-        log.warning(f"Drafting eagerly: compiling the draft head failed ({type(error).__name__}: {str(error)[:200]})")
+        log.warning(f"Drafting eagerly: {_failure(error, 'the draft head')}")
         return None
     if problem is not None:
         log.warning(f"Drafting eagerly: {problem}")

@@ -144,6 +144,52 @@ def test_a_failed_compile_leaves_the_model_eager_and_decoding(tiny_folder, monke
     assert tokens_of(prompt_steps) == reference
 
 
+@pytest.mark.parametrize("damage", ["entry", "module", "other"])
+def test_a_damaged_compile_cache_is_emptied_and_the_model_stays_eager(tiny_folder, monkeypatch, tmp_path, caplog, damage):
+    """torch skips an entry of its cache it cannot read but keeps it, and prints a traceback
+    at every start (and code compiled beside it read differently from a fresh compile's): the
+    start decodes eagerly and empties the cache. A generated module cut short fails the
+    compile itself: the same. Another compile failure leaves the cache alone."""
+    import logging
+
+    cache = tmp_path / "inductor"
+    (cache / "ab").mkdir(parents=True)
+    (cache / "ab" / "entry").write_bytes(b"cut")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    base = load_base(str(tiny_folder), dtype="float64")
+    reference = tokens_of(Engine(base).stream([9, 10, 11], "vanilla", SamplingParams(max_new_tokens=12)))
+    torch_log = logging.getLogger("torch._inductor.codecache")
+    printed = []
+    handler = logging.Handler()
+    handler.emit = printed.append
+    torch_log.addHandler(handler)
+
+    def damaged(function, **options):
+        def runs(*args, **kwargs):
+            if damage == "entry":
+                torch_log.warning("fx graph cache unable to load compiled graph", exc_info=True)
+                return function(*args, **kwargs)
+            said = "Failed to import" if damage == "module" else "C++ compile error:"
+            raise RuntimeError(f"{said} {cache / 'ab' / 'entry.py'}")
+
+        return runs
+
+    monkeypatch.setattr(compiled, "compiler_available", lambda: True)
+    monkeypatch.setattr(torch, "compile", damaged)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kestrel"):
+            engine = Engine(base, random_head(base.model), compile="on")
+    finally:
+        torch_log.removeHandler(handler)
+    assert engine.compiled is None and compiled.of(base.model) is None
+    assert printed == []  # torch's own warning and traceback kept off the terminal
+    if damage == "other":
+        assert (cache / "ab" / "entry").exists() and "was damaged" not in caplog.text
+    else:
+        assert not cache.exists() and f"torch's compile cache ({cache}) was damaged" in caplog.text
+    assert tokens_of(engine.stream([9, 10, 11], "eagle2", SamplingParams(max_new_tokens=12))) == reference
+
+
 def test_segments_cover_the_layers_in_runs_starting_at_hooked_layers():
     size = compiled.SEGMENT
     assert compiled.segments(30, set()) == [(start, min(start + size, 30)) for start in range(0, 30, size)]
