@@ -86,7 +86,7 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
     group.add_argument("--top-p", type=number(0.0, 1.0), default=1.0, help="nucleus sampling mass (default 1.0 = off; 0 keeps the most likely token)")
     group.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely tokens (default 0 = off)")
     group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
-    group.add_argument("--seed", type=integer(*SEEDS), help="random seed for sampling, a 64-bit integer (default, or -1: for a sampled reply, one drawn each run, and shown)")
+    group.add_argument("--seed", type=integer(*SEEDS), help="random seed for sampling, a signed 64-bit integer (default, or -1: for a sampled reply, one drawn each run, and shown)")
 
 
 def add_tree_options(parser: argparse.ArgumentParser) -> None:

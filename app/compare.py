@@ -55,7 +55,9 @@ class Divergence:
         elif self.margin <= tie:
             why = (f" That is a near-tie in {self.dtype} (below {tie:g}): the tree pass and the one-token pass round "
                    "differently, which can flip such a choice; from there on the two replies are different texts, "
-                   "each one the model could write. Use float32 (or float64) for replies identical to vanilla.")  # fmt: skip
+                   "each one the model could write. Replies come out identical to vanilla's where every tree node is "
+                   "computed bit for bit as a one-token step (on CPUs with int4 or int8 weights, checked when the "
+                   "model loads; the model line then says so).")  # fmt: skip
         else:
             why = (f" That is not a rounding near-tie in {self.dtype} (above {tie:g}), so the outputs should have "
                    "been identical: please report it with the prompt and settings.")  # fmt: skip
