@@ -197,10 +197,14 @@ class ScreenedArgmax:
         return exact if gumbel is None else exact.double() * scale + gumbel[tokens]
 
     def _exact(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits of `tokens` in the model's precision (float32 for bf16 weights), a slice at a time."""
+        """The logits of `tokens` in the model's precision (float32 for bf16 weights), a slice at a time.
+        Each token's logit is its own row's products summed, the same bits whichever tokens share the
+        call and wherever it sits among them (a matrix-vector product's are not: its low bits depend on
+        both), so a vanilla step and a tree node whose screens rank the candidates differently still
+        settle a near-tie alike."""
         chunk = 4096
         if len(tokens) == 0:
             return hidden.new_empty(0)
         return torch.cat(
-            [self.weight[tokens[start : start + chunk]].to(self.exact_dtype) @ hidden for start in range(0, len(tokens), chunk)]
+            [(self.weight[tokens[start : start + chunk]].to(self.exact_dtype) * hidden).sum(-1) for start in range(0, len(tokens), chunk)]
         )

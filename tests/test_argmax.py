@@ -124,6 +124,25 @@ def test_a_bf16_lm_head_is_screened_against_its_float32_products():
         assert [screen(hidden[row : row + 1])[0] for row in range(0, 200, 7)] == expected[::7]
 
 
+def test_a_tokens_exact_logit_is_the_same_whichever_tokens_share_its_product():
+    """The candidates' exact logits settle near-ties: a token's must not depend on which
+    other tokens the screen put beside it, nor where (a vanilla step's screen and a tree
+    node's may rank them differently). A matrix-vector product's low bits depend on both."""
+    generator = torch.Generator().manual_seed(3)
+    lm_head = torch.nn.Linear(576, 5000, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(5000, 576, generator=generator))
+    screen = ScreenedArgmax(lm_head)
+    for _ in range(20):
+        hidden = torch.randn(576, generator=generator).bfloat16().to(screen.exact_dtype)
+        tokens = torch.randperm(5000, generator=generator)[:600]
+        alone = {int(token): float(screen._exact(token[None], hidden)[0]) for token in tokens[:40]}
+        for count in (2, 3, 7, 16, 17, 33, 600):
+            shuffled = tokens[:count][torch.randperm(count, generator=generator)]
+            for token, logit in zip(shuffled.tolist(), screen._exact(shuffled, hidden).tolist()):
+                assert token not in alone or logit == alone[token], (count, token)
+
+
 def test_screen_is_off_for_half_precision_and_biased_heads(monkeypatch):
     assert not ScreenedArgmax(torch.nn.Linear(8, 20, bias=False).to(torch.float16)).enabled
     monkeypatch.setattr(int8, "own_kernel", lambda: False)
