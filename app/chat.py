@@ -34,6 +34,7 @@ TEXT_INTERVAL = 0.5  # seconds between chat text updates: each one costs the bro
 # of the reply and of Gradio's component state, taken from the decoding on small machines
 PANEL_INTERVAL = 0.5  # seconds between updates of the statistics
 PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost the browser most to redraw)
+FINISHING_WAIT_S = 5.0  # the longest a click on a chat whose reply is ending waits for its last update to reach the page
 SAVE_INTERVAL = 2.0  # seconds between saves of a new reply as it grows: a crash loses at most this much of it
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 
@@ -487,6 +488,8 @@ class ChatHandlers:
         self.exports: tempfile.TemporaryDirectory | None = None  # one folder for every export, removed at exit
         # the chats whose reply is being written: id -> that reply's colouring, as the page's box has it now
         self.replying: dict[str, bool] = {}
+        # of those, the ones whose decoding has ended, until their last update has gone to the page: set then
+        self.finishing: dict[str, threading.Event] = {}
         self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
         self.unsaved: set[str] = set()  # ids of chats whose latest save failed: their disk copy is older, not another tab's
         # ids of chats whose accepted message (or regeneration) waits for the model, not yet started -> the
@@ -658,72 +661,80 @@ class ChatHandlers:
         history = display(chat, colour)  # rendered once (and again if the colouring changes); each update renders only the growing reply
         reply = None
         self.replying[chat["id"]] = colour
-        live = LiveReply()
-        self.live[chat["id"]] = lambda: live.claim() and self._keep_stopped(chat, live.reply, kept, mode, made_with)
-        save_throttle = Throttle(SAVE_INTERVAL)
-        # the panel with the plots as this run last sent them, sent again by a yield that ends it: Gradio streams a
-        # plot skipped after a value as a diff deleting that value's fields, which the page applies to
-        # the plot's value in place, so a run that ended there left the plots without their data
-        # (drawn empty, and the page's resize handlers failing on them)
-        sent_panel = SKIP_PANEL
-        try:
-            empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
-            # waiting behind an API request, which the page's own queue does not hold back
-            read = self.runtime.queue.busy  # whether the notice shows more than `note` (the wait, how far a long conversation is read)
-            waiting = f"{note} {WAITING_TEXT}".strip() if read else note
-            # the message box is left alone: accept emptied it, and what is typed there now is the next message
-            yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(waiting), *empty_panel
-            sent_panel = gr.skip(), *empty_panel[1:]
-            replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=self.runtime.reuse)
-            for reply in replies:
-                if reply.finish_reason is not None:
-                    continue
-                live.reply = reply
-                if reply.snapshot is None:  # no token yet: a long conversation being read
-                    read = True
-                    yield gr.skip(), gr.skip(), gr.skip(), notice_html(f"{note} {reply.reading_text}".strip()), *SKIP_PANEL
-                    continue
-                if self.replying[chat["id"]] != colour:  # ticked or unticked during the reply
-                    colour = self.replying[chat["id"]]
-                    history = display(chat, colour)
-                pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
-                stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
-                plots = SKIP_PANEL[1:]
-                if plot_throttle.ready():
-                    plots = self._plots(reply, engine, options.sampling)
-                    sent_panel = gr.skip(), *plots
-                notice = notice_html(note) if read else gr.skip()
-                read = False
-                if kept is None and save_throttle.ready():  # a regeneration keeps the saved reply until it ends
-                    self._save_progress(chat, reply, mode, made_with)
-                yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), notice, stats, *plots
-        except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
-            cancel.set()
-            if live.claim():
-                self._keep_interrupted(chat, reply, mode, made_with, kept)
-            raise
-        except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
-            if live.claim():
-                self._keep_stopped(chat, reply, kept, mode, made_with)
-            yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
-            return
-        except (KestrelError, ValueError) as error:  # ContextOverflowError included
-            if isinstance(error, ContextOverflowError):
-                error = overflow_text(engine, messages, error)
-            yield from self._failed(chat, message, colour, str(error), kept, sent_panel)
-            return
+        try:  # this chat counts as being replied to until its last update has reached the page: a New chat
+            # clicked meanwhile would be undone by it (the chat shown and chat_state set back to this one)
+            live = LiveReply()
+            self.live[chat["id"]] = lambda: live.claim() and self._keep_stopped(chat, live.reply, kept, mode, made_with)
+            save_throttle = Throttle(SAVE_INTERVAL)
+            # the panel with the plots as this run last sent them, sent again by a yield that ends it: Gradio streams a
+            # plot skipped after a value as a diff deleting that value's fields, which the page applies to
+            # the plot's value in place, so a run that ended there left the plots without their data
+            # (drawn empty, and the page's resize handlers failing on them)
+            sent_panel = SKIP_PANEL
+            try:
+                empty_panel = render.stats_html(None, 0, session_tau(chat)), *EMPTY_PLOTS, gr.skip()  # not the last reply's figures
+                # waiting behind an API request, which the page's own queue does not hold back
+                read = self.runtime.queue.busy  # whether the notice shows more than `note` (the wait, how far a long conversation is read)
+                waiting = f"{note} {WAITING_TEXT}".strip() if read else note
+                # the message box is left alone: accept emptied it, and what is typed there now is the next message
+                yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(waiting), *empty_panel
+                sent_panel = gr.skip(), *empty_panel[1:]
+                replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=self.runtime.reuse)
+                for reply in replies:
+                    if reply.finish_reason is not None:
+                        continue
+                    live.reply = reply
+                    if reply.snapshot is None:  # no token yet: a long conversation being read
+                        read = True
+                        yield gr.skip(), gr.skip(), gr.skip(), notice_html(f"{note} {reply.reading_text}".strip()), *SKIP_PANEL
+                        continue
+                    if self.replying[chat["id"]] != colour:  # ticked or unticked during the reply
+                        colour = self.replying[chat["id"]]
+                        history = display(chat, colour)
+                    pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
+                    stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
+                    plots = SKIP_PANEL[1:]
+                    if plot_throttle.ready():
+                        plots = self._plots(reply, engine, options.sampling)
+                        sent_panel = gr.skip(), *plots
+                    notice = notice_html(note) if read else gr.skip()
+                    read = False
+                    if kept is None and save_throttle.ready():  # a regeneration keeps the saved reply until it ends
+                        self._save_progress(chat, reply, mode, made_with)
+                    yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), notice, stats, *plots
+            except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
+                cancel.set()
+                if live.claim():
+                    self._keep_interrupted(chat, reply, mode, made_with, kept)
+                raise
+            except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
+                if live.claim():
+                    self._keep_stopped(chat, reply, kept, mode, made_with)
+                yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
+                return
+            except (KestrelError, ValueError) as error:  # ContextOverflowError included
+                if isinstance(error, ContextOverflowError):
+                    error = overflow_text(engine, messages, error)
+                yield from self._failed(chat, message, colour, str(error), kept, sent_panel)
+                return
+            finally:
+                colour = self.replying[chat["id"]]
+                self.live.pop(chat["id"], None)
+                self.finishing[chat["id"]] = threading.Event()
+            if not live.claim():  # the server's stop saved it already
+                yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
+                return
+            if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
+                yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept, sent_panel)
+                return
+            note = self._finish(chat, reply, mode, note, made_with, kept)
+            panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
+            yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
         finally:
-            colour = self.replying.pop(chat["id"])
-            self.live.pop(chat["id"], None)
-        if not live.claim():  # the server's stop saved it already
-            yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
-            return
-        if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
-            yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept, sent_panel)
-            return
-        note = self._finish(chat, reply, mode, note, made_with, kept)
-        panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
-        yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
+            self.replying.pop(chat["id"], None)
+            finished = self.finishing.pop(chat["id"], None)
+            if finished is not None:
+                finished.set()
 
     def _finish(self, chat: dict, reply: Reply, mode: str, note: str, settings: dict, kept: dict | None = None) -> str:
         """Add the reply to the chat and save it; returns the note to show.
@@ -837,6 +848,9 @@ class ChatHandlers:
         came, its page closed meanwhile, does not hold the chat)."""
         if not chat:
             return False
+        finishing = self.finishing.get(chat["id"])
+        if finishing is not None:  # saved and sending its last update: a click then waits for that, not refused
+            finishing.wait(FINISHING_WAIT_S)
         if chat["id"] in self.replying:
             return True
         return chat["id"] in self.sent and bool(self.replying or self.runtime.queue.busy)

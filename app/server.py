@@ -38,6 +38,10 @@ LOCALHOST = "127.0.0.1"
 ICON = Path(__file__).resolve().parent.parent / "assets" / "kestrel.svg"
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 API_PATHS = ("/v1/", "/health")
+# pages whose state (the chat shown, the last values sent to each component: about half a MB each)
+# the server keeps, the least recently used dropped first; Gradio's 10,000 kept every reload's for
+# days of use. A tab whose state was dropped goes on as after a server restart (the chat it names)
+PAGE_SESSIONS_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,7 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
 
     demo.queue()
     calm_queue(demo)
+    demo.state_session_capacity = PAGE_SESSIONS_KEPT
     app = gr.mount_gradio_app(
         app, demo, path="/", server_name=access.host, server_port=port, auth=access.auth, show_error=True,
         css=render.CSS, js=render.COPY_JS, favicon_path=str(ICON),

@@ -636,6 +636,25 @@ def test_the_page_queue_is_calmed_where_gradio_polls():
     assert demo._queue.sleep_when_free == QUEUE_POLL_SECONDS
 
 
+def test_the_server_keeps_the_state_of_a_bounded_number_of_pages(engine, tmp_path_factory):
+    """Each page load is a session whose state Gradio keeps (about half a MB): the least
+    recently used go past PAGE_SESSIONS_KEPT, where Gradio's default kept 10,000."""
+    from app.server import PAGE_SESSIONS_KEPT
+
+    runtime = Runtime(engine)
+    demo = build_app(runtime, tmp_path_factory.mktemp("sessions-data"))
+    server = Server(demo, runtime, Access(), 8100)
+    server.start()
+    try:
+        held = demo.state_holder
+        assert held.capacity == PAGE_SESSIONS_KEPT
+        for number in range(PAGE_SESSIONS_KEPT + 10):
+            held[f"page-{number}"]
+        assert len(held.session_data) == PAGE_SESSIONS_KEPT and "page-9" not in held and f"page-{PAGE_SESSIONS_KEPT + 9}" in held
+    finally:
+        server.close()
+
+
 @pytest.mark.skipif(os.name == "nt", reason="the test stops the server with SIGINT, which Windows cannot send")
 def test_launch_serves_the_page_and_the_api_with_a_generated_key(tiny_dir):
     """The real command line: `launch.py ui --no-browser --api-key auto`."""

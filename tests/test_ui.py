@@ -9,6 +9,7 @@ import os
 import re
 import stat
 import subprocess
+import threading
 import time
 import types
 from dataclasses import replace
@@ -133,6 +134,26 @@ def test_stop_ends_reply_within_a_step(handlers, engine):
     assert reply["stats"]["finish_reason"] == "cancelled"
     assert reply["stats"]["tokens"] < 200
     assert "Stopped" in final[3]
+
+
+def test_new_chat_clicked_as_a_reply_ends_waits_for_its_last_update(handlers):
+    """The reply is saved before its last update goes to the page: a New chat handled in
+    between was undone by that update (the old chat shown and continued again). It waits for
+    it, then starts the new chat, not refused as busy."""
+    stream = handlers.send("w1 w2", new_chat(), "", *values(max_new_tokens=6, mode="vanilla"))
+    shown = next(stream)[2]
+    for update in stream:
+        if not is_skip(update[2]) and len(update[2]["messages"]) == 2:  # the last update, not yet taken by the page
+            break
+    outputs = []
+    clicked = threading.Thread(target=lambda: outputs.append(handlers.new(shown, "")))
+    clicked.start()
+    clicked.join(0.5)
+    assert clicked.is_alive() and not outputs
+    assert list(stream) == []  # the page took the last update: the generator ends
+    clicked.join(5)
+    _, chat, *_, notice = outputs[0]
+    assert chat["id"] != shown["id"] and chat["messages"] == [] and notice == ""
 
 
 def test_closing_the_page_mid_reply_keeps_the_reply_so_far(handlers, store):
