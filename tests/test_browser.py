@@ -340,6 +340,46 @@ def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny
         server.close()
 
 
+def test_a_page_whose_state_the_server_let_go_goes_on_with_its_chat(browser, tiny_base, tmp_path, monkeypatch):
+    """Past PAGE_SESSIONS_KEPT pages the server drops the least recently used one's state:
+    that page's next message continues the chat it shows, as after a restart."""
+    from app import server as server_module
+    from app.runtime import Runtime
+    from app.server import Server
+    from app.store import Store
+    from app.ui import build_app
+    from core.engine import Engine
+    from tests.factory import random_head
+
+    monkeypatch.setattr(server_module, "PAGE_SESSIONS_KEPT", 1)
+    runtime = Runtime(Engine(tiny_base, random_head(tiny_base.model)))
+    demo = build_app(runtime, tmp_path)
+    server = Server(demo, runtime, port=7994)
+    url = server.start()
+    first, second = (browser.new_page(viewport={"width": 1400, "height": 1000}) for _ in range(2))
+    try:
+        first.goto(url)
+        first.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        settings(first, 4)
+        send(first, "w1 w2")
+        first.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+        first.wait_for_function("document.querySelector('#shown-chat-id textarea').value !== ''")  # the reply's last step
+        kept = set(demo.state_holder.session_data)
+        second.goto(url)  # a second page's session: the first page's state is let go
+        second.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        assert kept and not kept & set(demo.state_holder.session_data)
+        send(first, "w3 w4")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(len(c["messages"]) for c in map(Store(tmp_path).load_chat, ids(tmp_path))) < 4:
+            time.sleep(0.2)
+        chats = [Store(tmp_path).load_chat(chat_id) for chat_id in ids(tmp_path)]
+        assert len(chats) == 1 and [m["content"] for m in chats[0]["messages"] if m["role"] == "user"] == ["w1 w2", "w3 w4"]
+    finally:
+        first.close()
+        second.close()
+        server.close()
+
+
 def ids(folder: Path) -> list[str]:
     return [path.stem for path in (folder / "chats").glob("*.json")]
 
