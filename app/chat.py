@@ -962,7 +962,10 @@ class ChatHandlers:
         """Outputs: chatbot, chat, system prompt, stats, depth plot, rate plot, chat list, notice."""
         if self._busy(chat):  # the reply would land in the chat opened instead
             return self._kept_open(chat, busy_notice())
-        loaded = self.store.load_chat(chat_id) if chat_id else None
+        try:
+            loaded = self.store.load_chat(chat_id) if chat_id else None
+        except ValueError:  # not a chat id (typed into the list)
+            loaded = None
         if loaded is None and chat_id:  # deleted in another tab or window since this page listed it
             return self._kept_open(chat, notice_html(GONE_TEXT))
         if loaded is None:

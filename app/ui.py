@@ -89,7 +89,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                             clear = gr.Button("Clear", size="sm", min_width=80, elem_id="clear")
                             new = gr.Button("New chat", size="sm", min_width=80, elem_id="new-chat")
                         with gr.Accordion("Saved chats", open=False):
-                            chats = gr.Dropdown(label="Open a saved chat", choices=[], elem_id="chats")
+                            # allow_custom_value: a page whose state the server let go (a restart, PAGE_SESSIONS_KEPT) still opens
+                            # the chats it lists, which Gradio checks against the choices that state held; `open` checks the id
+                            chats = gr.Dropdown(label="Open a saved chat", choices=[], elem_id="chats", allow_custom_value=True)
                             with gr.Row():
                                 export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
                                 delete = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="delete")
@@ -182,7 +184,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
                 trained = gr.Dropdown(
                     [], label=f"{TRAINED_LABEL} (overrides the head box)",
-                    info=library.heads_info,
+                    info=library.heads_info, allow_custom_value=True,  # a page whose state the server let go still loads what it lists
                 )  # fmt: skip
                 with gr.Row():
                     quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF where Kestrel's kernel is built, else int8 where it is faster")
@@ -221,7 +223,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         regenerate.click(**recover).then(chat.check_idle, chat_state, [notice, refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
             chat.regenerate, [chat_state, refused, system, *controls], chat_outputs, **STREAM
         ).then(**give_back).then(**refresh)
-        stop.click(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
+        stop.click(**recover).then(chat.stop, chat_state, notice, concurrency_limit=None, show_progress="hidden")
         demo.unload(chat.forget_session)  # a closed tab's waiting Send or Regenerate no longer holds its chat
         demo.unload(compare.forget)  # ... nor its comparison or benchmark the model
         saved_plots = {"fn": chat.plots_of, "inputs": chat_state, "outputs": [depth_plot, rate_plot, calibration_plot],

@@ -367,6 +367,9 @@ def test_a_page_whose_state_the_server_let_go_goes_on_with_its_chat(browser, tin
         kept = set(demo.state_holder.session_data)
         second.goto(url)  # a second page's session: the first page's state is let go
         second.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        # its load's last step (it shows the chat last written in): from here on only the first page's events come
+        second.wait_for_function("document.querySelector('#shown-chat-id textarea').value !== ''")
+        time.sleep(1)
         assert kept and not kept & set(demo.state_holder.session_data)
         send(first, "w3 w4")
         deadline = time.monotonic() + 30
@@ -374,6 +377,20 @@ def test_a_page_whose_state_the_server_let_go_goes_on_with_its_chat(browser, tin
             time.sleep(0.2)
         chats = [Store(tmp_path).load_chat(chat_id) for chat_id in ids(tmp_path)]
         assert len(chats) == 1 and [m["content"] for m in chats[0]["messages"] if m["role"] == "user"] == ["w1 w2", "w3 w4"]
+        first.locator("#notice").get_by_text("token limit").wait_for(timeout=30_000)  # the reply has ended
+        # let go again: the saved chats it lists still open (Gradio checked the choice against the state's empty list)
+        first.wait_for_function("document.querySelector('#shown-chat-id textarea').value !== ''")
+        first.locator("#new-chat").click()
+        first.wait_for_function("!document.querySelector('#chatbot').innerText.includes('w3 w4')")
+        second.reload()
+        second.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        second.wait_for_function("document.querySelector('#shown-chat-id textarea').value !== ''")
+        time.sleep(1)
+        first.get_by_text("Saved chats").click()
+        first.locator("#chats input").click()
+        first.get_by_role("option", name="w1 w2").first.click()
+        first.wait_for_function("document.querySelector('#chatbot').innerText.includes('w3 w4')", timeout=15_000)
+        assert first.locator(".toast-body").count() == 0
     finally:
         first.close()
         second.close()
