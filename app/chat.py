@@ -708,11 +708,13 @@ class ChatHandlers:
                     self._keep_interrupted(chat, reply, mode, made_with, kept)
                 raise
             except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
+                self._ending(chat["id"])
                 if live.claim():
                     self._keep_stopped(chat, reply, kept, mode, made_with)
                 yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
                 return
             except (KestrelError, ValueError) as error:  # ContextOverflowError included
+                self._ending(chat["id"])
                 if isinstance(error, ContextOverflowError):
                     error = overflow_text(engine, messages, error)
                 yield from self._failed(chat, message, colour, str(error), kept, sent_panel)
@@ -720,7 +722,7 @@ class ChatHandlers:
             finally:
                 colour = self.replying[chat["id"]]
                 self.live.pop(chat["id"], None)
-                self.finishing[chat["id"]] = threading.Event()
+                self._ending(chat["id"])
             if not live.claim():  # the server's stop saved it already
                 yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
                 return
@@ -729,12 +731,17 @@ class ChatHandlers:
                 return
             note = self._finish(chat, reply, mode, note, made_with, kept)
             panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
+            colour = self.replying[chat["id"]]  # ticked or unticked until now
             yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
         finally:
             self.replying.pop(chat["id"], None)
             finished = self.finishing.pop(chat["id"], None)
             if finished is not None:
                 finished.set()
+
+    def _ending(self, chat_id: str) -> None:
+        """The reply's decoding has ended; its last update is still to go to the page."""
+        self.finishing.setdefault(chat_id, threading.Event())
 
     def _finish(self, chat: dict, reply: Reply, mode: str, note: str, settings: dict, kept: dict | None = None) -> str:
         """Add the reply to the chat and save it; returns the note to show.
@@ -842,14 +849,18 @@ class ChatHandlers:
                 self.sent.pop(chat_id, None)
             self.pressed.pop(session, None)
 
-    def _busy(self, chat: dict | None) -> bool:
+    def _busy(self, chat: dict | None, wait: bool = False) -> bool:
         """Whether this chat's reply is being written, or its sent message waits
         for the model (while the model is busy: a message whose `send` never
-        came, its page closed meanwhile, does not hold the chat)."""
+        came, its page closed meanwhile, does not hold the chat). `wait`: for a
+        reply that has ended and is sending its last update, wait for that (at
+        most FINISHING_WAIT_S) rather than say busy; for New chat and opening
+        another chat, which that update would otherwise undo, and which do not
+        read the chat (its state as this click found it lacks the reply)."""
         if not chat:
             return False
         finishing = self.finishing.get(chat["id"])
-        if finishing is not None:  # saved and sending its last update: a click then waits for that, not refused
+        if wait and finishing is not None:
             finishing.wait(FINISHING_WAIT_S)
         if chat["id"] in self.replying:
             return True
@@ -951,7 +962,7 @@ class ChatHandlers:
     def new(self, chat: dict, system: str) -> tuple:
         """Keep the current chat on disk and start another.
         Outputs: chatbot, chat, stats, depth plot, rate plot, chat list, notice."""
-        if self._busy(chat):
+        if self._busy(chat, wait=True):
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), busy_notice()
         chat = new_chat(system or "")
         self._opened(None)
@@ -960,7 +971,7 @@ class ChatHandlers:
 
     def open(self, chat_id: str | None, chat: dict, colour: bool) -> tuple:
         """Outputs: chatbot, chat, system prompt, stats, depth plot, rate plot, chat list, notice."""
-        if self._busy(chat):  # the reply would land in the chat opened instead
+        if self._busy(chat, wait=True):  # the reply would land in the chat opened instead
             return self._kept_open(chat, busy_notice())
         try:
             loaded = self.store.load_chat(chat_id) if chat_id else None
