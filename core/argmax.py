@@ -201,7 +201,8 @@ class ScreenedArgmax:
         Each token's logit is its own row's products summed, the same bits whichever tokens share the
         call and wherever it sits among them (a matrix-vector product's are not: its low bits depend on
         both), so a vanilla step and a tree node whose screens rank the candidates differently still
-        settle a near-tie alike."""
+        settle a near-tie alike. (torch sums a row of up to 32,768 elements on one thread, in one order;
+        a wider model's rows could be split among threads where one token is alone in the call.)"""
         chunk = 4096
         if len(tokens) == 0:
             return hidden.new_empty(0)

@@ -37,12 +37,15 @@ file), its attention likewise one opaque op (`kestrel::head_attend`)."""
 from __future__ import annotations
 
 import logging
+import pickle
+import re
 import shutil
 import threading
 import time
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
@@ -51,7 +54,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from core import attention, kv_cache, native, rowkernel
 from core.kv_cache import new_cache
-from models.bundled import use_compile_cache
+from models.bundled import cache_root, use_compile_cache
 
 NAME = "kestrel_compiled"
 log = logging.getLogger("kestrel")
@@ -350,31 +353,66 @@ def _watching_the_cache() -> Iterator[_DamagedCache]:
         logger.removeFilter(watch)
 
 
-def _clear_damaged_cache() -> str:
-    """Empty torch's compile cache, whose damaged entries torch skips but keeps
-    (and code compiled next to them read differently from a fresh compile's
-    here): -> what the user is told."""
+def _clear_damaged_cache(named: str = "") -> str:
+    """Torch's compile cache held a damaged entry, which torch skips but keeps
+    (and code compiled beside it read differently from a fresh compile's here)
+    or fails on: Kestrel's own cache folder is emptied; a folder set by the user
+    (TORCHINDUCTOR_CACHE_DIR), which other programs may share, loses only its
+    unreadable graph entries and the files `named` (an error's text) points at.
+    -> what the user is told."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    folder = cache_dir()
-    shutil.rmtree(folder, ignore_errors=True)
-    return (f"torch's compile cache ({folder}) was damaged (a crash or a full disk while it was written?); it has been "
-            "emptied, and the next start compiles afresh (about a minute)")
+    folder = Path(cache_dir())
+    own = folder.resolve() == (cache_root() / "inductor").resolve()
+    try:
+        if own:
+            shutil.rmtree(folder)
+        else:
+            for path in [*_unreadable_entries(folder), *_named_files(folder, named)]:
+                path.unlink(missing_ok=True)
+    except OSError as error:
+        return (f"torch's compile cache ({folder}) is damaged (a crash or a full disk while it was written?) and could not be "
+                f"{'emptied' if own else 'mended'} ({error}); delete that folder to have the next start compile afresh")
+    return (f"torch's compile cache ({folder}) was damaged (a crash or a full disk while it was written?); "
+            f"{'it has been emptied' if own else 'its damaged entries were removed'}, and the next start compiles afresh")
+
+
+def _unreadable_entries(folder: Path) -> list[Path]:
+    """The graph entries (pickles) in torch's cache that no longer unpickle."""
+    found = []
+    for kind in ("fxgraph", "aotautograd"):
+        for path in (folder / kind).rglob("*"):
+            if path.is_file() and not path.name.startswith("."):
+                try:
+                    pickle.loads(path.read_bytes())
+                except Exception:  # cut short, or whatever else keeps torch from reading it
+                    found.append(path)
+    return found
+
+
+def _named_files(folder: Path, said: str) -> list[Path]:
+    """Files inside `folder` that an error message names."""
+    names = re.findall(re.escape(str(folder)) + r"[^\s'\"():,]+", said)
+    return [Path(name) for name in names if Path(name).is_file()]
 
 
 # what reading a cut-short file of torch's compile cache raises (a generated module, a built library, a pickle)
-CUT_SHORT = ("Failed to import", "file too short", "invalid ELF header", "truncated", "UnpicklingError", "EOFError")
+CUT_SHORT = ("Failed to import", "file too short", "invalid ELF header", "UnpicklingError", "EOFError")
 
 
 def _failure(error: Exception, what: str) -> str:
     """Why compiling `what` failed; a file of torch's compile cache that could not
-    be read (cut short) empties the cache, which would fail every start."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
+    be read (cut short), which would fail every start, is dealt with."""
     said = str(error)
-    if cache_dir() in said and any(sign in said for sign in CUT_SHORT):
-        return _clear_damaged_cache()
-    return f"compiling {what} failed ({type(error).__name__}: {str(error)[:200]})"
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        damaged = cache_dir() in said and any(sign in said for sign in CUT_SHORT)
+    except OSError:  # a cache folder that cannot be made
+        damaged = False
+    if damaged:
+        return _clear_damaged_cache(said)
+    return f"compiling {what} failed ({type(error).__name__}: {said[:200]})"
 
 
 def compile_model(model, progress: Callable[[str], None] | None = None) -> Compiled | None:

@@ -144,17 +144,27 @@ def test_a_failed_compile_leaves_the_model_eager_and_decoding(tiny_folder, monke
     assert tokens_of(prompt_steps) == reference
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["kestrels-folder", "users-folder"])
 @pytest.mark.parametrize("damage", ["entry", "module", "other"])
-def test_a_damaged_compile_cache_is_emptied_and_the_model_stays_eager(tiny_folder, monkeypatch, tmp_path, caplog, damage):
+def test_a_damaged_compile_cache_is_mended_and_the_model_stays_eager(tiny_folder, monkeypatch, tmp_path, caplog, damage, own):
     """torch skips an entry of its cache it cannot read but keeps it, and prints a traceback
     at every start (and code compiled beside it read differently from a fresh compile's): the
-    start decodes eagerly and empties the cache. A generated module cut short fails the
-    compile itself: the same. Another compile failure leaves the cache alone."""
+    start decodes eagerly and Kestrel's own cache folder is emptied; a folder the user set,
+    which other programs may share, loses only the unreadable entries. A generated module cut
+    short fails the compile itself: the same, that file removed. Another compile failure
+    leaves the cache alone."""
     import logging
+    import pickle
 
-    cache = tmp_path / "inductor"
-    (cache / "ab").mkdir(parents=True)
-    (cache / "ab" / "entry").write_bytes(b"cut")
+    monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path / "kestrel"))
+    cache = tmp_path / "kestrel" / "inductor" if own else tmp_path / "users-cache"
+    for folder in ("fxgraph/ab", "fxgraph/cd", "ef"):
+        (cache / folder).mkdir(parents=True)
+    cut, whole, module, other = cache / "fxgraph/ab/entry", cache / "fxgraph/cd/entry", cache / "ef/module.py", cache / "ef/other.py"
+    cut.write_bytes(pickle.dumps({"graph": list(range(50))})[:20])
+    whole.write_bytes(pickle.dumps({"graph": list(range(50))}))
+    module.write_text("def call(")
+    other.write_text("x = 1\n")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     base = load_base(str(tiny_folder), dtype="float64")
     reference = tokens_of(Engine(base).stream([9, 10, 11], "vanilla", SamplingParams(max_new_tokens=12)))
@@ -170,7 +180,7 @@ def test_a_damaged_compile_cache_is_emptied_and_the_model_stays_eager(tiny_folde
                 torch_log.warning("fx graph cache unable to load compiled graph", exc_info=True)
                 return function(*args, **kwargs)
             said = "Failed to import" if damage == "module" else "C++ compile error:"
-            raise RuntimeError(f"{said} {cache / 'ab' / 'entry.py'}")
+            raise RuntimeError(f"{said} {module}\nSyntaxError: '(' was never closed")
 
         return runs
 
@@ -183,10 +193,14 @@ def test_a_damaged_compile_cache_is_emptied_and_the_model_stays_eager(tiny_folde
         torch_log.removeHandler(handler)
     assert engine.compiled is None and compiled.of(base.model) is None
     assert printed == []  # torch's own warning and traceback kept off the terminal
+    left = {path for path in (cut, whole, module, other) if path.exists()}
     if damage == "other":
-        assert (cache / "ab" / "entry").exists() and "was damaged" not in caplog.text
+        assert left == {cut, whole, module, other} and "was damaged" not in caplog.text
+    elif own:
+        assert not cache.exists() and f"torch's compile cache ({cache}) was damaged" in caplog.text and "emptied" in caplog.text
     else:
-        assert not cache.exists() and f"torch's compile cache ({cache}) was damaged" in caplog.text
+        assert left == ({whole, other, module} if damage == "entry" else {whole, other})  # the module named by the error
+        assert f"torch's compile cache ({cache}) was damaged" in caplog.text and "damaged entries were removed" in caplog.text
     assert tokens_of(engine.stream([9, 10, 11], "eagle2", SamplingParams(max_new_tokens=12))) == reference
 
 
