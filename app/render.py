@@ -105,13 +105,24 @@ GIVE_BACK_JS = """(returned, typed) => {
 }"""
 # Text typed into a box, kept in this tab's sessionStorage as it changes and put back when
 # the page loads again (a reload, a restarted server): each tab keeps its own, and a box
-# emptied by Send keeps nothing.
+# emptied by Send keeps nothing. Not text Edit put back (marked "-edited" until the box is
+# emptied): the reloaded chat still holds that exchange, which Send would then repeat.
 def keep_typed_js(key: str) -> str:
-    return f"""(text) => {{ try {{ sessionStorage.setItem("kestrel-{key}", text || ""); }} catch (e) {{}} }}"""
+    return f"""(text) => {{ try {{
+  sessionStorage.setItem("kestrel-{key}", text || "");
+  if (!text) sessionStorage.removeItem("kestrel-{key}-edited");
+}} catch (e) {{}} }}"""
 
 
 def typed_back_js(key: str) -> str:
-    return f"""() => {{ try {{ return sessionStorage.getItem("kestrel-{key}") || ""; }} catch (e) {{ return ""; }} }}"""
+    return f"""() => {{ try {{
+  return sessionStorage.getItem("kestrel-{key}-edited") ? "" : sessionStorage.getItem("kestrel-{key}") || "";
+}} catch (e) {{ return ""; }} }}"""
+
+
+def edited_js(key: str) -> str:
+    """After Edit: where it put a message back (its notice is empty), that text is not brought back by a reload."""
+    return f"""(text, said) => {{ try {{ if (text && !said) sessionStorage.setItem("kestrel-{key}-edited", "1"); }} catch (e) {{}} }}"""
 
 
 CSS = """

@@ -231,7 +231,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         earlier.click(**recover).then(chat.earlier_reply, [chat_state, colour], [chatbot, chat_state, stats, notice], show_progress="hidden").then(
             **refresh
         ).then(**saved_plots)
-        edit.click(**recover).then(chat.edit_last, [chat_state, colour, message], [message, chatbot, chat_state, notice], show_progress="hidden").then(**refresh)
+        edit.click(**recover).then(chat.edit_last, [chat_state, colour, message], [message, chatbot, chat_state, notice], show_progress="hidden").then(
+            None, [message, notice], None, js=render.edited_js("message"), api_name=False
+        ).then(**refresh)
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
         confirmed = gr.Checkbox(False, visible=False)
         ask = "() => confirm('{}')".format

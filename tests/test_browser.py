@@ -542,9 +542,19 @@ def test_text_typed_but_not_sent_survives_a_reload(page):
     page.wait_for_function("document.querySelector('#compare-prompt textarea').value === 'w5 w4'", timeout=15_000)
     page.get_by_role("tab", name="Chat").click()
     page.locator("#new-chat").click()
+    page.wait_for_function("['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim() ?? '')", timeout=15_000)  # the reloaded chat's figures gone
     page.locator("#send").click()
     page.wait_for_function("!['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim())", timeout=60_000)
+    page.wait_for_function("document.querySelector('#shown-chat-id textarea').value !== ''", timeout=15_000)  # the reply's last step
     assert page.locator("#message textarea").input_value() == ""
+    page.reload()
+    page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+    page.wait_for_timeout(1000)
+    assert page.locator("#message textarea").input_value() == ""
+    # a message Edit put back is not brought back: the reloaded chat still has that exchange, which Send would repeat
+    page.locator("#edit").click()
+    page.wait_for_function("document.querySelector('#message textarea').value === 'w7 w6'", timeout=15_000)
+    page.wait_for_timeout(500)
     page.reload()
     page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
     page.wait_for_timeout(1000)
