@@ -290,6 +290,15 @@ def test_send_pressed_twice_sends_the_message_once(page, data_dir):
     screenshot(page, "double-send")
 
 
+def first_exchange(page, url: str) -> None:
+    """Open the page and have "w1 w2" answered with 4 tokens."""
+    page.goto(url)
+    page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+    settings(page, 4)
+    send(page, "w1 w2")
+    page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+
+
 def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny_base, tmp_path):
     """The server's chat state goes with it; the page keeps the id of the chat
     it shows, so Send continues that chat (it started a new one without the
@@ -311,11 +320,7 @@ def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny
     server, url = serve()
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
-        page.goto(url)
-        page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
-        settings(page, 4)
-        send(page, "w1 w2")
-        page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+        first_exchange(page, url)
         server.close()
         server, again = serve()
         assert again == url
@@ -358,11 +363,7 @@ def test_a_page_whose_state_the_server_let_go_goes_on_with_its_chat(browser, tin
     url = server.start()
     first, second = (browser.new_page(viewport={"width": 1400, "height": 1000}) for _ in range(2))
     try:
-        first.goto(url)
-        first.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
-        settings(first, 4)
-        send(first, "w1 w2")
-        first.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+        first_exchange(first, url)
         first.wait_for_function("document.querySelector('#shown-chat-id textarea').value !== ''")  # the reply's last step
         kept = set(demo.state_holder.session_data)
         second.goto(url)  # a second page's session: the first page's state is let go
