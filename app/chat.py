@@ -859,8 +859,7 @@ class ChatHandlers:
         read the chat (its state as this click found it lacks the reply)."""
         if not chat:
             return False
-        finishing = self.finishing.get(chat["id"])
-        if wait and finishing is not None:
+        if wait and (finishing := self.finishing.get(chat["id"])) is not None:
             finishing.wait(FINISHING_WAIT_S)
         if chat["id"] in self.replying:
             return True

@@ -7,6 +7,8 @@ import stat
 import sys
 from pathlib import Path
 
+from launch import SHORTCUT  # set by the Linux entry, whose terminal closes when Kestrel ends
+
 ROOT = Path(__file__).resolve().parent.parent
 ICON = ROOT / "assets" / "kestrel.svg"
 
@@ -14,7 +16,6 @@ ICON = ROOT / "assets" / "kestrel.svg"
 # Where Kestrel keeps its chats and its converted model: a shortcut made while
 # these are set starts Kestrel with them (else it would find neither there).
 MOVED_FOLDERS = ("KESTREL_DATA_DIR", "KESTREL_CACHE_DIR")
-SHORTCUT = "KESTREL_SHORTCUT"  # launch.py's: set by the Linux entry, whose terminal closes when Kestrel ends
 
 
 def moved_folders() -> list[tuple[str, str]]:

@@ -305,7 +305,6 @@ def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny
     earlier turns) and the chatbot's trash icon clears it (it found none)."""
     from app.runtime import Runtime
     from app.server import Server
-    from app.store import Store
     from app.ui import build_app
     from core.engine import Engine
     from tests.factory import random_head
@@ -326,10 +325,7 @@ def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny
         assert again == url
         time.sleep(3)  # the page notices the server is back
         send(page, "w3 w4")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sum(len(c["messages"]) for c in map(Store(tmp_path).load_chat, ids(tmp_path))) < 4:
-            time.sleep(0.2)
-        chats = [Store(tmp_path).load_chat(chat_id) for chat_id in ids(tmp_path)]
+        chats = saved_chats(tmp_path, 4)
         assert len(chats) == 1 and [m["content"] for m in chats[0]["messages"] if m["role"] == "user"] == ["w1 w2", "w3 w4"]
         server.close()
         server, _ = serve()
@@ -351,7 +347,6 @@ def test_a_page_whose_state_the_server_let_go_goes_on_with_its_chat(browser, tin
     from app import server as server_module
     from app.runtime import Runtime
     from app.server import Server
-    from app.store import Store
     from app.ui import build_app
     from core.engine import Engine
     from tests.factory import random_head
@@ -373,10 +368,7 @@ def test_a_page_whose_state_the_server_let_go_goes_on_with_its_chat(browser, tin
         time.sleep(1)
         assert kept and not kept & set(demo.state_holder.session_data)
         send(first, "w3 w4")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sum(len(c["messages"]) for c in map(Store(tmp_path).load_chat, ids(tmp_path))) < 4:
-            time.sleep(0.2)
-        chats = [Store(tmp_path).load_chat(chat_id) for chat_id in ids(tmp_path)]
+        chats = saved_chats(tmp_path, 4)
         assert len(chats) == 1 and [m["content"] for m in chats[0]["messages"] if m["role"] == "user"] == ["w1 w2", "w3 w4"]
         first.locator("#notice").get_by_text("token limit").wait_for(timeout=30_000)  # the reply has ended
         # let go again: the saved chats it lists still open (Gradio checked the choice against the state's empty list)
@@ -400,6 +392,16 @@ def test_a_page_whose_state_the_server_let_go_goes_on_with_its_chat(browser, tin
 
 def ids(folder: Path) -> list[str]:
     return [path.stem for path in (folder / "chats").glob("*.json")]
+
+
+def saved_chats(folder: Path, messages: int) -> list[dict]:
+    """The chats saved in `folder`, once they hold `messages` messages in all (or after 30 s)."""
+    from app.store import Store
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sum(len(c["messages"]) for c in map(Store(folder).load_chat, ids(folder))) < messages:
+        time.sleep(0.2)
+    return [Store(folder).load_chat(chat_id) for chat_id in ids(folder)]
 
 
 def test_the_chat_fits_a_small_window_and_its_buttons_cover_no_message(page):
