@@ -531,7 +531,7 @@ def test_export_downloads_markdown_and_json(page, data_dir):
     page.wait_for_timeout(1500)
 
 
-def test_text_typed_but_not_sent_survives_a_reload(page):
+def test_text_typed_but_not_sent_survives_a_reload(page, data_dir):
     """The message box and Compare's prompt as typed come back after a reload, in this tab
     (sessionStorage); a message sent leaves nothing to bring back."""
     settings(page, 4)
@@ -548,7 +548,13 @@ def test_text_typed_but_not_sent_survives_a_reload(page):
     page.wait_for_function("['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim() ?? '')", timeout=15_000)  # the reloaded chat's figures gone
     page.locator("#send").click()
     page.wait_for_function("!['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim())", timeout=60_000)
-    page.wait_for_function("document.querySelector('#shown-chat-id textarea').value !== ''", timeout=15_000)  # the reply's last step
+    deadline = time.monotonic() + 30  # the reply saved whole: it has ended (a reload before would cut it short)
+    while time.monotonic() < deadline and not any(
+        chat["messages"][-1]["role"] == "assistant" and chat["messages"][-1]["stats"]["finish_reason"] != "interrupted"
+        for chat in saved_chats(data_dir, 0) if [m["content"] for m in chat["messages"][:1]] == ["w7 w6"]
+    ):  # fmt: skip
+        time.sleep(0.2)
+    page.wait_for_timeout(1000)  # and its last steps have run
     assert page.locator("#message textarea").input_value() == ""
     page.reload()
     page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
