@@ -34,8 +34,13 @@ REFUSED = {
     "bad_words": (None, []), "allowed_token_ids": (None,), "continue_final_message": (None, False),
     "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {}), "n_probs": (None, 0),
     "dynatemp_range": (None, 0, 0.0), "tfs": (None, 1, 1.0), "typical": (None, 1, 1.0),
-    "epsilon_cutoff": (None, 0, 0.0), "eta_cutoff": (None, 0, 0.0),
+    "epsilon_cutoff": (None, 0, 0.0), "eta_cutoff": (None, 0, 0.0), "grammar_string": (None, ""),
+    "rep_pen": (None, 1, 1.0), "smoothing_factor": (None, 0, 0.0), "smoothing_curve": (None, 1, 1.0),
+    "dynamic_temperature": (None, False), "top_n_sigma": (None, -1, -1.0, 0, 0.0), "penalty_alpha": (None, 0, 0.0),
+    "guidance_scale": (None, 1, 1.0), "negative_prompt": (None, ""), "max_length": (None,), "num_predict": (None,),
+    "max_output_tokens": (None,), "mirostat_tau": (None,), "mirostat_eta": (None,), "sampler_seed": (None,),
 }  # fmt: skip
+LENGTH_NAMES = ("max_new_tokens", "n_predict", "max_length", "num_predict", "max_output_tokens")  # other servers' max_tokens
 TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest); total_tokens 0 = sized by the planner (1 is refused by name below)
     ("tree_top_k" if field == "top_k" else field): (field, *limits) for field, limits in TREE_LIMITS.items()
 }
@@ -118,7 +123,7 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
 def _refuse_unsupported(body: dict) -> None:
     for name, harmless in REFUSED.items():
         if name in body and not any(_same(body[name], value) for value in harmless):
-            hint = " (max_tokens sets the reply's length)" if name in ("max_new_tokens", "n_predict") else ""
+            hint = " (max_tokens sets the reply's length)" if name in LENGTH_NAMES else ""
             raise RequestError(f"{name} is not supported by Kestrel; leave it out{hint}", name, "unsupported_parameter")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
@@ -190,6 +195,11 @@ def _prompt(value) -> str | list[int]:
         return _unicode(value, "prompt")
     if isinstance(value, list) and value and all(type(token) is int and token >= 0 for token in value):
         return value
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(one, str | list) for one in value):
+        raise RequestError(
+            f"prompt: Kestrel writes one completion per request; send each of these {len(value)} prompts in a request of its own",
+            "prompt",
+        )
     raise RequestError("prompt must be a non-empty string or list of token ids, or a list of one of these", "prompt")
 
 
@@ -200,13 +210,16 @@ def _seed(body: dict) -> int | None:
     return None if seed == -1 else seed
 
 
+MOST_TOKENS = (1 << 63) - 1  # any count a client may mean as "no limit" (2^31 - 1 is common); cut to the room left
+
+
 def _max_tokens(body: dict, default: int | None) -> int | None:
     """The reply's limit, `default` when none is sent; -1, which some front-ends
     send for "no limit", is none (up to the context window)."""
-    new, old = (_integer(body, name, None, -1, 1 << 30) for name in ("max_completion_tokens", "max_tokens"))
+    new, old = (_integer(body, name, None, -1, MOST_TOKENS) for name in ("max_completion_tokens", "max_tokens"))
     for name, value in (("max_completion_tokens", new), ("max_tokens", old)):
         if value == 0:
-            raise RequestError(f"{name} must be -1 (no limit) or an integer from 1 to {1 << 30}, got 0", name)
+            raise RequestError(f"{name} must be -1 (no limit) or an integer from 1 to {MOST_TOKENS}, got 0", name)
     if new is not None and old is not None and new != old:
         raise RequestError(
             f"max_tokens ({old}) and max_completion_tokens ({new}) disagree; send one of them", "max_completion_tokens"

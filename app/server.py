@@ -156,6 +156,9 @@ def with_cors(send, origin: str):
 # The page shows text that a model wrote or a user pasted. Should markup in it
 # ever become a tag, it fetches no image from elsewhere (a request that would
 # tell another host the chat was read) and sends no form there.
+# The API's paths without /v1, as a client whose base URL lacks it asks for them.
+MISSING_V1 = ("/chat/completions", "/completions", "/models", "/models/{rest:path}")
+
 PAGE_POLICY = [(b"content-security-policy", b"img-src 'self' data: blob:; form-action 'self'")]
 
 
@@ -175,9 +178,18 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
             return response
         return ApiError(404, f"no such API endpoint: {request.method} {path}", code="unknown_url").response()
 
+    async def without_v1(request: Request) -> Response:
+        path = request.url.path
+        return ApiError(
+            404, f"no such API endpoint: {request.method} {path}; the API is at /v1{path} (a client's base URL ends in /v1)",
+            code="unknown_url",
+        ).response()
+
     every = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     for path in ("/v1", "/v1/{rest:path}", "/health"):
         app.add_api_route(path, unknown, methods=every)
+    for path in MISSING_V1:  # a client whose base URL lacks /v1: a hint, not the page's bare 404
+        app.add_api_route(path, without_v1, methods=every)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:

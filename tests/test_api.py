@@ -284,6 +284,11 @@ def test_seeded_sampling_repeats(client, engine):
         ({"extra_body": {"do_sample": False}}, "do_sample"),
         ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, "chat_template_kwargs"),
         ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
+        ({"extra_body": {"num_predict": 5}}, "num_predict"),  # Ollama's reply length
+        ({"extra_body": {"max_length": 5}}, "max_length"),  # KoboldCpp's
+        ({"extra_body": {"rep_pen": 1.3}}, "rep_pen"),
+        ({"extra_body": {"grammar_string": 'root ::= "no"'}}, "grammar_string"),  # text-generation-webui's grammar
+        ({"extra_body": {"dynamic_temperature": True}}, "dynamic_temperature"),
         ({"stop": [f"w{n}" for n in range(33)]}, "stop"),  # 32 taken: front-ends for local servers send more than OpenAI's 4
         ({"extra_body": {"top_k": -2}}, "top_k"),
         ({"max_tokens": -2}, "max_tokens"),
@@ -305,7 +310,8 @@ def test_bad_values_are_400_naming_the_parameter(client, engine, changes, param)
 
 def test_ignored_fields_do_not_matter(client, engine):
     harmless = {"ignore_eos": False, "repeat_penalty": 1.0, "stop_token_ids": [], "skip_special_tokens": True, "do_sample": True,
-                "add_generation_prompt": True, "chat_template_kwargs": {}}  # fmt: skip
+                "add_generation_prompt": True, "chat_template_kwargs": {}, "rep_pen": 1, "top_n_sigma": -1,
+                "dynamic_temperature": False, "grammar_string": ""}  # fmt: skip
     reply = chat(client, engine.base.name, user="ann", metadata={"k": "v"}, n=1, logprobs=False, extra_body=harmless)
     assert reply.choices[0].message.content == engine_text(engine)[0]
 
@@ -327,6 +333,20 @@ def test_prompt_longer_than_the_context_is_400_with_both_lengths(client, engine)
 def test_max_tokens_is_clipped_to_the_context_and_says_so(client, engine):
     reply = chat(client, engine.base.name, max_tokens=100_000, stop=["w0"])
     assert reply.model_dump()["kestrel"]["max_tokens_clipped"]["requested"] == 100_000
+    for limit in (2**31 - 1, 2**63 - 1):  # counts clients send for "no limit"
+        reply = chat(client, engine.base.name, max_tokens=limit, stop=["w0"])
+        assert reply.model_dump()["kestrel"]["max_tokens_clipped"]["requested"] == limit
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, engine.base.name, max_tokens=2**63)
+    assert error.value.param == "max_tokens"
+
+
+def test_several_prompts_in_one_completions_request_are_refused_saying_so(client, engine):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=engine.base.name, prompt=["w1 w2", "w3 w4"], max_tokens=4)
+    assert error.value.param == "prompt" and "one completion per request" in error.value.message
+    one = client.completions.create(model=engine.base.name, prompt=["w1 w2"], max_tokens=4, temperature=0)
+    assert one.choices[0].text == client.completions.create(model=engine.base.name, prompt="w1 w2", max_tokens=4, temperature=0).choices[0].text
 
 
 def test_values_other_servers_take_for_off_mean_off(client, engine):
@@ -620,6 +640,12 @@ def test_odd_requests_get_named_errors_or_sound_answers(server, client, engine):
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and wrong.json()["error"]["code"] == "method_not_allowed"
     assert httpx.post(f"{server.url}health").status_code == 405
     assert httpx.get(f"{url}/models", headers={"Host": "LocalHost"}).status_code == 200
+    # a client whose base URL lacks /v1 is told where the API is, in OpenAI's shape
+    for method, path in (("POST", "chat/completions"), ("POST", "completions"), ("GET", "models"), ("GET", f"models/{name}")):
+        missing = httpx.request(method, f"{server.url}{path}", json={"model": name})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_url", path
+        assert f"/v1/{path}" in missing.json()["error"]["message"]
+    assert httpx.get(server.url).status_code == 200  # the page is still at /
 
 
 def test_the_page_queue_is_calmed_where_gradio_polls():
