@@ -140,7 +140,11 @@ def prompt_rows(path: Path):
     Raises PromptFileError naming the file and line; also for an 'id' that an
     earlier line has (answers and results are kept by id)."""
     if not path.is_file():
-        raise PromptFileError(f"{path}: {'is a folder, not a prompt file' if path.is_dir() else 'no such prompt file'}")
+        if path.is_dir():
+            raise PromptFileError(f"{path}: is a folder, not a prompt file")
+        if path.exists():  # a pipe (a shell's <(...)) or a device, which a run may need to read more than once
+            raise PromptFileError(f"{path}: not a regular file (a pipe or a device); save the prompts to a file and give its path")
+        raise PromptFileError(f"{path}: no such prompt file")
     try:
         text = path.read_text(encoding="utf-8-sig")  # a BOM, as Windows editors write, is not part of the first line
     except UnicodeDecodeError as error:

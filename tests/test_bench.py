@@ -1,4 +1,5 @@
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,6 +49,10 @@ def test_bad_prompt_files_name_the_line(tmp_path, content, message):
 def test_missing_prompt_file(tmp_path):
     with pytest.raises(PromptFileError, match="no such prompt file"):
         load_prompts(tmp_path / "none.jsonl")
+    os.mkfifo(tmp_path / "pipe")  # as a shell's <(...) gives: it exists, and is no file to read twice
+    for path in (tmp_path / "pipe", Path(os.devnull)):
+        with pytest.raises(PromptFileError, match="not a regular file"):
+            load_prompts(path)
 
 
 def test_bench_in_float64_is_identical_and_complete(tiny_base, tmp_path):
