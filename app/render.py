@@ -37,7 +37,7 @@ BLOCK_PREFIX = re.compile(r"[ \t]{0,3}(?:>[ \t]?)*(?:(?:#{1,6}|[-*+]|\d{1,9}[.)]
 UNCOLOURED_LINE = re.compile(r"[ \t]*[-=*_|:+ \t]*\n?$|(?: {4}|\t)")
 # Inline syntax that a highlight must neither cover nor split (backtick runs too,
 # so that COPY_JS finds the same code spans in the coloured text).
-INLINE_SYNTAX = re.compile(r"\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~`]+")
+INLINE_SYNTAX = re.compile(r"(?:https?|ftp)://\S*|(?<![\w.])www\.\S*|\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~`]+")
 DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 # Copying a chat message (its copy button, or the chat's): the text as written,
 # not the markup above. Gradio copies a message's content: prose escaped by
@@ -50,11 +50,12 @@ COPY_JS = """() => {
   const fence = /^([ \\t]*)```c (cpp|c\\+\\+|cxx|cc)(?=\\s)/i;
   const decode = (text) => text.replace(/&#(\\d+);/g, (entity, number) => String.fromCodePoint(+number));
   // code that render.code_element and render.text_block made HTML: the text as written, decoded
-  const escaped = /<code data-md="([^"]*)">[^<]*<\\/code>|<pre class="kestrel-text"><code>([^<]*)<\\/code><\\/pre>|&#(38|60|62);/g;
+  const escaped = /<code data-md="([^"]*)">[^<]*<\\/code>|<pre class="kestrel-text"><code>([^<]*)<\\/code><\\/pre>|&(amp|lt|gt);/g;
+  const named = {amp: "&", lt: "<", gt: ">"};
   const prose = (text) => text
     .replace(/<span class="kd" style="[^"]*">([^<]*)<\\/span>/g, "$1")
-    .replace(escaped, (found, span, block, number) =>
-      span !== undefined ? decode(span) : block !== undefined ? decode(block) : String.fromCharCode(+number));
+    .replace(escaped, (found, span, block, name) =>
+      span !== undefined ? decode(span) : block !== undefined ? decode(block) : named[name]);
   const plain = (text) => {
     let out = "", last = 0;
     for (const match of text.matchAll(code)) {
@@ -158,9 +159,12 @@ def escape(text: str) -> str:
 
 
 def escape_prose(text: str) -> str:
-    """Markdown prose that shows `text` as written: & < > as numeric entities
-    (quotes need none once no tag can open), which COPY_JS turns back."""
-    return text.replace("&", "&#38;").replace("<", "&#60;").replace(">", "&#62;")
+    """Markdown prose that shows `text` as written: & < > as named entities
+    (quotes need none once no tag can open), which COPY_JS turns back. Named,
+    not numeric: the chatbot's link finder leaves a trailing named entity out
+    of a bare URL, so <https://example.com> links to the address and shows its
+    ">", where "&#62;" became part of the link and showed as typed."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def add_segment(segments: list[list[str]], text: str, origin: str) -> None:
@@ -341,7 +345,9 @@ def _line(line: str, origins: list[str]) -> str:
     markers, heading hashes) stays raw so that markdown sees it; rules, table
     delimiter rows and indented lines are not highlighted; within the rest,
     highlights never cover a newline, a table pipe, an escape, link brackets
-    or emphasis markers, whose meaning depends on their neighbours."""
+    or emphasis markers, whose meaning depends on their neighbours, nor a bare
+    address (http://, https://, ftp://, www.), which a highlight would cut out
+    of its link."""
     if UNCOLOURED_LINE.match(line):
         return escape_prose(line)
     prefix = BLOCK_PREFIX.match(line).end()

@@ -903,9 +903,10 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
     code = '<p>a &#60; b &#38; c</p>\n<span class="kd" style="x">hi</span>'
     reply = (f"{MARKDOWN_REPLY}\nIn HTML write `&#60;` for <, as here:\n\n```html\n{code}\n```\n"
              "In C++, type ``` only to fence:\n```cpp\nint a = b < c;\n```\n"
-             "Spans as written: ``a<b`` and ` <a> `.\n\n    ```\n<b>not a fence</b>\n    ``` ~~~\nThe end.\n")  # fmt: skip
+             "Spans as written: ``a<b`` and ` <a> `.\n\n    ```\n<b>not a fence</b>\n    ``` ~~~\n"
+             "Docs at <https://example.com/a?b=1&c=2>, or https://example.com/x&.\nThe end.\n")  # fmt: skip
     chat["messages"] = [
-        {"role": "user", "content": "Don't <b>bold</b> & \"quote\" it."},
+        {"role": "user", "content": "Don't <b>bold</b> & \"quote\" it; type &lt; or &#60; for <."},
         {"role": "assistant", "content": reply, "segments": token_segments(reply)},
     ]
     saved_and_open(data_dir, chat)
@@ -914,10 +915,15 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
         page.goto(app_url)
         page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
         page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=30_000)
+        # bare and bracketed addresses link to themselves, with the text around them shown as written
+        page.locator("#chatbot").get_by_text("Docs at <https://example.com/a?b=1&c=2>, or https://example.com/x&.").wait_for(timeout=5_000)
+        page.locator("#chatbot").get_by_text("type &lt; or &#60; for <.").wait_for(timeout=5_000)
         for colour in (True, False):
             if page.locator("#colour input").is_checked() != colour:
                 page.locator("#colour input").set_checked(colour)
                 page.wait_for_function(f"(document.querySelectorAll('#chatbot span.kd').length > 0) === {str(colour).lower()}")
+            links = page.evaluate("[...document.querySelectorAll('#chatbot .message-content a')].map(a => a.getAttribute('href'))")
+            assert [link for link in links if "example" in link] == ["https://example.com/a?b=1&c=2", "https://example.com/x"], colour
             page.wait_for_function("document.querySelectorAll(\"#chatbot button[aria-label='Copy message']\").length == 2")
             copied = []
             for button in [*page.locator("#chatbot button[aria-label='Copy message']").all(), page.locator("#chatbot button[aria-label='Copy conversation']")]:

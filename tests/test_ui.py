@@ -484,7 +484,7 @@ def test_model_text_is_html_escaped():
     message = {"role": "assistant", "content": evil, "segments": [[evil[:10], render.DRAFT], [evil[10:], render.BASE]]}
     for colour in (True, False):
         shown = chat_module.display({"messages": [message]}, colour)[0]["content"]
-        assert "<script>" not in shown and "<img" not in shown and "&#60;script&#62;" in shown
+        assert "<script>" not in shown and "<img" not in shown and "&lt;script&gt;" in shown
     assert "<script>" not in render.pane_html(message["segments"])
     assert "<script>" not in chat_module.notice_html(evil)
 
@@ -1217,15 +1217,15 @@ def test_code_in_markdown_stays_raw_and_prose_is_escaped():
     shown = render.message_html({"role": "assistant", "content": text, "segments": segments}, True)
     assert shown.startswith('<span class="kd"')
     assert "```c cpp\n#include <vector>" in shown and ">x &#60; y</code>" in shown
-    assert "a &#60;b</span>&#62; &#38; b" in shown and "&#60;script&#62;" in shown and "<script>" not in shown
+    assert "a &lt;b</span>&gt; &amp; b" in shown and "&lt;script&gt;" in shown and "<script>" not in shown
     plain = render.message_html({"role": "user", "content": "```\n<i>"}, False)
     assert plain == "```\n<i>"
     tildes = render.message_html({"role": "user", "content": "x < y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ <b>"}, False)
-    assert tildes == "x &#60; y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ &#60;b&#62;"  # a ~~~ fence opens a line
+    assert tildes == "x &lt; y\n~~~py\nif a < b && c:\n~~~\nand a ~~~ &lt;b&gt;"  # a ~~~ fence opens a line
     midline = render.message_html({"role": "user", "content": "Type ``` to start a fence. Then <b>bold</b>"}, False)
-    assert midline == "Type ``` to start a fence. Then &#60;b&#62;bold&#60;/b&#62;"  # a ``` fence opens only a line
+    assert midline == "Type ``` to start a fence. Then &lt;b&gt;bold&lt;/b&gt;"  # a ``` fence opens only a line
     nested = render.message_html({"role": "user", "content": "1. Code:\n      ```py\n      a<b\n      ```\nand ``a`b`` <i>"}, False)
-    assert nested == "1. Code:\n      ```py\n      a<b\n      ```\nand ``a`b`` &#60;i&#62;"
+    assert nested == "1. Code:\n      ```py\n      a<b\n      ```\nand ``a`b`` &lt;i&gt;"
 
 
 def test_raw_text_that_markdown_may_not_read_as_code_cannot_open_a_tag():
@@ -1236,7 +1236,7 @@ def test_raw_text_that_markdown_may_not_read_as_code_cannot_open_a_tag():
         return render.message_html({"role": "user", "content": text}, False)
 
     # a backslash-escaped backtick opens no span, for markdown as here
-    assert shown("a \\`<img src=x>` b") == "a \\`&#60;img src=x&#62;` b"
+    assert shown("a \\`<img src=x>` b") == "a \\`&lt;img src=x&gt;` b"
     # a fence indented 4 spaces is indented code to markdown, which ends at the unindented line
     assert "<img" not in shown("x:\n\n    ```\n<img src=x>\n    ```") and "&#96;&#96;&#96;" in shown("x:\n\n    ```\n<img src=x>\n    ```")
     # a line indented less than a list item's fence ends the item, and the code block with it
