@@ -86,8 +86,19 @@ COPY_JS = """() => {
       }
     }
   };
+  // a message's accessible name: its text as shown, where Gradio names it by its markup
+  // ("bot's message: This<span class=...>"), which a screen reader would spell out
+  const accessible = (element) => {
+    const label = element.getAttribute("aria-label");
+    const at = label.indexOf("'s message: ");
+    if (at < 0) return;
+    const text = label.slice(0, at + 12) + element.textContent.replace(/\\s+/g, " ").trim();
+    if (text !== label) element.setAttribute("aria-label", text);  // once set, the next call finds it so
+  };
+  const relabel = () => document.querySelectorAll(`#chatbot [aria-label*="'s message: "]`).forEach(accessible);
   mark();
-  new MutationObserver(mark).observe(document.body, { childList: true, subtree: true });
+  relabel();
+  new MutationObserver(() => { mark(); relabel(); }).observe(document.body, { childList: true, subtree: true, attributes: true, attributeFilter: ["aria-label"] });
   document.addEventListener("copy", (event) => {  // without the clipboard API (http on a LAN): a selected textarea
     const active = document.activeElement;
     if (fromChat && active && active.tagName === "TEXTAREA") {

@@ -924,6 +924,12 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
                 page.wait_for_function(f"(document.querySelectorAll('#chatbot span.kd').length > 0) === {str(colour).lower()}")
             links = page.evaluate("[...document.querySelectorAll('#chatbot .message-content a')].map(a => a.getAttribute('href'))")
             assert [link for link in links if "example" in link] == ["https://example.com/a?b=1&c=2", "https://example.com/x"], colour
+            # each message's accessible name is its text as shown, not its markup
+            labels = page.evaluate("[...document.querySelectorAll('#chatbot [aria-label*=\"s message: \"]')].map(e => e.getAttribute('aria-label'))")
+            assert len(labels) == 2, labels
+            assert labels[0] == "user's message: Don't <b>bold</b> & \"quote\" it; type &lt; or &#60; for <.", labels[0]
+            assert labels[1].startswith("bot's message: Checking primes Here is a simple function") and "background:rgba" not in labels[1], labels[1][:200]
+            assert labels[1].endswith("Docs at <https://example.com/a?b=1&c=2>, or https://example.com/x&.The end."), labels[1][-200:]
             page.wait_for_function("document.querySelectorAll(\"#chatbot button[aria-label='Copy message']\").length == 2")
             copied = []
             for button in [*page.locator("#chatbot button[aria-label='Copy message']").all(), page.locator("#chatbot button[aria-label='Copy conversation']")]:
