@@ -1118,15 +1118,17 @@ class ChatHandlers:
         curve = engine.calibration_curve(saved_sampling(stats)) if engine is not None else []
         return *saved_plots(stats), render.calibration_frame(curve)
 
-    def restore_page(self) -> tuple:
+    def restore_page(self, tab_chat: str | None = None) -> tuple:
         """At page load: restore's outputs, then the saved mode where the model
         loaded now lacks it (no head), else None: the Chat tab gives it back
-        once a model has it again."""
-        return self.restore(wanted=True)
+        once a model has it again. tab_chat: the id of the chat this tab showed
+        before a reload (its sessionStorage), or empty for a new tab."""
+        return self.restore(wanted=True, tab_chat=tab_chat)
 
-    def restore(self, wanted: bool = False) -> tuple:
-        """At page load: saved settings and the chat last opened or written in
-        (a new chat if that was one; else the latest), and a notice naming
+    def restore(self, wanted: bool = False, tab_chat: str | None = None) -> tuple:
+        """At page load: saved settings and the chat this tab showed before a
+        reload where it is saved (`tab_chat`), else the chat last opened or
+        written in (a new chat if that was one; else the latest), and a notice naming
         saved files that cannot be read (kept on disk, never overwritten).
         Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats, notice
         (and with `wanted`, the saved mode that the model loaded now lacks)."""
@@ -1137,7 +1139,8 @@ class ChatHandlers:
         mode = settings["mode"] if settings["mode"] in modes else modes[-1]
         chats, unreadable = self.store.scan_chats()
         opened = saved.get("open_chat")
-        latest = next((c for c in chats if c["id"] == opened), None)
+        latest = next((c for c in chats if tab_chat and c["id"] == tab_chat), None)  # another tab may have opened another since
+        latest = latest or next((c for c in chats if c["id"] == opened), None)
         if latest is None and not ("open_chat" in saved and opened is None):  # None: a new chat, with its system prompt
             latest = next(iter(chats), None)
         chat = self.store.load_chat(latest["id"]) if latest else None

@@ -126,6 +126,12 @@ def keep_typed_js(key: str) -> str:
 }} catch (e) {{}} }}"""
 
 
+# The id of the chat a tab shows, kept in its sessionStorage, so that a reload of
+# that tab shows that chat again rather than the one another tab opened last.
+KEEP_SHOWN_JS = """(shown) => { try { if (shown) sessionStorage.setItem("kestrel-shown-chat", shown); } catch (e) {} }"""
+SHOWN_BACK_JS = """() => { try { return [sessionStorage.getItem("kestrel-shown-chat") || ""]; } catch (e) { return [""]; } }"""
+
+
 def typed_back_js(key: str) -> str:
     return f"""() => {{ try {{
   return sessionStorage.getItem("kestrel-{key}-edited") ? "" : sessionStorage.getItem("kestrel-{key}") || "";

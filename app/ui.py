@@ -284,9 +284,11 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         )  # fmt: skip
         unload.click(library.unload, None, [status, load_notice, mode], **MODEL).then(library.heads, None, trained)
 
-        demo.load(chat.restore_page, None, [*controls, system, chatbot, chat_state, chats, stats, notice, wanted_mode]).then(**saved_plots).then(
-            **remember
-        )
+        # a reload shows the chat this tab showed (kept in its sessionStorage); a new tab, the one opened last
+        shown_id.change(None, shown_id, None, js=render.KEEP_SHOWN_JS, show_progress="hidden", api_name=False)
+        demo.load(
+            chat.restore_page, shown_id, [*controls, system, chatbot, chat_state, chats, stats, notice, wanted_mode], js=render.SHOWN_BACK_JS
+        ).then(**saved_plots).then(**remember)
         demo.load(library.status, None, status).then(library.heads, None, trained)
         for box, key in ((message, "message"), (prompt, "compare-prompt")):  # what was typed survives a reload
             box.change(None, box, None, js=render.keep_typed_js(key), api_name=False)

@@ -781,6 +781,47 @@ def saved_and_open(data_dir, chat) -> None:
     store.save_settings({**store.load_settings(), "open_chat": chat["id"]})
 
 
+def test_a_reload_shows_the_chat_this_tab_showed(browser, app_url, data_dir):
+    """Two tabs on two chats: a reload of one shows its own chat again, not
+    the one the other tab opened last (which a new tab shows)."""
+    from app.store import Store, new_chat
+
+    chats = {}
+    for name in ("Tab one's chat", "Tab two's chat"):
+        chats[name] = new_chat()
+        chats[name]["messages"] = [{"role": "user", "content": name}, {"role": "assistant", "content": f"Yes: {name}."}]
+        Store(data_dir).save_chat(chats[name])
+        time.sleep(0.01)
+    saved_and_open(data_dir, chats["Tab two's chat"])
+    tabs = [browser.new_page(viewport={"width": 1400, "height": 1000}) for _ in range(3)]
+
+    def shows(tab, name: str) -> None:
+        tab.wait_for_function(f"document.querySelector('#chatbot').innerText.includes({json.dumps('Yes: ' + name)})", timeout=15_000)
+
+    def opens(tab, name: str) -> None:
+        tab.goto(app_url)
+        tab.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        tab.get_by_text("Saved chats").click()
+        tab.locator("#chats input").click()
+        tab.get_by_role("option", name=name).first.click()
+        shows(tab, name)
+        tab.wait_for_function(f"document.querySelector('#shown-chat-id textarea').value === {json.dumps(chats[name]['id'])}")
+
+    try:
+        opens(tabs[0], "Tab one's chat")
+        opens(tabs[1], "Tab two's chat")  # opened last
+        tabs[0].wait_for_timeout(500)
+        tabs[0].reload()
+        tabs[0].locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        shows(tabs[0], "Tab one's chat")
+        tabs[2].goto(app_url)  # a new tab: the chat opened last
+        tabs[2].locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        shows(tabs[2], "Tab two's chat")
+    finally:
+        for tab in tabs:
+            tab.close()
+
+
 def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
     from app.store import new_chat
 

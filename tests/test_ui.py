@@ -275,6 +275,10 @@ def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, sto
     assert reloaded() == newer["id"]
     handlers.open(older["id"], newer, True)
     assert reloaded() == older["id"]
+    # a reloaded tab that showed another saved chat shows it again (another tab opened this one since)
+    again = ChatHandlers(Runtime(engine), Store(store.folder))
+    assert again.restore(tab_chat=newer["id"])[-4]["id"] == newer["id"] and again.restore_page(newer["id"])[-5]["id"] == newer["id"]
+    assert again.restore(tab_chat="gone")[-4]["id"] == older["id"]  # a chat deleted since, or never saved: as a new tab
     handlers.remember("", *values(temperature=0.5))  # a setting changed meanwhile
     assert reloaded() == older["id"]
     list(handlers.send("w3", newer, "", *values(max_new_tokens=4)))
