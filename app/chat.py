@@ -232,7 +232,8 @@ def overflow_text(engine: Engine, messages: list[dict], error: ContextOverflowEr
     system = [m for m in messages if m["role"] == "system"]
     if system and (tokens := len(engine.encode(system))) >= len(engine.encode(messages[-1:])):
         return f"{error}. The system prompt alone is {tokens:,} tokens: shorten it (a new chat keeps it)."
-    return f"{error}. Start a new chat or shorten the message."
+    over = len(engine.encode(messages)) - engine.context_limit + 1  # earlier turns are dropped already: a new chat would not help
+    return f"{error}. Shorten the message by at least {over:,} tokens, and more to leave room for the reply."
 
 
 def run_settings(engine: Engine, mode: str, options: Options) -> dict:
@@ -353,6 +354,7 @@ def stored(chat: dict) -> dict:
     return without(chat, TAKEN_BACK)
 
 
+EMPTY_REPLY_TEXT = "The model ended its reply without writing anything (at a temperature above 0, Regenerate may get one)."
 TYPED_TEXT = "The message box holds text that Edit would replace: send it, or empty the box, first."
 EDIT_PENDING_TEXT = ("An edit is pending: send the edited message first, or open the chat again from Saved chats "
                      "to leave it as it was.")  # fmt: skip
@@ -756,7 +758,10 @@ class ChatHandlers:
         chat["session"]["forwards"] += reply.snapshot.forwards
         endings = {"cancelled": "Stopped.", "length": "The reply reached the token limit.",
                    "context": "The reply reached the context window."}  # fmt: skip
-        note = f"{note} {endings.get(reply.finish_reason, '')}".strip()
+        ending = endings.get(reply.finish_reason, "")
+        if reply.finish_reason == "stop" and not reply.text.strip():  # an empty bubble would look like a fault of the page
+            ending = EMPTY_REPLY_TEXT
+        note = f"{note} {ending}".strip()
         return f"{note} {self._save(chat)}".strip()
 
     def _save(self, chat: dict) -> str:

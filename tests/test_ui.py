@@ -604,7 +604,9 @@ def test_a_message_too_long_for_the_window_leaves_the_last_reply_s_panel(handler
     """Refused before its reply starts: the box gets it back, the panel and charts keep the last reply's figures."""
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
     updates = list(handlers.send(" ".join(["w1"] * engine.context_limit), chat, "", *values(max_new_tokens=4)))
-    assert len(updates) == 1 and "context window" in updates[0][3] and "shorten the message" in updates[0][3]
+    over = len(engine.encode([{"role": "user", "content": " ".join(["w1"] * engine.context_limit)}])) - engine.context_limit + 1
+    assert len(updates) == 1 and "context window" in updates[0][3] and f"Shorten the message by at least {over:,} tokens" in updates[0][3]
+    assert "new chat" not in updates[0][3]  # the earlier turns are dropped already: a new chat would not help
     assert updates[0][0].startswith("w1 w1") and all(output == gr.skip() for output in updates[0][4:])
     assert updates[0][2]["messages"] == chat["messages"]
 
@@ -616,7 +618,7 @@ def test_a_system_prompt_too_long_for_the_window_is_named(engine):
     system = [{"role": "system", "content": " ".join(["w2"] * engine.context_limit)}]
     error = ContextOverflowError("the prompt is too long")
     assert "The system prompt alone is" in overflow_text(engine, system + [{"role": "user", "content": "w1"}], error)
-    assert "shorten the message" in overflow_text(engine, [{"role": "user", "content": "w1 " * 300}], error)
+    assert "Shorten the message by at least" in overflow_text(engine, [{"role": "user", "content": "w1 " * 300}], error)
 
 
 def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
@@ -2011,3 +2013,16 @@ def test_engine_messages_read_as_sentences_on_the_page():
     assert sentence("config.json: missing field hidden_size") == "config.json: missing field hidden_size."  # a name stays as written
     assert sentence("prompt long: 305 tokens") == "prompt long: 305 tokens."  # a prompt's id before its colon too
     assert sentence("Loading failed (see above)") == "Loading failed (see above)" and sentence("") == ""
+
+
+def test_a_reply_that_ends_at_once_says_so(handlers, engine, monkeypatch):
+    """A reply of no text (the model's first token ends its turn) gets a note, not a bare empty bubble."""
+    first = next(iter(engine.chat([{"role": "user", "content": "w1"}], "vanilla", SamplingParams(max_new_tokens=1)))).token_ids[0]
+    monkeypatch.setattr(engine, "stop_ids", engine.stop_ids | {first})
+    last = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1]
+    reply = last[2]["messages"][-1]
+    assert reply["role"] == "assistant" and reply["content"] == "" and reply["stats"]["finish_reason"] == "stop"
+    assert chat_module.EMPTY_REPLY_TEXT in last[3]
+    monkeypatch.setattr(engine, "stop_ids", engine.stop_ids - {first})
+    last = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1]
+    assert last[2]["messages"][-1]["content"] and chat_module.EMPTY_REPLY_TEXT not in last[3]
