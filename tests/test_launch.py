@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import threading
@@ -237,6 +238,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["bench", "--prompts", str(prompts), "--seed", str(2**63)], f"--seed: must be from {-(2**63)} to {2**63 - 1}"),  # as the API takes
         (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--seed", "-1"], "--seed: must be from 0 to"),
         (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
+        (["chat", "hi", "--threads", "10000"], f"--threads: this computer has {os.cpu_count()} logical CPU"),  # more only wait on each other
         (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),
         (["ui", "--listen", "--auth", "user:secret"], "needs a page password and an API key: add --api-key auto (or drop"),
         (["train-head", "--prompts", str(prompts), "--out", "/proc/kestrel-head"], "--out /proc/kestrel-head/work"),
