@@ -790,13 +790,19 @@ def run_eval_heads(args) -> int:
     if not sources:
         raise ValueError("name at least one head to judge (--head or HEAD ...)")
     features = user_path(args.features)
+    if not features.is_dir():
+        raise ValueError(f"--features {args.features}: {'is a file' if features.exists() else 'no such folder'}; give the "
+                         "features folder of a train-head run (OUT/work/features, or OUT/work/features-eagle3)")  # fmt: skip
     by_split = {split: sorted((features / split).glob("shard-*.safetensors")) for split in ("train", "eval")}
     shards = by_split[args.split]
     if not shards:
         other = next((split for split, found in by_split.items() if found), None)
         inner = [name for name in ("features-eagle3", "features") if (features / name).is_dir()]  # a work folder given
+        outer = [name for name in ("features-eagle3", "features") if (features / "work" / name).is_dir()]  # train-head's --out
         hint = (f"; it has {other} shards (--split {other})" if other else
-                f"; it is a work folder: give --features {features / inner[0]}" if inner else " (run train-head first)")  # fmt: skip
+                f"; it is a work folder: give --features {features / inner[0]}" if inner else
+                f"; it is a train-head --out folder: give --features {features / 'work' / outer[0]}" if outer else
+                " (run train-head first)")  # fmt: skip
         raise ValueError(f"{Path(args.features) / args.split}: no feature shards{hint}")
     # resolved and checked now, once (a repo id is looked up on the hub): a missing or wrong folder fails
     # before the model loads and other heads are judged

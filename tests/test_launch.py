@@ -212,6 +212,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     (tmp_path / "same-ids.jsonl").write_text('{"id": "a", "turns": ["w1"]}\n{"id": "a", "turns": ["w2"]}\n')
     (tmp_path / "features" / "train").mkdir(parents=True)
     (tmp_path / "features" / "train" / "shard-00000.safetensors").write_bytes(b"")
+    (tmp_path / "out" / "work" / "features").mkdir(parents=True)  # train-head's --out, given for its features
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
     (tmp_path / "surrogate.jsonl").write_text('{"turns": ["w1 \\ud800 w2"]}\n')  # valid JSON, no UTF-8 text
     (tmp_path / "long-number.jsonl").write_text('{"turns": ["w1"], "id": 1' + "0" * 5000 + "}\n")
@@ -223,6 +224,10 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["bench", "--prompts", str(tmp_path / "long-number.jsonl")], "long-number.jsonl:1: not valid JSON (a number of too many digits)"),
         (["bench", "--prompts", str(tmp_path / "same-ids.jsonl")], "same-ids.jsonl:2: id 'a' is already the id of line 1"),
         (["eval-heads", "--features", str(tmp_path / "features"), "--head", str(tmp_path)], "no feature shards; it has train shards (--split train)"),
+        (["eval-heads", "--features", str(tmp_path / "nowhere"), "--head", str(tmp_path)], "nowhere: no such folder; give the features folder"),
+        (["eval-heads", "--features", str(prompts), "--head", str(tmp_path)], "prompts.jsonl: is a file; give the features folder"),
+        (["eval-heads", "--features", str(tmp_path / "out"), "--head", str(tmp_path)],
+         f"it is a train-head --out folder: give --features {tmp_path / 'out' / 'work' / 'features'}"),
         (["chta", "hi"], "unknown command 'chta'"),
         (["ui", "--port", "70000"], "--port: must be from 1 to 65535"),
         (["ui", "--max-queue", "0"], "--max-queue: must be at least 1"),
