@@ -35,7 +35,7 @@ TEXT_INTERVAL = 0.5  # seconds between chat text updates: each one costs the bro
 PANEL_INTERVAL = 0.5  # seconds between updates of the statistics
 PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost the browser most to redraw)
 FINISHING_WAIT_S = 5.0  # the longest a click on a chat whose reply is ending waits for its last update to reach the page
-SAVE_INTERVAL = 2.0  # seconds between saves of a new reply as it grows: a crash loses at most this much of it
+SAVE_INTERVAL = 1.0  # seconds between saves of a new reply as it grows: a crash loses at most this much of it
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 
 

@@ -254,6 +254,24 @@ def message_html(message: dict, colour: bool) -> str:
     return "".join(parts)
 
 
+# a "<" that opens an HTML tag, comment or declaration; not one opening an autolink (<https://...>, <a@b.org>)
+TAG_START = re.compile(r"<(?=[A-Za-z/!?])(?![A-Za-z][A-Za-z0-9+.-]{1,31}:[^\s<>]*>|[^\s<>@]+@[^\s<>]+>)")
+
+
+def inert_markdown(text: str) -> str:
+    """Markdown as written, but a "<" that would open an HTML tag or comment
+    in prose written as &lt;, so that a viewer rendering the Markdown export
+    shows such text as the page does (as text) rather than running it (a
+    <style> rule there can hide the whole document). Code is left as written:
+    markdown shows it as text already."""
+    parts, position = [], 0
+    for match in CODE.finditer(text):
+        parts += [TAG_START.sub("&lt;", text[position : match.start()]), match.group()]
+        position = match.end()
+    parts.append(TAG_START.sub("&lt;", text[position:]))
+    return "".join(parts)
+
+
 def raw_fence(code: str, hidden: bool) -> bool:
     """Whether a fence that markdown surely reads as one may stay raw: not a
     mermaid one (Gradio's chatbot puts its text into the page unescaped), and

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import platformdirs
 
-from app.render import BASE, DRAFT, is_number
+from app.render import BASE, DRAFT, TAG_START, inert_markdown, is_number
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
@@ -376,11 +376,11 @@ def quoted(text: str) -> str:
 
 
 def to_markdown(chat: dict) -> str:
-    lines = [f"# {chat_title(chat)}", ""]
+    lines = [f"# {TAG_START.sub('&lt;', chat_title(chat))}", ""]
     if chat.get("system"):
-        lines += ["**System:**", "", quoted(chat["system"]), ""]
+        lines += ["**System:**", "", quoted(inert_markdown(chat["system"])), ""]
     for message in chat["messages"]:
-        lines += [f"**{message['role'].capitalize()}:**", "", quoted(message["content"]), ""]
+        lines += [f"**{message['role'].capitalize()}:**", "", quoted(inert_markdown(message["content"])), ""]
         made = made_with(message.get("stats"))
         if made:
             lines += [f"_{made}_", ""]

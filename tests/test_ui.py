@@ -883,6 +883,26 @@ def test_the_markdown_export_keeps_each_message_to_itself():
     assert code[0] == "print('unclosed')\n\n**Assistant:**\n\nI am a fake label\n" and code[1] == "pip install x\n"
 
 
+def test_the_markdown_export_shows_markup_as_text_as_the_page_does():
+    """Tags in prose are text on the page; in the export too, for viewers that
+    render HTML (a <style> rule there could hide the whole document). Code and
+    a comparison's "<" stay as written."""
+    from markdown_it import MarkdownIt
+
+    chat = new_chat("<b>system</b>")
+    chat["messages"] = [
+        {"role": "user", "content": "<script>alert(1)</script> hi <style>body{display:none}</style> <!-- x"},
+        {"role": "assistant", "content": "Use `<div>` here:\n\n```html\n<div>a</div>\n```\n\nand a < b, <https://example.com>."},
+    ]
+    exported = store_module.to_markdown(chat)
+    tokens = MarkdownIt("commonmark").parse(exported)
+    inline = [child for token in tokens if token.children for child in token.children]
+    assert not [t for t in [*tokens, *inline] if t.type in ("html_block", "html_inline")], exported
+    assert "`<div>`" in exported and "```html\n> <div>a</div>" in exported and "a < b" in exported
+    assert [t.attrs["href"] for t in inline if t.type == "link_open"] == ["https://example.com"]  # an autolink stays one
+    assert exported.startswith("# &lt;script>alert(1)&lt;/script>")
+
+
 def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store, tmp_path, monkeypatch):
     import app.library
 
