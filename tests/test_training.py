@@ -364,8 +364,10 @@ def test_a_checkpoint_made_with_other_settings_names_them(tiny_base, features, t
 
     _, shards = features
     Trainer(tiny_base, shards["train"], shards["eval"], tmp_path, TRAIN).run(progress=False, stop_at=4)
-    with pytest.raises(ValueError, match=r"other settings \(--epochs, --learning-rate\); resume with the earlier ones"):
-        Trainer(tiny_base, shards["train"], shards["eval"], tmp_path, replace(TRAIN, epochs=4, learning_rate=1e-3))
+    with pytest.raises(ValueError) as error:
+        Trainer(tiny_base, shards["train"], shards["eval"], tmp_path, replace(TRAIN, epochs=TRAIN.epochs + 1, learning_rate=1e-3, bf16=not TRAIN.bf16))
+    assert (f"other settings (--epochs {TRAIN.epochs}, this run {TRAIN.epochs + 1}; --learning-rate {TRAIN.learning_rate:g}, this run 0.001; "
+            f"--precision {'bf16' if TRAIN.bf16 else 'fp32'}, this run {'fp32' if TRAIN.bf16 else 'bf16'}); resume with the earlier ones") in str(error.value)
 
 
 def test_resumed_answers_must_come_from_the_same_prompts_and_settings(tiny_base, prompts_file, tmp_path):
@@ -413,8 +415,10 @@ def test_training_can_start_from_a_saved_head(tiny_base, features, tmp_path):
 
     config = head_config_for(tiny_base.model.config)
     save_head(new_head(replace(config, intermediate_size=config.intermediate_size + 1), 0), tmp_path / "other")
-    with pytest.raises(HeadFormatError, match="does not fit"):
+    with pytest.raises(HeadFormatError, match="does not fit") as error:
         Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "c", replace(TRAIN, init_head=str(tmp_path / "other")))
+    size, hidden = config.intermediate_size, config.hidden_size  # each wrong key named with its shape and the one needed
+    assert f"mlp.down_proj.weight is ({hidden}, {size + 1}), this base model's head needs ({hidden}, {size})" in str(error.value)
 
 
 def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_dir, features, tmp_path, capsys):

@@ -172,6 +172,15 @@ def new_eagle3_head(base, draft_ids: torch.Tensor | None, seed: int) -> Eagle3He
     return head
 
 
+def _shown(name: str, value) -> str:
+    """A setting's value as its option takes it: --epochs 3, --learning-rate 0.0002, --precision bf16."""
+    if name == "bf16" and isinstance(value, bool):
+        return "bf16" if value else "fp32"
+    if isinstance(value, list | tuple):
+        return ",".join(_shown("", item) for item in value)
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def initial_weights(folder: Path, head: DraftHead) -> dict[str, torch.Tensor]:
     """The weights of the head in `folder`, checked against the one being trained;
     its draft vocabulary (d2t) is dropped: training always covers all tokens."""
@@ -183,8 +192,12 @@ def initial_weights(folder: Path, head: DraftHead) -> dict[str, torch.Tensor]:
     expected = {key: tuple(value.shape) for key, value in head.state_dict().items()}
     found = {key: tuple(value.shape) for key, value in state.items()}
     if found != expected:
-        wrong = sorted(set(found.items()) ^ set(expected.items()))
-        raise HeadFormatError(f"{file}: does not fit a head for this base model (differs in {wrong[:4]})")
+        missing = sorted(set(expected) - set(found))
+        extra = sorted(set(found) - set(expected))
+        shapes = [f"{key} is {found[key]}, this base model's head needs {expected[key]}"
+                  for key in sorted(set(found) & set(expected)) if found[key] != expected[key]]  # fmt: skip
+        problems = shapes[:2] + [f"{key} is missing" for key in missing[:2]] + [f"{key} is not a key of this kind of head" for key in extra[:2]]
+        raise HeadFormatError(f"{file}: does not fit a head for this base model ({'; '.join(problems)})")
     return state
 
 
@@ -513,13 +526,14 @@ class Trainer:
     def _load(self) -> None:
         state = torch.load(self.folder / CHECKPOINT, map_location="cpu", weights_only=False)
         now = asdict(self.params)
-        changed = [OPTIONS.get(name, name) for name in now if state["params"].get(name) != now[name]]
+        changed = [f"{OPTIONS.get(name, name)} {_shown(name, state['params'].get(name))}, this run {_shown(name, now[name])}"
+                   for name in now if state["params"].get(name) != now[name]]  # fmt: skip
         if state["steps_per_epoch"] != self.steps_per_epoch:
             changed.append("the training data")
         if changed:
             raise ValueError(
-                f"{self.folder / CHECKPOINT}: the checkpoint was made with other settings ({', '.join(changed)}); "
-                "resume with the earlier ones, or delete it to train from scratch"
+                f"{self.folder / CHECKPOINT}: the checkpoint was made with other settings ({'; '.join(changed)}); "
+                "resume with the earlier ones, delete it to train from scratch, or train on from its head with --init-head"
             )
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
