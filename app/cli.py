@@ -888,8 +888,16 @@ def run_bench_command(args) -> int:
     def show(done: int, total: int, description: str) -> None:  # on the terminal only: a saved table stays clean
         print(f"\r[{done}/{total}] {description:<50}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
+    written = []  # whether an earlier write of this run reached the file
+
     def write(result: dict) -> None:  # whole, or not at all: a file cut mid-write would lose the earlier prompts too
-        write_atomic(json_out, json.dumps(result, indent=1), shared=True)
+        try:
+            write_atomic(json_out, json.dumps(result, indent=1), shared=True)
+        except OSError as error:  # a full disk: say what the file holds, as an interrupt does
+            held = ("it holds this run's results as of an earlier prompt (\"complete\": false)" if written else
+                    "no result of this run is there")  # fmt: skip
+            raise OSError(f"{args.json_out}: cannot be written ({error.strerror or error}); {held}") from error
+        written.append(True)
 
     with stop_on_interrupt() as stop:
         try:

@@ -333,6 +333,29 @@ def test_the_bench_command_leaves_a_json_file_when_stopped(tiny_dir, tmp_path, m
     assert not out.with_name("bench.json.partial").exists()
 
 
+def test_a_json_file_that_cannot_be_written_says_what_it_holds(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A full disk at the last write: the error names the file and says it holds an earlier prompt's results."""
+    import app.store
+    from app.cli import main
+
+    path = write_prompts(tmp_path / "p.jsonl", [{"id": str(i), "turns": [f"w{i} w{i + 1}"]} for i in range(2)])
+    original, calls = app.store.write_atomic, []
+
+    def full_disk_at_the_end(target, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:  # the first prompt's write reached the file
+            raise OSError(28, "No space left on device", str(target))
+        return original(target, *args, **kwargs)
+
+    monkeypatch.setattr(app.store, "write_atomic", full_disk_at_the_end)
+    out = tmp_path / "bench.json"
+    command = ["bench", "--prompts", str(path), "--model", str(tiny_dir), "--dtype", "float64", "--modes", "vanilla"]
+    assert main([*command, "--warmup", "0", "--max-new-tokens", "4", "--json", str(out)]) == 2
+    said = capsys.readouterr().err
+    assert f"{out}: cannot be written (No space left on device); it holds this run's results as of an earlier prompt" in said, said
+    assert json.loads(out.read_text())["complete"] is False
+
+
 def test_results_files_follow_the_umask_and_chats_stay_private(tmp_path):
     import os
 
