@@ -579,6 +579,11 @@ def run_chat(args) -> int:
         raise ValueError("the prompt is empty: give the message to answer")
     for text, what in ((args.prompt, "the prompt"), (args.system, "--system")):
         check_text(text, what)
+    if args.mode in ("eagle", "eagle2") and not args.head:
+        from app.session import default_head
+
+        if default_head(args.model) is None:  # said before a model loads for minutes
+            raise ValueError(f"--mode {args.mode} needs a draft head: give --head HEAD (a head trained for this model), or --mode vanilla")
     engine = load_engine(args, with_head=args.mode != "vanilla")  # vanilla needs no head: not loaded, not compiled
     from core.engine import Reading
 
@@ -592,7 +597,7 @@ def run_chat(args) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
-    step = None
+    step, wrote = None, False
     progress = sys.stderr.isatty()  # how far a long prompt is read, on one line that the reply replaces
     with stop_on_interrupt() as stop:
         for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree, cancel=stop, reading=progress):
@@ -602,10 +607,13 @@ def run_chat(args) -> int:
             if step.stats.forwards == 1 and progress:
                 print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)  # no escape codes: old Windows consoles print them
             print(step.text, end="", flush=True)
+            wrote = wrote or bool(step.text.strip())
     if step.finish_reason == "cancelled" and not step.stats.tokens:
         raise KeyboardInterrupt  # stopped while reading the prompt: nothing to report
     stats = step.stats
     print(flush=True)  # the reply's end; its figures go to stderr, so that `chat ... > reply.txt` holds the reply alone
+    if not wrote and step.finish_reason == "stop":
+        print("note: the model ended its reply without writing anything", file=sys.stderr)
     print(
         f"\n[{mode}] {stats.tokens} tokens in {stats.seconds:.2f} s: {stats.tokens_per_s:.1f} tokens/s"
         f"{'' if stats.decoding_tokens_per_s is None else f' ({stats.decoding_tokens_per_s:.1f} after the first token)'}, "

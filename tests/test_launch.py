@@ -243,6 +243,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["bench", "--prompts", str(prompts), "--seed", str(2**63)], f"--seed: must be from {-(2**63)} to {2**63 - 1}"),  # as the API takes
         (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--seed", "-1"], "--seed: must be from 0 to"),
         (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
+        (["chat", "hi", "--model", str(tmp_path), "--mode", "eagle2"], "--mode eagle2 needs a draft head: give --head HEAD"),
         (["chat", "hi", "--threads", "10000"], f"--threads: this computer has {os.cpu_count()} logical CPU"),  # more only wait on each other
         (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),
         (["ui", "--listen", "--auth", "user:secret"], "needs a page password and an API key: add --api-key auto (or drop"),
@@ -489,3 +490,18 @@ def hold_open(httpx, url: str) -> None:
                 pass
     except httpx.HTTPError:
         pass
+
+
+def test_the_chat_command_says_when_a_reply_ends_without_text(tiny_dir, monkeypatch, capsys):
+    from app import cli
+    from app.session import load_pair
+
+    def ends_at_once(*args, **kwargs):
+        engine = load_pair(str(tiny_dir), None, "none", "float64", "cpu", "off", False)
+        first = next(iter(engine.chat([{"role": "user", "content": "w1"}], "vanilla"))).token_ids[0]
+        engine.stop_ids = engine.stop_ids | {first}  # the reply's first token ends it
+        return engine
+
+    monkeypatch.setattr(cli, "load_engine", ends_at_once)
+    assert cli.main(["chat", "w1", "--model", str(tiny_dir), "--mode", "vanilla", "--max-new-tokens", "4"]) == 0
+    assert "note: the model ended its reply without writing anything" in capsys.readouterr().err
