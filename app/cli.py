@@ -846,12 +846,12 @@ def run_bench_command(args) -> int:
 
     prompts = load_prompts(args.prompts, args.limit, args.per_source)  # before the engine's imports: a bad file fails at once
 
-    from app.session import load_draft_head, prepare_costs
+    from app.session import folder_sizes, load_draft_head, prepare_costs
     from app.store import write_atomic
     from core.bench import BenchCancelled, check_head_named, format_table, head_of, parse_mode, run_bench
     from core.config import TreeParams
     from core.engine import Engine
-    from models.head import head_files, local_head_folder
+    from models.head import check_fits_sizes, local_head_folder
 
     modes = bench_modes(args.modes)
     others = {}
@@ -871,8 +871,8 @@ def run_bench_command(args) -> int:
         raise ValueError(f"--other-head {unused[0]}: no mode drafts with it; add eagle2@{unused[0]} to --modes")
     for source in others.values():
         folder = local_head_folder(source)  # a missing folder fails now, not after the model has loaded
-        if folder is not None:
-            head_files(folder)  # ... and one that holds no head
+        if folder is not None:  # ... and one that holds no head, or unreadable weights, or a head for another model: as --head
+            check_fits_sizes(folder, *folder_sizes(args.model))
     json_out = check_writable(args.json_out, "--json", Path(args.prompts)) if args.json_out else None
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     check_distinct(modes, tree)

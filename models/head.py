@@ -451,7 +451,16 @@ def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | No
     from models import eagle3
 
     config, file = head_files(folder)
-    keys = head_keys(folder) or []
+    keys = head_keys(folder)
+    if keys is None and file.suffix == ".safetensors":  # its header unreadable (a file cut short): said now, as loading would
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as error:
+            raise HeadFormatError(f"{file}: cannot read the weights ({type(error).__name__}: {error})") from error
+    keys = keys or []
     if hidden_size is not None and eagle3.MARKER not in keys and config.hidden_size != hidden_size:
         raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if vocab_size is not None and config.vocab_size != vocab_size:

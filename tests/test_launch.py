@@ -213,6 +213,10 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     (tmp_path / "features" / "train").mkdir(parents=True)
     (tmp_path / "features" / "train" / "shard-00000.safetensors").write_bytes(b"")
     (tmp_path / "out" / "work" / "features").mkdir(parents=True)  # train-head's --out, given for its features
+    bundled_head = ROOT / "assets" / "heads" / "SmolLM2-135M-Instruct"
+    (tmp_path / "cut").mkdir()  # a head whose weights file was cut short (a download stopped): its header names more than it has
+    (tmp_path / "cut" / "config.json").write_bytes((bundled_head / "config.json").read_bytes())
+    (tmp_path / "cut" / "model.safetensors").write_bytes((bundled_head / "model.safetensors").read_bytes()[:100_000])
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
     (tmp_path / "surrogate.jsonl").write_text('{"turns": ["w1 \\ud800 w2"]}\n')  # valid JSON, no UTF-8 text
     (tmp_path / "long-number.jsonl").write_text('{"turns": ["w1"], "id": 1' + "0" * 5000 + "}\n")
@@ -244,6 +248,8 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--seed", "-1"], "--seed: must be from 0 to"),
         (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
         (["chat", "hi", "--model", str(tmp_path), "--mode", "eagle2"], "--mode eagle2 needs a draft head: give --head HEAD"),
+        (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'cut'}", "--modes", "vanilla,eagle2@x"],
+         "cut/model.safetensors: cannot read the weights"),
         (["chat", "hi", "--threads", "10000"], f"--threads: this computer has {os.cpu_count()} logical CPU"),  # more only wait on each other
         (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),
         (["ui", "--listen", "--auth", "user:secret"], "needs a page password and an API key: add --api-key auto (or drop"),

@@ -381,9 +381,13 @@ def test_a_bad_head_is_said_before_the_base_model_loads(tmp_path, monkeypatch, t
 
     for name, changes in (("wide", {"hidden_size": 96}), ("words", {"vocab_size": 80})):  # a head made for another base
         save_head(random_head(AutoModelForCausalLM.from_config(tiny_config(**changes))), tmp_path / name)
+    save_head(random_head(AutoModelForCausalLM.from_config(tiny_config())), tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy or download cut short
     cases += [
         (tmp_path / "wide", HeadFormatError, "head hidden_size 96 != base model hidden size 64"),
         (tmp_path / "words", HeadFormatError, "head vocab_size 80 != base model vocabulary 64"),
+        (tmp_path / "cut", HeadFormatError, "model.safetensors: cannot read the weights"),
     ]
     for head, error, message in cases:
         with pytest.raises(error, match=message):
