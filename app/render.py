@@ -446,6 +446,8 @@ def stats_html(
     else:
         busy = snapshot.draft_seconds + snapshot.verify_seconds
         share = f"{100 * snapshot.draft_seconds / busy:.0f}% / {100 * snapshot.verify_seconds / busy:.0f}%" if busy else "-"
+        if snapshot.mean_tree_size <= 1:  # vanilla, or no step drafted: its "draft" is only the root's one-node tree
+            share = "- (nothing drafted)"
         rows = [
             ("tokens/s", f"{snapshot.tokens_per_s:.1f}", "tps"),
             ("tokens/s after the first token", _rate(snapshot.decoding_tokens_per_s), "tps-decoding"),

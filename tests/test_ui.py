@@ -1443,6 +1443,12 @@ def test_clear_new_and_edit_wait_for_the_reply_being_written(handlers, store):
 
 def test_session_tau_shows_before_a_reply_and_the_tree_slider_at_1_is_named(handlers):
     assert 'id="stat-tau-session">2.50<' in render.stats_html(None, 0, 2.5)
+    from core.stats import Snapshot
+
+    live = Snapshot(8, 6, 1.0, 0.1, 8.0, 1.33, draft_seconds=0.01, verify_seconds=0.9, acceptance_by_depth=())
+    assert 'id="stat-share">- (nothing drafted)<' in render.stats_html(live, 1, None)  # vanilla: no draft share
+    drafted = Snapshot(8, 4, 1.0, 0.1, 8.0, 2.0, draft_seconds=0.1, verify_seconds=0.9, acceptance_by_depth=(0.5,), mean_tree_size=4.0)
+    assert 'id="stat-share">10% / 90%<' in render.stats_html(drafted, 4, None)
     final = list(handlers.send("w1", new_chat(), "", *values(total_tokens=1)))[-1]
     assert "Tree: tokens verified per step" in final[3] and final[0] == "w1"
 
