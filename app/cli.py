@@ -848,11 +848,12 @@ def run_bench_command(args) -> int:
 
     from app.session import folder_sizes, load_draft_head, prepare_costs
     from app.store import write_atomic
-    from core.bench import BenchCancelled, check_head_named, format_table, head_of, parse_mode, run_bench
+    from core.bench import BenchCancelled, check_head_named, check_turn_names, format_table, head_of, parse_mode, run_bench
     from core.config import TreeParams
     from core.engine import Engine
     from models.head import check_fits_sizes, local_head_folder
 
+    check_turn_names(prompts, args.turns)  # said before the model loads
     modes = bench_modes(args.modes)
     others = {}
     for option in args.other_head:

@@ -212,6 +212,16 @@ def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: Sa
             "accepted_lengths": None, "tree_nodes": None, "tree_depths": None, "output_ids": ids}  # fmt: skip
 
 
+def check_turn_names(prompts: list[BenchPrompt], turns: int) -> None:
+    """A later turn's row is named ID#N: no prompt may already be called so."""
+    names = {prompt.id for prompt in prompts}
+    for prompt in prompts:
+        for turn in range(2, min(turns, 1 + len(prompt.follow_ups)) + 1):
+            if f"{prompt.id}#{turn}" in names:
+                raise ValueError(f"prompt {prompt.id}#{turn}: the rows of prompt {prompt.id}'s turn {turn} are named so in a "
+                                 "--turns run; rename that prompt")  # fmt: skip
+
+
 def run_bench(
     engine: Engine,
     prompts: list[BenchPrompt],
@@ -247,12 +257,7 @@ def run_bench(
         engines[label] = other_heads[name] if name else engine
         if mode in MODES and mode not in engines[label].modes:
             raise ValueError(f"mode {mode} needs a draft head; give --head")
-    names = {prompt.id for prompt in prompts}
-    for prompt in prompts:  # a later turn's row is named ID#N: no prompt may already be called so
-        for turn in range(2, min(turns, 1 + len(prompt.follow_ups)) + 1):
-            if f"{prompt.id}#{turn}" in names:
-                raise ValueError(f"prompt {prompt.id}#{turn}: the rows of prompt {prompt.id}'s turn {turn} are named so in a "
-                                 "--turns run; rename that prompt")  # fmt: skip
+    check_turn_names(prompts, turns)
     encoded = [engine.encode([{"role": "user", "content": prompt.text}]) for prompt in prompts]
     for prompt, ids in zip(prompts, encoded):  # before anything runs, not when its turn comes
         if len(ids) >= engine.context_limit:

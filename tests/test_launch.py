@@ -213,6 +213,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     (tmp_path / "features" / "train").mkdir(parents=True)
     (tmp_path / "features" / "train" / "shard-00000.safetensors").write_bytes(b"")
     (tmp_path / "out" / "work" / "features").mkdir(parents=True)  # train-head's --out, given for its features
+    (tmp_path / "turn-ids.jsonl").write_text('{"id": "a", "turns": ["w1", "w2"]}\n{"id": "a#2", "turns": ["w3"]}\n')
     bundled_head = ROOT / "assets" / "heads" / "SmolLM2-135M-Instruct"
     (tmp_path / "cut").mkdir()  # a head whose weights file was cut short (a download stopped): its header names more than it has
     (tmp_path / "cut" / "config.json").write_bytes((bundled_head / "config.json").read_bytes())
@@ -247,6 +248,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["bench", "--prompts", str(prompts), "--seed", str(2**63)], f"--seed: must be from {-(2**63)} to {2**63 - 1}"),  # as the API takes
         (["train-head", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--seed", "-1"], "--seed: must be from 0 to"),
         (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
+        (["bench", "--prompts", str(tmp_path / "turn-ids.jsonl"), "--turns", "2"], "prompt a#2: the rows of prompt a's turn 2 are named so"),
         (["chat", "hi", "--model", str(tmp_path), "--mode", "eagle2"], "--mode eagle2 needs a draft head: give --head HEAD"),
         (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'cut'}", "--modes", "vanilla,eagle2@x"],
          "cut/model.safetensors: cannot read the weights"),
