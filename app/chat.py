@@ -1132,7 +1132,8 @@ class ChatHandlers:
 
     def restore(self, wanted: bool = False, tab_chat: str | None = None) -> tuple:
         """At page load: saved settings and the chat this tab showed before a
-        reload where it is saved (`tab_chat`), else the chat last opened or
+        reload (`tab_chat`; a new chat where that is not saved: a new chat's, or
+        one deleted since), or in a new tab the chat last opened or
         written in (a new chat if that was one; else the latest), and a notice naming
         saved files that cannot be read (kept on disk, never overwritten).
         Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats, notice
@@ -1144,10 +1145,12 @@ class ChatHandlers:
         mode = settings["mode"] if settings["mode"] in modes else modes[-1]
         chats, unreadable = self.store.scan_chats()
         opened = saved.get("open_chat")
-        latest = next((c for c in chats if tab_chat and c["id"] == tab_chat), None)  # another tab may have opened another since
-        latest = latest or next((c for c in chats if c["id"] == opened), None)
-        if latest is None and not ("open_chat" in saved and opened is None):  # None: a new chat, with its system prompt
-            latest = next(iter(chats), None)
+        if tab_chat:  # this tab's own chat, though another tab may have opened another since; a new chat where it
+            latest = next((c for c in chats if c["id"] == tab_chat), None)  # is not saved (a new chat, or one deleted)
+        else:
+            latest = next((c for c in chats if c["id"] == opened), None)
+            if latest is None and not ("open_chat" in saved and opened is None):  # None: a new chat, with its system prompt
+                latest = next(iter(chats), None)
         chat = self.store.load_chat(latest["id"]) if latest else None
         chat = chat or new_chat(settings["system"])
         mode_update = gr.update(choices=mode_choices(modes), value=mode)

@@ -37,7 +37,7 @@ BLOCK_PREFIX = re.compile(r"[ \t]{0,3}(?:>[ \t]?)*(?:(?:#{1,6}|[-*+]|\d{1,9}[.)]
 UNCOLOURED_LINE = re.compile(r"[ \t]*[-=*_|:+ \t]*\n?$|(?: {4}|\t)")
 # Inline syntax that a highlight must neither cover nor split (backtick runs too,
 # so that COPY_JS finds the same code spans in the coloured text).
-INLINE_SYNTAX = re.compile(r"(?:https?|ftp)://\S*|(?<![\w.])www\.\S*|\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~`]+")
+INLINE_SYNTAX = re.compile(r"(?:https?|ftp)://\S*|(?<![\w.])www\.\S*|[\w.+-]+@[\w-]+(?:\.[\w-]+)+|\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~`]+")
 DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 # Copying a chat message (its copy button, or the chat's): the text as written,
 # not the markup above. Gradio copies a message's content: prose escaped by
@@ -92,8 +92,12 @@ COPY_JS = """() => {
     const label = element.getAttribute("aria-label");
     const at = label.indexOf("'s message: ");
     if (at < 0) return;
-    const text = label.slice(0, at + 12) + element.textContent.replace(/\\s+/g, " ").trim();
-    if (text !== label) element.setAttribute("aria-label", text);  // once set, the next call finds it so
+    const length = String(element.textContent.length);  // no layout: innerText only where the message changed
+    if (label === element.dataset.kestrelLabel && length === element.dataset.kestrelLength) return;
+    const text = label.slice(0, at + 12) + element.innerText.replace(/\\s+/g, " ").trim();  // lines apart, as shown
+    element.dataset.kestrelLabel = text;
+    element.dataset.kestrelLength = length;
+    if (text !== label) element.setAttribute("aria-label", text);
   };
   const relabel = () => document.querySelectorAll(`#chatbot [aria-label*="'s message: "]`).forEach(accessible);
   mark();
@@ -254,19 +258,41 @@ def message_html(message: dict, colour: bool) -> str:
     return "".join(parts)
 
 
-# a "<" that opens an HTML tag, comment or declaration; not one opening an autolink (<https://...>, <a@b.org>)
-TAG_START = re.compile(r"<(?=[A-Za-z/!?])(?![A-Za-z][A-Za-z0-9+.-]{1,31}:[^\s<>]*>|[^\s<>@]+@[^\s<>]+>)")
+# a "<" that opens an HTML tag, comment, declaration or processing instruction; not one opening
+# an autolink as CommonMark defines them (<https://...>, <name@example.org>), where it starts with a
+# letter or digit (HTML's "<!--" and "<?" win over an address, as readers parse them)
+TAG_START = re.compile(
+    r"<(?=[A-Za-z/!?])(?![A-Za-z][A-Za-z0-9+.-]{1,31}:[^\s<>]*>"
+    r"|[A-Za-z0-9][A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]*@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*>)"
+)
+COMMENT_START = re.compile(r"<(?=[!?])")
 
 
 def inert_markdown(text: str) -> str:
     """Markdown as written, but a "<" that would open an HTML tag or comment
     in prose written as &lt;, so that a viewer rendering the Markdown export
     shows such text as the page does (as text) rather than running it (a
-    <style> rule there can hide the whole document). Code is left as written:
-    markdown shows it as text already."""
+    <style> rule there can hide the whole document). Code stays as written
+    where markdown surely reads it as code (message_html's rule: a fence it
+    opens and closes as found here, an inline span holding no comment);
+    elsewhere a fence's tags are made text too."""
+    marked = MARKED_FENCE.search(text)
+    unsure_from = marked.start() if marked else len(text) + 1
+    hidden = "\r" in text or LINK_DEFINITION.search(text) is not None
     parts, position = [], 0
     for match in CODE.finditer(text):
-        parts += [TAG_START.sub("&lt;", text[position : match.start()]), match.group()]
+        if match.start() < position:
+            continue
+        code = match.group()
+        if match.group(1) is not None:  # an inline span: markdown shows it as text; a comment in one could be prose's
+            shown = COMMENT_START.sub("&lt;", code)
+        elif match.start() < unsure_from and surely_fenced(text, match.start(), match.end()) and (
+            "<" not in code or (not hidden and "<" not in code.partition("\n")[0])
+        ):
+            shown = code
+        else:
+            shown = TAG_START.sub("&lt;", code)
+        parts += [TAG_START.sub("&lt;", text[position : match.start()]), shown]
         position = match.end()
     parts.append(TAG_START.sub("&lt;", text[position:]))
     return "".join(parts)
@@ -381,8 +407,8 @@ def _line(line: str, origins: list[str]) -> str:
     delimiter rows and indented lines are not highlighted; within the rest,
     highlights never cover a newline, a table pipe, an escape, link brackets
     or emphasis markers, whose meaning depends on their neighbours, nor a bare
-    address (http://, https://, ftp://, www.), which a highlight would cut out
-    of its link."""
+    address (http://, https://, ftp://, www., an e-mail address), which a
+    highlight would cut out of its link."""
     if UNCOLOURED_LINE.match(line):
         return escape_prose(line)
     prefix = BLOCK_PREFIX.match(line).end()

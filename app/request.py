@@ -37,9 +37,8 @@ REFUSED = {
     "epsilon_cutoff": (None, 0, 0.0), "eta_cutoff": (None, 0, 0.0), "grammar_string": (None, ""),
     "rep_pen": (None, 1, 1.0), "smoothing_factor": (None, 0, 0.0), "smoothing_curve": (None, 1, 1.0),
     "dynamic_temperature": (None, False), "top_n_sigma": (None, -1, -1.0, 0, 0.0), "penalty_alpha": (None, 0, 0.0),
-    "guidance_scale": (None, 1, 1.0), "negative_prompt": (None, ""), "max_length": (None,), "num_predict": (None,),
-    "max_output_tokens": (None,), "mirostat_tau": (None,), "mirostat_eta": (None,), "sampler_seed": (None,),
-}  # fmt: skip
+    "guidance_scale": (None, 1, 1.0), "max_length": (None,), "num_predict": (None,), "max_output_tokens": (None,),
+}  # fmt: skip (fields that act only with one of these, as mirostat_tau or negative_prompt do, are ignored with it off)
 LENGTH_NAMES = ("max_new_tokens", "n_predict", "max_length", "num_predict", "max_output_tokens")  # other servers' max_tokens
 TREE_RANGES = {  # kestrel.<name>: (TreeParams field, lowest, highest); total_tokens 0 = sized by the planner (1 is refused by name below)
     ("tree_top_k" if field == "top_k" else field): (field, *limits) for field, limits in TREE_LIMITS.items()
@@ -121,7 +120,10 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
 
 
 def _refuse_unsupported(body: dict) -> None:
+    asked = tuple(body[name] for name in ("max_tokens", "max_completion_tokens") if body.get(name) is not None)
     for name, harmless in REFUSED.items():
+        if name in LENGTH_NAMES:  # the same length sent again under another server's name is harmless
+            harmless = (*harmless, *asked)
         if name in body and not any(_same(body[name], value) for value in harmless):
             hint = " (max_tokens sets the reply's length)" if name in LENGTH_NAMES else ""
             raise RequestError(f"{name} is not supported by Kestrel; leave it out{hint}", name, "unsupported_parameter")

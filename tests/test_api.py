@@ -311,7 +311,9 @@ def test_bad_values_are_400_naming_the_parameter(client, engine, changes, param)
 def test_ignored_fields_do_not_matter(client, engine):
     harmless = {"ignore_eos": False, "repeat_penalty": 1.0, "stop_token_ids": [], "skip_special_tokens": True, "do_sample": True,
                 "add_generation_prompt": True, "chat_template_kwargs": {}, "rep_pen": 1, "top_n_sigma": -1,
-                "dynamic_temperature": False, "grammar_string": ""}  # fmt: skip
+                "dynamic_temperature": False, "grammar_string": "", "mirostat": 0, "mirostat_tau": 5, "mirostat_eta": 0.1,
+                "guidance_scale": 1, "negative_prompt": "x", "max_length": 30, "num_predict": 30}  # fmt: skip
+    # (the same length as max_tokens under other servers' names: harmless; the helper sends max_tokens 30)
     reply = chat(client, engine.base.name, user="ann", metadata={"k": "v"}, n=1, logprobs=False, extra_body=harmless)
     assert reply.choices[0].message.content == engine_text(engine)[0]
 

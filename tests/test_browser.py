@@ -772,8 +772,13 @@ def rendered(page) -> dict:
     }
 
 
+def forget_the_tab_s_chat(page) -> None:
+    """A reload of this tab then shows the chat opened last, as a new tab does (not the one it showed)."""
+    page.evaluate("sessionStorage.removeItem('kestrel-shown-chat')")
+
+
 def saved_and_open(data_dir, chat) -> None:
-    """Save a chat as if it had been written in, so that the next page load shows it."""
+    """Save a chat as if it had been written in, so that the next page load (of a new tab) shows it."""
     from app.store import Store
 
     store = Store(data_dir)
@@ -831,6 +836,7 @@ def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
         {"role": "assistant", "content": MARKDOWN_REPLY, "segments": token_segments(MARKDOWN_REPLY)},
     ]
     saved_and_open(data_dir, chat)
+    forget_the_tab_s_chat(page)
     page.reload()
     page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=30_000)
     if not page.locator("#colour input").is_checked():
@@ -888,6 +894,7 @@ def test_text_that_markdown_may_not_read_as_code_shows_as_text(page, data_dir):
     saved_and_open(data_dir, chat)
     requested = []
     page.on("request", lambda request: requested.append(request.url) if "leak.invalid" in request.url else None)
+    forget_the_tab_s_chat(page)
     page.reload()
     page.locator("#chatbot").get_by_text("four").first.wait_for(timeout=30_000)
     for colour in (True, False):
@@ -945,7 +952,7 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
     reply = (f"{MARKDOWN_REPLY}\nIn HTML write `&#60;` for <, as here:\n\n```html\n{code}\n```\n"
              "In C++, type ``` only to fence:\n```cpp\nint a = b < c;\n```\n"
              "Spans as written: ``a<b`` and ` <a> `.\n\n    ```\n<b>not a fence</b>\n    ``` ~~~\n"
-             "Docs at <https://example.com/a?b=1&c=2>, or https://example.com/x&.\nThe end.\n")  # fmt: skip
+             "Docs at <https://example.com/a?b=1&c=2>, or https://example.com/x&.\nMail help.desk@example.com today.\nThe end.\n")  # fmt: skip
     chat["messages"] = [
         {"role": "user", "content": "Don't <b>bold</b> & \"quote\" it; type &lt; or &#60; for <."},
         {"role": "assistant", "content": reply, "segments": token_segments(reply)},
@@ -964,13 +971,14 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
                 page.locator("#colour input").set_checked(colour)
                 page.wait_for_function(f"(document.querySelectorAll('#chatbot span.kd').length > 0) === {str(colour).lower()}")
             links = page.evaluate("[...document.querySelectorAll('#chatbot .message-content a')].map(a => a.getAttribute('href'))")
-            assert [link for link in links if "example" in link] == ["https://example.com/a?b=1&c=2", "https://example.com/x"], colour
+            assert [link for link in links if "example" in link] == [
+                "https://example.com/a?b=1&c=2", "https://example.com/x", "mailto:help.desk@example.com"], colour
             # each message's accessible name is its text as shown, not its markup
             labels = page.evaluate("[...document.querySelectorAll('#chatbot [aria-label*=\"s message: \"]')].map(e => e.getAttribute('aria-label'))")
             assert len(labels) == 2, labels
             assert labels[0] == "user's message: Don't <b>bold</b> & \"quote\" it; type &lt; or &#60; for <.", labels[0]
             assert labels[1].startswith("bot's message: Checking primes Here is a simple function") and "background:rgba" not in labels[1], labels[1][:200]
-            assert labels[1].endswith("Docs at <https://example.com/a?b=1&c=2>, or https://example.com/x&.The end."), labels[1][-200:]
+            assert labels[1].endswith("Docs at <https://example.com/a?b=1&c=2>, or https://example.com/x&. Mail help.desk@example.com today. The end."), labels[1][-200:]
             page.wait_for_function("document.querySelectorAll(\"#chatbot button[aria-label='Copy message']\").length == 2")
             copied = []
             for button in [*page.locator("#chatbot button[aria-label='Copy message']").all(), page.locator("#chatbot button[aria-label='Copy conversation']")]:

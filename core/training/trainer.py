@@ -176,6 +176,8 @@ def _shown(name: str, value) -> str:
     """A setting's value as its option takes it: --epochs 3, --learning-rate 0.0002, --precision bf16."""
     if name == "bf16" and isinstance(value, bool):
         return "bf16" if value else "fp32"
+    if name == "loss_vocab" and value is None:  # the whole vocabulary, which --draft-vocab takes as 0
+        return "0"
     if isinstance(value, list | tuple):
         return ",".join(_shown("", item) for item in value)
     return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
@@ -533,7 +535,7 @@ class Trainer:
         if changed:
             raise ValueError(
                 f"{self.folder / CHECKPOINT}: the checkpoint was made with other settings ({'; '.join(changed)}); "
-                "resume with the earlier ones, delete it to train from scratch, or train on from its head with --init-head"
+                "resume with the earlier ones, or delete it to train from scratch"
             )
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
