@@ -153,12 +153,11 @@ def with_cors(send, origin: str):
     return with_headers(send, [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")])
 
 
+# The API's paths without /v1, as a client whose base URL lacks it asks for them.
+MISSING_V1 = ("/chat/completions", "/completions", "/models", "/models/{rest:path}")
 # The page shows text that a model wrote or a user pasted. Should markup in it
 # ever become a tag, it fetches no image from elsewhere (a request that would
 # tell another host the chat was read) and sends no form there.
-# The API's paths without /v1, as a client whose base URL lacks it asks for them.
-MISSING_V1 = ("/chat/completions", "/completions", "/models", "/models/{rest:path}")
-
 PAGE_POLICY = [(b"content-security-policy", b"img-src 'self' data: blob:; form-action 'self'")]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import platformdirs
 
-from app.render import BASE, DRAFT, TAG_START, inert_markdown, is_number
+from app.render import BASE, DRAFT, inert_markdown, is_number
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
@@ -376,7 +376,7 @@ def quoted(text: str) -> str:
 
 
 def to_markdown(chat: dict) -> str:
-    lines = [f"# {TAG_START.sub('&lt;', chat_title(chat))}", ""]
+    lines = [f"# {inert_markdown(chat_title(chat))}", ""]
     if chat.get("system"):
         lines += ["**System:**", "", quoted(inert_markdown(chat["system"])), ""]
     for message in chat["messages"]:

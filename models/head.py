@@ -451,16 +451,8 @@ def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | No
     from models import eagle3
 
     config, file = head_files(folder)
-    keys = head_keys(folder)
-    if keys is None and file.suffix == ".safetensors":  # its header unreadable (a file cut short): said now, as loading would
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(file), framework="pt"):
-                pass
-        except Exception as error:
-            raise HeadFormatError(f"{file}: cannot read the weights ({type(error).__name__}: {error})") from error
-    keys = keys or []
+    # a safetensors header that cannot be read (a file cut short) is said now, as loading would say it
+    keys = _safetensors_keys(file) if file.suffix == ".safetensors" else head_keys(folder) or []
     if hidden_size is not None and eagle3.MARKER not in keys and config.hidden_size != hidden_size:
         raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if vocab_size is not None and config.vocab_size != vocab_size:
@@ -482,13 +474,21 @@ def _weight_keys(file: Path) -> list[str] | None:
     (loading it names what is wrong)."""
     try:
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as weights:
-                return list(weights.keys())
+            return _safetensors_keys(file)
         return list(torch.load(file, map_location="meta", weights_only=True, mmap=True).keys())
     except Exception:
         return None
+
+
+def _safetensors_keys(file: Path) -> list[str]:
+    """A safetensors file's keys, from its header; HeadFormatError where that cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as weights:
+            return list(weights.keys())
+    except Exception as error:
+        raise HeadFormatError(f"{file}: cannot read the weights ({type(error).__name__}: {error})") from error
 
 
 def _sharded_keys(index: Path) -> dict[str, str]:
