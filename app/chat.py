@@ -413,6 +413,7 @@ WAITING_TEXT = "Waiting for the model..."
 DOUBLE_PRESS_S = 1.0  # a second Send of the same text from the same tab within this is the same press
 SENT_MARK = "\x00sent:"  # accept's message to send, in the hidden box: this mark, a token, ":" and the text
 EMPTY_CHAT_TEXT = "This chat has no messages yet: there is nothing to {}."
+NAME_LIMIT = 100  # characters of a chat's name
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
 STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
@@ -1017,6 +1018,36 @@ class ChatHandlers:
         self._opened(None)
         choices = gr.update(choices=chat_choices(self.store), value=None)
         return [], new_chat(chat.get("system", "")), choices, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""
+
+    def rename(self, name: str | None, chat: dict | None) -> tuple:
+        """Name the chat shown as the user typed it (spaces and line breaks
+        collapsed): the list and the export show the name, kept in the chat's
+        file; an empty name gives back the one made of its first message.
+        Outputs: chat, chat list, name box, notice."""
+        if not chat or not (chat["messages"] or chat.get(TAKEN_BACK)):
+            return gr.skip(), gr.skip(), "", notice_html("This chat has no messages yet: send one first, then name the chat.")
+        if self._busy(chat):  # the reply's own saves would write the chat without the name
+            return gr.skip(), gr.skip(), gr.skip(), busy_notice()
+        if self._stale(chat):  # saving it would drop what another tab added
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+        if chat.get(TAKEN_BACK):  # the exchange Edit took back stays saved until the edited message is sent
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(EDIT_PENDING_TEXT)
+        cleaned = " ".join((name or "").split())
+        if len(cleaned) > NAME_LIMIT:
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(
+                f"A chat's name can have at most {NAME_LIMIT} characters; this one has {len(cleaned)}: shorten it."
+            )
+        renamed = {**without(chat, "name"), **({"name": cleaned} if cleaned else {})}
+        notice = self._save(renamed)
+        if notice:
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(notice)
+        renamed["title"] = chat_title(renamed)
+        return renamed, gr.update(choices=chat_choices(self.store), value=renamed["id"]), cleaned, ""
+
+    @staticmethod
+    def name_of(chat: dict | None) -> str:
+        """The name box's text for the chat shown: the name the user gave it, or nothing."""
+        return (chat or {}).get("name", "")
 
     def export(self, chat: dict) -> tuple:
         """The chat as Markdown and JSON files, for download. Gradio serves a

@@ -1,4 +1,4 @@
-"""The command line: ui (default), chat, bench, train-head, long-prompts, eval-heads, test."""
+"""The command line: ui (default), chat, bench, train-head, long-prompts, self-prompts, eval-heads, test."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from core.config import SEEDS
 from models.paths import user_path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "long-prompts", "eval-heads", "test")
+COMMANDS = ("ui", "chat", "bench", "bench-app", "train-head", "long-prompts", "self-prompts", "eval-heads", "test")
 
 
 def integer(low: int, high: int | None = None):
@@ -201,6 +201,19 @@ def build_parser() -> argparse.ArgumentParser:
     long.add_argument("--answer-batch", type=integer(1), default=32, help="prompts per generate call (default 32)")
     long.add_argument("--seed", type=integer(0, SEEDS[1]), default=0, help="seed of the passages' choice and the templates (default 0)")
 
+    own = commands.add_parser("self-prompts", help="write training prompts on new topics: the model writes users' requests itself, each started from a few words of a file prompt")
+    own.add_argument("--prompts", required=True, help="JSONL prompt file whose prompts lend each request its opening words (its held-out prompts never do)")
+    own.add_argument("--out", required=True, help="JSONL file to write the requests to (for train-head --prompts)")
+    own.add_argument("--work", required=True, help="folder for the cached requests (a rerun reuses them, a stopped run resumes)")
+    add_model_options(own, decoding=False)
+    own.add_argument("--count", type=integer(1), default=2000, help="requests to generate; unfinished, short and repeated ones are left out (default 2000)")
+    own.add_argument("--max-new-tokens", type=integer(1), default=128, help="longest request in tokens; longer ones are left out (default 128)")
+    own.add_argument("--temperature", type=number(0.0, 2.0, low_open=True), default=1.0, help="sampling temperature of the requests, above 0 and at most 2 (default 1)")
+    own.add_argument("--opening-words", type=integer(0), default=3, help="each request starts from the first 0 to this many words of a file prompt (default 3)")
+    own.add_argument("--answer-batch", type=integer(1), default=32, help="requests per generate call (default 32)")
+    own.add_argument("--keep-prompts", action="store_true", help="write the --prompts file's own lines first, so that --out trains on both")
+    own.add_argument("--seed", type=integer(0, SEEDS[1]), default=0, help="seed of the sampling and the openings; another seed writes other requests, with other ids (default 0)")
+
     judge = commands.add_parser("eval-heads", help="held-out top-1 of draft heads (any kind) on the same stored features")
     judge.add_argument("--features", required=True, help="a features folder of train-head (WORK/features-eagle3 serves every kind of head)")
     judge.add_argument("--split", default="eval", choices=("eval", "train"), help="which shards to judge on (default eval: the held-out prompts)")
@@ -299,6 +312,8 @@ def main(argv: list[str]) -> int:
             return run_eval_heads(args)
         if args.command == "long-prompts":
             return run_long_prompts(args)
+        if args.command == "self-prompts":
+            return run_self_prompts(args)
     except KestrelError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -395,7 +410,7 @@ def working_in(work: Path, command: str):
 
 def busy_text(work: Path, holder: str, command: str) -> str:
     """The refusal of a run in a work folder that another run holds."""
-    other = f"{holder} run" if holder in ("train-head", "long-prompts") else "Kestrel command"
+    other = f"{holder} run" if holder in ("train-head", "long-prompts", "self-prompts") else "Kestrel command"
     return (f"{work}: another {other} is working in this folder; wait for it to end, or choose another "
             f"{'--out/--work' if command == 'train-head' else '--work'}")  # fmt: skip
 
@@ -661,6 +676,50 @@ def run_long_prompts(args) -> int:
         rows = long_prompts(base, prompts, work, args.documents, params, answers)
     write_atomic(out, "".join(json.dumps(row) + "\n" for row in rows), shared=True)
     print(f"{len(rows)} long prompts written to {out}; train on them with train-head --prompts {out} --max-prompt-tokens {args.max_tokens + 200}")
+    return 0
+
+
+def run_self_prompts(args) -> int:
+    import json
+
+    from app.store import write_atomic
+    from core.prompt import PromptFileError
+    from core.training.answers import training_ids
+    from core.training.pipeline import check_base_model
+    from core.training.self_prompts import REQUESTS_FILE, SelfParams, generate_requests
+    from models.base import load_base
+
+    set_threads(args.threads)
+    prompts, out = user_path(args.prompts), user_path(args.out)
+    if not training_ids(prompts):
+        raise PromptFileError(f"{args.prompts}: no prompts")
+    if out.resolve() == prompts.resolve():
+        raise ValueError(f"--out {args.out}: is the --prompts file; write the requests to another file")
+    if out.is_dir():
+        raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
+    check_writable(str(out), "--out")
+    work = user_path(args.work)
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--work {args.work}: is a file; name a folder for the cached requests")
+    check_writable(str(work / REQUESTS_FILE), "--work")
+    params = SelfParams(args.count, args.max_new_tokens, args.temperature, args.opening_words, args.answer_batch, args.seed)
+    with working_in(work, "self-prompts"):
+        base = load_base(args.model, args.quantization, args.dtype, args.device)
+        check_base_model(work, base)  # requests cached by another model are its text
+        rows = generate_requests(base, prompts, work, params)
+    if not rows:
+        raise ValueError(f"none of the {args.count} requests is worth training on: each was cut by --max-new-tokens "
+                         f"{args.max_new_tokens}, shorter than 3 words, or a repeat; raise --max-new-tokens or --count, or "
+                         "try another --seed")  # fmt: skip
+    kept = [{**row, "id": pid} for pid, row in training_ids(prompts).items()] if args.keep_prompts else []
+    clash = {row["id"] for row in kept} & {row["id"] for row in rows}
+    if clash:
+        raise ValueError(f"{args.prompts}: has ids that written requests take ({sorted(clash)[0]}); give another --seed")
+    write_atomic(out, "".join(json.dumps(row) + "\n" for row in kept + rows), shared=True)
+    left = args.count - len(rows)
+    print(f"{len(rows)} requests written to {out}" + (f" after its {len(kept)} own prompts" if kept else "")
+          + (f" ({left} of {args.count} left out: unfinished, shorter than 3 words or repeated)" if left else "")
+          + f"; train on them with train-head --prompts {out}")  # fmt: skip
     return 0
 
 

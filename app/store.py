@@ -163,10 +163,14 @@ def new_chat(system: str = "") -> dict:
 
 
 def chat_title(chat: dict) -> str:
-    """The first message, shortened; a chat that another tab's change split off is marked a copy."""
-    first = next((m["content"] for m in chat["messages"] if m["role"] == "user"), "")
-    title = " ".join(first.split())
-    title = (title[:48] + "...") if len(title) > 48 else (title or "New chat")
+    """The name the user gave the chat, else its first message, shortened; a
+    chat that another tab's change split off is marked a copy."""
+    if chat.get("name"):
+        title = chat["name"]
+    else:
+        first = next((m["content"] for m in chat["messages"] if m["role"] == "user"), "")
+        title = " ".join(first.split())
+        title = (title[:48] + "...") if len(title) > 48 else (title or "New chat")
     return f"{title} (copy)" if chat.get("copy_of") else title
 
 
@@ -344,6 +348,8 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
     for key, kind, default in (("title", str, ""), ("system", str, ""), ("updated", (int, float), 0.0), ("created", (int, float), 0.0)):
         if not isinstance(chat[key], kind):
             chat[key] = default
+    if not isinstance(chat.get("name", ""), str) or not " ".join(chat.get("name", "").split()):  # a name edited by hand
+        chat.pop("name", None)
     for key in ("updated", "created"):
         if not 0 <= chat[key] <= LATEST_TIME:  # also NaN, which json reads
             chat[key] = 0.0

@@ -96,6 +96,10 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                                 export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
                                 delete = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="delete")
                             exported = gr.File(label="Exported files", file_count="multiple", interactive=False, elem_id="exported")
+                            with gr.Row(equal_height=True):
+                                chat_name = gr.Textbox(label="Name of this chat", placeholder="its first message", max_lines=1,
+                                                       scale=4, elem_id="chat-name")  # fmt: skip
+                                rename = gr.Button("Rename", size="sm", scale=1, min_width=80, elem_id="rename")
                     with gr.Column(scale=2):
                         stats = gr.HTML(render.stats_html(None, 0, None), elem_id="stats")
                         depth_plot = gr.BarPlot(
@@ -257,6 +261,10 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         ).then(**exports_shown).then(**remember)
         export.click(**recover).then(chat.export, chat_state, [exported, notice], show_progress="hidden")
+        gr.on([rename.click, chat_name.submit], **recover).then(
+            chat.rename, [chat_name, chat_state], [chat_state, chats, chat_name, notice], show_progress="hidden", api_name=False
+        )
+        shown_id.change(chat.name_of, chat_state, chat_name, show_progress="hidden", api_name=False)  # another chat shown: its name
         colour.change(chat.recolour, [chat_state, colour], chatbot, show_progress="hidden")
         # saved as typed (the last value too: always_last), not only when the box loses the focus, which a reload never gives
         gr.on([control.input for control in controls] + [system.input, system.blur], chat.remember, [system, *controls], notice,

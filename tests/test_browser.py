@@ -495,6 +495,38 @@ def test_clear_and_delete_ask_first_and_delete_empties_the_panel(page, data_dir)
     assert not any(chat["title"] == "w11 w12" for chat in Store(data_dir).list_chats())
 
 
+def test_a_chat_is_renamed_from_saved_chats_and_keeps_its_name(page, data_dir):
+    from app.store import Store
+
+    settings(page, 4)
+    page.locator("#new-chat").click()
+    page.wait_for_function("!document.querySelector('#chatbot').innerText.includes('w1')")
+    send(page, "w6 w7")
+    page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+    page.get_by_text("Saved chats").click()
+    assert page.locator("#chat-name textarea, #chat-name input").first.input_value() == ""
+    box = page.locator("#chat-name textarea, #chat-name input").first
+    box.fill("Holiday plans")
+    page.locator("#rename").click()
+    page.wait_for_function("document.querySelector('#chats input').value.startsWith('Holiday plans (')", timeout=15_000)
+    chat_id = page.locator("#shown-chat-id textarea").input_value()
+    assert Store(data_dir).load_chat(chat_id)["name"] == "Holiday plans"
+    page.locator("#new-chat").click()  # another chat shown: its own (empty) name
+    page.wait_for_function("document.querySelector('#chat-name textarea, #chat-name input').value === ''", timeout=15_000)
+    page.locator("#chats input").click()
+    page.get_by_role("option", name=re.compile("^Holiday plans")).click()  # opened again: its name back in the box
+    page.wait_for_function("document.querySelector('#chat-name textarea, #chat-name input').value === 'Holiday plans'", timeout=15_000)
+    assert "w6 w7" in page.locator("#chatbot").inner_text()
+    box.fill("x" * 101)
+    box.press("Enter")  # Enter renames too; too long: said, the name kept
+    page.wait_for_function("document.querySelector('#notice').innerText.includes('at most 100 characters')", timeout=15_000)
+    assert Store(data_dir).load_chat(chat_id)["name"] == "Holiday plans"
+    box.fill("")
+    page.locator("#rename").click()  # emptied: named by its first message again
+    page.wait_for_function("document.querySelector('#chats input').value.startsWith('w6 w7 (')", timeout=15_000)
+    assert "name" not in Store(data_dir).load_chat(chat_id)
+
+
 def test_export_downloads_markdown_and_json(page, data_dir):
     settings(page, 4)
     page.locator("#new-chat").click()

@@ -948,3 +948,63 @@ def test_a_record_alone_does_not_hold_a_work_folder_to_another_model(tiny_base, 
     (work / "answers.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"came from another base model \(other\)"):
         check_base_model(work, tiny_base)
+
+
+def test_self_prompts_are_requests_the_model_writes_itself(prompts_file, tmp_path, capsys):
+    from app.cli import main
+    from core.training.features import is_held_out
+    from core.training.self_prompts import REQUESTS_FILE, read_requests
+    from tests.factory import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "spread", sharpness=1.0)  # spread-out sampling: some requests end, some do not
+    out, work = tmp_path / "self.jsonl", tmp_path / "w"
+    options = ["self-prompts", "--prompts", str(prompts_file), "--out", str(out), "--work", str(work), "--model", str(model),
+               "--count", "24", "--max-new-tokens", "40", "--answer-batch", "8", "--threads", "1", "--dtype", "float32"]  # fmt: skip
+    assert main(options) == 0
+    records = read_requests(work / REQUESTS_FILE)
+    assert len(records) == 24 and not any(is_held_out(rid, 0.05) for rid in records)  # held-out figures stay on the file's prompts
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    usable = {rid for rid, record in records.items() if record["finished"] and len(record["text"].split()) >= 3}
+    unfinished = sum(not record["finished"] for record in records.values())
+    assert 0 < len(rows) <= len(usable) and 0 < unfinished  # the cut ones are left out
+    assert {row["id"] for row in rows} <= usable and len({row["turns"][0] for row in rows}) == len(rows)
+    assert all(row["source"] == "self" and row["turns"][0] == records[row["id"]]["text"] for row in rows)
+    assert f"{len(rows)} requests written to {out} ({24 - len(rows)} of 24 left out" in capsys.readouterr().out
+
+    first = out.read_text()
+    assert main(options) == 0 and out.read_text() == first  # a rerun takes them from the cache
+    cache = work / REQUESTS_FILE
+    lines = cache.read_text().splitlines(keepends=True)
+    cache.write_text("".join(lines[:10]) + lines[10][:7])  # a run killed mid-batch, mid-line
+    assert main(options) == 0 and out.read_text() == first and read_requests(cache) == records  # resumed as sampled before
+
+    assert main([*options, "--keep-prompts"]) == 0  # the file's own prompts first, each with its id
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    own = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    assert kept[: len(own)] == own and kept[len(own) :] == rows
+    capsys.readouterr()
+    assert main([*options, "--temperature", "0.5"]) == 2  # not mixed with requests sampled otherwise
+    assert f"{work}: its requests were made with --temperature 1.0, and this run asks for 0.5" in capsys.readouterr().err
+    assert main([*options[:4], str(prompts_file), *options[5:]]) == 2
+    assert "is the --prompts file" in capsys.readouterr().err
+    assert main([*options[:6], str(tmp_path / "w1"), *options[7:11], "--max-new-tokens", "1", *options[13:]]) == 2
+    assert "none of the 24 requests is worth training on" in capsys.readouterr().err
+
+
+def test_self_prompts_open_with_words_of_the_files_prompts_but_never_of_held_out_ones(tmp_path):
+    from core.training.features import is_held_out
+    from core.training.self_prompts import SelfParams, openings, request_ids
+
+    held = [f"q{i}" for i in range(400) if is_held_out(f"q{i}", 0.05)][:3]
+    kept = [f"q{i}" for i in range(400) if not is_held_out(f"q{i}", 0.05)][:5]
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"id": pid, "turns": [f"secret{n} words of a held-out prompt"]} for n, pid in enumerate(held)]
+    rows += [{"id": pid, "turns": [f"Open{n} the door please"]} for n, pid in enumerate(kept)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    opened = openings(path, 300, SelfParams(opening_words=2, seed=3), 0.05)
+    assert len(opened) == 300 and not any("secret" in text for text in opened)
+    assert {len(text.split()) for text in opened} == {0, 1, 2}  # none to --opening-words words
+    assert {text.split()[0] for text in opened if text} == {f"Open{n}" for n in range(5)}
+    assert opened == openings(path, 300, SelfParams(opening_words=2, seed=3), 0.05)  # fixed by the seed
+    ids = request_ids(500, 7, 0.05)
+    assert len(set(ids)) == 500 and not any(is_held_out(rid, 0.05) for rid in ids) and ids[0].startswith("self-7-")

@@ -2062,3 +2062,35 @@ def test_a_reply_that_ends_at_once_says_so(handlers, engine, monkeypatch):
     monkeypatch.setattr(engine, "stop_ids", engine.stop_ids - {first})
     last = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1]
     assert last[2]["messages"][-1]["content"] and chat_module.EMPTY_REPLY_TEXT not in last[3]
+
+
+def test_a_chat_keeps_the_name_it_is_given_through_replies_reloads_and_the_export(handlers, engine, store):
+    chat = list(handlers.send("w1 w2", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    assert handlers.name_of(chat) == "" and store.list_chats()[0]["title"] == "w1 w2"
+    renamed, listed, box, notice = handlers.rename("  Trip\n plans  ", chat)
+    assert (box, notice, renamed["name"], renamed["title"]) == ("Trip plans", "", "Trip plans", "Trip plans")
+    assert (("Trip plans (", chat["id"]) == (listed["choices"][0][0][:12], listed["choices"][0][1])) and listed["value"] == chat["id"]
+    assert store.load_chat(chat["id"])["name"] == "Trip plans" and handlers.name_of(renamed) == "Trip plans"
+    later = list(handlers.send("w3", renamed, "", *values(max_new_tokens=4)))[-1][2]  # a later reply keeps it
+    assert store.list_chats()[0]["title"] == "Trip plans" and len(store.load_chat(chat["id"])["messages"]) == 4
+    assert handlers.open(chat["id"], new_chat(), True)[1]["name"] == "Trip plans"  # as a reload or Saved chats opens it
+    (markdown, _), _ = handlers.export(later)
+    assert open(markdown).read().startswith("# Trip plans\n")
+    back, listed, box, _ = handlers.rename("   ", later)  # an empty name: the first message's again
+    assert "name" not in back and box == "" and listed["choices"][0][0].startswith("w1 w2 (")
+    assert "name" not in store.load_chat(chat["id"])
+
+    too_long = handlers.rename("x" * 101, later)
+    assert too_long[:3] == (gr.skip(),) * 3 and "at most 100 characters; this one has 101" in too_long[3]
+    assert "send one first" in handlers.rename("A name", new_chat())[3]  # nothing saved to name
+    elsewhere = list(ChatHandlers(Runtime(engine), store).send("w4", back, "", *values(max_new_tokens=4)))[-1][2]
+    assert "changed in another tab" in handlers.rename("Mine", back)[3] and "name" not in store.load_chat(chat["id"])
+    handlers.replying[elsewhere["id"]] = True  # its reply's own saves would drop the name
+    assert "A reply is being written" in handlers.rename("Mine", elsewhere)[3]
+    del handlers.replying[elsewhere["id"]]
+    taken = handlers.edit_last(elsewhere, True)[2]  # Edit pending: the exchange taken back stays saved
+    assert "An edit is pending" in handlers.rename("Mine", taken)[3] and len(store.load_chat(chat["id"])["messages"]) == 6
+    path = store.chat_path(chat["id"])
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "name": 5}))  # edited by hand: the first message's title again
+    assert "name" not in store.load_chat(chat["id"]) and store.list_chats()[0]["title"] == "w1 w2"
