@@ -451,8 +451,7 @@ def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | No
     from models import eagle3
 
     config, file = head_files(folder)
-    # a safetensors header that cannot be read (a file cut short) is said now, as loading would say it
-    keys = _safetensors_keys(file) if file.suffix == ".safetensors" else head_keys(folder) or []
+    keys = _readable_keys(file)  # a weights file cut short (a download stopped) is said now, as loading would say it
     if hidden_size is not None and eagle3.MARKER not in keys and config.hidden_size != hidden_size:
         raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if vocab_size is not None and config.vocab_size != vocab_size:
@@ -478,6 +477,35 @@ def _weight_keys(file: Path) -> list[str] | None:
         return list(torch.load(file, map_location="meta", weights_only=True, mmap=True).keys())
     except Exception:
         return None
+
+
+def _readable_keys(file: Path) -> list[str]:
+    """A head's weight keys, read without its tensors, for the checks made
+    before a base model loads. A file that loading would refuse as cut short
+    raises HeadFormatError now: a safetensors header that cannot be read, a
+    PyTorch zip whose directory (at its end) is missing, a shard that an index
+    names and its folder lacks. A legacy PyTorch file, which cannot be read
+    without its tensors, gives []."""
+    import zipfile
+
+    if file.name.endswith(".index.json"):
+        shards = _sharded_keys(file)
+        for name in sorted(set(shards.values())):
+            shard = file.parent / name
+            if not shard.is_file() or shard.parent != file.parent:
+                raise HeadFormatError(f"{file}: names the shard {name}, which is not in {file.parent}")
+            _readable_keys(shard)
+        return list(shards)
+    if file.suffix == ".safetensors":
+        return _safetensors_keys(file)
+    try:
+        with open(file, "rb") as handle:
+            zipped = handle.read(2) == b"PK"
+    except OSError as error:
+        raise HeadFormatError(f"{file}: cannot read the weights ({error.strerror or error})") from error
+    if zipped and not zipfile.is_zipfile(file):
+        raise HeadFormatError(f"{file}: not a readable PyTorch checkpoint (damaged, cut short, or not a weights file)")
+    return _weight_keys(file) or []
 
 
 def _safetensors_keys(file: Path) -> list[str]:

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -218,6 +219,20 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     (tmp_path / "cut").mkdir()  # a head whose weights file was cut short (a download stopped): its header names more than it has
     (tmp_path / "cut" / "config.json").write_bytes((bundled_head / "config.json").read_bytes())
     (tmp_path / "cut" / "model.safetensors").write_bytes((bundled_head / "model.safetensors").read_bytes()[:100_000])
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(bundled_head / "model.safetensors"))
+    (tmp_path / "cut-bin").mkdir()  # the same, saved by PyTorch (pytorch_model.bin), cut short
+    (tmp_path / "cut-bin" / "config.json").write_bytes((bundled_head / "config.json").read_bytes())
+    torch.save(weights, tmp_path / "whole.bin")
+    (tmp_path / "cut-bin" / "pytorch_model.bin").write_bytes((tmp_path / "whole.bin").read_bytes()[:-5_000])
+    (tmp_path / "shards").mkdir()  # sharded, one shard missing (a download stopped between files)
+    (tmp_path / "shards" / "config.json").write_bytes((bundled_head / "config.json").read_bytes())
+    names = sorted(weights)
+    (tmp_path / "shards" / "model-00001-of-00002.safetensors").write_bytes((bundled_head / "model.safetensors").read_bytes())
+    index = {"weight_map": {name: f"model-0000{1 + (i % 2)}-of-00002.safetensors" for i, name in enumerate(names)}}
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text(json.dumps(index))
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
     (tmp_path / "surrogate.jsonl").write_text('{"turns": ["w1 \\ud800 w2"]}\n')  # valid JSON, no UTF-8 text
     (tmp_path / "long-number.jsonl").write_text('{"turns": ["w1"], "id": 1' + "0" * 5000 + "}\n")
@@ -252,6 +267,10 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["chat", "hi", "--model", str(tmp_path), "--mode", "eagle2"], "--mode eagle2 needs a draft head: give --head HEAD"),
         (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'cut'}", "--modes", "vanilla,eagle2@x"],
          "cut/model.safetensors: cannot read the weights"),
+        (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'cut-bin'}", "--modes", "vanilla,eagle2@x"],
+         "cut-bin/pytorch_model.bin: not a readable PyTorch checkpoint (damaged, cut short"),
+        (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'shards'}", "--modes", "vanilla,eagle2@x"],
+         "names the shard model-00002-of-00002.safetensors, which is not in"),
         (["chat", "hi", "--threads", "10000"], f"--threads: this computer has {os.cpu_count()} logical CPU"),  # more only wait on each other
         (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),
         (["ui", "--listen", "--auth", "user:secret"], "needs a page password and an API key: add --api-key auto (or drop"),
