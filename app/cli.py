@@ -686,7 +686,8 @@ def run_self_prompts(args) -> int:
     from core.prompt import PromptFileError
     from core.training.answers import training_ids
     from core.training.pipeline import check_base_model
-    from core.training.self_prompts import REQUESTS_FILE, SelfParams, generate_requests
+    from core.training.features import FeatureParams
+    from core.training.self_prompts import REQUESTS_FILE, SelfParams, generate_requests, openings
     from models.base import load_base
 
     set_threads(args.threads)
@@ -703,6 +704,7 @@ def run_self_prompts(args) -> int:
         raise ValueError(f"--work {args.work}: is a file; name a folder for the cached requests")
     check_writable(str(work / REQUESTS_FILE), "--work")
     params = SelfParams(args.count, args.max_new_tokens, args.temperature, args.opening_words, args.answer_batch, args.seed)
+    openings(prompts, 1, params, FeatureParams().eval_fraction)  # a file of held-out prompts alone: said before the model loads
     with working_in(work, "self-prompts"):
         base = load_base(args.model, args.quantization, args.dtype, args.device)
         check_base_model(work, base)  # requests cached by another model are its text

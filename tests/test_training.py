@@ -1006,5 +1006,9 @@ def test_self_prompts_open_with_words_of_the_files_prompts_but_never_of_held_out
     assert {len(text.split()) for text in opened} == {0, 1, 2}  # none to --opening-words words
     assert {text.split()[0] for text in opened if text} == {f"Open{n}" for n in range(5)}
     assert opened == openings(path, 300, SelfParams(opening_words=2, seed=3), 0.05)  # fixed by the seed
+    alone = tmp_path / "held.jsonl"
+    alone.write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
+    with pytest.raises(ValueError, match="every prompt is in train-head's held-out split"):
+        openings(alone, 1, SelfParams(), 0.05)
     ids = request_ids(500, 7, 0.05)
     assert len(set(ids)) == 500 and not any(is_held_out(rid, 0.05) for rid in ids) and ids[0].startswith("self-7-")

@@ -69,7 +69,10 @@ def openings(prompts_path: Path, count: int, params: SelfParams, fraction: float
     texts = [row["turns"][0] for pid, row in training_ids(prompts_path).items() if not is_held_out(pid, fraction)]
     texts = [text for text in texts if isinstance(text, str) and text.strip()]
     if not texts:
-        raise ValueError(f"{prompts_path}: no prompt outside the held-out split to take opening words from")
+        raise ValueError(
+            f"{prompts_path}: every prompt is in train-head's held-out split (about {fraction:.0%} of prompts, chosen by "
+            "id), and held-out prompts never lend their words to requests; give a file of more prompts"
+        )
     rng = random.Random(params.seed)
     chosen = []
     for _ in range(count):
