@@ -21,7 +21,7 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, chat_title, message_problem, new_chat, oldest_messages, to_json, to_markdown
+from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, chat_title, clean_name, message_problem, new_chat, oldest_messages, to_json, to_markdown
 from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine, check_prompt
@@ -1025,22 +1025,23 @@ class ChatHandlers:
         file; an empty name gives back the one made of its first message.
         Outputs: chat, chat list, name box, notice."""
         if not chat or not (chat["messages"] or chat.get(TAKEN_BACK)):
-            return gr.skip(), gr.skip(), "", notice_html("This chat has no messages yet: send one first, then name the chat.")
+            return gr.skip(), gr.skip(), gr.skip(), notice_html("This chat has no messages yet: send one first, then name the chat.")
         if self._busy(chat):  # the reply's own saves would write the chat without the name
             return gr.skip(), gr.skip(), gr.skip(), busy_notice()
         if self._stale(chat):  # saving it would drop what another tab added
             return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
         if chat.get(TAKEN_BACK):  # the exchange Edit took back stays saved until the edited message is sent
             return gr.skip(), gr.skip(), gr.skip(), notice_html(EDIT_PENDING_TEXT)
-        cleaned = " ".join((name or "").split())
+        cleaned = clean_name(name or "")
         if len(cleaned) > NAME_LIMIT:
             return gr.skip(), gr.skip(), gr.skip(), notice_html(
                 f"A chat's name can have at most {NAME_LIMIT} characters; this one has {len(cleaned)}: shorten it."
             )
         renamed = {**without(chat, "name"), **({"name": cleaned} if cleaned else {})}
-        notice = self._save(renamed)
-        if notice:
-            return gr.skip(), gr.skip(), gr.skip(), notice_html(notice)
+        try:
+            self.store.save_chat(stored(renamed), named=True)
+        except OSError as error:
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(f"The chat could not be renamed ({error}).")
         renamed["title"] = chat_title(renamed)
         return renamed, gr.update(choices=chat_choices(self.store), value=renamed["id"]), cleaned, ""
 

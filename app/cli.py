@@ -640,12 +640,35 @@ def run_chat(args) -> int:
     return 130 if step.finish_reason == "cancelled" else 0
 
 
+def prompt_job_paths(args, written: str, cache: str, cached: str) -> tuple[Path, Path, Path]:
+    """(prompts, out, work) of a command that writes training prompts
+    (long-prompts, self-prompts), checked before its model loads: `written`
+    names what --out gets, `cache` the file it keeps in --work, `cached` what
+    that holds."""
+    from core.prompt import PromptFileError
+    from core.training.answers import training_ids
+
+    prompts, out, work = user_path(args.prompts), user_path(args.out), user_path(args.work)
+    if not training_ids(prompts):
+        raise PromptFileError(f"{args.prompts}: no prompts")
+    if out.resolve() == prompts.resolve():
+        raise ValueError(f"--out {args.out}: is the --prompts file; write the {written} to another file")
+    if out.is_dir():
+        raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
+    if out.resolve() == (work / cache).resolve():
+        raise ValueError(f"--out {args.out}: is where --work keeps {cached}; write the {written} to another file")
+    check_writable(str(out), "--out")
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--work {args.work}: is a file; name a folder for {cached}")
+    check_writable(str(work / cache), "--work")
+    return prompts, out, work
+
+
 def run_long_prompts(args) -> int:
     import json
 
     from app.store import write_atomic
-    from core.prompt import PromptFileError
-    from core.training.answers import AnswerParams, training_ids
+    from core.training.answers import AnswerParams
     from core.training.documents import DOCUMENTS_FILE, LongParams, long_prompts
     from core.training.pipeline import check_base_model
     from models.base import load_base
@@ -653,23 +676,12 @@ def run_long_prompts(args) -> int:
     set_threads(args.threads)
     if args.min_tokens > args.max_tokens:
         raise ValueError(f"--min-tokens {args.min_tokens}: is above --max-tokens {args.max_tokens}")
-    prompts, out = user_path(args.prompts), user_path(args.out)
-    if not training_ids(prompts):
-        raise PromptFileError(f"{args.prompts}: no prompts")
-    if out.resolve() == prompts.resolve():
-        raise ValueError(f"--out {args.out}: is the --prompts file; write the long prompts to another file")
-    if out.is_dir():
-        raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
     if args.min_passage_tokens > args.max_new_tokens:  # no answer could make a passage
         raise ValueError(f"--min-passage-tokens {args.min_passage_tokens}: is above --max-new-tokens {args.max_new_tokens}, "
                          "the longest answer; lower it or raise --max-new-tokens")  # fmt: skip
-    check_writable(str(out), "--out")
-    work = user_path(args.work)
-    if work.exists() and not work.is_dir():
-        raise ValueError(f"--work {args.work}: is a file; name a folder for the answers the documents are made of")
-    check_writable(str(work / DOCUMENTS_FILE), "--work")
+    prompts, out, work = prompt_job_paths(args, "long prompts", DOCUMENTS_FILE, "the answers the documents are made of")
     with working_in(work, "long-prompts"):
-        base = load_base(args.model, args.quantization, args.dtype, args.device)
+        base = load_base(args.model, recorded_quantization(work, args.quantization), args.dtype, args.device)
         check_base_model(work, base)  # answers cached there by another model would be its text, or its token ids
         answers = AnswerParams(1, args.max_new_tokens, 0.7, args.answer_batch, seed=args.seed)
         params = LongParams(args.count, args.min_tokens, args.max_tokens, args.seed, args.min_passage_tokens)
@@ -683,45 +695,38 @@ def run_self_prompts(args) -> int:
     import json
 
     from app.store import write_atomic
-    from core.prompt import PromptFileError
     from core.training.answers import training_ids
-    from core.training.pipeline import check_base_model
     from core.training.features import FeatureParams
-    from core.training.self_prompts import REQUESTS_FILE, SelfParams, generate_requests, openings
+    from core.training.pipeline import check_base_model
+    from core.training.self_prompts import REQUESTS_FILE, SelfParams, check_request_cache, generate_requests, openings, request_ids
     from models.base import load_base
 
     set_threads(args.threads)
-    prompts, out = user_path(args.prompts), user_path(args.out)
-    if not training_ids(prompts):
-        raise PromptFileError(f"{args.prompts}: no prompts")
-    if out.resolve() == prompts.resolve():
-        raise ValueError(f"--out {args.out}: is the --prompts file; write the requests to another file")
-    if out.is_dir():
-        raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
-    check_writable(str(out), "--out")
-    work = user_path(args.work)
-    if work.exists() and not work.is_dir():
-        raise ValueError(f"--work {args.work}: is a file; name a folder for the cached requests")
-    check_writable(str(work / REQUESTS_FILE), "--work")
+    prompts, out, work = prompt_job_paths(args, "requests", REQUESTS_FILE, "the cached requests")
     params = SelfParams(args.count, args.max_new_tokens, args.temperature, args.opening_words, args.answer_batch, args.seed)
-    openings(prompts, 1, params, FeatureParams().eval_fraction)  # a file of held-out prompts alone: said before the model loads
+    fraction = FeatureParams().eval_fraction
+    kept = [{**row, "id": pid} for pid, row in training_ids(prompts).items()] if args.keep_prompts else []
+    clash = {row["id"] for row in kept} & set(request_ids(args.count, args.seed, fraction))
+    if clash:  # the file holds requests written with this seed (an earlier --keep-prompts output)
+        raise ValueError(f"{args.prompts}: holds {sorted(clash)[0]}, an id the requests of --seed {args.seed} take; give "
+                         "another --seed, or a prompt file without these requests")  # fmt: skip
     with working_in(work, "self-prompts"):
-        base = load_base(args.model, args.quantization, args.dtype, args.device)
+        # another file's openings, or other settings, than the cached requests': said before the model loads
+        check_request_cache(work, openings(prompts, args.count, params, fraction), params)
+        base = load_base(args.model, recorded_quantization(work, args.quantization), args.dtype, args.device)
         check_base_model(work, base)  # requests cached by another model are its text
         rows = generate_requests(base, prompts, work, params)
     if not rows:
         raise ValueError(f"none of the {args.count} requests is worth training on: each was cut by --max-new-tokens "
-                         f"{args.max_new_tokens}, shorter than 3 words, or a repeat; raise --max-new-tokens or --count, or "
-                         "try another --seed")  # fmt: skip
-    kept = [{**row, "id": pid} for pid, row in training_ids(prompts).items()] if args.keep_prompts else []
-    clash = {row["id"] for row in kept} & {row["id"] for row in rows}
-    if clash:
-        raise ValueError(f"{args.prompts}: has ids that written requests take ({sorted(clash)[0]}); give another --seed")
+                         f"{args.max_new_tokens}, ended before the model's own words, or repeated another; raise "
+                         "--max-new-tokens or --count (with another --work: requests are kept with their settings)")  # fmt: skip
     write_atomic(out, "".join(json.dumps(row) + "\n" for row in kept + rows), shared=True)
     left = args.count - len(rows)
     print(f"{len(rows)} requests written to {out}" + (f" after its {len(kept)} own prompts" if kept else "")
-          + (f" ({left} of {args.count} left out: unfinished, shorter than 3 words or repeated)" if left else "")
-          + f"; train on them with train-head --prompts {out}")  # fmt: skip
+          + (f" ({left} of {args.count} left out: cut by --max-new-tokens, without words of the model's own, shorter "
+             f"than 3 words, or repeating another or a file prompt)" if left else "")
+          + f"; train on them with train-head --prompts {out}"
+          + ("" if kept else " (with held-out prompts beside them for held-out figures: --keep-prompts)"))  # fmt: skip
     return 0
 
 

@@ -162,6 +162,11 @@ def new_chat(system: str = "") -> dict:
     }
 
 
+def clean_name(text: str) -> str:
+    """A chat's name as kept: spaces and line breaks collapsed to single spaces."""
+    return " ".join(text.split())
+
+
 def chat_title(chat: dict) -> str:
     """The name the user gave the chat, else its first message, shortened; a
     chat that another tab's change split off is marked a copy."""
@@ -235,9 +240,20 @@ class Store:
             raise ValueError(f"invalid chat id {chat_id!r}")
         return self.folder / CHATS_FOLDER / f"{chat_id}.json"
 
-    def save_chat(self, chat: dict) -> None:
+    def save_chat(self, chat: dict, named: bool = False) -> None:
+        """Write the chat (one without messages is not kept). Its name is its
+        file's: another tab's view of the chat, or a reply begun before the
+        chat was named, saves it with the name it has on disk; Rename
+        (`named`) sets it, the chat's own name, or none, going to the file."""
         if not chat["messages"]:
             return
+        path = self.chat_path(chat["id"])
+        saved = None if named else self._read(path)
+        if saved is not None:  # a file that cannot be read keeps the name this view has
+            name = saved.get("name")
+            chat.pop("name", None)
+            if isinstance(name, str) and name and name == clean_name(name):
+                chat["name"] = name
         chat["updated"] = time.time()
         chat["title"] = chat_title(chat)
         write_atomic(self.chat_path(chat["id"]), json.dumps(chat, indent=1, ensure_ascii=False))
@@ -348,8 +364,8 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
     for key, kind, default in (("title", str, ""), ("system", str, ""), ("updated", (int, float), 0.0), ("created", (int, float), 0.0)):
         if not isinstance(chat[key], kind):
             chat[key] = default
-    if not isinstance(chat.get("name", ""), str) or not " ".join(chat.get("name", "").split()):  # a name edited by hand
-        chat.pop("name", None)
+    if not isinstance(chat.get("name", ""), str) or chat.get("name") != clean_name(chat.get("name", "")) or not chat.get("name"):
+        chat.pop("name", None)  # a name edited by hand, or empty: the first message's title instead
     for key in ("updated", "created"):
         if not 0 <= chat[key] <= LATEST_TIME:  # also NaN, which json reads
             chat[key] = 0.0

@@ -256,7 +256,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         ).then(**remember)
         chats.input(
             chat.open, [chats, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice], show_progress="hidden"
-        ).then(**exports_shown).then(**remember)
+        ).then(**exports_shown).then(**remember).then(chat.name_of, chat_state, chat_name, show_progress="hidden", api_name=False)
         delete.click(None, None, confirmed, js=ask("Delete this chat? It cannot be brought back."), api_name=False).then(**recover).then(
             chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         ).then(**exports_shown).then(**remember)

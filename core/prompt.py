@@ -19,8 +19,8 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...].
     Control-token text inside a message (a user pasting "<|im_end|>") stays
     text: only the template's own control tokens are tokens."""
-    text = _render(tokenizer, messages)
-    controls = _control_texts(tokenizer)
+    text = render_chat(tokenizer, messages)
+    controls = control_texts(tokenizer)
     if any(control in message["content"] for message in messages for control in controls):
         ids = _encode_contents_literally(tokenizer, messages, text)
         if ids is not None:
@@ -28,7 +28,8 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The chat template's text of `messages`, ending with the assistant's header."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # base models without a template: a plain transcript
@@ -36,7 +37,7 @@ def _render(tokenizer, messages: list[dict]) -> str:
     return (tokenizer.bos_token or "") + "\n".join(lines) + "\nAssistant:"
 
 
-def _control_texts(tokenizer) -> set[str]:
+def control_texts(tokenizer) -> set[str]:
     """The texts the tokenizer reads as special (control) tokens."""
     decoder = getattr(tokenizer, "added_tokens_decoder", {})
     controls = {token.content for token in decoder.values() if token.special}
@@ -50,7 +51,7 @@ def _encode_contents_literally(tokenizer, messages: list[dict], text: str) -> li
     changes contents in a way the markers cannot place (the caller then
     tokenizes the whole text as usual)."""
     markers = [{**message, "content": f"\x00{index}\x00"} for index, message in enumerate(messages)]
-    pieces = re.split("\x00([0-9]+)\x00", _render(tokenizer, markers))
+    pieces = re.split("\x00([0-9]+)\x00", render_chat(tokenizer, markers))
     # pieces: template text, content index, template text, ..., template text
     for shape in (lambda content: content, str.strip):  # some templates trim contents
         contents = [shape(message["content"]) for message in messages]

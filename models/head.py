@@ -489,21 +489,18 @@ def _readable_keys(file: Path) -> list[str]:
     import zipfile
 
     if file.name.endswith(".index.json"):
-        shards = _sharded_keys(file)
-        for name in sorted(set(shards.values())):
-            shard = file.parent / name
-            if not shard.is_file() or shard.parent != file.parent:
-                raise HeadFormatError(f"{file}: names the shard {name}, which is not in {file.parent}")
+        for shard in _shard_files(file):
             _readable_keys(shard)
-        return list(shards)
+        return list(_sharded_keys(file))
     if file.suffix == ".safetensors":
         return _safetensors_keys(file)
     try:
         with open(file, "rb") as handle:
-            zipped = handle.read(2) == b"PK"
+            start = handle.read(2)
     except OSError as error:
         raise HeadFormatError(f"{file}: cannot read the weights ({error.strerror or error})") from error
-    if zipped and not zipfile.is_zipfile(file):
+    # torch.save writes a zip (its directory at the end), or in its legacy format a pickle (protocol 2 and up)
+    if (start == b"PK" and not zipfile.is_zipfile(file)) or (start != b"PK" and not start.startswith(b"\x80")):
         raise HeadFormatError(f"{file}: not a readable PyTorch checkpoint (damaged, cut short, or not a weights file)")
     return _weight_keys(file) or []
 
@@ -530,13 +527,21 @@ def _sharded_keys(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def _shard_files(index: Path) -> list[Path]:
+    """The shard files a sharded checkpoint's index names, each one in the index's folder."""
+    files = []
+    for name in sorted(set(_sharded_keys(index).values())):
+        shard = index.parent / name
+        if not shard.is_file() or shard.parent != index.parent:
+            raise HeadFormatError(f"{index}: names the shard {name}, which is not in {index.parent}")
+        files.append(shard)
+    return files
+
+
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
     if file.name.endswith(".index.json"):
         state = {}
-        for name in sorted(set(_sharded_keys(file).values())):
-            shard = file.parent / name
-            if not shard.is_file() or shard.parent != file.parent:
-                raise HeadFormatError(f"{file}: names the shard {name}, which is not in {file.parent}")
+        for shard in _shard_files(file):
             state.update(_read_weights(shard))
         return state
     try:

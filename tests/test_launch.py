@@ -227,12 +227,21 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
     (tmp_path / "cut-bin" / "config.json").write_bytes((bundled_head / "config.json").read_bytes())
     torch.save(weights, tmp_path / "whole.bin")
     (tmp_path / "cut-bin" / "pytorch_model.bin").write_bytes((tmp_path / "whole.bin").read_bytes()[:-5_000])
+    (tmp_path / "empty-bin").mkdir()  # a download that wrote nothing
+    (tmp_path / "empty-bin" / "config.json").write_bytes((bundled_head / "config.json").read_bytes())
+    (tmp_path / "empty-bin" / "pytorch_model.bin").write_bytes(b"")
     (tmp_path / "shards").mkdir()  # sharded, one shard missing (a download stopped between files)
     (tmp_path / "shards" / "config.json").write_bytes((bundled_head / "config.json").read_bytes())
     names = sorted(weights)
     (tmp_path / "shards" / "model-00001-of-00002.safetensors").write_bytes((bundled_head / "model.safetensors").read_bytes())
     index = {"weight_map": {name: f"model-0000{1 + (i % 2)}-of-00002.safetensors" for i, name in enumerate(names)}}
     (tmp_path / "shards" / "model.safetensors.index.json").write_text(json.dumps(index))
+    from core.training.features import is_held_out
+
+    held = [f"q{i}" for i in range(400) if is_held_out(f"q{i}", 0.05)][:2]  # train-head holds these out
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"id": pid, "turns": ["w1 w2"]}) + "\n" for pid in held))
+    (tmp_path / "mixed.jsonl").write_text('{"id": "self-0-0", "turns": ["w1 w2 w3"]}\n')  # an earlier --keep-prompts output
+    own = ["self-prompts", "--prompts", str(prompts), "--out", str(tmp_path / "self.jsonl"), "--work", str(tmp_path / "sw")]
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
     (tmp_path / "surrogate.jsonl").write_text('{"turns": ["w1 \\ud800 w2"]}\n')  # valid JSON, no UTF-8 text
     (tmp_path / "long-number.jsonl").write_text('{"turns": ["w1"], "id": 1' + "0" * 5000 + "}\n")
@@ -248,6 +257,10 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["eval-heads", "--features", str(prompts), "--head", str(tmp_path)], "prompts.jsonl: is a file; give the features folder"),
         (["eval-heads", "--features", str(tmp_path / "out"), "--head", str(tmp_path)],
          f"it is a train-head --out folder: give --features {tmp_path / 'out' / 'work' / 'features'}"),
+        ([*own[:2], str(tmp_path / "held.jsonl"), *own[3:]], "held.jsonl: every prompt is in train-head's held-out split"),
+        ([*own[:4], str(prompts), *own[5:]], "is the --prompts file; write the requests to another file"),
+        ([*own[:4], str(tmp_path / "sw" / "requests.jsonl"), *own[5:]], "is where --work keeps the cached requests"),
+        ([*own[:2], str(tmp_path / "mixed.jsonl"), *own[3:], "--keep-prompts"], "holds self-0-0, an id the requests of --seed 0 take"),
         (["chta", "hi"], "unknown command 'chta'"),
         (["ui", "--port", "70000"], "--port: must be from 1 to 65535"),
         (["ui", "--max-queue", "0"], "--max-queue: must be at least 1"),
@@ -271,6 +284,8 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
          "cut-bin/pytorch_model.bin: not a readable PyTorch checkpoint (damaged, cut short"),
         (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'shards'}", "--modes", "vanilla,eagle2@x"],
          "names the shard model-00002-of-00002.safetensors, which is not in"),
+        (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'empty-bin'}", "--modes", "vanilla,eagle2@x"],
+         "empty-bin/pytorch_model.bin: not a readable PyTorch checkpoint"),
         (["chat", "hi", "--threads", "10000"], f"--threads: this computer has {os.cpu_count()} logical CPU"),  # more only wait on each other
         (["bench", "--prompts", str(tmp_path / "blank-prompt.jsonl")], "blank-prompt.jsonl:2: the prompt is empty"),
         (["ui", "--listen", "--auth", "user:secret"], "needs a page password and an API key: add --api-key auto (or drop"),

@@ -964,7 +964,7 @@ def test_self_prompts_are_requests_the_model_writes_itself(prompts_file, tmp_pat
     records = read_requests(work / REQUESTS_FILE)
     assert len(records) == 24 and not any(is_held_out(rid, 0.05) for rid in records)  # held-out figures stay on the file's prompts
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    usable = {rid for rid, record in records.items() if record["finished"] and len(record["text"].split()) >= 3}
+    usable = {rid for rid, record in records.items() if record["finished"] and record["own_words"] and len(record["text"].split()) >= 3}
     unfinished = sum(not record["finished"] for record in records.values())
     assert 0 < len(rows) <= len(usable) and 0 < unfinished  # the cut ones are left out
     assert {row["id"] for row in rows} <= usable and len({row["turns"][0] for row in rows}) == len(rows)
@@ -972,9 +972,12 @@ def test_self_prompts_are_requests_the_model_writes_itself(prompts_file, tmp_pat
     assert f"{len(rows)} requests written to {out} ({24 - len(rows)} of 24 left out" in capsys.readouterr().out
 
     first = out.read_text()
-    assert main(options) == 0 and out.read_text() == first  # a rerun takes them from the cache
     cache = work / REQUESTS_FILE
     lines = cache.read_text().splitlines(keepends=True)
+    edited = {**json.loads(lines[0]), "text": "w9 w9 w9 edited", "finished": True, "own_words": 3}
+    cache.write_text("".join([json.dumps(edited) + "\n", *lines[1:]]))
+    assert main(options) == 0 and "w9 w9 w9 edited" in out.read_text()  # a rerun takes them from the cache
+    cache.write_text("".join(lines))
     cache.write_text("".join(lines[:10]) + lines[10][:7])  # a run killed mid-batch, mid-line
     assert main(options) == 0 and out.read_text() == first and read_requests(cache) == records  # resumed as sampled before
 
@@ -985,10 +988,35 @@ def test_self_prompts_are_requests_the_model_writes_itself(prompts_file, tmp_pat
     capsys.readouterr()
     assert main([*options, "--temperature", "0.5"]) == 2  # not mixed with requests sampled otherwise
     assert f"{work}: its requests were made with --temperature 1.0, and this run asks for 0.5" in capsys.readouterr().err
-    assert main([*options[:4], str(prompts_file), *options[5:]]) == 2
-    assert "is the --prompts file" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"  # another file's openings: not mixed with the cached requests' (said before loading)
+    other.write_text("".join(json.dumps({"id": f"o{i}", "turns": [f"w{i} w{i + 1} w{i + 2}"]}) + "\n" for i in range(8, 30)))
+    assert main([*options[:2], str(other), *options[3:]]) == 2
+    assert f"{work}: its requests were opened with other words" in capsys.readouterr().err
     assert main([*options[:6], str(tmp_path / "w1"), *options[7:11], "--max-new-tokens", "1", *options[13:]]) == 2
     assert "none of the 24 requests is worth training on" in capsys.readouterr().err
+
+
+def test_a_request_is_decoded_whole_and_ends_where_the_template_goes_on_to_the_reply():
+    from types import SimpleNamespace
+
+    from core.training.self_prompts import user_turn, written_text
+    from tests.factory import tiny_tokenizer
+
+    pieces = {1: "How", 2: " do", 3: " I", 4: " make", 5: " bread", 6: " [/INST]", 7: " Sure", 9: ""}
+    decode = lambda ids, skip_special_tokens=True: "".join(pieces[i] for i in ids).lstrip()  # a piece's space dropped at the start
+    tokenizer = SimpleNamespace(decode=decode)
+    assert written_text(tokenizer, [1, 2, 3], [4, 5, 9], [9], "") == ("How do I make bread", "make bread", True)
+    assert written_text(tokenizer, [1, 2, 3], [4, 5, 6, 7], [9], "[/INST]") == ("How do I make bread", "make bread", True)
+    assert written_text(tokenizer, [1, 2, 3], [4, 5, 7], [9], "[/INST]") == ("How do I make bread Sure", "make bread Sure", False)
+    assert written_text(tokenizer, [1, 2, 3], [9], [9], "") == ("How do I", "", True)  # no words of the model's own
+    assert written_text(tokenizer, [], [1, 2, 9], [9], "") == ("How do", "How do", True)
+
+    chatml = tiny_tokenizer()  # the user's turn ends with a control token, which stops sampling
+    assert user_turn(chatml).prefix == "<|im_start|> user " and user_turn(chatml).end == ""
+    chatml.chat_template = "{{ bos_token }}[INST] {{ messages[0]['content'] }} [/INST]"  # ends with plain text
+    assert user_turn(chatml) == type(user_turn(chatml))("<s>[INST] ", "[/INST]")
+    chatml.chat_template = None  # no template: a plain transcript
+    assert user_turn(chatml).end == "Assistant:" and user_turn(chatml).prefix.endswith("User: ")
 
 
 def test_self_prompts_open_with_words_of_the_files_prompts_but_never_of_held_out_ones(tmp_path):

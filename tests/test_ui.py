@@ -2092,5 +2092,18 @@ def test_a_chat_keeps_the_name_it_is_given_through_replies_reloads_and_the_expor
     assert "An edit is pending" in handlers.rename("Mine", taken)[3] and len(store.load_chat(chat["id"])["messages"]) == 6
     path = store.chat_path(chat["id"])
     saved = json.loads(path.read_text())
-    path.write_text(json.dumps({**saved, "name": 5}))  # edited by hand: the first message's title again
+    path.write_text(json.dumps({**saved, "name": 5, "title": ""}))  # edited by hand: the first message's title again
     assert "name" not in store.load_chat(chat["id"]) and store.list_chats()[0]["title"] == "w1 w2"
+
+
+def test_a_name_given_in_one_tab_stays_when_another_tab_or_a_reply_begun_before_saves_the_chat(handlers, engine, store):
+    chat = list(handlers.send("w1 w2", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    other_tab = ChatHandlers(Runtime(engine), store)
+    renamed = handlers.rename("Trip plans", chat)[0]  # the other tab still shows the chat without its name
+    later = list(other_tab.send("w3", chat, "", *values(max_new_tokens=4)))[-1][2]
+    assert store.load_chat(chat["id"])["name"] == "Trip plans" and len(store.load_chat(chat["id"])["messages"]) == 4
+    assert store.list_chats()[0]["title"] == "Trip plans"
+    assert handlers.rename("", later)[2] == "" and "name" not in store.load_chat(chat["id"])  # emptied, from either tab
+    list(handlers.send("w4", renamed, "", *values(max_new_tokens=4)))  # a view that still has the name (a stale tab forks)
+    assert all(c["title"] != "Trip plans" or c["id"] != chat["id"] for c in store.list_chats())
+    assert handlers.rename("Mine", new_chat())[2] == gr.skip()  # refused: the name typed stays in the box

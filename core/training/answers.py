@@ -152,16 +152,7 @@ def check_cache(prompts: list[Prompt], cache: Path, cached: list[Answer], params
     """Refuse to add to (and report on) cached answers made from other prompts
     or with other answer settings: a resumed run would mix the two silently.
     The settings are kept beside the cache (answers-settings.json)."""
-    recorded = cache.with_name(f"{cache.stem}-settings.json")
-    wanted = {key: getattr(params, key) for key in CACHE_SETTINGS}
-    if recorded.is_file():
-        saved = json.loads(recorded.read_text(encoding="utf-8"))
-        for key, option in CACHE_SETTINGS.items():
-            if key in saved and saved[key] != wanted[key]:
-                raise ValueError(
-                    f"{cache.parent}: its answers were made with {option} {saved[key]}, and this run asks for "
-                    f"{wanted[key]}; give {option} {saved[key]}, or another --work for new answers"
-                )
+    check_settings(cache, {key: getattr(params, key) for key in CACHE_SETTINGS}, CACHE_SETTINGS, "answers")
     prompt_ids = {prompt.id: list(prompt.ids) for prompt in prompts}
     for answer in cached:
         if answer.id in prompt_ids and answer.prompt_ids != prompt_ids[answer.id]:
@@ -169,6 +160,21 @@ def check_cache(prompts: list[Prompt], cache: Path, cached: list[Answer], params
                 f"{cache.parent}: prompt {answer.id} is not the one its cached answers answer (the prompt file "
                 "changed); give another --work for new answers"
             )
+
+
+def check_settings(cache: Path, wanted: dict, options: dict[str, str], kind: str) -> None:
+    """Refuse to add to a cache of `kind` (answers, requests) made with other
+    settings than `wanted` (those named in `options`, by their option), then
+    record `wanted` beside it (CACHE-settings.json) for the next run to check."""
+    recorded = cache.with_name(f"{cache.stem}-settings.json")
+    if recorded.is_file():
+        saved = json.loads(recorded.read_text(encoding="utf-8"))
+        for key, option in options.items():
+            if key in saved and saved[key] != wanted[key]:
+                raise ValueError(
+                    f"{cache.parent}: its {kind} were made with {option} {saved[key]}, and this run asks for "
+                    f"{wanted[key]}; give {option} {saved[key]}, or another --work for new {kind}"
+                )
     cache.parent.mkdir(parents=True, exist_ok=True)
     recorded.write_text(json.dumps(wanted) + "\n", encoding="utf-8")
 
@@ -198,11 +204,12 @@ def answer_batch(base, batch, params: AnswerParams, stops: list[int], pad: int, 
     for greedy in (True, False):
         rows = [(prompt, sample) for prompt, sample in batch if (sample == 0) == greedy]
         if rows:
-            results += _generate(base, rows, params, stops, pad, seed, greedy)
+            results += generate_rows(base, rows, params, stops, pad, seed, greedy)
     return results
 
 
-def _generate(base, rows, params, stops, pad, seed, greedy) -> list[Answer]:
+def generate_rows(base, rows, params, stops, pad, seed, greedy) -> list[Answer]:
+    """One left-padded generate call over (prompt, sample) rows, all greedy or all sampled."""
     width = max(len(prompt.ids) for prompt, _ in rows)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)

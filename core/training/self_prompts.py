@@ -4,9 +4,9 @@ A head learns what the model says after the prompts it is trained on. A file
 of a few hundred prompts covers few topics, and a head trained on many
 answers to them drafts better on them than on what users ask (the bundled
 head's last stage: 63.5% right at the first draft step on its training
-positions against 58.8% on held-out prompts'). An instruction-tuned model given its chat template
-up to the user's turn writes a user's request itself; sampled at temperature
-1, each one is new (the "Magpie" way of making instruction data). Each
+positions against 58.8% on held-out prompts'). An instruction-tuned model
+given its chat template up to the user's turn writes a user's request itself;
+sampled, each one is new (the "Magpie" way of making instruction data). Each
 request here starts from the first few words of a prompt of the file (none
 to --opening-words), so that the kinds of request follow the file's
 (questions, instructions, code) while their topics are the model's own.
@@ -14,10 +14,13 @@ to --opening-words), so that the kinds of request follow the file's
 The prompts train-head holds out never lend their words, and the written
 prompts get ids outside the held-out split, so that held-out figures stay on
 the file's own prompts. Requests are generated in seeded batches and cached
-in the work folder, so a rerun reuses them and a stopped run resumes."""
+in the work folder with the settings and openings they were made with, so a
+rerun reuses them and a stopped run resumes with what an uninterrupted one
+would have written."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -25,32 +28,47 @@ from pathlib import Path
 
 import torch
 
-from core.prompt import _control_texts, _render, stop_token_ids
-from core.training.answers import AnswerParams, Prompt, _generate, derived_seed, drop_partial_line, training_ids
+from core.prompt import control_texts, render_chat, stop_token_ids
+from core.training.answers import AnswerParams, Prompt, check_settings, derived_seed, drop_partial_line, generate_rows, training_ids
 from core.training.features import FeatureParams, is_held_out
 
 REQUESTS_FILE = "requests.jsonl"  # the generated requests, in --work
 MARK = "\u2063KESTREL-USER-TURN\u2063"  # stands for the user's text while the template is rendered
+# settings a cache's requests depend on, with the options that set them (their openings are checked apart)
+CACHE_SETTINGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "batch_size": "--answer-batch"}
 
 
 @dataclass(frozen=True)
 class SelfParams:
     count: int = 2000  # requests to generate (fewer prompts come out: unfinished, short and repeated ones are dropped)
     max_new_tokens: int = 128  # longest request in tokens; longer ones are dropped as unfinished
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature of the requests
     opening_words: int = 3  # each request starts from the first 0..this many words of a file prompt
-    batch_size: int = 32
-    seed: int = 0
+    batch_size: int = 32  # requests per generate call; the batches (and so the samples) depend on it
+    seed: int = 0  # seeds the openings' choice and each batch's sampling; names the requests (self-SEED-N)
     min_words: int = 3  # shorter requests are dropped
 
 
-def user_turn_prefix(tokenizer) -> str:
-    """The chat template's text before a user's first message (its system
-    prompt, if it adds one, and the user header)."""
-    text = _render(tokenizer, [{"role": "user", "content": MARK}])
-    if MARK not in text:
+@dataclass(frozen=True)
+class UserTurn:
+    prefix: str  # the template's text before the user's message (a system prompt it adds, the user's header)
+    end: str  # the plain text that follows the user's message ("[/INST]", "Assistant:"), or "" where a control token does
+
+
+def user_turn(tokenizer) -> UserTurn:
+    """Where the user's message starts and ends in the model's chat template."""
+    text = render_chat(tokenizer, [{"role": "user", "content": MARK}])
+    if text.count(MARK) != 1:
         raise ValueError("this model's chat template does not show the user's message as written, so it cannot write requests")
-    return text.split(MARK)[0]
+    prefix, after = text.split(MARK)
+    after = after.strip()
+    controls = control_texts(tokenizer)
+    if not after or any(after.startswith(control) for control in controls):
+        return UserTurn(prefix, "")
+    end = after.splitlines()[0]
+    for control in controls:  # the plain text before the next control token
+        end = end.split(control)[0]
+    return UserTurn(prefix, end.strip())
 
 
 def request_ids(count: int, seed: int, fraction: float) -> list[str]:
@@ -67,7 +85,7 @@ def request_ids(count: int, seed: int, fraction: float) -> list[str]:
 def openings(prompts_path: Path, count: int, params: SelfParams, fraction: float) -> list[str]:
     """The opening words of each request, drawn from the file's prompts that are not held out."""
     texts = [row["turns"][0] for pid, row in training_ids(prompts_path).items() if not is_held_out(pid, fraction)]
-    texts = [text for text in texts if isinstance(text, str) and text.strip()]
+    texts = [text for text in texts if text.strip()]
     if not texts:
         raise ValueError(
             f"{prompts_path}: every prompt is in train-head's held-out split (about {fraction:.0%} of prompts, chosen by "
@@ -79,6 +97,24 @@ def openings(prompts_path: Path, count: int, params: SelfParams, fraction: float
         words = rng.choice(texts).split()
         chosen.append(" ".join(words[: rng.randint(0, params.opening_words)]))
     return chosen
+
+
+def check_request_cache(work: Path, opened: list[str], params: SelfParams) -> None:
+    """Refuse to add requests to a cache made with other settings or other
+    openings (another prompt file, --seed or --opening-words): a resumed run
+    would mix them silently, or take words from prompts held out since. Said
+    before the model loads; the settings are then recorded beside the cache."""
+    cache = work / REQUESTS_FILE
+    digest = hashlib.sha256(json.dumps(opened).encode()).hexdigest()[:16]
+    recorded = cache.with_name(f"{cache.stem}-settings.json")
+    saved = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else {}
+    if saved.get("openings", digest) != digest:
+        raise ValueError(
+            f"{work}: its requests were opened with other words (the --prompts file, --seed or --opening-words was "
+            "another); give the same ones, or another --work for new requests"
+        )
+    wanted = {key: getattr(params, key) for key in CACHE_SETTINGS}
+    check_settings(cache, {**wanted, "openings": digest}, CACHE_SETTINGS, "requests")
 
 
 def read_requests(path: Path) -> dict[str, dict]:
@@ -94,6 +130,22 @@ def read_requests(path: Path) -> dict[str, dict]:
     return records
 
 
+def written_text(tokenizer, opening_ids: list[int], made: list[int], stops: list[int], end: str) -> tuple[str, str, bool]:
+    """(the request, the model's own part of it, whether it ended) from the
+    opening's tokens and the sampled ones, decoded together (a tokenizer that
+    drops a piece's leading space would join the opening to the next word).
+    A request ends at a stop token, or where the template's text after a
+    user's message (`end`) begins: the model went on to write the reply."""
+    ended = any(token in stops for token in made)
+    made = made[: next((i for i, token in enumerate(made) if token in stops), len(made))]
+    opening = tokenizer.decode(opening_ids, skip_special_tokens=True)
+    text = tokenizer.decode(opening_ids + made, skip_special_tokens=True)
+    start = len(opening) if text.startswith(opening) else 0
+    if end and end in text[start:]:
+        text, ended = text[: start + text[start:].index(end)], True
+    return text.strip(), text[start:].strip(), ended
+
+
 @torch.inference_mode()
 def generate_requests(base, prompts_path: Path, work: Path, params: SelfParams, progress: bool = True) -> list[dict]:
     """Generate (or take from the cache) `params.count` requests; returns
@@ -102,17 +154,17 @@ def generate_requests(base, prompts_path: Path, work: Path, params: SelfParams, 
 
     fraction = FeatureParams().eval_fraction
     tokenizer = base.tokenizer
-    prefix = user_turn_prefix(tokenizer)
+    turn = user_turn(tokenizer)
     ids = request_ids(params.count, params.seed, fraction)
     opened = openings(prompts_path, params.count, params, fraction)
+    check_request_cache(work, opened, params)
     cache = work / REQUESTS_FILE
-    settings = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "opening_words": params.opening_words}
-    check_settings(cache, settings)
     drop_partial_line(cache)
     done = read_requests(cache)
-    answer = AnswerParams(1, params.max_new_tokens, params.temperature, params.batch_size)
+    sampling = AnswerParams(1, params.max_new_tokens, params.temperature, params.batch_size)
     stops = sorted(stop_token_ids(base.model, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    prefix_ids = tokenizer(turn.prefix, add_special_tokens=False)["input_ids"]
     batches = [list(range(start, min(start + params.batch_size, params.count))) for start in range(0, params.count, params.batch_size)]
     bar = tqdm(total=params.count, initial=sum(rid in done for rid in ids), unit="request", desc="requests", disable=not progress)
     with open(cache, "a", encoding="utf-8") as out:
@@ -121,13 +173,14 @@ def generate_requests(base, prompts_path: Path, work: Path, params: SelfParams, 
             if not todo:
                 continue
             # the whole batch, done rows too: a resumed batch is the batch an uninterrupted run sampled
-            rows = [(Prompt(ids[i], tuple(tokenizer(prefix + opened[i], add_special_tokens=False)["input_ids"])), 1) for i in batch]
-            made = _generate(base, rows, answer, stops, pad, derived_seed(params.seed, number), greedy=False)
-            for index, request in zip(batch, made):
+            rows = [(Prompt(ids[i], tuple(tokenizer(turn.prefix + opened[i], add_special_tokens=False)["input_ids"])), 1) for i in batch]
+            made = generate_rows(base, rows, sampling, stops, pad, derived_seed(params.seed, number), greedy=False)
+            for index, (prompt, _), request in zip(batch, rows, made):
                 if ids[index] in done:
                     continue
-                body = tokenizer.decode([token for token in request.answer_ids if token not in stops], skip_special_tokens=True)
-                record = {"id": ids[index], "text": (opened[index] + body).strip(), "finished": request.finished}
+                shared = next((k for k, (a, b) in enumerate(zip(prefix_ids, prompt.ids)) if a != b), min(len(prefix_ids), len(prompt.ids)))
+                text, own, ended = written_text(tokenizer, list(prompt.ids[shared:]), request.answer_ids, stops, turn.end)
+                record = {"id": ids[index], "opening": opened[index], "text": text, "own_words": len(own.split()), "finished": ended}
                 done[ids[index]] = record
                 out.write(json.dumps(record) + "\n")
             out.flush()
@@ -137,15 +190,16 @@ def generate_requests(base, prompts_path: Path, work: Path, params: SelfParams, 
 
 
 def usable(done: dict[str, dict], ids: list[str], prompts_path: Path, tokenizer, params: SelfParams) -> list[dict]:
-    """The finished requests of at least params.min_words words, once each
-    (case and spacing aside), none repeating a prompt of the file, none
-    holding the template's control tokens."""
-    controls = _control_texts(tokenizer)
+    """The requests worth training on: finished, with words of the model's
+    own, of at least params.min_words words, once each (case and spacing
+    aside), none repeating a prompt of the file, none holding the template's
+    control tokens."""
+    controls = control_texts(tokenizer)
     seen = {" ".join(str(row["turns"][0]).lower().split()) for row in training_ids(prompts_path).values()}
     rows = []
     for rid in ids:
         record = done.get(rid)
-        if record is None or not record["finished"]:
+        if record is None or not record.get("finished") or not record.get("own_words"):
             continue
         text = record["text"]
         key = " ".join(text.lower().split())
@@ -154,20 +208,3 @@ def usable(done: dict[str, dict], ids: list[str], prompts_path: Path, tokenizer,
         seen.add(key)
         rows.append({"id": rid, "source": "self", "turns": [text]})
     return rows
-
-
-def check_settings(cache: Path, settings: dict) -> None:
-    """Refuse to add requests made with other settings to a cache (they
-    would be mixed silently); the settings are kept beside it."""
-    recorded = cache.with_name(f"{cache.stem}-settings.json")
-    if recorded.is_file():
-        saved = json.loads(recorded.read_text(encoding="utf-8"))
-        for key, value in settings.items():
-            if key in saved and saved[key] != value:
-                option = "--" + key.replace("_", "-")
-                raise ValueError(
-                    f"{cache.parent}: its requests were made with {option} {saved[key]}, and this run asks for {value}; "
-                    f"give {option} {saved[key]}, or another --work"
-                )
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    recorded.write_text(json.dumps(settings) + "\n", encoding="utf-8")
