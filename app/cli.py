@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--out", required=True, help="JSONL file to write the requests to (for train-head --prompts)")
     own.add_argument("--work", required=True, help="folder for the cached requests (a rerun reuses them, a stopped run resumes)")
     add_model_options(own, decoding=False)
-    own.add_argument("--count", type=integer(1), default=2000, help="requests to generate; unfinished, short and repeated ones are left out (default 2000)")
+    own.add_argument("--count", type=integer(1, 1_000_000), default=2000, help="requests to generate, at most 1,000,000; unfinished, short and repeated ones are left out (default 2000)")
     own.add_argument("--max-new-tokens", type=integer(1), default=128, help="longest request in tokens; longer ones are left out (default 128)")
     own.add_argument("--temperature", type=number(0.0, 2.0, low_open=True), default=1.0, help="sampling temperature of the requests, above 0 and at most 2 (default 1)")
     own.add_argument("--opening-words", type=integer(0), default=3, help="each request starts from the first 0 to this many words of a file prompt (default 3)")
