@@ -92,14 +92,14 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                             # allow_custom_value: a page whose state the server let go (a restart, PAGE_SESSIONS_KEPT) still opens
                             # the chats it lists, which Gradio checks against the choices that state held; `open` checks the id
                             chats = gr.Dropdown(label="Open a saved chat", choices=[], elem_id="chats", allow_custom_value=True)
+                            with gr.Row(equal_height=True):
+                                chat_name = gr.Textbox(label="Name of this chat", placeholder="its first message", max_lines=1,
+                                                       show_label=False, scale=4, elem_id="chat-name")  # fmt: skip
+                                rename = gr.Button("Rename", size="sm", scale=1, min_width=80, elem_id="rename")
                             with gr.Row():
                                 export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
                                 delete = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="delete")
                             exported = gr.File(label="Exported files", file_count="multiple", interactive=False, elem_id="exported")
-                            with gr.Row(equal_height=True):
-                                chat_name = gr.Textbox(label="Name of this chat", placeholder="its first message", max_lines=1,
-                                                       scale=4, elem_id="chat-name")  # fmt: skip
-                                rename = gr.Button("Rename", size="sm", scale=1, min_width=80, elem_id="rename")
                     with gr.Column(scale=2):
                         stats = gr.HTML(render.stats_html(None, 0, None), elem_id="stats")
                         depth_plot = gr.BarPlot(
