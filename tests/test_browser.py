@@ -498,12 +498,7 @@ def test_clear_and_delete_ask_first_and_delete_empties_the_panel(page, data_dir)
 def test_a_chat_is_renamed_from_saved_chats_and_keeps_its_name(page, data_dir):
     from app.store import Store
 
-    settings(page, 4)
-    page.locator("#new-chat").click()
-    page.wait_for_function("!document.querySelector('#chatbot').innerText.includes('w1')")
-    send(page, "w6 w7")
-    page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
-    page.get_by_text("Saved chats").click()
+    saved_chat_of(page, "w6 w7")
     assert page.locator("#chat-name textarea, #chat-name input").first.input_value() == ""
     box = page.locator("#chat-name textarea, #chat-name input").first
     box.fill("Holiday plans")
@@ -527,13 +522,18 @@ def test_a_chat_is_renamed_from_saved_chats_and_keeps_its_name(page, data_dir):
     assert "name" not in Store(data_dir).load_chat(chat_id)
 
 
-def test_export_downloads_markdown_and_json(page, data_dir):
+def saved_chat_of(page, message: str) -> None:
+    """A new chat of `message` and its 4-token reply, with Saved chats opened."""
     settings(page, 4)
     page.locator("#new-chat").click()
     page.wait_for_function("!document.querySelector('#chatbot').innerText.includes('w1')")
-    send(page, "w4 w5")
+    send(page, message)
     page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
     page.get_by_text("Saved chats").click()
+
+
+def test_export_downloads_markdown_and_json(page, data_dir):
+    saved_chat_of(page, "w4 w5")
     page.locator("#export").click()
     links = page.locator("#exported a[href]")
     links.nth(1).wait_for(timeout=15_000)
