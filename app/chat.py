@@ -1038,11 +1038,12 @@ class ChatHandlers:
                 f"A chat's name can have at most {NAME_LIMIT} characters; this one has {len(cleaned)}: shorten it."
             )
         renamed = {**without(chat, "name"), **({"name": cleaned} if cleaned else {})}
+        saved = stored(renamed)
         try:
-            self.store.save_chat(stored(renamed), named=True)
+            self.store.save_chat(saved, named=True)
         except OSError as error:
             return gr.skip(), gr.skip(), gr.skip(), notice_html(f"The chat could not be renamed ({error}).")
-        renamed["title"] = chat_title(renamed)
+        renamed["title"] = saved["title"]
         return renamed, gr.update(choices=chat_choices(self.store), value=renamed["id"]), cleaned, ""
 
     @staticmethod

@@ -696,26 +696,24 @@ def run_self_prompts(args) -> int:
 
     from app.store import write_atomic
     from core.training.answers import training_ids
-    from core.training.features import FeatureParams
     from core.training.pipeline import check_base_model
-    from core.training.self_prompts import REQUESTS_FILE, SelfParams, check_request_cache, generate_requests, openings, request_ids
+    from core.training.self_prompts import REQUESTS_FILE, SelfParams, generate_requests, prepare_requests
     from models.base import load_base
 
     set_threads(args.threads)
     prompts, out, work = prompt_job_paths(args, "requests", REQUESTS_FILE, "the cached requests")
     params = SelfParams(args.count, args.max_new_tokens, args.temperature, args.opening_words, args.answer_batch, args.seed)
-    fraction = FeatureParams().eval_fraction
     kept = [{**row, "id": pid} for pid, row in training_ids(prompts).items()] if args.keep_prompts else []
-    clash = {row["id"] for row in kept} & set(request_ids(args.count, args.seed, fraction))
-    if clash:  # the file holds requests written with this seed (an earlier --keep-prompts output)
-        raise ValueError(f"{args.prompts}: holds {sorted(clash)[0]}, an id the requests of --seed {args.seed} take; give "
-                         "another --seed, or a prompt file without these requests")  # fmt: skip
     with working_in(work, "self-prompts"):
         # another file's openings, or other settings, than the cached requests': said before the model loads
-        check_request_cache(work, openings(prompts, args.count, params, fraction), params)
+        planned = prepare_requests(prompts, work, params)
+        clash = {row["id"] for row in kept} & set(planned[0])
+        if clash:  # the file holds requests written with this seed (an earlier --keep-prompts output)
+            raise ValueError(f"{args.prompts}: holds {sorted(clash)[0]}, an id the requests of --seed {args.seed} take; give "
+                             "another --seed, or a prompt file without these requests")  # fmt: skip
         base = load_base(args.model, recorded_quantization(work, args.quantization), args.dtype, args.device)
         check_base_model(work, base)  # requests cached by another model are its text
-        rows = generate_requests(base, prompts, work, params)
+        rows = generate_requests(base, prompts, work, params, planned)
     if not rows:
         raise ValueError(f"none of the {args.count} requests is worth training on: each was cut by --max-new-tokens "
                          f"{args.max_new_tokens}, ended before the model's own words, or repeated another; raise "

@@ -167,6 +167,13 @@ def clean_name(text: str) -> str:
     return " ".join(text.split())
 
 
+def kept_name(value) -> str | None:
+    """A name read from a chat file, where it is one as Rename keeps it (a
+    text, not empty, its spaces collapsed); None for anything else (a file
+    edited by hand), which gives the chat its first message's title."""
+    return value if isinstance(value, str) and value and value == clean_name(value) else None
+
+
 def chat_title(chat: dict) -> str:
     """The name the user gave the chat, else its first message, shortened; a
     chat that another tab's change split off is marked a copy."""
@@ -250,13 +257,12 @@ class Store:
         path = self.chat_path(chat["id"])
         saved = None if named else self._read(path)
         if saved is not None:  # a file that cannot be read keeps the name this view has
-            name = saved.get("name")
             chat.pop("name", None)
-            if isinstance(name, str) and name and name == clean_name(name):
+            if name := kept_name(saved.get("name")):
                 chat["name"] = name
         chat["updated"] = time.time()
         chat["title"] = chat_title(chat)
-        write_atomic(self.chat_path(chat["id"]), json.dumps(chat, indent=1, ensure_ascii=False))
+        write_atomic(path, json.dumps(chat, indent=1, ensure_ascii=False))
 
     def load_chat(self, chat_id: str) -> dict | None:
         return as_chat(self._read(self.chat_path(chat_id)), chat_id)
@@ -364,8 +370,8 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
     for key, kind, default in (("title", str, ""), ("system", str, ""), ("updated", (int, float), 0.0), ("created", (int, float), 0.0)):
         if not isinstance(chat[key], kind):
             chat[key] = default
-    if not isinstance(chat.get("name", ""), str) or chat.get("name") != clean_name(chat.get("name", "")) or not chat.get("name"):
-        chat.pop("name", None)  # a name edited by hand, or empty: the first message's title instead
+    if kept_name(chat.get("name")) is None:
+        chat.pop("name", None)
     for key in ("updated", "created"):
         if not 0 <= chat[key] <= LATEST_TIME:  # also NaN, which json reads
             chat[key] = 0.0

@@ -489,9 +489,10 @@ def _readable_keys(file: Path) -> list[str]:
     import zipfile
 
     if file.name.endswith(".index.json"):
-        for shard in _shard_files(file):
+        weight_map = _sharded_keys(file)
+        for shard in _shard_files(file, weight_map):
             _readable_keys(shard)
-        return list(_sharded_keys(file))
+        return list(weight_map)
     if file.suffix == ".safetensors":
         return _safetensors_keys(file)
     try:
@@ -527,10 +528,11 @@ def _sharded_keys(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _shard_files(index: Path) -> list[Path]:
-    """The shard files a sharded checkpoint's index names, each one in the index's folder."""
+def _shard_files(index: Path, weight_map: dict[str, str]) -> list[Path]:
+    """The shard files that a sharded checkpoint's index (`weight_map`, read
+    from `index`) names, each one in the index's folder."""
     files = []
-    for name in sorted(set(_sharded_keys(index).values())):
+    for name in sorted(set(weight_map.values())):
         shard = index.parent / name
         if not shard.is_file() or shard.parent != index.parent:
             raise HeadFormatError(f"{index}: names the shard {name}, which is not in {index.parent}")
@@ -541,7 +543,7 @@ def _shard_files(index: Path) -> list[Path]:
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
     if file.name.endswith(".index.json"):
         state = {}
-        for shard in _shard_files(file):
+        for shard in _shard_files(file, _sharded_keys(file)):
             state.update(_read_weights(shard))
         return state
     try:

@@ -117,6 +117,16 @@ def check_request_cache(work: Path, opened: list[str], params: SelfParams) -> No
     check_settings(cache, {**wanted, "openings": digest}, CACHE_SETTINGS, "requests")
 
 
+def prepare_requests(prompts_path: Path, work: Path, params: SelfParams) -> tuple[list[str], list[str]]:
+    """(each request's id, its opening words), checked against the requests
+    cached in `work` (check_request_cache): for generate_requests, said
+    wrong before the model loads."""
+    fraction = FeatureParams().eval_fraction
+    opened = openings(prompts_path, params.count, params, fraction)
+    check_request_cache(work, opened, params)
+    return request_ids(params.count, params.seed, fraction), opened
+
+
 def read_requests(path: Path) -> dict[str, dict]:
     """id -> cached record; a cut last line (a killed run) is ignored."""
     records = {}
@@ -147,17 +157,17 @@ def written_text(tokenizer, opening_ids: list[int], made: list[int], stops: list
 
 
 @torch.inference_mode()
-def generate_requests(base, prompts_path: Path, work: Path, params: SelfParams, progress: bool = True) -> list[dict]:
-    """Generate (or take from the cache) `params.count` requests; returns
-    the prompt rows worth training on, in id order."""
+def generate_requests(
+    base, prompts_path: Path, work: Path, params: SelfParams, planned: tuple[list[str], list[str]], progress: bool = True
+) -> list[dict]:
+    """Generate (or take from the cache) `params.count` requests, with the ids
+    and openings prepare_requests `planned`; returns the prompt rows worth
+    training on, in id order."""
     from tqdm import tqdm
 
-    fraction = FeatureParams().eval_fraction
     tokenizer = base.tokenizer
     turn = user_turn(tokenizer)
-    ids = request_ids(params.count, params.seed, fraction)
-    opened = openings(prompts_path, params.count, params, fraction)
-    check_request_cache(work, opened, params)
+    ids, opened = planned
     cache = work / REQUESTS_FILE
     drop_partial_line(cache)
     done = read_requests(cache)
