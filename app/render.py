@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import itertools
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -111,6 +112,49 @@ COPY_JS = """() => {
     }
   }, true);
 }"""
+# Every event the page runs carries the version of the page it was served with
+# (app/server.py's page_version); a server of another version refuses it, and
+# the page then says so above everything with a Reload button (Gradio shows the
+# refusal as the event's error too, which goes away by itself).
+STALE_JS = """(version) => {
+  const send = window.fetch.bind(window);
+  const show = (text) => {
+    let banner = document.getElementById("stale-page");
+    if (!banner) {
+      banner = document.createElement("div");
+      banner.id = "stale-page";
+      banner.setAttribute("role", "alert");
+      banner.style.cssText = "position:fixed;top:0;left:0;right:0;z-index:2147483647;padding:10px 16px;display:flex;" +
+        "flex-wrap:wrap;align-items:center;gap:12px;background:#fff3cd;color:#664d03;border-bottom:1px solid #e0c36a;font-size:15px";
+      const words = document.createElement("span");
+      const reload = document.createElement("button");
+      reload.textContent = "Reload";
+      reload.style.cssText = "padding:2px 12px;border:1px solid #664d03;border-radius:4px;background:#fff;color:#664d03";
+      reload.addEventListener("click", () => window.location.reload());
+      banner.append(words, reload);
+      document.body.prepend(banner);
+    }
+    banner.firstChild.textContent = text;
+  };
+  window.fetch = async (input, init) => {
+    const url = typeof input === "string" ? input : input instanceof URL ? input.href : "";
+    if (!url.includes("/queue/join")) return send(input, init);
+    const headers = new Headers((init && init.headers) || {});
+    headers.set("X-Kestrel-Page", version);
+    const response = await send(input, { ...(init || {}), headers });
+    if (response.status === 409 && response.headers.get("X-Kestrel-Stale")) {
+      response.clone().json().then((body) => show(body.detail), () => show("Reload this page to go on."));
+    }
+    return response;
+  };
+}"""
+
+
+def page_js(version: str) -> str:
+    """The page's load function: STALE_JS with this server's page version, then COPY_JS."""
+    return f"() => {{ ({STALE_JS})({json.dumps(version)}); ({COPY_JS})(); }}"
+
+
 # A message given back to the message box (app/ui.py's `returned`): the box as
 # it is if nothing came back; else the message, followed by what was typed
 # since it was sent (a next message), unless that is empty or the same.

@@ -11,7 +11,9 @@ one port, behind the access rules a local server owes its user.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -26,7 +28,7 @@ import gradio as gr
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from app import render
@@ -67,9 +69,10 @@ def is_api(path: str) -> bool:
 class Guard:
     """ASGI middleware enforcing `Access` before any route runs."""
 
-    def __init__(self, app, access: Access, port: int):
+    def __init__(self, app, access: Access, port: int, version: str):
         self.app = app
         self.access = access
+        self.version = version  # the page's (page_version)
         self.own_origins = {f"http://{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]")}
 
     async def __call__(self, scope, receive, send):
@@ -86,6 +89,10 @@ class Guard:
             return await refusal(scope, receive, send)
         if scope["type"] == "http" and not is_api(scope["path"]):
             send = with_headers(send, PAGE_POLICY)
+        if stale_event(scope, headers, self.version):  # Gradio's page shows `detail` as the event's error
+            response = JSONResponse({"detail": STALE_PAGE, "error": STALE_PAGE}, status_code=409)
+            response.raw_headers.append(STALE_HEADER)
+            return await response(scope, receive, send)
         if scope["type"] == "http" and is_api(scope["path"]) and origin in self.access.allow_origins:
             if scope["method"] == "OPTIONS":  # a CORS preflight from an allowed origin
                 return await self._preflight(headers.get("access-control-request-headers", ""))(scope, receive, send)
@@ -202,11 +209,12 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
     demo.queue()
     calm_queue(demo)
     demo.state_session_capacity = PAGE_SESSIONS_KEPT
+    version = page_version(demo)
     app = gr.mount_gradio_app(
         app, demo, path="/", server_name=access.host, server_port=port, auth=access.auth, show_error=True,
-        css=render.CSS, js=render.COPY_JS, favicon_path=str(ICON),
+        css=render.CSS, js=render.page_js(version), favicon_path=str(ICON),
     )  # fmt: skip
-    return Guard(app, access, port)
+    return Guard(app, access, port, version)
 
 
 def allowed_methods(routes, path: str) -> tuple[str, ...]:
@@ -237,6 +245,41 @@ def free_port(host: str, start: int, tries: int = 100) -> int:
 # 10 ms (off Windows), each time taking the GIL: about 1,000 wake-ups a second
 # and 7% of a core here with nothing to do, which the decoding thread pays for.
 # A page event then starts within 20 ms instead of 1 ms.
+# The page names each event by its number in the page it was served. A page opened before
+# Kestrel restarted with other events (an upgrade) would have the new server run whichever
+# handler now has that number, on that page's inputs: the page sends the version it was
+# served with (render.STALE_JS), and an event from another version is refused.
+PAGE_HEADER = "x-kestrel-page"
+STALE_HEADER = (b"x-kestrel-stale", b"1")
+STALE_PAGE = "This page is from before Kestrel was restarted as another version: reload the page to go on (saved chats are kept)."
+
+
+def page_version(demo: gr.Blocks) -> str:
+    """What the page's event numbers mean: each event's triggers, inputs, outputs
+    and steps, and each component's kind, hashed, components by their place in
+    the page (Gradio numbers them across all pages a process builds). The same
+    Kestrel gives the same version at every start; a change to its events gives another."""
+    places = {component["id"]: place for place, component in enumerate(demo.config["components"])}
+    places[demo._id] = "page"  # the page's own events (load)
+    place = lambda ids: [places.get(i, i) for i in ids]  # noqa: E731
+    events = [
+        [event.get("id"), [[places.get(target, target), name] for target, name in event["targets"]], place(event["inputs"]),
+         place(event["outputs"]), *(event.get(key) for key in ("backend_fn", "js", "trigger_after", "trigger_only_on_success",
+                                                                "trigger_only_on_failure"))]
+        for event in demo.config["dependencies"]
+    ]  # fmt: skip
+    components = [component.get("type") for component in demo.config["components"]]
+    text = json.dumps([events, components], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def stale_event(scope, headers: dict, version: str) -> bool:
+    """Whether this request runs an event of a page served by another version
+    (a page that sends no version, such as a script's client, is let through)."""
+    sent = headers.get(PAGE_HEADER)
+    return scope["type"] == "http" and scope["path"].endswith("/queue/join") and sent is not None and sent != version
+
+
 QUEUE_POLL_SECONDS = 0.02
 PROGRESS_POLL_SECONDS = 0.1
 
@@ -275,8 +318,9 @@ class Server:
     def __init__(self, demo: gr.Blocks, runtime: Runtime, access: Access = Access(), port: int = 7860):
         port = free_port(access.host, port)
         self.access, self.port, self.runtime = access, port, runtime
+        self.app = build_http_app(demo, runtime, access, port)
         config = uvicorn.Config(
-            build_http_app(demo, runtime, access, port), host=access.host, port=port, log_level="warning",
+            self.app, host=access.host, port=port, log_level="warning",
             timeout_graceful_shutdown=GRACE_SECONDS, ws="none",
         )  # fmt: skip
         self._server = uvicorn.Server(config)

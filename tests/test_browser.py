@@ -341,6 +341,48 @@ def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny
         server.close()
 
 
+def test_a_page_of_another_version_is_told_to_reload_and_loses_nothing(browser, tiny_base, tmp_path):
+    """A page opened before Kestrel restarted as another version (an upgrade) names
+    its events by numbers the new server gives to other handlers. Gradio's page
+    reloads itself once it notices the restart, but a Send before that is refused:
+    the page says to reload, the message stays in the box and the saved chat is
+    unchanged; after Reload the message is sent and continues the chat."""
+    from app.runtime import Runtime
+    from app.server import Server
+    from app.ui import build_app
+    from core.engine import Engine
+    from tests.factory import random_head
+
+    runtime = Runtime(Engine(tiny_base, random_head(tiny_base.model)))
+    server = Server(build_app(runtime, tmp_path), runtime, port=7994)
+    url = server.start()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        first_exchange(page, url)
+        served_version, server.app.version = server.app.version, "a later version"  # as if restarted as another version
+        send(page, "w3 w4")
+        banner = page.locator("#stale-page")
+        banner.wait_for(timeout=30_000)
+        assert "another version" in banner.inner_text() and "reload the page" in banner.inner_text()
+        assert page.locator("#stale-page button").is_visible()
+        screenshot(page, "stale-page")
+        time.sleep(1)
+        assert page.locator("#message textarea").input_value() == "w3 w4"
+        chats = saved_chats(tmp_path, 2)
+        assert [[m["content"] for m in chat["messages"] if m["role"] == "user"] for chat in chats] == [["w1 w2"]]
+        server.app.version = served_version  # the page the reload brings is of the server's version
+        page.locator("#stale-page button").click()
+        page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        assert page.locator("#stale-page").count() == 0
+        page.wait_for_function("document.querySelector('#message textarea').value === 'w3 w4'")  # kept across the reload
+        page.locator("#send").click()
+        chats = saved_chats(tmp_path, 4)
+        assert [[m["content"] for m in chat["messages"] if m["role"] == "user"] for chat in chats] == [["w1 w2", "w3 w4"]]
+    finally:
+        page.close()
+        server.close()
+
+
 def test_a_page_whose_state_the_server_let_go_goes_on_with_its_chat(browser, tiny_base, tmp_path, monkeypatch):
     """Past PAGE_SESSIONS_KEPT pages the server drops the least recently used one's state:
     that page's next message continues the chat it shows, as after a restart."""

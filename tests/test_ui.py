@@ -1324,6 +1324,39 @@ def test_launched_app_with_auth_requires_login(engine, tmp_path):
         server.close()
 
 
+def test_an_event_from_a_page_of_another_version_is_refused(engine, tmp_path):
+    """The page's version is the same at every start of the same app and changes
+    with its events; an event sent with another version is refused by name,
+    one with this version or with none (a script's client) runs."""
+    import gradio as gr
+    import httpx
+
+    from app.server import STALE_PAGE, Server, page_version
+    from app.ui import build_app
+
+    runtime = Runtime(engine)
+    demo = build_app(runtime, tmp_path / "data")
+    version = page_version(demo)
+    assert version == page_version(build_app(runtime, tmp_path / "data"))
+    with demo:
+        gr.Button("another").click(lambda: None)
+    assert page_version(demo) != version
+    server = Server(build_app(runtime, tmp_path / "data"), runtime, port=7972)
+    url = server.start()
+    try:
+        join = f"{url}gradio_api/queue/join"
+        body = {"data": [], "fn_index": 10**6, "trigger_id": None, "session_hash": "s1"}  # no such event: Gradio's own answer
+        refused = httpx.post(join, json=body, headers={"X-Kestrel-Page": "another"})
+        assert refused.status_code == 409 and refused.json()["detail"] == STALE_PAGE
+        assert refused.headers["x-kestrel-stale"] == "1" and "reload the page" in STALE_PAGE
+        for headers in ({"X-Kestrel-Page": version}, {}):
+            passed = httpx.post(join, json=body, headers=headers)
+            assert passed.status_code != 409 and "x-kestrel-stale" not in passed.headers, passed.text
+        assert f'"{version}"' in httpx.get(f"{url}config").json()["js"]  # the page sends what it was served with
+    finally:
+        server.close()
+
+
 def test_verdict_explains_where_and_why_greedy_replies_differ(engine):
     from app.compare import Divergence, divergence, verdict_html
 
