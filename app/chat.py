@@ -21,7 +21,7 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_message, chat_title, clean_name, message_problem, new_chat, oldest_messages, to_json, to_markdown
+from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_chat, as_message, chat_file_problem, chat_title, clean_name, message_problem, new_chat, oldest_messages, to_json, to_markdown
 from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine, check_prompt
@@ -407,6 +407,7 @@ def notice_html(text: str) -> str:
 BUSY_TEXT = "A reply is being written (or waits for the model): wait for it or press Stop first."
 BEING_WRITTEN_TEXT = ("A reply to this chat is still being written: it shows here as far as it was saved; "
                       "open the chat again from Saved chats once it ends to see all of it.")  # fmt: skip
+IMPORT_LIMIT = 64 * 2**20  # bytes of a chat's JSON export, at most (a long chat's is a few MB)
 GONE_TEXT = "That chat is no longer saved: it was deleted in another tab or window. The list shows the saved chats again."
 STOPPING_TEXT = "Stopping..."
 WAITING_TEXT = "Waiting for the model..."
@@ -990,6 +991,39 @@ class ChatHandlers:
         stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
         plots = saved_plots(last_reply_stats(loaded))
         return display(loaded, colour), loaded, loaded.get("system", ""), stats, *plots, gr.skip(), notice_html(cut_short_text(loaded, self._busy(loaded)))
+
+    def import_chat(self, path: str | None, chat: dict, colour: bool) -> tuple:
+        """A chat exported as JSON (by Export, here or on another computer) saved as
+        a chat of its own, never over a saved one, and shown; while this tab's reply
+        is written, only saved. Outputs: as open's."""
+        if not path:
+            return (gr.skip(),) * 8
+        file = Path(path)
+        name = file.name  # Gradio's copy keeps the name the file had
+        try:
+            size = file.stat().st_size
+        except OSError as error:
+            return self._kept_open(chat, notice_html(f"{name} could not be read ({error.strerror or error}); nothing was imported."))
+        if size > IMPORT_LIMIT:
+            return self._kept_open(chat, notice_html(f"{name} is larger than a chat's export ({IMPORT_LIMIT >> 20} MB at most); nothing was imported."))
+        value = Store.read_object(file)
+        imported = as_chat(value, str((value or {}).get("id", "")))
+        if imported is None:
+            return self._kept_open(chat, notice_html(f"{name} is not a chat's export: {chat_file_problem(file)}; nothing was imported."))
+        if not imported["messages"]:
+            return self._kept_open(chat, notice_html(f"{name} holds a chat without messages; nothing was imported."))
+        try:
+            saved_id = self.store.add_chat(imported)["id"]
+        except OSError as error:
+            return self._kept_open(chat, notice_html(f"{name} could not be saved ({error}); nothing was imported."))
+        loaded = self.store.load_chat(saved_id)
+        said = f"Imported {name} as \"{chat_title(loaded or imported)}\"."
+        if loaded is None or self._busy(chat, wait=True):  # deleted at once in another tab; or the reply would land in it
+            return self._kept_open(chat, notice_html(said + ("" if loaded is None else " It opens from Saved chats once this reply ends.")))
+        self._opened(saved_id)
+        stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
+        listed = gr.update(choices=chat_choices(self.store), value=saved_id)
+        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *saved_plots(last_reply_stats(loaded)), listed, notice_html(said)
 
     def _kept_open(self, chat: dict, notice: str) -> tuple:
         """open's outputs where the chat shown stays: the list of saved chats

@@ -5,8 +5,10 @@ or a full disk mid-write leaves the previous version intact."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -19,6 +21,7 @@ from app.render import BASE, DRAFT, inert_markdown, is_number
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
+CHAT_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # as new_chat makes them: a safe file name everywhere
 LATEST_TIME = 32503680000.0  # 3000-01-01: Windows' localtime fails past 3000 (and NaN is no date anywhere)
 # On Windows a file that another program holds open (a virus scanner or the
 # search indexer reading the file just written) cannot be replaced for a moment.
@@ -192,7 +195,7 @@ class Store:
         self.settings_lock = threading.Lock()  # the page's settings and the Models tab's choice are saved from other threads
 
     def load_settings(self) -> dict:
-        return self._read(self.folder / SETTINGS_FILE) or {}
+        return self.read_object(self.folder / SETTINGS_FILE) or {}
 
     def set_aside_damaged_settings(self) -> str | None:
         """A settings file that holds no JSON object is renamed, so that the
@@ -255,7 +258,7 @@ class Store:
         if not chat["messages"]:
             return
         path = self.chat_path(chat["id"])
-        saved = None if named else self._read(path)
+        saved = None if named else self.read_object(path)
         if saved is not None:  # a file that cannot be read keeps the name this view has
             chat.pop("name", None)
             if name := kept_name(saved.get("name")):
@@ -265,7 +268,7 @@ class Store:
         write_atomic(path, json.dumps(chat, indent=1, ensure_ascii=False))
 
     def load_chat(self, chat_id: str) -> dict | None:
-        return as_chat(self._read(self.chat_path(chat_id)), chat_id)
+        return as_chat(self.read_object(self.chat_path(chat_id)), chat_id)
 
     def delete_chat(self, chat_id: str) -> None:
         path = self.chat_path(chat_id)
@@ -287,7 +290,7 @@ class Store:
         for path in (self.folder / CHATS_FOLDER).glob("*.json"):
             if path.name.startswith("."):
                 continue
-            chat = as_chat(self._read(path), path.stem)
+            chat = as_chat(self.read_object(path), path.stem)
             if chat is None:
                 unreadable.append(path.name)
                 continue
@@ -296,33 +299,24 @@ class Store:
 
     def why_unreadable(self, name: str) -> str:
         """What is wrong with the chat file `name` (one scan_chats found unreadable), in a few words."""
-        path = self.folder / CHATS_FOLDER / name
-        if path.is_dir():
-            return "a folder, not a file"
+        return chat_file_problem(self.folder / CHATS_FOLDER / name)
+
+    def add_chat(self, chat: dict) -> dict:
+        """A chat from elsewhere (an export) saved as a chat of its own: under its
+        own id where that is a valid one no saved chat has, else under a new one,
+        so that no saved chat is ever replaced. -> the chat as saved."""
+        chat = {**chat, "messages": copy.deepcopy(chat["messages"])}
         try:
-            text = path.read_bytes().decode("utf-8-sig")
-        except UnicodeDecodeError:
-            return "not UTF-8 text"
-        except OSError as error:
-            return f"cannot be opened: {error.strerror or error}"
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as error:
-            return "empty" if not text.strip() else f"not valid JSON: {error.msg}: line {error.lineno} column {error.colno}"
-        except (ValueError, RecursionError):
-            return "not valid JSON: nested too deep"
-        if not isinstance(value, dict):
-            return "not a chat: a JSON object is expected"
-        messages = value.get("messages")
-        if not isinstance(messages, list):
-            return "not a chat: its messages are not a list"
-        for index, message in enumerate(messages):
-            if problem := message_problem(message):
-                return f"message {index + 1} {problem}"
-        return "not a chat"
+            taken = self.chat_path(chat["id"]).exists() or not CHAT_ID.fullmatch(chat["id"])
+        except ValueError:
+            taken = True
+        if taken:
+            chat["id"] = new_chat()["id"]
+        self.save_chat(chat, named=True)
+        return chat
 
     @classmethod
-    def _read(cls, path: Path) -> dict | None:
+    def read_object(cls, path: Path) -> dict | None:
         """The JSON object in `path`; None when missing, unreadable or damaged
         (such a file is skipped rather than breaking the app)."""
         try:
@@ -339,6 +333,33 @@ class Store:
         except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
             return None
         return value if isinstance(value, dict) else None
+
+
+def chat_file_problem(path: Path) -> str:
+    """What keeps the file at `path` from being a chat, in a few words ("not a chat" where nothing more is known)."""
+    if path.is_dir():
+        return "a folder, not a file"
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except OSError as error:
+        return f"cannot be opened: {error.strerror or error}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        return "empty" if not text.strip() else f"not valid JSON: {error.msg}: line {error.lineno} column {error.colno}"
+    except (ValueError, RecursionError):
+        return "not valid JSON: nested too deep"
+    if not isinstance(value, dict):
+        return "not a chat: a JSON object is expected"
+    messages = value.get("messages")
+    if not isinstance(messages, list):
+        return "not a chat: its messages are not a list"
+    for index, message in enumerate(messages):
+        if problem := message_problem(message):
+            return f"message {index + 1} {problem}"
+    return "not a chat"
 
 
 ROLES = ("user", "assistant")  # the roles the page writes (the system prompt is the chat's own field)

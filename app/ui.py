@@ -98,6 +98,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                                 rename = gr.Button("Rename", size="sm", scale=1, min_width=80, elem_id="rename")
                             with gr.Row():
                                 export = gr.Button("Export (Markdown + JSON)", size="sm", elem_id="export")
+                                importer = gr.UploadButton("Import (JSON)", file_types=[".json"], size="sm", elem_id="import")
                                 delete = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="delete")
                             exported = gr.File(label="Exported files", file_count="multiple", interactive=False, elem_id="exported")
                     with gr.Column(scale=2):
@@ -261,6 +262,10 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
             chat.delete, [chat_state, confirmed], [chatbot, chat_state, chats, stats, depth_plot, rate_plot, notice], show_progress="hidden"
         ).then(**exports_shown).then(**remember)
         export.click(**recover).then(chat.export, chat_state, [exported, notice], show_progress="hidden")
+        importer.upload(**recover).then(
+            chat.import_chat, [importer, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice],
+            show_progress="hidden", api_name=False,
+        ).then(**exports_shown).then(**remember)
         gr.on([rename.click, chat_name.submit], **recover).then(
             chat.rename, [chat_name, chat_state], [chat_state, chats, chat_name, notice], show_progress="hidden", api_name=False
         )

@@ -605,6 +605,33 @@ def test_export_downloads_markdown_and_json(page, data_dir):
     page.wait_for_timeout(1500)
 
 
+def test_a_chat_s_export_is_imported_through_the_page(page, data_dir, tmp_path):
+    saved_chat_of(page, "w6 w7")
+    chat_id = page.locator("#shown-chat-id textarea").input_value()
+    backup = tmp_path / "backup.json"
+    backup.write_text((data_dir / "chats" / f"{chat_id}.json").read_text(encoding="utf-8"), encoding="utf-8")
+    page.locator("#new-chat").click()
+    page.wait_for_function("!document.querySelector('#chatbot').innerText.includes('w6')")
+    with page.expect_file_chooser() as chooser:
+        page.locator("#import").click()
+    chooser.value.set_files(str(backup))
+    page.wait_for_function("document.querySelector('#notice').innerText.includes('Imported backup.json')", timeout=15_000)
+    assert '"w6 w7"' in page.locator("#notice").inner_text()
+    page.wait_for_function("document.querySelector('#chatbot').innerText.includes('w6 w7')", timeout=15_000)
+    page.wait_for_function("document.querySelector('#chats input').value.startsWith('w6 w7 (')", timeout=15_000)  # the imported chat, ticked
+    saved = [json.loads(path.read_text()) for path in (data_dir / "chats").glob("*.json")]
+    copies = [chat for chat in saved if chat["messages"] == json.loads(backup.read_text())["messages"] and chat["id"] != chat_id]
+    assert len(copies) == 1
+    page.wait_for_function(f"document.querySelector('#shown-chat-id textarea').value === '{copies[0]['id']}'", timeout=15_000)
+    assert (data_dir / "chats" / f"{chat_id}.json").exists()  # the chat it was exported from is left as it is
+    backup.write_text("{not json", encoding="utf-8")
+    with page.expect_file_chooser() as chooser:
+        page.locator("#import").click()
+    chooser.value.set_files(str(backup))
+    page.wait_for_function("document.querySelector('#notice').innerText.includes('not valid JSON')", timeout=15_000)
+    assert "nothing was imported" in page.locator("#notice").inner_text()
+
+
 def test_text_typed_but_not_sent_survives_a_reload(page, data_dir):
     """The message box and Compare's prompt as typed come back after a reload, in this tab
     (sessionStorage); a message sent leaves nothing to bring back."""

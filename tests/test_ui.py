@@ -831,6 +831,40 @@ def test_a_message_sent_while_the_model_runs_something_else_says_it_waits(handle
     assert "Waiting for the model" not in handlers.accept("w1", new_chat(), True)[-1]
 
 
+def test_an_exported_chat_is_imported_as_a_chat_of_its_own_and_shown(handlers, store, tmp_path):
+    chat = list(handlers.send("w1", new_chat(), "w2", *values(max_new_tokens=4)))[-1][2]
+    chat = handlers.rename("my chat", chat)[0]
+    (_, data), _ = handlers.export(chat)
+    # its own id is taken (the chat is still saved here): a new one, and the saved chat is left as it is
+    shown, imported, system, stats, _, _, listed, notice = handlers.import_chat(data, new_chat(), True)
+    assert imported["id"] != chat["id"] and imported["messages"] == store.load_chat(chat["id"])["messages"]
+    assert imported["name"] == "my chat" and system == "w2" and 'Imported chat-' in notice and '&quot;my chat&quot;' in notice
+    assert listed["value"] == imported["id"] and store.load_chat(imported["id"])["messages"] == imported["messages"]
+    assert shown == chat_module.display(imported, True) and "tau" in stats
+    assert store.load_chat(chat["id"])["name"] == "my chat" and len(store.list_chats()) == 2
+    # its id free (deleted here, or another computer's): kept
+    store.delete_chat(chat["id"])
+    assert handlers.import_chat(data, new_chat(), True)[1]["id"] == chat["id"]
+    # while this tab's reply is written: saved, not shown
+    handlers.replying[imported["id"]] = True
+    outputs = handlers.import_chat(data, imported, True)
+    assert outputs[0] == gr.skip() and outputs[1] is imported and "once this reply ends" in outputs[-1]
+    assert len(store.list_chats()) == 3
+    del handlers.replying[imported["id"]]
+    # files that are not a chat's export: named, nothing saved
+    bad = tmp_path / "bad.json"
+    for text, said in [("{", "not valid JSON"), ("[1]", "a JSON object is expected"), ('{"messages": [{"role": "tool", "content": "x"}]}', "message 1 has the role"),
+                       ('{"messages": []}', "without messages"), ("\xff", "not UTF-8")]:  # fmt: skip
+        bad.write_bytes(text.encode("latin-1"))
+        notice = handlers.import_chat(str(bad), imported, True)[-1]
+        assert said in notice and "bad.json" in notice and "nothing was imported" in notice, notice
+    assert len(store.list_chats()) == 3
+    assert handlers.import_chat(None, imported, True) == (gr.skip(),) * 8
+    with bad.open("wb") as file:  # larger than any chat's export: refused before it is read
+        file.truncate(chat_module.IMPORT_LIMIT + 1)
+    assert "bad.json is larger than a chat" in handlers.import_chat(str(bad), imported, True)[-1]
+
+
 def test_export_markdown_and_json(handlers):
     chat = list(handlers.send("w1", new_chat(), "w2", *values(max_new_tokens=4)))[-1][2]
     (markdown, data), notice = handlers.export(chat)
