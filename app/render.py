@@ -150,9 +150,45 @@ STALE_JS = """(version) => {
 }"""
 
 
+# A slider's box brings a value typed past the slider's range back to the nearest end when
+# it is left (the value replies then use, app/chat.py's SLIDERS): said under the slider, by
+# name, until the slider holds a value in range again.
+RANGE_JS = """() => {
+  const check = (event) => {  // on the way down to the box, before the slider's own handlers bring it back
+    const box = event.target;
+    if (!(box instanceof HTMLInputElement) || box.dataset.testid !== "number-input" || !box.closest(".head")) return;
+    const block = box.closest(".block");
+    const value = Number(box.value), low = Number(box.min), high = Number(box.max);
+    let note = block.querySelector(":scope .kestrel-range-note");
+    if (box.value === "" || Number.isNaN(value) || (value >= low && value <= high)) {
+      if (note && event.type === "change") note.remove();  // a value in range typed since
+      return;
+    }
+    if (!note) {
+      note = document.createElement("div");
+      note.className = "kestrel-range-note";
+      note.setAttribute("role", "status");
+      note.style.cssText = "font-size:var(--text-sm);color:var(--body-text-color-subdued);margin-top:4px";
+      block.append(note);
+    }
+    const label = box.closest(".head").querySelector("[data-testid='block-info']");
+    const name = (label ? label.textContent : "This setting").replace(/\\s*\\(.*$/, "").trim();
+    note.textContent = `${name}: ${box.value} is ${value > high ? "above the highest" : "below the lowest"} value, ` +
+      `so it is set to ${value > high ? box.max : box.min}.`;
+  };
+  document.addEventListener("change", check, true);
+  document.addEventListener("blur", check, true);
+  document.addEventListener("input", (event) => {  // the slider moved: the note has had its say
+    const block = event.target.type === "range" && event.target.closest(".block");
+    const note = block && block.querySelector(":scope .kestrel-range-note");
+    if (note) note.remove();
+  }, true);
+}"""
+
+
 def page_js(version: str) -> str:
-    """The page's load function: STALE_JS with this server's page version, then COPY_JS."""
-    return f"() => {{ ({STALE_JS})({json.dumps(version)}); ({COPY_JS})(); }}"
+    """The page's load function: STALE_JS with this server's page version, then RANGE_JS and COPY_JS."""
+    return f"() => {{ ({STALE_JS})({json.dumps(version)}); ({RANGE_JS})(); ({COPY_JS})(); }}"
 
 
 # A message given back to the message box (app/ui.py's `returned`): the box as

@@ -468,20 +468,32 @@ def test_the_chat_fits_a_small_window_and_its_buttons_cover_no_message(page):
 def test_a_setting_typed_out_of_range_gets_no_unnamed_error(page):
     """Typing into a slider's box sends each value as typed: Gradio's own check
     answered "Value 5 is greater than maximum value 2." in toasts that named no
-    setting. The box itself brings the value back into range when it is left;
-    a value that reaches a reply out of range is named (test_ui)."""
+    setting. The box itself brings the value back into range when it is left,
+    and a note under the slider says so by name; a value that reaches a reply
+    out of range is named (test_ui)."""
     settings(page, 4)
     box = page.locator("label:has-text('Temperature')").locator("..").locator("input[type=number]").first
     box.fill("5")
     time.sleep(1.5)  # the settings are saved on each input
     assert page.locator(".toast-body").all_inner_texts() == []
     box.press("Enter")
-    page.locator("#message textarea").click()  # leaving the box brings it back into range
+    page.locator("#message textarea").click()  # leaving the box brings it back into range, and says so
     page.wait_for_function("v => v.value === '2'", arg=box.element_handle(), timeout=5_000)
+    note = page.locator(".kestrel-range-note")
+    assert note.count() == 1 and note.inner_text() == "Temperature: 5 is above the highest value, so it is set to 2."
     box.fill("0")
     box.press("Enter")
+    page.locator("#message textarea").click()
     time.sleep(0.5)
-    assert page.locator(".toast-body").all_inner_texts() == []
+    assert page.locator(".toast-body").all_inner_texts() == [] and note.count() == 0
+    depth = page.locator("label:has-text('Tree: depth')").locator("..").locator("input[type=number]").first
+    depth.fill("-3")
+    page.locator("#message textarea").click()
+    page.wait_for_function("v => v.value === '1'", arg=depth.element_handle(), timeout=5_000)
+    assert note.inner_text() == "Tree: depth: -3 is below the lowest value, so it is set to 1."
+    depth.fill("8")
+    page.locator("#message textarea").click()
+    note.wait_for(state="detached", timeout=5_000)
 
 
 def test_user_and_model_text_is_escaped(page):
