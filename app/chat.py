@@ -21,7 +21,7 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import CHATS_FOLDER, SETTINGS_FILE, Store, as_chat, as_message, chat_file_problem, chat_title, clean_name, message_problem, new_chat, oldest_messages, to_json, to_markdown
+from app.store import CHATS_FOLDER, NAME_LIMIT, SETTINGS_FILE, Store, as_chat, as_message, chat_file_problem, chat_title, clean_name, message_problem, new_chat, oldest_messages, to_json, to_markdown
 from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine, check_prompt
@@ -407,14 +407,13 @@ def notice_html(text: str) -> str:
 BUSY_TEXT = "A reply is being written (or waits for the model): wait for it or press Stop first."
 BEING_WRITTEN_TEXT = ("A reply to this chat is still being written: it shows here as far as it was saved; "
                       "open the chat again from Saved chats once it ends to see all of it.")  # fmt: skip
-IMPORT_LIMIT = 64 * 2**20  # bytes of a chat's JSON export, at most (a long chat's is a few MB)
 GONE_TEXT = "That chat is no longer saved: it was deleted in another tab or window. The list shows the saved chats again."
 STOPPING_TEXT = "Stopping..."
 WAITING_TEXT = "Waiting for the model..."
 DOUBLE_PRESS_S = 1.0  # a second Send of the same text from the same tab within this is the same press
 SENT_MARK = "\x00sent:"  # accept's message to send, in the hidden box: this mark, a token, ":" and the text
 EMPTY_CHAT_TEXT = "This chat has no messages yet: there is nothing to {}."
-NAME_LIMIT = 100  # characters of a chat's name
+IMPORT_LIMIT = 16 * 2**20  # bytes of a chat's JSON export that Import reads, at most (a long chat's is a few MB)
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
 STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
@@ -1012,18 +1011,20 @@ class ChatHandlers:
             return self._kept_open(chat, notice_html(f"{name} is not a chat's export: {chat_file_problem(file)}; nothing was imported."))
         if not imported["messages"]:
             return self._kept_open(chat, notice_html(f"{name} holds a chat without messages; nothing was imported."))
+        in_use = {*self.replying, *self.sent, *self.unsaved}  # chats of this app's own not saved (yet): their ids are taken too
         try:
-            saved_id = self.store.add_chat(imported)["id"]
+            saved_id = self.store.add_chat(stored(imported), in_use)
         except OSError as error:
             return self._kept_open(chat, notice_html(f"{name} could not be saved ({error}); nothing was imported."))
         loaded = self.store.load_chat(saved_id)
         said = f"Imported {name} as \"{chat_title(loaded or imported)}\"."
         if loaded is None or self._busy(chat, wait=True):  # deleted at once in another tab; or the reply would land in it
             return self._kept_open(chat, notice_html(said + ("" if loaded is None else " It opens from Saved chats once this reply ends.")))
-        self._opened(saved_id)
         stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
+        plots = saved_plots(last_reply_stats(loaded))
         listed = gr.update(choices=chat_choices(self.store), value=saved_id)
-        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *saved_plots(last_reply_stats(loaded)), listed, notice_html(said)
+        self._opened(saved_id)  # last: a next page load opens it only once it has been shown
+        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *plots, listed, notice_html(said)
 
     def _kept_open(self, chat: dict, notice: str) -> tuple:
         """open's outputs where the chat shown stays: the list of saved chats

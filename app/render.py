@@ -137,9 +137,9 @@ STALE_JS = """(version) => {
     banner.firstChild.textContent = text;
   };
   window.fetch = async (input, init) => {
-    const url = typeof input === "string" ? input : input instanceof URL ? input.href : "";
+    const url = typeof input === "string" ? input : input instanceof URL ? input.href : input instanceof Request ? input.url : "";
     if (!url.includes("/queue/join")) return send(input, init);
-    const headers = new Headers((init && init.headers) || {});
+    const headers = new Headers((init && init.headers) || (input instanceof Request ? input.headers : {}));
     headers.set("X-Kestrel-Page", version);
     const response = await send(input, { ...(init || {}), headers });
     if (response.status === 409 && response.headers.get("X-Kestrel-Stale")) {
@@ -242,7 +242,12 @@ CSS = """
 
 def is_number(value) -> bool:
     """A finite int or float (not a bool): what a stored figure or setting must be to be used."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (JSON's integers have no limit)
+        return False
 
 
 def sentence(text: str) -> str:

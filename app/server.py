@@ -241,10 +241,6 @@ def free_port(host: str, start: int, tries: int = 100) -> int:
     raise OSError(f"no free port in {start}-{last} on {host}; pass --port")
 
 
-# Gradio's queue looks for new page events every 1 ms and for progress every
-# 10 ms (off Windows), each time taking the GIL: about 1,000 wake-ups a second
-# and 7% of a core here with nothing to do, which the decoding thread pays for.
-# A page event then starts within 20 ms instead of 1 ms.
 # The page names each event by its number in the page it was served. A page opened before
 # Kestrel restarted with other events (an upgrade) would have the new server run whichever
 # handler now has that number, on that page's inputs: the page sends the version it was
@@ -255,31 +251,42 @@ STALE_PAGE = "This page is from before Kestrel was restarted as another version:
 
 
 def page_version(demo: gr.Blocks) -> str:
-    """What the page's event numbers mean: each event's triggers, inputs, outputs
-    and steps, and each component's kind, hashed, components by their place in
-    the page (Gradio numbers them across all pages a process builds). The same
-    Kestrel gives the same version at every start; a change to its events gives another."""
+    """What the page's event numbers mean: each event's handler, triggers, inputs,
+    outputs and steps, and each component's kind, hashed, components by their
+    place in the page (Gradio numbers them across all the pages a process builds).
+    The same Kestrel gives the same version at every start; other events, another."""
     places = {component["id"]: place for place, component in enumerate(demo.config["components"])}
-    places[demo._id] = "page"  # the page's own events (load)
-    place = lambda ids: [places.get(i, i) for i in ids]  # noqa: E731
-    events = [
-        [event.get("id"), [[places.get(target, target), name] for target, name in event["targets"]], place(event["inputs"]),
-         place(event["outputs"]), *(event.get(key) for key in ("backend_fn", "js", "trigger_after", "trigger_only_on_success",
-                                                                "trigger_only_on_failure"))]
-        for event in demo.config["dependencies"]
-    ]  # fmt: skip
+    places[demo.config["layout"]["id"]] = "page"  # the page's own events (load, unload)
+    events = [event_shape(event, demo.fns[event["id"]], places) for event in demo.config["dependencies"]]
     components = [component.get("type") for component in demo.config["components"]]
     text = json.dumps([events, components], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def stale_event(scope, headers: dict, version: str) -> bool:
+def event_shape(event: dict, block_fn, places: dict) -> list:
+    """An event as page_version hashes it: components by their place (an id
+    without one, were Gradio to add such, as it is)."""
+
+    def place(block_id):
+        return places.get(block_id, block_id)
+
+    handler = getattr(block_fn.fn, "__qualname__", None) if block_fn.fn is not None else None
+    steps = [event.get(key) for key in ("backend_fn", "js", "trigger_after", "trigger_only_on_success", "trigger_only_on_failure")]
+    targets = [[place(target), name] for target, name in event["targets"]]
+    return [event["id"], handler, targets, [place(i) for i in event["inputs"]], [place(i) for i in event["outputs"]], *steps]
+
+
+def stale_event(scope: dict, headers: dict, version: str) -> bool:
     """Whether this request runs an event of a page served by another version
     (a page that sends no version, such as a script's client, is let through)."""
     sent = headers.get(PAGE_HEADER)
     return scope["type"] == "http" and scope["path"].endswith("/queue/join") and sent is not None and sent != version
 
 
+# Gradio's queue looks for new page events every 1 ms and for progress every
+# 10 ms (off Windows), each time taking the GIL: about 1,000 wake-ups a second
+# and 7% of a core here with nothing to do, which the decoding thread pays for.
+# A page event then starts within 20 ms instead of 1 ms.
 QUEUE_POLL_SECONDS = 0.02
 PROGRESS_POLL_SECONDS = 0.1
 

@@ -5,7 +5,6 @@ or a full disk mid-write leaves the previous version intact."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -21,7 +20,9 @@ from app.render import BASE, DRAFT, inert_markdown, is_number
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
-CHAT_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # as new_chat makes them: a safe file name everywhere
+CHAT_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")  # as new_chat makes them: a safe file name everywhere
+NAME_LIMIT = 100  # characters of a chat's name
+LARGEST_COUNT = 2**53  # a chat's token and forward counts, at most (a float holds every int up to it)
 LATEST_TIME = 32503680000.0  # 3000-01-01: Windows' localtime fails past 3000 (and NaN is no date anywhere)
 # On Windows a file that another program holds open (a virus scanner or the
 # search indexer reading the file just written) cannot be replaced for a moment.
@@ -174,7 +175,7 @@ def kept_name(value) -> str | None:
     """A name read from a chat file, where it is one as Rename keeps it (a
     text, not empty, its spaces collapsed); None for anything else (a file
     edited by hand), which gives the chat its first message's title."""
-    return value if isinstance(value, str) and value and value == clean_name(value) else None
+    return value if isinstance(value, str) and value and value == clean_name(value) and len(value) <= NAME_LIMIT else None
 
 
 def chat_title(chat: dict) -> str:
@@ -301,19 +302,16 @@ class Store:
         """What is wrong with the chat file `name` (one scan_chats found unreadable), in a few words."""
         return chat_file_problem(self.folder / CHATS_FOLDER / name)
 
-    def add_chat(self, chat: dict) -> dict:
+    def add_chat(self, chat: dict, in_use: set[str] = frozenset()) -> str:
         """A chat from elsewhere (an export) saved as a chat of its own: under its
-        own id where that is a valid one no saved chat has, else under a new one,
-        so that no saved chat is ever replaced. -> the chat as saved."""
-        chat = {**chat, "messages": copy.deepcopy(chat["messages"])}
-        try:
-            taken = self.chat_path(chat["id"]).exists() or not CHAT_ID.fullmatch(chat["id"])
-        except ValueError:
-            taken = True
-        if taken:
-            chat["id"] = new_chat()["id"]
-        self.save_chat(chat, named=True)
-        return chat
+        own id where that is one new_chat could have made and no saved chat (nor
+        one `in_use`) has, else under a new one, so that no saved chat is replaced.
+        -> the id it is saved under."""
+        chat_id = chat.get("id")
+        if not (isinstance(chat_id, str) and CHAT_ID.fullmatch(chat_id)) or chat_id in in_use or self.chat_path(chat_id).exists():
+            chat_id = new_chat()["id"]
+        self.save_chat({**chat, "id": chat_id}, named=True)
+        return chat_id
 
     @classmethod
     def read_object(cls, path: Path) -> dict | None:
@@ -397,8 +395,10 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
         if not 0 <= chat[key] <= LATEST_TIME:  # also NaN, which json reads
             chat[key] = 0.0
     session = chat["session"]
-    if not (isinstance(session, dict) and all(isinstance(session.get(k), int) for k in ("tokens", "forwards"))):
+    counts = [session.get(k) for k in ("tokens", "forwards")] if isinstance(session, dict) else [None]
+    if not all(isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= LARGEST_COUNT for count in counts):
         chat["session"] = {"tokens": 0, "forwards": 0}
+    chat.pop("taken_back", None)  # the page's own, never saved (app/chat.py's TAKEN_BACK)
     return chat
 
 

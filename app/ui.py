@@ -265,7 +265,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         importer.upload(**recover).then(
             chat.import_chat, [importer, chat_state, colour], [chatbot, chat_state, system, stats, depth_plot, rate_plot, chats, notice],
             show_progress="hidden", api_name=False,
-        ).then(**exports_shown).then(**remember)
+        ).then(**exports_shown).then(**remember).then(chat.name_of, chat_state, chat_name, show_progress="hidden", api_name=False)
         gr.on([rename.click, chat_name.submit], **recover).then(
             chat.rename, [chat_name, chat_state], [chat_state, chats, chat_name, notice], show_progress="hidden", api_name=False
         )

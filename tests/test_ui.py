@@ -9,6 +9,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 import threading
 import time
 import types
@@ -863,6 +864,24 @@ def test_an_exported_chat_is_imported_as_a_chat_of_its_own_and_shown(handlers, s
     with bad.open("wb") as file:  # larger than any chat's export: refused before it is read
         file.truncate(chat_module.IMPORT_LIMIT + 1)
     assert "bad.json is larger than a chat" in handlers.import_chat(str(bad), imported, True)[-1]
+    # what a file from elsewhere may hold: ids that are not this app's, numbers too large for a float, the page's own state
+    saved = json.loads(Path(data).read_text())
+    ids = ["x" * 300, "../x", "C:x", 123, "\u0662" * 8 + "-123456-abcdef", imported["id"]]
+    handlers.replying["20261130-000000-abcdef"] = True  # a chat of this app's being written, not saved yet: its id is taken
+    ids.append("20261130-000000-abcdef")
+    for odd in ids:
+        bad.write_text(json.dumps({**saved, "id": odd}))
+        _, shown, *_, notice = handlers.import_chat(str(bad), new_chat(), True)
+        assert shown["id"] not in (odd, saved["id"]) and "Imported bad.json" in notice, (odd, notice)
+    del handlers.replying["20261130-000000-abcdef"]
+    huge = {**saved, "id": "", "session": {"tokens": 10**400, "forwards": 1}, "taken_back": 1, "name": "n" * 101}
+    huge["messages"] = [*saved["messages"][:-1], {**saved["messages"][-1], "stats": {**saved["messages"][-1]["stats"], "tokens": 10**400}}]
+    bad.write_text(json.dumps(huge))
+    _, shown, _, stats, _, _, _, notice = handlers.import_chat(str(bad), new_chat(), True)
+    assert shown["session"] == {"tokens": 0, "forwards": 0} and "taken_back" not in shown and "name" not in shown
+    assert "Imported bad.json" in notice and handlers.restore()  # the chat opened at the next page load shows too
+    final = list(handlers.send("w5", shown, "", *values(max_new_tokens=2)))[-1]  # and goes on
+    assert final[2]["messages"][-2]["content"] == "w5" and store.load_chat(shown["id"])["messages"] == final[2]["messages"]
 
 
 def test_export_markdown_and_json(handlers):
@@ -1372,6 +1391,14 @@ def test_an_event_from_a_page_of_another_version_is_refused(engine, tmp_path):
     demo = build_app(runtime, tmp_path / "data")
     version = page_version(demo)
     assert version == page_version(build_app(runtime, tmp_path / "data"))
+    script = (
+        "import sys; from pathlib import Path; from app.runtime import Runtime; from app.server import page_version; "
+        "from app.ui import build_app; print(page_version(build_app(Runtime(None), Path(sys.argv[1]))))"
+    )  # fmt: skip
+    for seed in ("1", "2"):  # another process, other hashes of strings: the same version
+        run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "other")], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}, cwd=Path(__file__).resolve().parent.parent, timeout=300)  # fmt: skip
+        assert run.stdout.strip().splitlines()[-1:] == [version], run.stderr[-2000:]
     with demo:
         gr.Button("another").click(lambda: None)
     assert page_version(demo) != version
