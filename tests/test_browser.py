@@ -884,9 +884,11 @@ def rendered(page) -> dict:
     }
 
 
-def forget_the_tab_s_chat(page) -> None:
-    """A reload of this tab then shows the chat opened last, as a new tab does (not the one it showed)."""
-    page.evaluate("sessionStorage.removeItem('kestrel-shown-chat')")
+def shown_at_next_load(page, chat_id: str) -> None:
+    """The page's next load shows this chat, as a reload shows the chat the tab
+    showed: not by the settings' open chat, which a write of the previous
+    test's still running may replace meanwhile."""
+    page.evaluate("id => sessionStorage.setItem('kestrel-shown-chat', id)", chat_id)
 
 
 def saved_and_open(data_dir, chat) -> None:
@@ -948,7 +950,7 @@ def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
         {"role": "assistant", "content": MARKDOWN_REPLY, "segments": token_segments(MARKDOWN_REPLY)},
     ]
     saved_and_open(data_dir, chat)
-    forget_the_tab_s_chat(page)
+    shown_at_next_load(page, chat["id"])
     page.reload()
     page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=30_000)
     if not page.locator("#colour input").is_checked():
@@ -1006,7 +1008,7 @@ def test_text_that_markdown_may_not_read_as_code_shows_as_text(page, data_dir):
     saved_and_open(data_dir, chat)
     requested = []
     page.on("request", lambda request: requested.append(request.url) if "leak.invalid" in request.url else None)
-    forget_the_tab_s_chat(page)
+    shown_at_next_load(page, chat["id"])
     page.reload()
     page.locator("#chatbot").get_by_text("four").first.wait_for(timeout=30_000)
     for colour in (True, False):
@@ -1071,6 +1073,7 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
     ]
     saved_and_open(data_dir, chat)
     page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["clipboard-read", "clipboard-write"])
+    page.add_init_script(f"sessionStorage.setItem('kestrel-shown-chat', {json.dumps(chat['id'])})")  # as shown_at_next_load
     try:
         page.goto(app_url)
         page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
