@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
+from gradio.blocks import BlockFunction
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
@@ -263,7 +264,7 @@ def page_version(demo: gr.Blocks) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def event_shape(event: dict, block_fn, places: dict) -> list:
+def event_shape(event: dict, block_fn: BlockFunction, places: dict) -> list:
     """An event as page_version hashes it: components by their place (an id
     without one, were Gradio to add such, as it is)."""
 

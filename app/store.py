@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 
 import platformdirs
@@ -302,7 +303,7 @@ class Store:
         """What is wrong with the chat file `name` (one scan_chats found unreadable), in a few words."""
         return chat_file_problem(self.folder / CHATS_FOLDER / name)
 
-    def add_chat(self, chat: dict, in_use: set[str] = frozenset()) -> str:
+    def add_chat(self, chat: dict, in_use: Collection[str] = ()) -> str:
         """A chat from elsewhere (an export) saved as a chat of its own: under its
         own id where that is one new_chat could have made and no saved chat (nor
         one `in_use`) has, else under a new one, so that no saved chat is replaced.
