@@ -986,10 +986,15 @@ class ChatHandlers:
             return self._kept_open(chat, notice_html(GONE_TEXT))
         if loaded is None:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        self._opened(loaded["id"])
-        stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
-        plots = saved_plots(last_reply_stats(loaded))
-        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *plots, gr.skip(), notice_html(cut_short_text(loaded, self._busy(loaded)))
+        return self._shown(loaded, colour, gr.skip(), notice_html(cut_short_text(loaded, self._busy(loaded))))
+
+    def _shown(self, chat: dict, colour: bool, listed, notice: str) -> tuple:
+        """open's outputs for the saved `chat` shown, which a next page load then opens."""
+        last = last_reply_stats(chat)
+        stats = render.stats_html(None, 0, session_tau(chat), saved=last)
+        outputs = (display(chat, colour), chat, chat.get("system", ""), stats, *saved_plots(last), listed, notice)
+        self._opened(chat["id"])  # last: only once it can be shown
+        return outputs
 
     def import_chat(self, path: str | None, chat: dict, colour: bool) -> tuple:
         """A chat exported as JSON (by Export, here or on another computer) saved as
@@ -1013,18 +1018,13 @@ class ChatHandlers:
             return self._kept_open(chat, notice_html(f"{name} holds a chat without messages; nothing was imported."))
         in_use = {*self.replying, *self.sent, *self.unsaved}  # chats of this app's own not saved (yet): their ids are taken too
         try:
-            saved_id = self.store.add_chat(stored(imported), in_use)
+            saved = self.store.add_chat(stored(imported), in_use)
         except OSError as error:
             return self._kept_open(chat, notice_html(f"{name} could not be saved ({error}); nothing was imported."))
-        loaded = self.store.load_chat(saved_id)
-        said = f"Imported {name} as \"{chat_title(loaded or imported)}\"."
-        if loaded is None or self._busy(chat, wait=True):  # deleted at once in another tab; or the reply would land in it
-            return self._kept_open(chat, notice_html(said + ("" if loaded is None else " It opens from Saved chats once this reply ends.")))
-        stats = render.stats_html(None, 0, session_tau(loaded), saved=last_reply_stats(loaded))
-        plots = saved_plots(last_reply_stats(loaded))
-        listed = gr.update(choices=chat_choices(self.store), value=saved_id)
-        self._opened(saved_id)  # last: a next page load opens it only once it has been shown
-        return display(loaded, colour), loaded, loaded.get("system", ""), stats, *plots, listed, notice_html(said)
+        said = f"Imported {name} as \"{saved['title']}\"."
+        if self._busy(chat, wait=True):  # the reply would land in the chat shown instead
+            return self._kept_open(chat, notice_html(f"{said} It opens from Saved chats once this reply ends."))
+        return self._shown(saved, colour, gr.update(choices=chat_choices(self.store), value=saved["id"]), notice_html(said))
 
     def _kept_open(self, chat: dict, notice: str) -> tuple:
         """open's outputs where the chat shown stays: the list of saved chats

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
-from gradio.blocks import BlockFunction
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response
+from gradio.blocks import BlockFunction
 from starlette.exceptions import HTTPException
 
 from app import render
@@ -271,7 +271,7 @@ def event_shape(event: dict, block_fn: BlockFunction, places: dict) -> list:
     def place(block_id):
         return places.get(block_id, block_id)
 
-    handler = getattr(block_fn.fn, "__qualname__", None) if block_fn.fn is not None else None
+    handler = getattr(block_fn.fn, "__qualname__", None)  # None for a step that runs in the page alone
     steps = [event.get(key) for key in ("backend_fn", "js", "trigger_after", "trigger_only_on_success", "trigger_only_on_failure")]
     targets = [[place(target), name] for target, name in event["targets"]]
     return [event["id"], handler, targets, [place(i) for i in event["inputs"]], [place(i) for i in event["outputs"]], *steps]

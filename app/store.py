@@ -303,16 +303,17 @@ class Store:
         """What is wrong with the chat file `name` (one scan_chats found unreadable), in a few words."""
         return chat_file_problem(self.folder / CHATS_FOLDER / name)
 
-    def add_chat(self, chat: dict, in_use: Collection[str] = ()) -> str:
+    def add_chat(self, chat: dict, in_use: Collection[str] = ()) -> dict:
         """A chat from elsewhere (an export) saved as a chat of its own: under its
         own id where that is one new_chat could have made and no saved chat (nor
         one `in_use`) has, else under a new one, so that no saved chat is replaced.
-        -> the id it is saved under."""
+        -> the chat as saved (its id, title and time of saving set)."""
         chat_id = chat.get("id")
         if not (isinstance(chat_id, str) and CHAT_ID.fullmatch(chat_id)) or chat_id in in_use or self.chat_path(chat_id).exists():
             chat_id = new_chat()["id"]
-        self.save_chat({**chat, "id": chat_id}, named=True)
-        return chat_id
+        saved = {**chat, "id": chat_id}
+        self.save_chat(saved, named=True)
+        return saved
 
     @classmethod
     def read_object(cls, path: Path) -> dict | None:
