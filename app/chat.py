@@ -705,10 +705,10 @@ class ChatHandlers:
                     if kept is None and save_throttle.ready():  # a regeneration keeps the saved reply until it ends
                         self._save_progress(chat, reply, mode, made_with)
                     yield gr.skip(), [*history, shown(pending, colour)], gr.skip(), notice, stats, *plots
-            except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written
-                cancel.set()
+            except GeneratorExit:  # the page was closed or reloaded mid-reply: keep what was written, and
+                cancel.set()  # a regeneration closed before its first token keeps the saved reply, as a stopping server does
                 if live.claim():
-                    self._keep_interrupted(chat, reply, mode, made_with, kept)
+                    self._keep_stopped(chat, reply, kept, mode, made_with)
                 raise
             except ServerStopping:  # Ctrl+C on the server: keep the message and the reply so far, as Stop does
                 self._ending(chat["id"])

@@ -174,6 +174,20 @@ def test_closing_the_page_mid_reply_keeps_the_reply_so_far(handlers, store):
     assert [m["content"] for m in store.load_chat(chat["id"])["messages"]] == ["w3"]
 
 
+def test_a_regeneration_closed_before_its_first_token_keeps_the_saved_reply(handlers, store):
+    """The page closed or reloaded while a regeneration waits or reads the
+    conversation: the reply it would have replaced stays saved, with its
+    earlier versions (it was saved without them)."""
+    chat = list(handlers.send("w1 w2", new_chat(), "", *values(max_new_tokens=6, mode="vanilla")))[-1][2]
+    chat = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=6, mode="vanilla")))[-1][2]
+    before = store.load_chat(chat["id"])["messages"]
+    assert len(before) == 2 and before[1].get("earlier")
+    stream = handlers.regenerate(chat, False, "", *values(max_new_tokens=6, mode="vanilla"))
+    next(stream)  # the panel emptied for the new reply; no token yet
+    stream.close()
+    assert store.load_chat(chat["id"])["messages"] == before
+
+
 def test_regenerate_edit_and_clear(handlers):
     chat = list(handlers.send("w1 w2", new_chat(), "", *values(temperature=0.9, seed=-1)))[-1][2]
     regenerated = list(handlers.regenerate(chat, False, "", *values()))[-1][2]
