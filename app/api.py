@@ -24,7 +24,7 @@ from app.runtime import ModelBusyError, ModelChangedError, ModelLoadingError, No
 from core.detokenize import Detokenizer
 from core.engine import Engine, Step
 from core.stats import Snapshot
-from models.errors import KestrelError, json_kind
+from models.errors import ChatTemplateError, KestrelError, json_kind
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
 POLL_SECONDS = 0.1  # how often a waiting response checks that its client is still there
@@ -286,7 +286,9 @@ class Api:
         if generation.messages is not None:
             try:
                 return engine.encode(generation.messages)
-            except Exception as error:  # the model's own chat template refused the conversation
+            except ChatTemplateError as error:  # the model's own chat template refused the conversation, saying why
+                raise ApiError(400, f"messages: {error}", "messages") from error
+            except Exception as error:  # the template failed otherwise
                 raise ApiError(400, f"messages: the model's chat template refused them ({error})", "messages") from error
         if isinstance(generation.prompt, str):
             return engine.base.tokenizer(generation.prompt)["input_ids"]

@@ -25,7 +25,7 @@ from app.store import CHATS_FOLDER, NAME_LIMIT, SETTINGS_FILE, Store, as_chat, a
 from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine, check_prompt
-from models.errors import KestrelError
+from models.errors import ChatTemplateError, KestrelError
 
 # The settings controls, in the order their values reach the handlers.
 SETTINGS = ("mode", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "total_tokens", "depth", "tree_top_k", "colour")
@@ -217,11 +217,9 @@ CONTEXT_STEPS = 8  # past the context window, the oldest turns are dropped in st
 def prompt_length(engine: Engine, messages: list[dict]) -> int | None:
     """The prompt's length in tokens; None for a conversation the chat template
     refuses (Llama-2's and Mistral's want a user turn first)."""
-    from jinja2 import TemplateError
-
     try:
         return len(engine.encode(messages))
-    except TemplateError:
+    except ChatTemplateError:
         return None
 
 
@@ -230,7 +228,8 @@ def overflow_text(engine: Engine, messages: list[dict], error: ContextOverflowEr
     dropped: shorten the system prompt where it alone (with the newest message)
     is too long, else the message."""
     system = [m for m in messages if m["role"] == "system"]
-    if system and (tokens := len(engine.encode(system))) >= len(engine.encode(messages[-1:])):
+    tokens = prompt_length(engine, system) if system else None  # None also where the template wants a user turn with it
+    if tokens is not None and tokens >= (prompt_length(engine, messages[-1:]) or 0):
         return f"{error}. The system prompt alone is {tokens:,} tokens: shorten it (a new chat keeps it)."
     over = len(engine.encode(messages)) - engine.context_limit + 1  # earlier turns are dropped already: a new chat would not help
     return f"{error}. Shorten the message by at least {over:,} tokens, and more to leave room for the reply."
@@ -655,6 +654,9 @@ class ChatHandlers:
                 check_prompt(engine, engine.encode(messages))
         except ContextOverflowError as error:
             yield from self._failed(chat, message, colour, overflow_text(engine, messages, error), kept)
+            return
+        except ChatTemplateError as error:  # e.g. a System prompt for a model whose template takes none
+            yield from self._failed(chat, message, colour, str(error), kept)
             return
         cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
         if cancel.is_set():  # Stop was pressed while this waited for its turn in the page's queue

@@ -12,6 +12,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from models.errors import ChatTemplateError
+
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "</s>")
 
 
@@ -31,7 +33,12 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
 def render_chat(tokenizer, messages: list[dict]) -> str:
     """The chat template's text of `messages`, ending with the assistant's header."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as error:  # the template's raise_exception: what it refuses, in its words
+            raise ChatTemplateError(f"the model's chat template refuses this conversation: {error}") from error
     # base models without a template: a plain transcript
     lines = [f"{message['role'].capitalize()}: {message['content']}" for message in messages]
     return (tokenizer.bos_token or "") + "\n".join(lines) + "\nAssistant:"

@@ -37,6 +37,11 @@ class HeadFormatError(KestrelError):
     """A draft-head checkpoint that does not match the expected format."""
 
 
+class ChatTemplateError(KestrelError):
+    """A conversation the model's own chat template refuses (a system message
+    where it takes none, roles that do not alternate)."""
+
+
 class NetworkError(KestrelError):
     """The Hugging Face hub could not be reached or refused access."""
 

@@ -343,6 +343,20 @@ def test_max_tokens_is_clipped_to_the_context_and_says_so(client, engine):
     assert error.value.param == "max_tokens"
 
 
+def test_messages_the_model_s_chat_template_refuses_are_a_400_in_its_words(client, engine, monkeypatch):
+    """A system message for a model whose template takes none (as Gemma-2's): 400 on messages, saying why."""
+    from tests.factory import CHAT_TEMPLATE
+
+    refuses = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    monkeypatch.setattr(engine.base.tokenizer, "chat_template", refuses + CHAT_TEMPLATE)
+    messages = [{"role": "system", "content": "w4"}, {"role": "user", "content": "w1 w2"}]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=engine.base.name, messages=messages, max_tokens=4)
+    assert error.value.param == "messages"
+    assert "messages: the model's chat template refuses this conversation: System role not supported" in error.value.message
+    assert client.chat.completions.create(model=engine.base.name, messages=messages[1:], max_tokens=4).choices[0].message.content
+
+
 def test_several_prompts_in_one_completions_request_are_refused_saying_so(client, engine):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=engine.base.name, prompt=["w1 w2", "w3 w4"], max_tokens=4)

@@ -36,7 +36,8 @@ from core.config import SamplingParams, TreeParams
 from core.engine import Engine, Step
 from core.stats import Snapshot
 from models import catalog
-from tests.factory import random_head
+from models.errors import ChatTemplateError
+from tests.factory import CHAT_TEMPLATE, random_head
 
 
 def values(**changes) -> list:
@@ -603,17 +604,37 @@ def test_a_reply_cut_at_the_window_stays_for_continue(engine):
     messages = [{"role": "user", "content": paste}, {"role": "assistant", "content": "w5 w6 w7"}, {"role": "user", "content": "w8"}]
     fitted, dropped = fit_context(engine, messages, room=16)
     assert dropped == 1 and fitted == messages[1:]
-    from jinja2 import TemplateError
-
     class Alternating:  # a template that wants a user turn first (as Llama-2's and Mistral's raise)
         context_limit = engine.context_limit
 
         def encode(self, messages):
             if messages[0]["role"] != "user":
-                raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+                raise ChatTemplateError("the model's chat template refuses this conversation: roles must alternate")
             return engine.encode(messages)
 
     assert fit_context(Alternating(), messages, room=16) == (messages[2:], 2)
+
+
+REFUSES_SYSTEM = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + CHAT_TEMPLATE
+
+
+def test_a_system_prompt_the_model_s_template_refuses_is_named_and_the_message_kept(handlers, engine, store, monkeypatch):
+    """A model whose chat template takes no system message (as Gemma-2's): a
+    Send with a System prompt is refused in the template's words, the message
+    goes back into the box and nothing is saved; without it the chat goes on."""
+    monkeypatch.setattr(engine.base.tokenizer, "chat_template", REFUSES_SYSTEM)
+    for chat in (new_chat(), list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]):
+        before = store.load_chat(chat["id"]) if chat["messages"] else None
+        updates = list(handlers.send("w2 w3", chat, "w4", *values(max_new_tokens=4)))
+        assert len(updates) == 1, updates
+        box, _, shown, notice = updates[0][:4]
+        assert box == "w2 w3" and "chat template refuses this conversation: System role not supported." in notice
+        saved = store.load_chat(chat["id"])
+        assert shown["messages"] == chat["messages"] and (saved and saved["messages"]) == (before and before["messages"])
+    regenerated = list(handlers.regenerate(chat, False, "w4", *values(max_new_tokens=4)))
+    assert "System role not supported" in regenerated[-1][3] and is_skip(regenerated[-1][0])
+    assert regenerated[-1][2]["messages"] == chat["messages"] == store.load_chat(chat["id"])["messages"]
+    assert len(list(handlers.send("w2 w3", chat, "", *values(max_new_tokens=4)))[-1][2]["messages"]) == 4
 
 
 def test_a_message_too_long_for_the_window_leaves_the_last_reply_s_panel(handlers, engine):
