@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from app.decoding import Decoding
+from app.decoding import Decoding, ServerStopping
 from app.request import Generation, RequestError, parse_chat, parse_completion
 from app.runtime import ModelBusyError, ModelChangedError, ModelLoadingError, NoModelError, Runtime
 from core.detokenize import Detokenizer
@@ -36,6 +36,9 @@ ERROR_TYPES = {
 }  # fmt: skip
 # seconds a client should wait before sending again (Retry-After), where waiting helps
 RETRY_AFTER = {"queue_full": 1, "model_loading": 5, "model_changed": 1}
+# errors a client's retry cannot mend: the official SDKs retry every 5xx (twice, by default) unless told not to,
+# which would decode a request that ran out of memory three times, or knock on a server going down
+NO_RETRY = {"no_model", "decoding_failed", "server_stopping"}
 log = logging.getLogger("kestrel")
 
 
@@ -52,7 +55,7 @@ class ApiError(Exception):
         """JSON with non-ASCII characters escaped: a message may quote the
         request's own text, which can hold what UTF-8 cannot encode."""
         retry = RETRY_AFTER.get(self.code)
-        headers = {"Retry-After": str(retry)} if retry is not None else None
+        headers = {"Retry-After": str(retry)} if retry is not None else {"x-should-retry": "false"} if self.code in NO_RETRY else None
         return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json", headers=headers)
 
 
@@ -371,6 +374,8 @@ def read_steps(decoding: Decoding, cursor: int) -> list[Step]:
         return decoding.read(cursor, timeout=0)
     except ModelChangedError as error:
         raise ApiError(503, str(error), code="model_changed") from error
+    except ServerStopping as error:  # Ctrl+C on the server
+        raise ApiError(503, str(error), code="server_stopping") from error
     except KestrelError as error:
         raise ApiError(500, str(error), code="decoding_failed") from error
     except Exception as error:

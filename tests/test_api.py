@@ -318,6 +318,23 @@ def test_ignored_fields_do_not_matter(client, engine):
     assert reply.choices[0].message.content == engine_text(engine)[0]
 
 
+def test_a_decoding_that_fails_is_500_and_not_retried_by_the_client(server, engine, monkeypatch):
+    """Out of memory mid-reply: a 500 naming it, which the official client (retrying 5xx twice by default)
+    is told not to send again: it would decode the request three times."""
+    from models.errors import OutOfMemoryError
+
+    def failing(*args, **kwargs):
+        raise OutOfMemoryError("out of memory while decoding: close other programs")
+        yield
+
+    monkeypatch.setattr(engine, "stream", failing)
+    sent = []
+    with pytest.raises(openai.InternalServerError) as error:
+        chat(counted_client(server.url, sent), engine.base.name)
+    assert error.value.status_code == 500 and error.value.code == "decoding_failed" and "out of memory" in error.value.message
+    assert len(sent) == 1
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as error:
         chat(client, "gpt-4o")
@@ -417,14 +434,20 @@ def test_a_stop_token_ends_with_stop_and_the_context_window_with_length(client, 
         assert final == ["length"], stream
 
 
+def counted_client(url: str, sent: list) -> openai.OpenAI:
+    """The official client with its default retries, counting the requests it sends."""
+    return openai.OpenAI(base_url=f"{url}v1", api_key="unused", http_client=httpx.Client(event_hooks={"request": [sent.append]}))
+
+
 def test_no_model_is_503(tmp_path_factory):
     server = start(None, tmp_path_factory)
     try:
-        client = openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0)
+        sent = []
         with pytest.raises(openai.InternalServerError) as error:
-            chat(client, "anything")
+            chat(counted_client(server.url, sent), "anything")
         assert error.value.status_code == 503 and "no model is loaded" in error.value.message
-        assert "retry-after" not in error.value.response.headers  # waiting does not load one
+        assert "retry-after" not in error.value.response.headers  # waiting does not load one,
+        assert len(sent) == 1  # so the client is told not to retry
         assert httpx.get(f"{server.url}health").status_code == 503
     finally:
         server.close()
