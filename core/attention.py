@@ -72,13 +72,25 @@ def _per_forward(kind: str, mask: torch.Tensor | None, rows: int, total: int, bu
     return found[3]
 
 
+def unmodelled(module, kwargs: dict) -> list[str]:
+    """The attention features asked for in `kwargs` that Kestrel's attention
+    paths do not model: a softcap, sinks, a sliding window shorter than the
+    context window (a longer one, as Phi-3.5's, never cuts anything)."""
+    names = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
+    window = kwargs.get("sliding_window")
+    context = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    if window is not None and (context is None or window < context):
+        names.append("sliding_window")
+    return names
+
+
 def rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query (1, H, T, D), key/value (1, H_kv, S, D) -> ((1, T, H, D), None)."""
     batch, heads, rows, dim = query.shape
     prefill = attention_mask is None and rows > 1  # causal, shared by every mode
     if batch != 1 or (prefill and not rowkernel.prefills(query.dtype, query.device)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
+    unsupported = unmodelled(module, kwargs)
     if unsupported:  # the load-time check then keeps sdpa for this model
         raise NotImplementedError(f"row-invariant attention does not model {', '.join(unsupported)}")
     kv_heads, total = key.shape[1], key.shape[2]

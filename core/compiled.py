@@ -106,7 +106,7 @@ def _(query, key, value):
 def compiled_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The attention interface entry inside a compiled layer: the opaque op
     (the C++ one where Compiled runs the row kernel's pass ops, see PASS_OPS)."""
-    unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
+    unsupported = attention.unmodelled(module, kwargs)
     if unsupported:
         raise NotImplementedError(f"compiled decoding does not model {', '.join(unsupported)}")
     if getattr(module, PASS_OPS, False):

@@ -48,7 +48,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from core import kv_cache
+from core import attention, kv_cache
 from core.compiled import decoder_problem, loop_difference  # the compiled layers run the same loop
 
 NAME = "kestrel_graphs"
@@ -109,7 +109,7 @@ def graphs_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     state: _State | None = getattr(_local, "state", None)
     if state is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
+    unsupported = attention.unmodelled(module, kwargs)
     if unsupported:
         raise NotImplementedError(f"graphed decoding does not model {', '.join(unsupported)}")
     keys, values = state.keys[module.layer_idx], state.values[module.layer_idx]
@@ -285,7 +285,10 @@ def graph_model(model, capture: bool = True) -> Graphed | None:
         graphed = Graphed(model, capture)
         model.set_attn_implementation(NAME)
         setattr(model, ATTRIBUTE, graphed)
-        problem = _loop_problem(graphed)
+        try:
+            problem = _loop_problem(graphed)
+        except Exception as error:  # a decoder the check cannot even run: eager, as for any other problem
+            problem = f"the static pass's check failed ({type(error).__name__}: {str(error)[:200]})"
     if problem is not None:
         if graphed is not None:
             ungraph(graphed)
@@ -318,7 +321,10 @@ def _loop_problem(graphed: Graphed) -> str | None:
     capture, graphed.capture = graphed.capture, False
     try:
         graphed.decoder(input_ids=ids[None, :3], past_key_values=cache, use_cache=True)  # the prompt, eagerly
-        hidden = graphed.forward(ids[3:], torch.tensor([3], device=device), None, cache)[0]
+        hidden = graphed.forward(ids[3:], torch.tensor([3], device=device), None, cache)
+        if hidden is None:  # a cache of other layers (sliding windows): every pass would be the decoder's own
+            return f"{type(graphed.decoder).__name__}'s cache layers are not ones a static pass reads (sliding-window attention)"
+        hidden = hidden[0]
     finally:
         graphed.capture = capture
         graphed.entries.clear()  # made uncaptured: none may be replayed as a graph

@@ -98,8 +98,13 @@ def _larger(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def new_cache(model) -> DynamicCache:
+    """A cache of GrowingLayers where no layer really slides. transformers gives
+    a config with any sliding window sliding-window layers, even one as long as
+    the context window (Phi-3.5's), which never cut anything but whose count of
+    positions seen commits cannot set back: a long chat's count then passed the
+    window, and the masks made from it no longer fitted the keys."""
     cache = DynamicCache(config=model.config)
-    if all(type(layer) is DynamicLayer for layer in cache.layers):
+    if all(type(layer) is DynamicLayer for layer in cache.layers) or not has_sliding_window(model.config):
         cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
 
@@ -174,3 +179,5 @@ def commit(cache: DynamicCache, prefix: int, path: list[int]) -> None:
             layer.length = end
         else:
             layer.keys, layer.values = keys[..., :end, :], values[..., :end, :]
+            if isinstance(getattr(layer, "cumulative_length", None), int):  # positions seen, which masks are sized from
+                layer.cumulative_length = end

@@ -166,3 +166,26 @@ def test_captured_graphs_replay_the_static_passes(tiny_folder):
     steps = list(engine.stream(prompt, "eagle2", sampling, TreeParams(12, 4, 3)))
     assert engine.graphs_in_use and engine.graphed.captures > 0
     assert len(tokens_of(steps)) == len(reference)
+
+
+def test_a_sliding_window_as_long_as_the_context_is_none_and_a_shorter_one_gives_way(tmp_path):
+    """A window no shorter than the context window (Phi-3.5's way) never cuts
+    anything: the cache is Kestrel's own (transformers' sliding layers counted
+    every tree node verified, and the masks sized from that count stopped
+    fitting), the row-invariant attention and the static passes run, and
+    every mode decodes as eager vanilla in float64. A shorter window: the static
+    passes give way (the model loading failed), and speculation is refused saying why."""
+    for window in (512, 128):  # the tiny models' context window is 256
+        folder = save_tiny_model(tmp_path / str(window), "mistral", vocab_size=48, sliding_window=window)
+        eager = Engine(load_base(str(folder), dtype="float64"), compile="off")
+        for compile in ("off", "graphs"):
+            base = load_base(str(folder), dtype="float64")
+            engine = Engine(base, random_head(base.model, seed=1), compile=compile)
+            if window == 512:
+                assert all(type(layer) is kv_cache.GrowingLayer for layer in kv_cache.new_cache(base.model).layers)
+                assert engine.speculation_problem() is None and (engine.graphed is not None) == (compile == "graphs")
+                assert engine.exact or compile == "graphs"
+                assert decodes_as(engine, eager) > 0
+            else:
+                assert engine.graphed is None and "sliding-window" in engine.speculation_problem()
+                assert tokens_of(engine.stream(engine.encode([{"role": "user", "content": "w1 w2"}]), "vanilla", SamplingParams(max_new_tokens=8)))
