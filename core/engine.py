@@ -59,6 +59,23 @@ def costs_folder() -> Path:
     return Path(override).expanduser() if override else cache_root() / "costs"
 
 
+def rope_settings(config) -> dict:
+    """The model's RoPE parameters (transformers' `rope_parameters`, older configs' `rope_scaling`); {} where none."""
+    settings = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return settings if isinstance(settings, dict) else {}
+
+
+def rope_boundary(config) -> int | None:
+    """The position where LongRoPE (Phi-3.5's, Phi-4-mini's) turns from its short
+    factors to its long ones, or None. transformers picks one set for a whole
+    forward from its furthest position, so a pass that crosses it computes
+    every row otherwise than one-token steps do."""
+    settings = rope_settings(config)
+    if settings.get("rope_type") != "longrope":
+        return None
+    return settings.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+
+
 class ContextOverflowError(KestrelError):
     """The prompt does not fit in the model's context window."""
 
@@ -171,6 +188,7 @@ class Engine:
         self.model = base.model
         self.stop_ids = stop_token_ids(base.model, base.tokenizer)
         self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
+        self.rope_boundary = rope_boundary(base.model.config)
         self.argmax = ScreenedArgmax(base.model.get_output_embeddings())
         self.vocabulary = None if head is None else draft_vocabulary(head, base.model)
         # the head as drafting runs it: int8 linears where they pay (models/int8.py)
@@ -349,6 +367,8 @@ class Engine:
         config = self.model.config
         if kv_cache.has_sliding_window(config):
             return f"speculative decoding does not support sliding-window attention ({config.model_type})"
+        if "dynamic" in str(rope_settings(config).get("rope_type")):
+            return "speculative decoding does not support dynamic RoPE scaling (its frequencies follow each pass's furthest position)"
         if config._attn_implementation not in ("sdpa", attention.NAME, compiled.NAME, graphs.NAME):
             return f"speculative decoding needs sdpa attention, not {config._attn_implementation}"
         return None
@@ -543,18 +563,28 @@ class _Run:
                 pending = None
         return _Kept(self.cached_ids, following, self.cache, head_cache, pending, min(len(self.prompt_ids), len(self.cached_ids)))
 
+    def chunks(self) -> list[tuple[int, int]]:
+        """The prompt's chunks after the kept positions: every `chunk` tokens from
+        the first, and one ending at the RoPE boundary, should the prompt cross it
+        (a continued turn then reads each position as a fresh read does)."""
+        total = len(self.prompt_ids)
+        ends = list(range(self.first + self.chunk, total, self.chunk)) + [total]
+        boundary = self.engine.rope_boundary
+        if boundary is not None and self.first < boundary < total and boundary not in ends:
+            ends = sorted([*ends, boundary])
+        return list(zip([self.first, *ends[:-1]], ends))
+
     def read_prompt(self) -> Iterator[int]:
         """Forward the prompt's chunks but the last, yielding before each how many tokens are read."""
-        for start in range(self.first, len(self.prompt_ids) - self.chunk, self.chunk):
+        for start, end in self.chunks()[:-1]:
             yield start
-            end = start + self.chunk
             self._commit_prompt(start, end, self._read(start, end)[1], self.prompt_ids[end])
 
     @torch.inference_mode()
     def prefill(self) -> Step:
         """The prompt's last chunk (after read_prompt's) and the first token."""
         total = len(self.prompt_ids)
-        start = self.first + (total - 1 - self.first) // self.chunk * self.chunk
+        start = self.chunks()[-1][0]
         features, head_features = self._read(start, total)
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]
@@ -631,12 +661,15 @@ class _Run:
 
     def _draft(self):
         """The draft tree, the root alone for vanilla decoding, and near the
-        context window's end the part of the tree that fits before it."""
+        context window's end (or a RoPE boundary) the part of the tree that fits before it."""
         root_only = make_tree(self.root, [], [])
         if self.drafter is None or self.passive:
             return root_only
         tree = self.drafter.draft(self.root)
         room = self.engine.context_limit - self.committed - 1  # positions left after the root's
+        boundary = self.engine.rope_boundary
+        if boundary is not None and self.committed < boundary:  # no node past it while the root is before it: a pass
+            room = min(room, boundary - self.committed)  # reaching it turns every row's RoPE to the long factors
         if int(tree.depths.max()) < room:
             return tree
         self.drafter.discard()  # not the tree the planner chose: its verdicts would mislead calibration

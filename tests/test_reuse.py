@@ -351,3 +351,64 @@ def test_the_head_reads_a_long_prompt_s_pairs_in_chunks_as_in_one_forward(engine
     assert torch.allclose(whole.keys, chunked.keys, atol=1e-9) and torch.allclose(whole.values, chunked.values, atol=1e-9)
     assert tokens_of(engine.stream(conversation, mode="eagle2", sampling=PARAMS, tree=TREE)) == reply
     assert reply == tokens_of(engine.stream(conversation, mode="vanilla", sampling=PARAMS))
+
+
+def tiny_longrope_engine(folder, boundary: int) -> Engine:
+    """A tiny Phi-3 with LongRoPE (as Phi-3.5's and Phi-4-mini's) turning to its long factors at `boundary`."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    from tests.factory import tiny_config, tiny_tokenizer
+
+    settings = tiny_config("llama", vocab_size=48).to_dict()
+    pairs = settings["hidden_size"] // settings["num_attention_heads"] // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * pairs,
+            "long_factor": [4.0 + i for i in range(pairs)], "original_max_position_embeddings": boundary}  # fmt: skip
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")  # fmt: skip
+    config = Phi3Config(**{key: settings[key] for key in keys}, sliding_window=None, original_max_position_embeddings=boundary, rope_parameters=rope)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    base = load_base(str(folder), dtype="float64")
+    return Engine(base, random_head(base.model, seed=1), compile="off")
+
+
+def test_longrope_s_boundary_is_crossed_as_one_token_steps_cross_it(tmp_path, monkeypatch):
+    """transformers turns LongRoPE to its long factors for a whole forward once
+    its furthest position passes the boundary: a tree pass reaching past it
+    from before it computed its root otherwise than vanilla's step did (2 of 12
+    replies differed), and a continued turn whose chunk crossed it read
+    positions otherwise than a fresh read. Trees stop at the boundary and
+    chunks end there: every reply equals vanilla's, continued or fresh."""
+    import core.engine
+
+    engine = tiny_longrope_engine(tmp_path / "m", boundary=64)
+    assert engine.rope_boundary == 64 and engine.speculation_problem() is None
+    tree = TreeParams(total_tokens=16, depth=6, top_k=4)
+    for seed in range(12):
+        prompt = random_tokens(50 + seed, seed=seed)
+        vanilla = tokens_of(engine.stream(prompt, mode="vanilla", sampling=PARAMS))
+        assert tokens_of(engine.stream(prompt, mode="eagle2", sampling=PARAMS, tree=tree)) == vanilla, seed
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 16)  # a fresh read's chunks end at 64; a continued one's did not (2 of 24 differed)
+    crossed = 0
+    for seed in range(12):
+        for mode in ("vanilla", "eagle2"):
+            prompt = random_tokens(40, seed=100 + seed)  # its reply ends before the boundary; the next turn crosses it,
+            conversation, events = second_turn(engine, prompt, lambda reply: prompt + reply + random_tokens(10, seed=200 + seed), mode)
+            crossed += last_stats(events).reused_tokens < 64 < len(conversation)  # unless the reply ended early
+            assert tokens_of(events) == tokens_of(engine.stream(conversation, mode=mode, sampling=PARAMS, tree=TREE)), (seed, mode)
+    assert crossed >= 16
+
+
+def test_dynamic_rope_scaling_decodes_vanilla_only_saying_why(tmp_path):
+    """Dynamic NTK scaling recomputes the frequencies from each forward's furthest
+    position: no tree pass can compute what one-token steps do past the trained length."""
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    folder = save_tiny_model(tmp_path / "m", "llama", vocab_size=48, rope_parameters=rope)
+    base = load_base(str(folder), dtype="float64")
+    engine = Engine(base, random_head(base.model, seed=1), compile="off")
+    assert "dynamic RoPE scaling" in engine.speculation_problem()
+    assert tokens_of(engine.stream(random_tokens(9, seed=3), mode="vanilla", sampling=PARAMS))
