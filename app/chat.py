@@ -167,13 +167,15 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     system = [m for m in messages if m["role"] == "system"]
     turns = [m for m in messages if m["role"] != "system"]
     window = engine.context_limit - room
+    full = prompt_length(engine, system + turns)
+    if full is None and (joined := joined_turns(turns)) != turns:  # a template that wants roles to alternate (Llama-2's, Mistral's)
+        turns, full = joined, prompt_length(engine, system + joined)  # after a message left without a reply: one turn of both
 
     @functools.cache  # each count encoded once
     def length(dropped: int) -> int | None:
         """The prompt's length with the oldest `dropped` turns dropped."""
-        return prompt_length(engine, system + turns[dropped:])
+        return full if dropped == 0 else prompt_length(engine, system + turns[dropped:])
 
-    full = length(0)
     if not turns or (full is not None and full <= window):
         return system + turns, 0
     last = len(turns) - 1  # the newest message always stays
@@ -189,6 +191,17 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     if dropped > needed and length(dropped) < stepped - step:
         dropped = next(d for d in range(dropped - 1, needed - 1, -1) if length(d) is not None)
     return system + turns[dropped:], dropped
+
+
+def joined_turns(turns: list[dict]) -> list[dict]:
+    """Messages in a row from the same side as one (their texts a blank line apart)."""
+    joined: list[dict] = []
+    for turn in turns:
+        if joined and joined[-1]["role"] == turn["role"]:
+            joined[-1] = {**joined[-1], "content": f"{joined[-1]['content']}\n\n{turn['content']}"}
+        else:
+            joined.append(turn)
+    return joined
 
 
 def fewest_dropped(length: Callable[[int], int | None], last: int, budget: int) -> int | None:

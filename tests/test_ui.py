@@ -615,6 +615,32 @@ def test_a_reply_cut_at_the_window_stays_for_continue(engine):
     assert fit_context(Alternating(), messages, room=16) == (messages[2:], 2)
 
 
+ALTERNATING = (
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% endfor %}"
+) + CHAT_TEMPLATE
+
+
+def test_a_message_sent_after_one_left_without_a_reply_keeps_the_conversation(handlers, engine, store, monkeypatch):
+    """A template that wants roles to alternate (Llama-2's), and a message whose
+    reply was interrupted before its first token (the page closed): the next
+    message's reply reads both messages as one turn, after the whole chat; the
+    template's refusal had dropped everything before them, blaming the context window."""
+    monkeypatch.setattr(engine.base.tokenizer, "chat_template", ALTERNATING)
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    stream = handlers.send("w2", chat, "", *values(max_new_tokens=4))
+    chat = next(stream)[2]
+    stream.close()
+    assert [m["role"] for m in store.load_chat(chat["id"])["messages"]] == ["user", "assistant", "user"]
+    prompts = []
+    chat_steps = engine.chat
+    monkeypatch.setattr(engine, "chat", lambda messages, *args, **kwargs: prompts.append(messages) or chat_steps(messages, *args, **kwargs))
+    _, pending, _, chat, _ = handlers.accept("w3", chat, True)  # as Send does: it also resets the Stop the closing set
+    updates = list(handlers.send(pending, chat, "", *values(max_new_tokens=4)))
+    assert [(m["role"], m["content"]) for m in prompts[0]] == [("user", "w1"), ("assistant", chat["messages"][1]["content"]), ("user", "w2\n\nw3")]
+    assert "Dropped" not in updates[-1][3] and len(updates[-1][2]["messages"]) == 5
+
+
 REFUSES_SYSTEM = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + CHAT_TEMPLATE
 
 
