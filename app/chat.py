@@ -570,7 +570,7 @@ class ChatHandlers:
             self.forked.add(chat["id"])  # the reply's own notice says it again
         if self.runtime.queue.busy or self.replying:  # another reply, a comparison, the benchmark or an API request
             notes.append(WAITING_TEXT)
-        self.runtime.cancel_event(chat["id"]).clear()
+        self.runtime.fresh_cancel(chat["id"])
         self.sent[chat["id"]] = session
         sent = copy.deepcopy(stored(chat))
         sent["messages"].append({"role": "user", "content": text})
@@ -617,7 +617,7 @@ class ChatHandlers:
         if chat and chat.get(TAKEN_BACK):  # it would replace the reply before the exchange Edit took back, and save over that
             return notice_html(EDIT_PENDING_TEXT), True
         if chat:
-            self.runtime.cancel_event(chat["id"]).clear()  # here, so that a Stop pressed while it waits applies
+            self.runtime.fresh_cancel(chat["id"])  # here, so that a Stop pressed while it waits applies
             self.sent[chat["id"]] = getattr(request, "session_hash", None)  # busy while the regeneration waits for the model
         return gr.skip(), False
 

@@ -207,6 +207,13 @@ class Runtime:
         with self._lock:
             return self._cancels.setdefault(key or "local", threading.Event())
 
+    def fresh_cancel(self, key: str | None) -> threading.Event:
+        """A new, unset cancel signal for the next request under `key`: a
+        decoding still ending (its page went away) keeps the one that stopped it."""
+        with self._lock:
+            self._cancels[key or "local"] = event = threading.Event()
+            return event
+
 
 def free_memory() -> None:
     import torch

@@ -189,6 +189,32 @@ def test_a_regeneration_closed_before_its_first_token_keeps_the_saved_reply(hand
     assert store.load_chat(chat["id"])["messages"] == before
 
 
+def test_a_message_sent_as_a_closed_page_s_reply_ends_does_not_start_that_reply_again(handlers, engine, monkeypatch):
+    """The page went away mid-reply (its Stop set) and the same chat's next
+    message was sent before the decoding's next step looked: Send's fresh Stop
+    signal is the new reply's own, so the abandoned decoding still ends at once,
+    instead of running to its token limit while the new message waits."""
+    chat_steps, produced = engine.chat, []
+
+    def paced(*args, **kwargs):  # the decoding thread between two steps when the page goes away
+        produced.append(0)
+        for step in chat_steps(*args, **kwargs):
+            produced[-1] += 1
+            yield step
+            time.sleep(0.3)  # longer than the closing's save of the reply so far
+
+    monkeypatch.setattr(engine, "chat", paced)
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=1)))[-1][2]
+    stream = handlers.send("w2", chat, "", *values(max_new_tokens=30, mode="vanilla"))
+    shown = next(stream)[2]
+    while not produced or produced[-1] < 2:
+        next(stream)
+    stream.close()
+    _, pending, _, shown, _ = handlers.accept("w3", store_module.Store.read_object(handlers.store.chat_path(shown["id"])) or shown, True)
+    list(handlers.send(pending, shown, "", *values(max_new_tokens=1, mode="vanilla")))
+    assert produced[1] < 10, produced
+
+
 def test_regenerate_edit_and_clear(handlers):
     chat = list(handlers.send("w1 w2", new_chat(), "", *values(temperature=0.9, seed=-1)))[-1][2]
     regenerated = list(handlers.regenerate(chat, False, "", *values()))[-1][2]
