@@ -245,7 +245,11 @@ class Store:
         with self.settings_lock:  # read, changed and written as one: two at once would lose one's change
             if self.set_aside_damaged_settings() == SETTINGS_FILE:
                 raise OSError(f"{self.folder / SETTINGS_FILE} cannot be read and cannot be set aside, so it is left as it is")
-            self.save_settings({**self.load_settings(), **changes})
+            try:  # a file that cannot be read just now (OSError) is left as it is: read as {}, the change would replace it
+                saved = self._parse(self.folder / SETTINGS_FILE) or {}
+            except FileNotFoundError:
+                saved = {}
+            self.save_settings({**saved, **changes})
 
     def chat_path(self, chat_id: str) -> Path:
         if not chat_id or "/" in chat_id or "\\" in chat_id or chat_id.startswith("."):

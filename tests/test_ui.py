@@ -1798,7 +1798,11 @@ def test_a_settings_file_is_set_aside_only_when_damaged_and_never_replaced(handl
 
     monkeypatch.setattr(Path, "read_text", busy)
     assert store.set_aside_damaged_settings() is None and path.exists()
+    # nor is it replaced by the one change a chat opened saves (read as {}, the other settings were lost)
+    assert "settings could not be saved" in handlers.remember("w1", *values())
+    handlers._update_settings({"open_chat": "x"})
     monkeypatch.undo()
+    assert json.loads(path.read_text(encoding="utf-8-sig")) == {"temperature": 0.7}
     path.write_text('{"temperature": 0.')
 
     def held(*args):  # renaming fails (another program holds the file)
