@@ -473,7 +473,7 @@ def made_with(stats) -> str:
     parts += [form.format(stats[key]) for key, form in figures if is_number(stats.get(key))]
     endings = {"cancelled": "stopped before its end", "length": "cut at the token limit", "context": "cut at the context window",
                "interrupted": "cut short: Kestrel stopped while writing it"}  # fmt: skip
-    if stats.get("finish_reason") in endings:
+    if isinstance(stats.get("finish_reason"), str) and stats["finish_reason"] in endings:  # an edited file's list would not hash
         parts.append(endings[stats["finish_reason"]])
     dropped = settings.get("context_dropped")
     if is_number(dropped) and dropped > 0:

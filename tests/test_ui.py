@@ -286,6 +286,7 @@ def test_a_reply_stores_its_settings_and_seed_and_they_make_it_again(handlers, e
         made = list(handlers.send("w1", new_chat(), "", *values(mode=mode, total_tokens=10, depth=3, tree_top_k=2, max_new_tokens=4)))
         assert made[-1][2]["messages"][-1]["stats"]["settings"].get("tree") == tree, mode  # EAGLE's fixed tree: not the settings
     assert store_module.made_with({"mode": 3, "settings": "x", "tokens": True}) == ""  # a file edited by hand
+    assert store_module.made_with({"finish_reason": ["length"], "tokens": 2}) == "2 tokens"  # or imported: no unhashable lookup
     long = " ".join(["w1"] * (engine.context_limit // 2))  # two of these and their replies do not fit: the oldest are left out
     chat = new_chat()
     for _ in range(3):
