@@ -21,6 +21,7 @@ from app.render import BASE, DRAFT, inert_markdown, is_number
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
+WINDOWS_DEVICE = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9¹²³]|LPT[0-9¹²³])(\..*)?", re.IGNORECASE)  # names Windows keeps for devices
 CHAT_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")  # as new_chat makes them: a safe file name everywhere
 NAME_LIMIT = 100  # characters of a chat's name
 LARGEST_COUNT = 2**53  # a chat's token and forward counts, at most (a float holds every int up to it)
@@ -252,7 +253,9 @@ class Store:
             self.save_settings({**saved, **changes})
 
     def chat_path(self, chat_id: str) -> Path:
-        if not chat_id or "/" in chat_id or "\\" in chat_id or chat_id.startswith("."):
+        """The chat's file in the chats folder; ValueError for an id that would
+        name another place: a path, a drive or stream (a colon, on Windows), a device (CON, NUL...)."""
+        if not chat_id or any(c in chat_id for c in "/\\:\0") or chat_id.startswith(".") or WINDOWS_DEVICE.fullmatch(chat_id):
             raise ValueError(f"invalid chat id {chat_id!r}")
         return self.folder / CHATS_FOLDER / f"{chat_id}.json"
 

@@ -440,6 +440,12 @@ def test_a_chat_deleted_in_another_tab_is_said_when_picked_and_delete_keeps_the_
     assert store.load_chat(kept["id"]) is None and store.load_chat(other["id"]) is not None
     unsaved = new_chat()  # shown but never sent: nothing in the list to point at
     assert handlers.open(gone["id"], unsaved, True)[6]["value"] is None
+    # ids typed into the list that would name a file elsewhere (on Windows: a drive, a stream, a device) open nothing
+    for typed in ("C:notes", "x:stream", "CON", "nul.txt", "COM1", "../x", "a\\b"):
+        with pytest.raises(ValueError):
+            store.chat_path(typed)
+        assert "no longer saved" in handlers.open(typed, kept, True)[-1]
+    assert store.chat_path("console").name == "console.json"
 
 
 def test_the_page_passes_settings_as_typed():
