@@ -282,7 +282,7 @@ class Api:
         asked = generation.max_tokens
         limit = room if asked is None else min(asked, room)
         sampling = replace(generation.sampling, max_new_tokens=limit)
-        clipped_from = asked if asked is not None and asked > room else None
+        clipped_from = asked if asked is not None and asked > room and generation.max_tokens_sent else None  # a default is not "requested"
         return Prepared(engine, replace(generation, sampling=sampling), prompt_ids, mode, clipped_from)
 
     def _prompt_ids(self, engine: Engine, generation: Generation) -> list[int]:

@@ -69,6 +69,7 @@ class Generation:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    max_tokens_sent: bool = True  # False where max_tokens is the endpoint's default (completions' 16), not the client's
 
 
 def parse_chat(body: dict) -> Generation:
@@ -116,6 +117,7 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
         model=model, messages=messages, prompt=prompt, sampling=sampling, max_tokens=max_tokens,
         tree=_tree(kestrel), mode=mode, stop=_stops(body.get("stop")), stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
+        max_tokens_sent=default_max_tokens is None or any(body.get(name) is not None for name in ("max_tokens", "max_completion_tokens")),
     )  # fmt: skip
 
 

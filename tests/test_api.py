@@ -358,6 +358,12 @@ def test_max_tokens_is_clipped_to_the_context_and_says_so(client, engine):
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, engine.base.name, max_tokens=2**63)
     assert error.value.param == "max_tokens"
+    # completions' default of 16 past the room left is no count the client asked for; 16 sent is
+    long = [8] * (engine.context_limit - 5)
+    plain = client.completions.create(model=engine.base.name, prompt=long, temperature=0).model_dump()
+    asked = client.completions.create(model=engine.base.name, prompt=long, temperature=0, max_tokens=16).model_dump()
+    assert not (plain.get("kestrel") or {}).get("max_tokens_clipped") and asked["kestrel"]["max_tokens_clipped"]["requested"] == 16
+    assert plain["choices"][0]["text"] == asked["choices"][0]["text"]
 
 
 def test_messages_the_model_s_chat_template_refuses_are_a_400_in_its_words(client, engine, monkeypatch):
