@@ -221,6 +221,10 @@ class Api:
     async def _create(self, request: Request, chat: bool) -> Response:
         try:
             raw = await read_body(request)
+            try:  # a full queue refuses at once, before the body is parsed and tokenized (a client's retries would each do it)
+                self.runtime.queue.check_room()
+            except ModelBusyError as error:
+                raise ApiError(429, str(error), code="queue_full") from error
             # parsing and tokenizing a large body takes seconds: off the event loop, which serves every other client
             generation, prepared = await asyncio.to_thread(self._parse_and_prepare, raw, chat)
             changed = asyncio.Event()

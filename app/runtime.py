@@ -60,14 +60,20 @@ class ModelQueue:
         with self._condition:
             return self._running or bool(self._waiting)
 
-    def enter(self) -> object:
-        """A ticket at the back of the queue; ModelBusyError when it is full."""
+    def check_room(self) -> None:
+        """ModelBusyError where the queue is full now: a request that would be
+        refused need not be read first (`enter` decides)."""
         with self._condition:
             if len(self._waiting) >= self.max_waiting:
                 raise ModelBusyError(
                     f"the model is busy: {len(self._waiting)} {'request is' if len(self._waiting) == 1 else 'requests are'} already waiting "
                     f"(at most {self.max_waiting}); try again shortly"
                 )
+
+    def enter(self) -> object:
+        """A ticket at the back of the queue; ModelBusyError when it is full."""
+        with self._condition:
+            self.check_room()  # the condition's lock is reentrant
             ticket = object()
             self._waiting.append(ticket)
             return ticket

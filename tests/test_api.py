@@ -580,8 +580,15 @@ def test_full_queue_is_429(engine, tmp_path_factory, paced):
                 for _ in range(3)
             ]
             assert httpx.get(f"{server.url}health").json()["queue"]["waiting"] == 2
-            refused = httpx.post(f"{server.url}v1/chat/completions", json={**body, "stream": False}, timeout=60)
+            encoded = []
+            encode = engine.encode
+            engine.encode = lambda messages: encoded.append(messages) or encode(messages)
+            try:
+                refused = httpx.post(f"{server.url}v1/chat/completions", json={**body, "stream": False}, timeout=60)
+            finally:
+                del engine.encode
             assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            assert encoded == []  # refused before its prompt was tokenized
             assert refused.headers["retry-after"] == "1" and "2 requests are already waiting" in refused.json()["error"]["message"]
             paced(0.0)
             for response in streams:
