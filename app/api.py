@@ -28,6 +28,9 @@ from models.errors import ChatTemplateError, KestrelError, json_kind
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
 POLL_SECONDS = 0.1  # how often a waiting response checks that its client is still there
+# a stream that waits for its turn, or for a long prompt to be read, sends an SSE comment this often: clients and
+# proxies with a read timeout (30-60 s is common) would otherwise give up on a reply that is only queued
+KEEPALIVE_SECONDS = 10.0
 FINISH = {"stop": "stop", "length": "length", "context": "length"}  # engine -> OpenAI finish_reason
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
@@ -336,10 +339,12 @@ def wake_up(event: asyncio.Event) -> Callable[[], None]:
 async def texts(
     decoding: Decoding, changed: asyncio.Event, request: Request, generation: Generation, outcome: Outcome, tokenizer
 ) -> AsyncIterator[str]:
-    """The reply's text as the steps commit, cut at a stop string. The decoding
-    is cancelled when this ends early: a stop string, or the client gone."""
+    """The reply's text as the steps commit, cut at a stop string, and "" when
+    nothing came for KEEPALIVE_SECONDS. The decoding is cancelled when this
+    ends early: a stop string, or the client gone."""
     scanner = StopScanner(generation.stop, tokenizer)
     cursor = 0
+    said = time.monotonic()  # when something last went out ("" when nothing did for KEEPALIVE_SECONDS)
     try:
         while True:
             try:
@@ -350,6 +355,9 @@ async def texts(
             if await request.is_disconnected():
                 outcome.finish_reason = "cancelled"
                 return
+            if time.monotonic() - said >= KEEPALIVE_SECONDS:
+                said = time.monotonic()
+                yield ""
             for step in read_steps(decoding, cursor):
                 cursor += 1
                 outcome.add(step)
@@ -364,6 +372,7 @@ async def texts(
                         yield text
                     return
                 if text:
+                    said = time.monotonic()
                     yield text
             if decoding.done_reading(cursor):
                 read_steps(decoding, cursor)  # raises the error it ended with, should it have ended after the read above
@@ -436,6 +445,9 @@ async def stream_events(pieces: AsyncIterator[str], shape: Shape, outcome: Outco
     yield shape.chunk(empty, include_usage=include_usage)
     try:
         async for text in pieces:
+            if not text:  # still waiting: a comment line, which SSE readers skip, keeps the connection alive
+                yield ": waiting\n\n"
+                continue
             yield shape.chunk({"content": text} if shape.chat else text, include_usage=include_usage)
         yield shape.chunk({} if shape.chat else "", outcome.finish_reason, include_usage)
         if include_usage:

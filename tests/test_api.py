@@ -597,6 +597,31 @@ def test_full_queue_is_429(engine, tmp_path_factory, paced):
         server.close()
 
 
+def test_a_stream_waiting_for_its_turn_sends_comments_that_clients_skip(server, client, engine, paced, monkeypatch):
+    """While a stream waits behind another reply, SSE comment lines go out (a
+    client's or proxy's read timeout would end a quiet one); the official client
+    reads the reply through them as if they were not there."""
+    from app import api
+
+    monkeypatch.setattr(api, "KEEPALIVE_SECONDS", 0.2)
+    expected = engine_text(engine, max_new_tokens=8, mode="vanilla")[0]
+    paced(0.1)  # the first reply holds the model for 3 s
+    body = {"model": engine.base.name, "messages": MESSAGES, "max_tokens": 30, "temperature": 0, "stream": True,
+            "stop": ["w63 w62 w61 w60"], "kestrel": {"mode": "vanilla"}}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}v1/chat/completions", json=body, timeout=60) as first:
+        with httpx.stream("POST", f"{server.url}v1/chat/completions", json={**body, "max_tokens": 8}, timeout=60) as waiting:
+            lines = list(waiting.iter_lines())
+        first.read()
+    assert lines.count(": waiting") >= 3 and "data: [DONE]" in lines, lines[:8]
+    assert all(line.startswith(("data: ", ": waiting")) or line == "" for line in lines)
+    paced(0.1)
+    with httpx.stream("POST", f"{server.url}v1/chat/completions", json=body, timeout=60) as first:
+        stream = client.chat.completions.create(model=engine.base.name, messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
+                                                extra_body={"kestrel": {"mode": "vanilla"}})  # fmt: skip
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
+        first.read()
+
+
 def test_a_client_gone_mid_stream_frees_the_model_within_a_step(server, client, engine, paced):
     paced(0.05)  # a 200-token reply would hold the model for 10 s
     body = {"model": engine.base.name, "messages": MESSAGES, "max_tokens": 200, "temperature": 0,
