@@ -19,7 +19,7 @@ from core import planner
 from core.calibration import Calibration, Continuation, DraftTiming
 from core.config import TreeParams
 from core.lookup import ContextIndex
-from core.tree import DraftTree, graft, lookup_continuation, make_tree, rerank, subtree
+from core.tree import DraftTree, graft, make_tree, rerank, subtree
 from models import int4, int8
 from models.base import cpu_has_native_bf16
 from models.head import DraftHead, HeadCache
@@ -205,7 +205,7 @@ class Drafter:
         finally:
             self.cache.crop(committed)
         if self.params.lookup_tokens:
-            tokens, parents = graft(tokens, parents, lookup_continuation(self.index.tokens, self.params.lookup_tokens))
+            tokens, parents = graft(tokens, parents, self.index.continuation(self.params.lookup_tokens))
         return make_tree(root, tokens, parents)
 
     def _rest_after(self, drafted_rate: float, curve: list[float], draft_seconds: float) -> None:

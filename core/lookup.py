@@ -46,6 +46,19 @@ class ContextIndex:
             if len(self.tokens) >= 2:
                 self.ends.setdefault((self.tokens[-2], self.tokens[-1]), []).append(len(self.tokens))
 
+    def continuation(self, count: int, longest: int = 4, shortest: int = 2) -> list[int]:
+        """core.tree.lookup_continuation of the tokens, from the final bigram's
+        earlier ends instead of a scan of the whole conversation at every step."""
+        context = self.tokens
+        end = len(context)
+        ends = self.ends.get(tuple(context[-2:]), []) if end >= 2 else []
+        for size in range(min(longest, end - 1), shortest - 1, -1):
+            pattern = context[-size:]
+            for position in reversed(ends):
+                if position < end and position >= size and context[position - size : position] == pattern:
+                    return context[position : position + count]
+        return []
+
     def branches(self, count: int, longest: int) -> list[Branch]:
         """Up to `count` distinct continuations of the latest earlier matches
         of the final bigram, longest match first (the latest among equals),

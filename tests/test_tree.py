@@ -46,3 +46,19 @@ def test_lookup_takes_the_latest_longest_match():
     assert lookup_continuation(context, 3) == [5, 6, 0]  # "2 3" last seen before "5 6 0"
     assert lookup_continuation([1, 2, 3, 1, 2], 2) == [3, 1]
     assert lookup_continuation([1, 2, 3], 4) == []
+
+
+def test_the_context_index_looks_up_what_a_scan_of_the_conversation_finds():
+    """The fixed tree's copied continuation, from the bigrams' kept positions
+    (a scan of the whole conversation at every step took tens of ms in long chats)."""
+    import random
+
+    from core.lookup import ContextIndex
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        context = [rng.randrange(1 + seed % 6) for _ in range(rng.randrange(0, 80))]
+        index = ContextIndex()
+        index.extend(context)
+        for count in (1, 3, 8):
+            assert index.continuation(count) == lookup_continuation(context, count), (seed, count)
