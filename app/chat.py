@@ -503,6 +503,7 @@ class ChatHandlers:
         self.exports: tempfile.TemporaryDirectory | None = None  # one folder for every export, removed at exit
         # the chats whose reply is being written: id -> that reply's colouring, as the page's box has it now
         self.replying: dict[str, bool] = {}
+        self.reply_owner: dict[str, str | None] = {}  # of those, the browser tab (session) whose Send or Regenerate began it
         # of those, the ones whose decoding has ended, until their last update has gone to the page: set then
         self.finishing: dict[str, threading.Event] = {}
         self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
@@ -597,15 +598,14 @@ class ChatHandlers:
         if not message:  # accept refused it and said why (or a caller of /send sent nothing)
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
             return
-        if chat:
-            self.sent.pop(chat["id"], None)
+        owner = self.sent.pop(chat["id"], None) if chat else None
         if chat and chat["id"] in self.replying:
             yield message, gr.skip(), chat, busy_notice(), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
         chat["system"] = system or ""
         chat["messages"].append({"role": "user", "content": message})
-        yield from self._respond(chat, values, message)
+        yield from self._respond(chat, values, message, owner=owner)
 
     def check_idle(self, chat: dict | None, request: gr.Request = None) -> tuple:
         """At once on Regenerate, before it waits for the model: refused while
@@ -622,8 +622,7 @@ class ChatHandlers:
         return gr.skip(), False
 
     def regenerate(self, chat: dict | None, refused: bool, system: str, *values) -> Iterator[tuple]:
-        if chat and not refused:
-            self.sent.pop(chat["id"], None)
+        owner = self.sent.pop(chat["id"], None) if chat and not refused else None
         if refused:  # check_idle said why
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
             return
@@ -639,10 +638,11 @@ class ChatHandlers:
         if not chat["messages"]:
             yield gr.skip(), gr.skip(), chat, notice_html("Nothing to regenerate."), *SKIP_PANEL
             return
-        yield from self._respond(chat, values, None, kept)
+        yield from self._respond(chat, values, None, kept, owner)
 
-    def _respond(self, chat: dict, values: Sequence, message: str | None, kept: dict | None = None) -> Iterator[tuple]:
-        """Stream the assistant's reply to the chat's last user message."""
+    def _respond(self, chat: dict, values: Sequence, message: str | None, kept: dict | None = None, owner: str | None = None) -> Iterator[tuple]:
+        """Stream the assistant's reply to the chat's last user message. `owner`:
+        the browser tab that asked for it, whose colour box its updates follow."""
         colour = bool(dict(zip(SETTINGS, values)).get("colour", True))
         try:
             options = with_seed(Options.from_values(values))
@@ -679,6 +679,7 @@ class ChatHandlers:
         history = display(chat, colour)  # rendered once (and again if the colouring changes); each update renders only the growing reply
         reply = None
         self.replying[chat["id"]] = colour
+        self.reply_owner[chat["id"]] = owner
         try:  # this chat counts as being replied to until its last update has reached the page: a New chat
             # clicked meanwhile would be undone by it (the chat shown and chat_state set back to this one)
             live = LiveReply()
@@ -753,6 +754,7 @@ class ChatHandlers:
             yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
         finally:
             self.replying.pop(chat["id"], None)
+            self.reply_owner.pop(chat["id"], None)
             finished = self.finishing.pop(chat["id"], None)
             if finished is not None:
                 finished.set()
@@ -1145,12 +1147,15 @@ class ChatHandlers:
         shown = chat["id"] if chat and any(chat_id == chat["id"] for _, chat_id in choices) else None
         return gr.update(choices=choices, value=shown)
 
-    def recolour(self, chat: dict | None, colour: bool) -> list[dict]:
+    def recolour(self, chat: dict | None, colour: bool, request: gr.Request = None) -> list[dict]:
         """The chat shown with or without colours; while its reply is written, that reply's
-        next update (and its end) takes the new setting instead: the view lacks the reply so far."""
+        next update (and its end) takes the new setting instead: the view lacks the reply so far.
+        Another tab showing the same chat redraws its own view and leaves the reply's colours alone."""
         if chat and chat["id"] in self.replying:
-            self.replying[chat["id"]] = colour
-            return gr.skip()
+            owner = self.reply_owner.get(chat["id"])
+            if owner is None or owner == getattr(request, "session_hash", None):
+                self.replying[chat["id"]] = colour
+                return gr.skip()
         if chat is None:  # a server restarted since the page showed its chat: left as shown (the next action takes it back)
             return gr.skip()
         return display(chat, colour)

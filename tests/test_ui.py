@@ -2218,6 +2218,19 @@ def test_a_new_reply_clears_the_panel_of_the_last_one_and_follows_the_colour_box
     assert updates[-1][1] == chat_module.display(final, False)  # the finished reply uncoloured, as the box now says
 
 
+def test_the_colour_box_of_another_tab_showing_the_chat_leaves_its_reply_alone(handlers):
+    """Tab A writes a reply; tab B shows the same chat and unticks its colour
+    box: B's view is redrawn uncoloured, A's reply keeps A's colours."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    _, pending, _, writing, _ = handlers.accept("w2", chat, True, request=tab("a"))
+    stream = handlers.send(pending, writing, "", *values(max_new_tokens=40, mode="eagle2", colour=True))
+    writing = next(stream)[2]
+    assert handlers.recolour(chat, False, tab("b")) == chat_module.display(chat, False)
+    updates = list(stream)
+    final = updates[-1][2]
+    assert updates[-1][1] == chat_module.display(final, True)  # still coloured, as tab A's box says
+
+
 def test_catalog_estimates_keep_the_embedding_at_16_bits():
     """Quantization (bitsandbytes, and the CPU kernels) leaves the embedding and
     an untied lm_head at 16 bits: an 8B model with a 128k vocabulary needs about
