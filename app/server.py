@@ -45,6 +45,7 @@ API_PATHS = ("/v1/", "/health")
 # the server keeps, the least recently used dropped first; Gradio's 10,000 kept every reload's for
 # days of use. A tab whose state was dropped goes on as after a server restart (the chat it names)
 PAGE_SESSIONS_KEPT = 64
+MAX_UPLOAD = "64mb"  # a file the page takes (a chat to import, a benchmark's prompts); Gradio's default has no limit
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,13 @@ class Guard:
         if self.access.loopback and host_name(headers.get("host", "")) not in LOOPBACK_NAMES:
             shown = headers.get("host", "(none)")
             return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers only to 127.0.0.1, localhost and ::1").response()
-        if not is_api(scope["path"]):
-            return None  # the page: Gradio checks its own origins and login
         origin = headers.get("origin")
+        if not is_api(scope["path"]):  # the page: its own actions only (Gradio's CORS check leaves a header out, refusing
+            # nothing, and a form POST needs no preflight: any site's page could upload files here, or run events)
+            if scope.get("method", "GET") not in ("GET", "HEAD", "OPTIONS") and origin is not None and not self._own(origin, headers):
+                return ApiError(403, f"the page's actions come from the page itself, not from the web page at {origin}",
+                                code="origin_not_allowed").response()  # fmt: skip
+            return None  # Gradio checks its login
         if origin is not None and origin not in self.own_origins and origin not in self.access.allow_origins:
             return ApiError(
                 403, f"requests from the web page at {origin} are not allowed; start Kestrel with --allow-origin {origin} to allow them",
@@ -118,6 +123,11 @@ class Guard:
                     401, "a valid API key is required: send the header Authorization: Bearer <key>", code="invalid_api_key"
                 ).response()
         return None
+
+    def _own(self, origin: str, headers: dict) -> bool:
+        """Whether `origin` is the page's: this machine's names at this port, or
+        (with --listen) the address the browser reached the server by."""
+        return origin in self.own_origins or origin.split("://", 1)[-1] == headers.get("host")
 
     @staticmethod
     def _preflight(requested: str) -> Response:
@@ -213,7 +223,7 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
     version = page_version(demo)
     app = gr.mount_gradio_app(
         app, demo, path="/", server_name=access.host, server_port=port, auth=access.auth, show_error=True,
-        css=render.CSS, js=render.page_js(version), favicon_path=str(ICON),
+        css=render.CSS, js=render.page_js(version), favicon_path=str(ICON), max_file_size=MAX_UPLOAD,
     )  # fmt: skip
     return Guard(app, access, port, version)
 

@@ -498,6 +498,16 @@ def test_host_and_origin_checks_and_no_cors_by_default(server, engine):
     assert other_site.status_code == 403 and "--allow-origin" in other_site.json()["error"]["message"]
     preflight = httpx.options(url, headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in preflight.headers
+    # the page's own routes: another site's page may link to it, not act on it (a form POST needs no preflight)
+    upload = f"{server.url}gradio_api/upload"
+    files = {"files": ("a.jsonl", b'{"turns": ["w1"]}\n', "application/octet-stream")}
+    refused = httpx.post(upload, headers={"Origin": "https://evil.example"}, files=files)
+    assert refused.status_code == 403 and "from the page itself" in refused.json()["error"]["message"]
+    assert httpx.post(upload, headers={"Origin": server.url.rstrip("/")}, files=files).status_code == 200
+    assert httpx.post(upload, files=files).status_code == 200  # no browser: no origin to check
+    assert httpx.get(server.url, headers={"Origin": "https://evil.example"}).status_code == 200
+    too_big = {"files": ("b.jsonl", b"x" * (64 * 1024 * 1024 + 1), "application/octet-stream")}
+    assert httpx.post(upload, files=too_big, timeout=60).status_code == 413
 
 
 def test_allowed_origin_gets_cors_headers(engine, tmp_path_factory):
