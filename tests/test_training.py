@@ -233,6 +233,29 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tiny_base, prompts_f
     assert_drafts_losslessly(tiny_base, head, new_head(head_config_for(config), TRAIN.seed), paths.work)
 
 
+def test_a_head_is_shaped_after_configs_of_other_names_and_a_config_it_cannot_be_is_refused_before_any_answer(
+    tiny_base, prompts_file, tmp_path, monkeypatch
+):
+    """GPT-2's and GPT-NeoX's configs name their widths and norms otherwise
+    (n_embd, layer_norm_epsilon, no inner width); one that names none is refused
+    by field before the answers, where it failed after hours of answers and features."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, GPTNeoXConfig
+
+    gpt2 = head_config_for(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=48))
+    assert (gpt2.hidden_size, gpt2.intermediate_size, gpt2.num_attention_heads, gpt2.rms_norm_eps) == (64, 256, 4, 1e-5)
+    neox = head_config_for(GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, vocab_size=48))
+    assert (neox.intermediate_size, neox.rms_norm_eps) == (96, 1e-5)
+    odd = SimpleNamespace(model_type="odd", hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=48)
+    with pytest.raises(ValueError, match="odd's config has no rms_norm_eps"):
+        head_config_for(odd)
+    monkeypatch.setattr(tiny_base.model, "config", SimpleNamespace(**{**tiny_base.model.config.to_dict(), "rms_norm_eps": None}))
+    with pytest.raises(ValueError, match="config has no rms_norm_eps"):
+        train_head(tiny_base, RunPaths(prompts_file, tmp_path / "head", tmp_path / "work"), ANSWERS, FEATURES, TRAIN, progress=False)
+    assert not (tmp_path / "work" / "answers.jsonl").exists()
+
+
 def test_eagle3_training_lowers_the_loss_and_the_head_decodes_losslessly(tiny_base, prompts_file, tmp_path):
     from dataclasses import replace
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from core.capture import LayerCapture
 from core.training.answers import AnswerParams, cached_answers, generate_answers, read_prompts
 from core.training.compare import drafted_accuracy
 from core.training.features import MANIFEST, FeatureParams, extract_features, is_held_out
@@ -191,8 +192,11 @@ def train_head(
         train_params = replace(train_params, loss_vocab=draft_vocab)
     suffix = "-eagle3" if third else ""
     kept_vocabulary = None
+    head_config = head_config_for(base.model.config)  # what a head needs of the model: now, not after hours of answers
+    if third:
+        LayerCapture(base.model, layers)  # where an EAGLE-3 head's features are captured
     if train_params.init_head:  # the shapes now, not after hours of answers and features
-        initial_weights(Path(train_params.init_head), new_head(head_config_for(base.model.config), 0))
+        initial_weights(Path(train_params.init_head), new_head(head_config, 0))
         kept_vocabulary = initial_draft_ids(Path(train_params.init_head), draft_vocab)
     prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)  # first: a refusal leaves no record
     check_base_model(paths.work, base)
