@@ -69,6 +69,9 @@ def resolve_device(device: str = "auto") -> torch.device:
         raise ValueError(f"device {device!r} asked for, but no CUDA GPU is available to torch; use --device cpu")
     if chosen.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if chosen.type == "cuda" and chosen.index is not None and chosen.index >= (count := torch.cuda.device_count()):
+        gpus = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise ValueError(f"device {device!r} asked for, but this computer has {count} CUDA GPU{'s' if count != 1 else ''} ({gpus})")
     return chosen
 
 

@@ -124,6 +124,18 @@ def test_bad_options(tiny_dir):
         load_base(str(tiny_dir), dtype="float8")
 
 
+def test_a_gpu_number_past_those_there_are_is_named(monkeypatch):
+    """cuda:1 on a one-GPU computer: said before anything loads (CUDA's own error
+    escaped as a traceback, or as unreadable model files, whose converted copy was then made again)."""
+    from models.base import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"'cuda:1' asked for, but this computer has 1 CUDA GPU \(cuda:0\)"):
+        resolve_device("cuda:1")
+    assert resolve_device("cuda:0") == torch.device("cuda:0") and resolve_device("cuda") == torch.device("cuda")
+
+
 def test_non_gguf_file_is_refused(tmp_path):
     file = tmp_path / "weights.bin"
     file.write_bytes(b"0")
