@@ -368,7 +368,7 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
     """Map the many ways loading fails onto Kestrel's errors."""
     from huggingface_hub import errors as hub
 
-    from models.hub import error_chain, network_cause, unreachable_message
+    from models.hub import answered_message, error_chain, network_cause, unreachable_message
 
     text = str(error)
     if out_of_memory(error):
@@ -379,6 +379,9 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
         return NetworkError(f"{name}: this repo is gated; accept its licence on huggingface.co and log in (hf auth login)")
     if any(isinstance(link, hub.RepositoryNotFoundError) for link in chain):
         return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private)")
+    answered = answered_message(name, error)  # a login refused (a revoked token), the hub's own error
+    if answered is not None:
+        return NetworkError(answered)
     cause = network_cause(error)
     if cause is not None:
         return NetworkError(unreachable_message(name, cause))

@@ -87,6 +87,23 @@ def network_cause(error: BaseException) -> BaseException | None:
     return None
 
 
+def answered_message(source: str, error: BaseException) -> str | None:
+    """What the hub answered, where it refused the request otherwise than by
+    naming the repo missing or gated: a login it does not take (a revoked or
+    expired token, 401/403), or an error of its own; None where it did not answer."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    answer = next((link for link in error_chain(error) if isinstance(link, HfHubHTTPError)), None)
+    status = getattr(getattr(answer, "response", None), "status_code", None)
+    if status in (401, 403):
+        return (f"{source}: the Hugging Face hub refused the saved login (HTTP {status}); log in again (hf auth login) "
+                "or unset HF_TOKEN, which public repos do not need")  # fmt: skip
+    if status is not None:
+        first_line = (str(answer).splitlines() or [""])[0]
+        return f"{source}: the Hugging Face hub answered HTTP {status} ({first_line}); try again later"
+    return None
+
+
 def unreachable_message(source: str, cause: BaseException) -> str:
     first_line = (str(cause).splitlines() or [""])[0]
     return (f"{source}: the Hugging Face hub cannot be reached ({type(cause).__name__}: {first_line}); check the "

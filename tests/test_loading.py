@@ -529,10 +529,10 @@ def test_what_the_hub_answers_is_not_said_as_a_network_failure(monkeypatch):
     from models.errors import HeadFormatError, NetworkError
     from models.head import resolve_head_folder
 
-    def answered(status: int, code: str) -> Exception:
+    def answered(status: int, code: str, message: str = "x") -> Exception:
         request = httpx2.Request("GET", "https://huggingface.co/api/models/owner/name")
         try:
-            hf_raise_for_status(httpx2.Response(status, headers={"X-Error-Code": code, "X-Error-Message": "x"}, request=request))
+            hf_raise_for_status(httpx2.Response(status, headers={"X-Error-Code": code, "X-Error-Message": message}, request=request))
         except Exception as error:  # as transformers wraps it
             try:
                 raise OSError("owner/name is not a local folder and is not a valid model identifier") from error
@@ -544,6 +544,18 @@ def test_what_the_hub_answers_is_not_said_as_a_network_failure(monkeypatch):
     assert isinstance(missing, ModelNotFoundError) and "no such repo on the Hugging Face hub" in str(missing)
     gated = _explain(answered(401, "GatedRepo"), "owner/name", "none")
     assert isinstance(gated, NetworkError) and "this repo is gated" in str(gated)
+    for status in (401, 403):  # a revoked or expired token: said as the login it is, not as a network to check
+        revoked = _explain(answered(status, "", "Invalid credentials in Authorization header"), "owner/name", "none")
+        assert isinstance(revoked, NetworkError) and f"refused the saved login (HTTP {status}); log in again" in str(revoked)
+    assert "the Hugging Face hub answered HTTP 500" in str(_explain(answered(500, ""), "owner/name", "none"))
+
+    def refused_login(*args, **kwargs):
+        raise answered(401, "", "Invalid credentials in Authorization header").__cause__
+
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refused_login)
+    with pytest.raises(NetworkError, match=r"owner/name: the Hugging Face hub refused the saved login \(HTTP 401\)"):
+        resolve_head_folder("owner/name")
 
     def no_config(*args, **kwargs):
         raise answered(404, "EntryNotFound").__cause__
