@@ -368,7 +368,7 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
     """Map the many ways loading fails onto Kestrel's errors."""
     from huggingface_hub import errors as hub
 
-    from models.hub import answered_message, error_chain, network_cause, unreachable_message
+    from models.hub import answered_message, error_chain, network_cause, no_folder, unreachable_message
 
     text = str(error)
     if out_of_memory(error):
@@ -378,7 +378,7 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
     if any(isinstance(link, hub.GatedRepoError) for link in chain):
         return NetworkError(f"{name}: this repo is gated; accept its licence on huggingface.co and log in (hf auth login)")
     if any(isinstance(link, hub.RepositoryNotFoundError) for link in chain):
-        return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private)")
+        return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private){no_folder(name)}")
     answered = answered_message(name, error)  # a login refused (a revoked token), the hub's own error
     if answered is not None:
         return NetworkError(answered)
@@ -386,7 +386,7 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
     if cause is not None:
         return NetworkError(unreachable_message(name, cause))
     if isinstance(error, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)) or "connect" in text.lower():
-        return NetworkError(f"{name}: not in the local cache and the Hugging Face hub cannot be reached")
+        return NetworkError(f"{name}: not in the local cache and the Hugging Face hub cannot be reached{no_folder(name)}")
     gguf = str(name).lower().endswith(".gguf")
     if gguf and "general.architecture" in text:  # every sound GGUF names its architecture there
         return CorruptedFileError(f"{name}: the GGUF file is incomplete or damaged (its metadata names no architecture); download it again")

@@ -589,7 +589,7 @@ def resolve_head_folder(source: str) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub
 
-    from models.hub import answered_message, network_cause, reachable, unreachable_message
+    from models.hub import answered_message, network_cause, no_folder, reachable, unreachable_message
 
     cache_only = not reachable()  # without a network: the cache at once, not after the hub's retries
     try:
@@ -604,15 +604,15 @@ def resolve_head_folder(source: str) -> Path:
             except missing:  # offline, the cache may hold the other weights file
                 continue
         if cache_only:
-            raise NetworkError(f"{source}: its weights are not in the local cache and the Hugging Face hub cannot be reached")
+            raise NetworkError(f"{source}: its weights are not in the local cache and the Hugging Face hub cannot be reached{no_folder(source)}")
     except hub.GatedRepoError as error:
         raise NetworkError(f"{source}: this repo is gated; accept its licence on huggingface.co and log in") from error
     except hub.RepositoryNotFoundError as error:
-        raise ModelNotFoundError(f"{source}: no such repo on the Hugging Face hub") from error
+        raise ModelNotFoundError(f"{source}: no such repo on the Hugging Face hub{no_folder(source)}") from error
     except hub.HfHubHTTPError as error:  # an answer, not a network to check: a login refused, the hub's own error
         raise NetworkError(answered_message(source, error) or str(error)) from error
     except (hub.LocalEntryNotFoundError, OSError) as error:
-        raise NetworkError(f"{source}: not in the local cache and the Hugging Face hub cannot be reached") from error
+        raise NetworkError(f"{source}: not in the local cache and the Hugging Face hub cannot be reached{no_folder(source)}") from error
     except KestrelError:  # said above already (a repo without config.json is no head)
         raise
     except Exception as error:  # huggingface_hub lets a proxy's refusal through as the HTTP client's error

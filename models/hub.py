@@ -87,6 +87,14 @@ def network_cause(error: BaseException) -> BaseException | None:
     return None
 
 
+def no_folder(source: str) -> str:
+    """", nor a folder ... here" for a repo id that could be a mistyped relative
+    path (heads/typo): the likelier mistake, which the hub's answer does not name."""
+    from pathlib import Path
+
+    return "" if Path(source).exists() else f", nor a folder {Path(source).absolute()} here"
+
+
 def answered_message(source: str, error: BaseException) -> str | None:
     """What the hub answered, where it refused the request otherwise than by
     naming the repo missing or gated: a login it does not take (a revoked or

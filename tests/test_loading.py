@@ -542,6 +542,7 @@ def test_what_the_hub_answers_is_not_said_as_a_network_failure(monkeypatch):
 
     missing = _explain(answered(404, "RepoNotFound"), "owner/name", "none")
     assert isinstance(missing, ModelNotFoundError) and "no such repo on the Hugging Face hub" in str(missing)
+    assert f"nor a folder {Path('owner/name').absolute()} here" in str(missing)  # a mistyped relative path, likelier
     gated = _explain(answered(401, "GatedRepo"), "owner/name", "none")
     assert isinstance(gated, NetworkError) and "this repo is gated" in str(gated)
     for status in (401, 403):  # a revoked or expired token: said as the login it is, not as a network to check
