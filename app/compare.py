@@ -3,6 +3,7 @@ EAGLE), one after the other, with a verdict; and the benchmark button."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from models.errors import KestrelError
 
 QUICK_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "quick.jsonl"
 PANE_INTERVAL = 0.5  # seconds between pane updates (the decoding never waits for them; see chat.TEXT_INTERVAL)
+ALREADY_TEXT = "This tab's {what} is still running or waiting for the model: Stop it, or wait for its end, then press again."
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -91,8 +93,9 @@ def verdict_html(
         lines.append(f"EAGLE-2 speedup: <b id='verdict-speedup'>{replies['eagle2'].snapshot.tokens_per_s / base:.2f}x</b>")
     shortest = min(replies.values(), key=lambda reply: reply.snapshot.tokens)
     if shortest.snapshot.tokens < SHORT_REPLY:
-        longer = ("let the replies run longer (Max new tokens)" if shortest.finish_reason == "length" else
-                  "ask for a longer answer (this one ended on its own)")  # fmt: skip
+        longer = {"length": "let the replies run longer (Max new tokens)",
+                  "context": "use a shorter prompt (this one leaves little room in the context window)"}.get(
+            shortest.finish_reason, "ask for a longer answer (this one ended on its own)")  # fmt: skip
         lines.append(f"<span id='verdict-short'>The shortest reply has {shortest.snapshot.tokens} tokens, too short to time well "
                      f"(reading the prompt takes much of its time); for a speed comparison {longer}.</span>")  # fmt: skip
     if not greedy:
@@ -148,29 +151,46 @@ class CompareHandlers:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.pending: dict[str, str] = {}  # a run's cancel key -> "compare" or "benchmark", from the click to the run's end
+        runtime.on_stop.append(self._stop_all)  # Ctrl+C on the server: a benchmark would run on past the server's wait
+
+    def _stop_all(self) -> None:
+        for key in list(self.pending):
+            self.runtime.cancel(key)
 
     def arm(self, request: gr.Request = None) -> tuple:
         """Compare pressed, before the run waits for the model: this tab's Stop is
         released here, so that a Stop pressed while the run waits still applies,
         and the last comparison leaves the screen. Outputs: the three panes, verdict."""
-        self._armed(request, "compare")
+        if not self._armed(request, "compare"):
+            return gr.skip(), gr.skip(), gr.skip(), ALREADY_TEXT.format(what="comparison")
         return "", "", "", "Waiting for the model..."
 
     def arm_benchmark(self, request: gr.Request = None) -> tuple:
         """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice."""
-        self._armed(request, "benchmark")  # its progress bar says "Waiting for the model...", then how far it got
+        if not self._armed(request, "benchmark"):  # its progress bar says "Waiting for the model...", then how far it got
+            return gr.skip(), gr.skip(), gr.skip(), ALREADY_TEXT.format(what="benchmark")
         return None, None, None, ""
 
-    def _armed(self, request, kind: str) -> None:
+    def _armed(self, request, kind: str) -> bool:
+        """False where this tab's run of this kind is still on or waiting: the
+        page would not send the second press's run (Gradio drops an event
+        pending already), and arming it would have released a Stop pressed for the first."""
         key = compare_key(request, kind)  # the tab's comparison and benchmark each have their own: arming one
-        self.runtime.cancel_event(key).clear()  # leaves a Stop pressed for the other as it was
+        if key in self.pending:
+            return False
+        self.runtime.fresh_cancel(key)  # leaves a Stop pressed for the other as it was
         self.pending[key] = kind
+        return True
 
     def forget(self, request: gr.Request = None) -> None:
         """A browser tab closed: its comparison and benchmark stop (running or
         waiting), rather than hold the model for a page no one reads."""
         for kind in ("compare", "benchmark"):
-            self.runtime.cancel(compare_key(request, kind))
+            key = compare_key(request, kind)
+            if key in self.pending:  # its run (on or waiting) reads the signal: set, kept until the run ends
+                self.runtime.cancel(key)
+            else:  # nothing of the tab's left to stop: its signal goes (one kept per closed tab added up)
+                self.runtime.drop_cancel(key)
 
     def compare(self, prompt: str, with_eagle: bool, request: gr.Request, *values) -> Iterator[tuple]:
         """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict. The tab's
@@ -213,20 +233,20 @@ class CompareHandlers:
                 return
             replies[mode] = reply
         greedy = options.sampling.greedy
-        divergences = self._divergences(engine, messages, replies) if greedy else {}
+        divergences = self._divergences(engine, messages, replies, cancel) if greedy else {}
         yield *panes.values(), verdict_html(replies, greedy, divergences, options.sampling.seed, engine.exact)
 
-    def _divergences(self, engine, messages: list[dict], replies: dict[str, Reply]) -> dict[str, Divergence | None]:
+    def _divergences(self, engine, messages: list[dict], replies: dict[str, Reply], cancel: threading.Event | None = None) -> dict[str, Divergence | None]:
         """Where each speculative reply parts from vanilla's (one forward each,
         in the model's queue), for greedy replies that differ."""
         differing = [m for m in replies if m != "vanilla" and replies[m].token_ids != replies["vanilla"].token_ids]
         if not differing or not replies["vanilla"].snapshot or replies["vanilla"].finish_reason == "cancelled":
             return {}
-        try:
-            with self.runtime.queue.turn():
+        try:  # a Stop (or the tab closed) while this waits for its turn: the verdict without the margin too
+            with self.runtime.queue.turn(cancel):
                 prompt_ids = engine.encode(messages)
                 return {mode: divergence(engine, prompt_ids, replies["vanilla"], replies[mode]) for mode in differing}
-        except KestrelError:  # the queue is full: the verdict names the token without the margin
+        except (KestrelError, TurnCancelled):  # the queue is full: the verdict names the token without the margin
             return {}
 
     def stop(self, request: gr.Request = None) -> tuple:

@@ -213,6 +213,15 @@ class Runtime:
         with self._lock:
             return self._cancels.setdefault(key or "local", threading.Event())
 
+    def drop_cancel(self, key: str | None) -> None:
+        """A browser tab gone: its request under `key` (running or waiting) is
+        stopped, and its signal let go (one kept per closed tab added up)."""
+        with self._lock:
+            event = self._cancels.pop(key or "local", None)
+        if event is not None:
+            event.set()
+            self.queue.wake()
+
     def fresh_cancel(self, key: str | None) -> threading.Event:
         """A new, unset cancel signal for the next request under `key`: a
         decoding still ending (its page went away) keeps the one that stopped it."""

@@ -734,6 +734,8 @@ def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
     ended = verdict_html({"vanilla": short("stop"), "eagle2": short("stop")}, True)
     assert "ask for a longer answer (this one ended on its own)" in ended and "Max new tokens" not in ended
     assert "let the replies run longer (Max new tokens)" in verdict_html({"vanilla": short("length"), "eagle2": short("length")}, True)
+    cut = verdict_html({"vanilla": short("context"), "eagle2": short("context")}, True)  # a longer answer would not fit
+    assert "use a shorter prompt (this one leaves little room in the context window)" in cut and "longer answer" not in cut
     verdict = list(CompareHandlers(Runtime(engine)).compare("w3 w4", False, None, *values(max_new_tokens=60)))[-1][3]
     tokens = [int(n) for n in re.findall(r'-tau">[^<]*</td><td class="value">(\d+)</td>', verdict)]
     assert len(tokens) == 2 and ("too short" in verdict) == (min(tokens) < compare_module.SHORT_REPLY)
@@ -822,8 +824,14 @@ def test_compare_stop_and_chat_stop_each_stop_their_own(handlers, engine, monkey
     compare.arm(mine)
     runs = compare.compare("w3 w4", False, mine, *values(max_new_tokens=200))
     next(runs), next(runs)
+    # a second press while the first runs: refused, saying so (the page would not send its run, and arming it
+    # again had released a Stop pressed for the first); the first run goes on, and Stop still ends it
+    again = compare.arm(mine)
+    assert all(is_skip(pane) for pane in again[:3]) and "still running or waiting" in again[3]
     compare.stop(mine)
     assert list(runs)[-1][3] == "Stopped."
+    assert compare.arm(mine) == ("", "", "", "Waiting for the model...")  # taken again once it has ended
+    list(compare.compare("w3 w4", False, mine, *values(max_new_tokens=2)))
 
 
 def test_stop_pressed_while_a_comparison_waits_for_the_model_applies(engine):
@@ -846,6 +854,13 @@ def test_stop_pressed_while_a_comparison_waits_for_the_model_applies(engine):
     compare.arm(tab("closed"))
     compare.forget(tab("closed"))
     assert list(compare.compare("w4 w5", False, tab("closed"), *values(max_new_tokens=200)))[-1][3] == "Stopped."
+    signals = len(compare.runtime._cancels)
+    compare.forget(tab("closed"))  # closed with nothing on: its signals go, not one kept per closed tab
+    compare.forget(tab("never-compared"))
+    assert len(compare.runtime._cancels) == signals - 1
+    compare.arm_benchmark(tab("stopping"))  # Ctrl+C on the server stops a benchmark on or waiting
+    compare.runtime.stopping()
+    assert compare.benchmark(None, 1, tab("stopping"), *values(max_new_tokens=8), progress=no_progress)[3] == "Stopped before the benchmark started."
     assert compare.arm_benchmark(tab("mine")) == (None, None, None, "")  # its progress bar says the rest
     assert compare.stop(tab("mine"))[1] == "Stopping..."
     assert compare.benchmark(None, 1, tab("mine"), *values(max_new_tokens=8), progress=no_progress) == (
