@@ -217,8 +217,14 @@ SHOWN_BACK_JS = """() => { try { return [sessionStorage.getItem("kestrel-shown-c
 
 
 def typed_back_js(key: str) -> str:
+    """The text kept for the box; none where Edit put it there, and that text and
+    its mark are let go (the box, empty already, fires no change that would drop
+    the mark, which then kept the next text typed from coming back)."""
     return f"""() => {{ try {{
-  return sessionStorage.getItem("kestrel-{key}-edited") ? "" : sessionStorage.getItem("kestrel-{key}") || "";
+  if (!sessionStorage.getItem("kestrel-{key}-edited")) return sessionStorage.getItem("kestrel-{key}") || "";
+  sessionStorage.removeItem("kestrel-{key}-edited");
+  sessionStorage.removeItem("kestrel-{key}");
+  return "";
 }} catch (e) {{ return ""; }} }}"""
 
 

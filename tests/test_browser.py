@@ -680,6 +680,13 @@ def test_text_typed_but_not_sent_survives_a_reload(page, data_dir):
     page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
     page.wait_for_timeout(1000)
     assert page.locator("#message textarea").input_value() == ""
+    # and what is typed next comes back again (the mark had stayed, and took it too)
+    page.locator("#message textarea").press_sequentially("w3 w2")
+    page.wait_for_timeout(500)
+    page.reload()
+    page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+    page.wait_for_function("document.querySelector('#message textarea').value === 'w3 w2'", timeout=15_000)
+    page.locator("#message textarea").fill("")
     page.get_by_role("tab", name="Compare").click()
     assert page.locator("#compare-prompt textarea").input_value() == "w5 w4"
     page.locator("#compare-prompt textarea").fill("")  # the next tests type their own
