@@ -176,6 +176,9 @@ def through_browser(url: str, prompt: str, mode: str, max_new_tokens: int, expec
         box.fill(str(max_new_tokens))
         box.press("Enter")
         page.locator("#new-chat").click()
+        # the page opened with the chat the client above wrote, whose panel shows the count this run expects:
+        # wait for New chat to clear it, or the wait below could end on that count before this reply started
+        page.wait_for_function("['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim() ?? '')", timeout=60_000)
         page.locator("#message textarea").fill(prompt)
         page.locator("#send").click()
         settled(page, expected_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -1061,6 +1062,24 @@ def test_bench_app_waits_in_the_page_for_the_count_or_for_quiet(browser):
             settled(page, 9, quiet=1.0, timeout=2)
     finally:
         page.close()
+
+
+def test_bench_app_s_browser_run_reads_its_own_reply_not_the_chat_the_page_opened_with(page, app_url, data_dir):
+    """The page opens with the last chat written, whose panel can show the very
+    count the run expects: the run reads its own reply's figures, after New chat."""
+    from app.appbench import through_browser
+
+    settings(page, 4)
+    send(page, "w1 w2")
+    page.get_by_text(re.compile("The reply reached the token limit")).wait_for(timeout=60_000)
+    page.wait_for_timeout(500)  # the chat saved as the one a page opens with
+    results = []  # its own Playwright, on a thread of its own (this one runs the test's)
+    run = threading.Thread(target=lambda: results.append(through_browser(app_url, "w5 w6 w7", "vanilla", 4, expected_tokens=4)))
+    run.start()
+    run.join(180)
+    assert results and results[0]["tokens"] == 4 and results[0]["tokens_per_s"] > 0
+    replies = [chat for chat in saved_chats(data_dir, 0) if chat["messages"][0]["content"] == "w5 w6 w7"]
+    assert replies and replies[-1]["messages"][-1]["stats"]["tokens"] == 4
 
 
 def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir):
