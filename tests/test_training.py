@@ -197,6 +197,36 @@ def test_resume_continues_where_it_stopped(tiny_base, features, tmp_path):
     assert [r["eval"] for r in resumed.history] == [r["eval"] for r in straight.history]
 
 
+def test_ctrl_c_inside_an_optimizer_step_lands_after_it(tiny_base, features, tmp_path, monkeypatch):
+    """Ctrl+C while the optimizer updates the parameters one by one: the step is
+    applied whole and counted, then the run stops with its checkpoint, and the
+    resumed run ends where an uninterrupted one does (a half-applied step was saved and applied again)."""
+    import os
+    import signal
+
+    _, shards = features
+    straight = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "a", TRAIN)
+    straight.run(progress=False)
+    stopped = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "b", TRAIN)
+    step = stopped.optimizer.step
+
+    def interrupted_step(*args, **kwargs):
+        done = step(*args, **kwargs)
+        if stopped.step == 3:  # lands once the parameters are updated, before the step is counted
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        return done
+
+    monkeypatch.setattr(stopped.optimizer, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        stopped.run(progress=False)
+    assert stopped.step == 4
+    resumed = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path / "b", TRAIN)
+    assert resumed.step == 4 and resumed.run(progress=False)
+    for key, value in straight.head.state_dict().items():
+        assert torch.equal(value, resumed.head.state_dict()[key]), key
+
+
 def assert_drafts_losslessly(base, head, untrained, work, params=TRAIN) -> None:
     """The head drafts among its 24 tokens, greedy eagle2 equals vanilla with it,
     and on what it learnt from its loss is below the head it started as (any

@@ -21,9 +21,12 @@ model's own top-1, which would need the full lm_head at every position)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -123,6 +126,28 @@ class Totals:
             "chain_accuracy": per("chain_correct", self.chain_total),
             "chain_positions": list(self.chain_total),
         }
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Ctrl+C and the signals made to raise as it does wait until the block
+    has run, then raise (on the main thread; elsewhere no signal lands)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    numbers = [signal.SIGINT, *(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))]
+    previous = {number: signal.getsignal(number) for number in numbers}
+    raising = {number: handler for number, handler in previous.items() if callable(handler)}  # not SIG_DFL, SIG_IGN
+    caught: list[int] = []
+    for number in raising:
+        signal.signal(number, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for number, handler in raising.items():
+            signal.signal(number, handler)
+        if caught:
+            raising[caught[0]](caught[0], None)
 
 
 def head_config_for(model_config) -> HeadConfig:
@@ -495,9 +520,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_value_(self.head.parameters(), self.params.grad_clip)
-        self.optimizer.step()
-        self.step += 1
-        self.train_totals.merge(totals)
+        with deferred_interrupts():  # the step applied whole, with its count, or not at all: a Ctrl+C inside the
+            self.optimizer.step()  # optimizer's per-parameter loop saved a half-applied step, which --resume applied again
+            self.step += 1
+            self.train_totals.merge(totals)
         self.last_loss = float(loss.detach())
 
     def _epoch_unevaluated(self) -> bool:
