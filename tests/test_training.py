@@ -1039,6 +1039,10 @@ def test_self_prompts_are_requests_the_model_writes_itself(prompts_file, tmp_pat
     own = [json.loads(line) for line in prompts_file.read_text().splitlines()]
     assert kept[: len(own)] == own and kept[len(own) :] == rows
     capsys.readouterr()
+    assert main([*options[:10], "12", *options[11:]]) == 0  # fewer: the first 12, from the cache
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [row["id"] for row in rows if row["id"] in set(list(records)[:12])]
+    assert main([*options[:10], "26", *options[11:]]) == 0 and len(read_requests(cache)) == 26  # more: two more written
+    assert main(options) == 0 and out.read_text() == first  # and back
     assert main([*options, "--temperature", "0.5"]) == 2  # not mixed with requests sampled otherwise
     assert f"{work}: its requests were made with --temperature 1.0, and this run asks for 0.5" in capsys.readouterr().err
     other = tmp_path / "other.jsonl"  # another file's openings: not mixed with the cached requests' (said before loading)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,22 +100,30 @@ def openings(prompts_path: Path, count: int, params: SelfParams, fraction: float
     return chosen
 
 
-def check_request_cache(work: Path, opened: list[str], params: SelfParams) -> None:
+def check_request_cache(work: Path, opened: list[str], params: SelfParams, openings_of: Callable[[int], list[str]] | None = None) -> None:
     """Refuse to add requests to a cache made with other settings or other
     openings (another prompt file, --seed or --opening-words): a resumed run
     would mix them silently, or take words from prompts held out since. Said
-    before the model loads; the settings are then recorded beside the cache."""
+    before the model loads; the settings are then recorded beside the cache.
+    Another --count is the same openings, more or fewer (each is drawn after
+    those before it): `openings_of(count)` checks the cached run's count."""
     cache = work / REQUESTS_FILE
-    digest = hashlib.sha256(json.dumps(opened).encode()).hexdigest()[:16]
+    digest = opening_digest(opened)
     recorded = cache.with_name(f"{cache.stem}-settings.json")
     saved = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else {}
-    if saved.get("openings", digest) != digest:
+    count = saved.get("count")
+    recounted = isinstance(count, int) and count != len(opened) and openings_of is not None
+    if saved.get("openings", digest) != digest and not (recounted and opening_digest(openings_of(count)) == saved["openings"]):
         raise ValueError(
             f"{work}: its requests were opened with other words (the --prompts file, --seed or --opening-words was "
             "another); give the same ones, or another --work for new requests"
         )
     wanted = {key: getattr(params, key) for key in CACHE_SETTINGS}
-    check_settings(cache, {**wanted, "openings": digest}, CACHE_SETTINGS, "requests")
+    check_settings(cache, {**wanted, "openings": digest, "count": len(opened)}, CACHE_SETTINGS, "requests")
+
+
+def opening_digest(opened: list[str]) -> str:
+    return hashlib.sha256(json.dumps(opened).encode()).hexdigest()[:16]
 
 
 def prepare_requests(prompts_path: Path, work: Path, params: SelfParams) -> tuple[list[str], list[str]]:
@@ -123,7 +132,7 @@ def prepare_requests(prompts_path: Path, work: Path, params: SelfParams) -> tupl
     wrong before the model loads."""
     fraction = FeatureParams().eval_fraction
     opened = openings(prompts_path, params.count, params, fraction)
-    check_request_cache(work, opened, params)
+    check_request_cache(work, opened, params, lambda count: openings(prompts_path, count, params, fraction))
     return request_ids(params.count, params.seed, fraction), opened
 
 
