@@ -57,8 +57,11 @@ class ApiError(Exception):
     def response(self) -> Response:
         """JSON with non-ASCII characters escaped: a message may quote the
         request's own text, which can hold what UTF-8 cannot encode."""
-        retry = RETRY_AFTER.get(self.code)
-        headers = {"Retry-After": str(retry)} if retry is not None else {"x-should-retry": "false"} if self.code in NO_RETRY else None
+        headers = {}
+        if self.code in RETRY_AFTER:
+            headers["Retry-After"] = str(RETRY_AFTER[self.code])
+        if self.code in NO_RETRY:
+            headers["x-should-retry"] = "false"
         return Response(json.dumps(self.body()), status_code=self.status, media_type="application/json", headers=headers)
 
 

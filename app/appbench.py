@@ -164,6 +164,7 @@ def through_gradio_client(url: str, prompt: str, mode: str, max_new_tokens: int)
 
 
 def through_browser(url: str, prompt: str, mode: str, max_new_tokens: int, expected_tokens: int) -> dict:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -178,7 +179,10 @@ def through_browser(url: str, prompt: str, mode: str, max_new_tokens: int, expec
         page.locator("#new-chat").click()
         # the page opened with the chat the client above wrote, whose panel shows the count this run expects:
         # wait for New chat to clear it, or the wait below could end on that count before this reply started
-        page.wait_for_function("['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim() ?? '')", timeout=60_000)
+        try:
+            page.wait_for_function("['', '-'].includes(document.querySelector('#stat-tokens')?.innerText.trim() ?? '')", timeout=60_000)
+        except PlaywrightTimeout as error:
+            raise KestrelError("the page did not start a new chat within 60 s (New chat pressed)") from error
         page.locator("#message textarea").fill(prompt)
         page.locator("#send").click()
         settled(page, expected_tokens)

@@ -168,8 +168,13 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     turns = [m for m in messages if m["role"] != "system"]
     window = engine.context_limit - room
     full = prompt_length(engine, system + turns)
-    if full is None and (joined := joined_turns(turns)) != turns:  # a template that wants roles to alternate (Llama-2's, Mistral's)
-        turns, full = joined, prompt_length(engine, system + joined)  # after a message left without a reply: one turn of both
+    sizes = [1] * len(turns)  # messages in each turn
+    if full is None and len(joined := joined_turns(turns)) < len(turns):  # a template that wants roles to alternate (Llama-2's,
+        turns, sizes = [turn for turn, _ in joined], [size for _, size in joined]  # Mistral's), after a message left
+        full = prompt_length(engine, system + turns)  # without a reply: the two as one turn
+
+    def messages_in(dropped: int) -> int:
+        return sum(sizes[:dropped])
 
     @functools.cache  # each count encoded once
     def length(dropped: int) -> int | None:
@@ -181,7 +186,7 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     last = len(turns) - 1  # the newest message always stays
     needed = fewest_dropped(length, last, window)
     if needed is None:  # too long even alone: the engine names it
-        return system + turns[last:], last
+        return system + turns[last:], messages_in(last)
     step = max(1, engine.context_limit // CONTEXT_STEPS)
     # what dropped turns must free: the excess rounded up to a whole step, which stays the same while the chat grows within it
     stepped = full - -(-(full - window) // step) * step if full is not None else window
@@ -190,17 +195,19 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
     # against the target, not this turn's excess, so that the choice too stays the same while the chat grows within it
     if dropped > needed and length(dropped) < stepped - step:
         dropped = next(d for d in range(dropped - 1, needed - 1, -1) if length(d) is not None)
-    return system + turns[dropped:], dropped
+    return system + turns[dropped:], messages_in(dropped)
 
 
-def joined_turns(turns: list[dict]) -> list[dict]:
-    """Messages in a row from the same side as one (their texts a blank line apart)."""
-    joined: list[dict] = []
+def joined_turns(turns: list[dict]) -> list[tuple[dict, int]]:
+    """Messages in a row from the same side as one (their texts a blank line
+    apart), each with how many messages it holds."""
+    joined: list[tuple[dict, int]] = []
     for turn in turns:
-        if joined and joined[-1]["role"] == turn["role"]:
-            joined[-1] = {**joined[-1], "content": f"{joined[-1]['content']}\n\n{turn['content']}"}
+        if joined and joined[-1][0]["role"] == turn["role"]:
+            last, size = joined[-1]
+            joined[-1] = {**last, "content": f"{last['content']}\n\n{turn['content']}"}, size + 1
         else:
-            joined.append(turn)
+            joined.append((turn, 1))
     return joined
 
 

@@ -186,11 +186,9 @@ class CompareHandlers:
         """A browser tab closed: its comparison and benchmark stop (running or
         waiting), rather than hold the model for a page no one reads."""
         for kind in ("compare", "benchmark"):
-            key = compare_key(request, kind)
-            if key in self.pending:  # its run (on or waiting) reads the signal: set, kept until the run ends
-                self.runtime.cancel(key)
-            else:  # nothing of the tab's left to stop: its signal goes (one kept per closed tab added up)
-                self.runtime.drop_cancel(key)
+            key = compare_key(request, kind)  # a run Gradio dropped with the tab never clears its mark
+            self.pending.pop(key, None)
+            self.runtime.cancel_kept(key)  # a signal for every closed tab, where it began nothing, added up
 
     def compare(self, prompt: str, with_eagle: bool, request: gr.Request, *values) -> Iterator[tuple]:
         """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict. The tab's

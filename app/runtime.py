@@ -213,11 +213,11 @@ class Runtime:
         with self._lock:
             return self._cancels.setdefault(key or "local", threading.Event())
 
-    def drop_cancel(self, key: str | None) -> None:
-        """A browser tab gone: its request under `key` (running or waiting) is
-        stopped, and its signal let go (one kept per closed tab added up)."""
+    def cancel_kept(self, key: str | None) -> None:
+        """As cancel, where `key` has a signal already: a browser tab gone stops
+        what it began, without a new signal kept for every tab that began nothing."""
         with self._lock:
-            event = self._cancels.pop(key or "local", None)
+            event = self._cancels.get(key or "local")
         if event is not None:
             event.set()
             self.queue.wake()

@@ -108,7 +108,8 @@ class Guard:
         if not is_api(scope["path"]):  # the page: its own actions only (Gradio's CORS check leaves a header out, refusing
             # nothing, and a form POST needs no preflight: any site's page could upload files here, or run events)
             if scope.get("method", "GET") not in ("GET", "HEAD", "OPTIONS") and origin is not None and not self._own(origin, headers):
-                return ApiError(403, f"the page's actions come from the page itself, not from the web page at {origin}",
+                return ApiError(403, f"the page's actions come from the page itself, not from the web page at {origin}; "
+                                f"where that is the page behind a proxy, start Kestrel with --allow-origin {origin}",
                                 code="origin_not_allowed").response()  # fmt: skip
             return None  # Gradio checks its login
         if origin is not None and origin not in self.own_origins and origin not in self.access.allow_origins:
@@ -125,9 +126,10 @@ class Guard:
         return None
 
     def _own(self, origin: str, headers: dict) -> bool:
-        """Whether `origin` is the page's: this machine's names at this port, or
-        (with --listen) the address the browser reached the server by."""
-        return origin in self.own_origins or origin.split("://", 1)[-1] == headers.get("host")
+        """Whether `origin` is the page's: this machine's names at this port, the
+        address the browser reached the server by (with --listen), or one allowed
+        with --allow-origin (the page's address behind a proxy that sends its own Host)."""
+        return origin in self.own_origins or origin.split("://", 1)[-1] == headers.get("host") or origin in self.access.allow_origins
 
     @staticmethod
     def _preflight(requested: str) -> Response:

@@ -254,8 +254,10 @@ class Store:
 
     def chat_path(self, chat_id: str) -> Path:
         """The chat's file in the chats folder; ValueError for an id that would
-        name another place: a path, a drive or stream (a colon, on Windows), a device (CON, NUL...)."""
-        if not chat_id or any(c in chat_id for c in "/\\:\0") or chat_id.startswith(".") or WINDOWS_DEVICE.fullmatch(chat_id):
+        name another place: a path; on Windows a drive or stream (a colon), a device (CON, NUL...)."""
+        if not chat_id or any(c in chat_id for c in "/\\\0") or chat_id.startswith(".") or (
+            os.name == "nt" and (":" in chat_id or WINDOWS_DEVICE.fullmatch(chat_id))  # elsewhere file names like any other
+        ):
             raise ValueError(f"invalid chat id {chat_id!r}")
         return self.folder / CHATS_FOLDER / f"{chat_id}.json"
 

@@ -534,6 +534,12 @@ def test_allowed_origin_gets_cors_headers(engine, tmp_path_factory):
         odd = httpx.options(url, headers={**site, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "x-a, bad header, (x)"})
         assert odd.headers["access-control-allow-headers"] == "Authorization, Content-Type, x-a"
         assert httpx.get(url, headers={"Origin": "http://localhost:4000"}).status_code == 403
+        # the page behind a proxy that sends its own Host (nginx's default): its origin allowed, its actions taken
+        files = {"files": ("a.jsonl", b'{"turns": ["w1"]}\n', "application/octet-stream")}
+        upload = f"{server.url}gradio_api/upload"
+        assert httpx.post(upload, headers=site, files=files).status_code == 200
+        refused = httpx.post(upload, headers={"Origin": "https://chat.example"}, files=files)
+        assert refused.status_code == 403 and "--allow-origin https://chat.example" in refused.json()["error"]["message"]
     finally:
         server.close()
 

@@ -1074,7 +1074,8 @@ def test_bench_app_s_browser_run_reads_its_own_reply_not_the_chat_the_page_opene
     page.get_by_text(re.compile("The reply reached the token limit")).wait_for(timeout=60_000)
     page.wait_for_timeout(500)  # the chat saved as the one a page opens with
     results = []  # its own Playwright, on a thread of its own (this one runs the test's)
-    run = threading.Thread(target=lambda: results.append(through_browser(app_url, "w5 w6 w7", "vanilla", 4, expected_tokens=4)))
+    # in eagle2, the mode the other tests' pages start with: the run's choice is saved as the page's setting
+    run = threading.Thread(target=lambda: results.append(through_browser(app_url, "w5 w6 w7", "eagle2", 4, expected_tokens=4)))
     run.start()
     run.join(180)
     assert results and results[0]["tokens"] == 4 and results[0]["tokens_per_s"] > 0
