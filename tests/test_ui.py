@@ -650,6 +650,19 @@ def test_a_reply_cut_at_the_window_stays_for_continue(engine):
 
     assert fit_context(Alternating(), messages, room=16) == (messages[2:], 2)
 
+    class Strict(Alternating):  # and that wants the roles to alternate from there on
+        def encode(self, messages):
+            turns = [m["role"] for m in messages if m["role"] != "system"]
+            if any(a == b for a, b in zip(turns, turns[1:])):
+                raise ChatTemplateError("the model's chat template refuses this conversation: roles must alternate")
+            return super().encode(messages)
+
+    # a message left without a reply, then the next: read as one turn, and the count dropped is of messages
+    left = [{"role": "user", "content": paste}, {"role": "assistant", "content": "w5"}, {"role": "user", "content": "w6"},
+            {"role": "user", "content": "w7"}, {"role": "assistant", "content": paste}, {"role": "user", "content": "w8"}]  # fmt: skip
+    fitted, dropped = fit_context(Strict(), left, room=16)
+    assert fitted == left[5:] and dropped == 5  # four turns, one of them two messages
+
 
 ALTERNATING = (
     "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
