@@ -156,22 +156,24 @@ def head_config_for(model_config) -> HeadConfig:
     rope = getattr(model_config, "rope_parameters", None) or {}
     theta = getattr(model_config, "rope_theta", None) or rope.get("rope_theta", 10000.0)
 
-    def first(*names: str):
+    def first(*names: str, otherwise=None):
         for name in names:
             value = getattr(model_config, name, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return value
+        if otherwise is not None:
+            return otherwise
         kind = getattr(model_config, "model_type", None) or type(model_config).__name__
         raise ValueError(f"{kind}'s config has no {names[0]} (nor {', '.join(names[1:])}): a draft head cannot be shaped after this model")
 
+    hidden = first("hidden_size", "n_embd", "d_model")
+    heads = first("num_attention_heads", "n_head")
     return HeadConfig(
-        hidden_size=first("hidden_size", "n_embd", "d_model"),
+        hidden_size=hidden,
         # GPT-2's n_inner None means 4 x its width, as do configs that name no inner width
-        intermediate_size=first("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size") if any(
-            getattr(model_config, name, None) for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-        ) else 4 * first("hidden_size", "n_embd", "d_model"),
-        num_attention_heads=first("num_attention_heads", "n_head"),
-        num_key_value_heads=getattr(model_config, "num_key_value_heads", None) or first("num_attention_heads", "n_head"),
+        intermediate_size=first("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", otherwise=4 * hidden),
+        num_attention_heads=heads,
+        num_key_value_heads=first("num_key_value_heads", otherwise=heads),
         vocab_size=first("vocab_size"),
         rms_norm_eps=first("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"),
         rope_theta=float(theta),
