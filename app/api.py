@@ -71,10 +71,10 @@ class StopScanner:
     tokens are read one at a time, as one-token-a-step decoding meets them, so
     the cut (which stop string, how many tokens) is the same in every mode."""
 
-    def __init__(self, stops: tuple[str, ...], tokenizer):
+    def __init__(self, stops: tuple[str, ...], tokenizer, context: list[int] = ()):
         self.stops = stops
         self.pending = ""
-        self.detokenizer = Detokenizer(tokenizer)
+        self.detokenizer = Detokenizer(tokenizer, context)  # the engine's context: the same text
 
     def scan(self, step: Step) -> tuple[str, int | None]:
         """(text safe to send, how many of the step's tokens come before the
@@ -240,7 +240,7 @@ class Api:
         except ApiError as error:
             return error.response()
         outcome = Outcome(prepared.mode, len(prepared.prompt_ids))
-        pieces = texts(decoding, changed, request, generation, outcome, prepared.engine.base.tokenizer)
+        pieces = texts(decoding, changed, request, generation, outcome, prepared.engine.base.tokenizer, prepared.prompt_ids)
         reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         shape = Shape(reply_id, int(time.time()), prepared.engine.base.name, chat, prepared.clipped_from)
         if generation.stream:
@@ -318,7 +318,10 @@ class Api:
             if current is not engine:  # the Models tab loaded or unloaded a model while this waited: not on the old one
                 now = f"{current.base.name} is loaded now" if current is not None else "no model is loaded now"
                 raise ModelChangedError(f"{engine.base.name} was replaced while this request waited for its turn ({now}); send it again")
-            return engine.stream(prepared.prompt_ids, prepared.mode, generation.sampling, generation.tree, cancel, reuse=self.runtime.reuse)
+            return engine.stream(
+                prepared.prompt_ids, prepared.mode, generation.sampling, generation.tree, cancel,
+                reuse=self.runtime.reuse, continues=generation.messages is None,
+            )  # fmt: skip
 
         try:
             return Decoding(self.runtime.queue, steps, on_change=on_change)
@@ -340,12 +343,13 @@ def wake_up(event: asyncio.Event) -> Callable[[], None]:
 
 
 async def texts(
-    decoding: Decoding, changed: asyncio.Event, request: Request, generation: Generation, outcome: Outcome, tokenizer
+    decoding: Decoding, changed: asyncio.Event, request: Request, generation: Generation, outcome: Outcome, tokenizer,
+    prompt_ids: list[int],
 ) -> AsyncIterator[str]:
     """The reply's text as the steps commit, cut at a stop string, and "" when
     nothing came for KEEPALIVE_SECONDS. The decoding is cancelled when this
     ends early: a stop string, or the client gone."""
-    scanner = StopScanner(generation.stop, tokenizer)
+    scanner = StopScanner(generation.stop, tokenizer, prompt_ids if generation.messages is None else ())
     cursor = 0
     said = time.monotonic()  # when something last went out ("" when nothing did for KEEPALIVE_SECONDS)
     try:

@@ -2,11 +2,48 @@
 
 from __future__ import annotations
 
+import re
+import weakref
+from collections.abc import Sequence
+
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_BYTE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_ids(tokenizer) -> frozenset[int]:
+    """The ids of SentencePiece's byte-fallback pieces ("<0xE4>", in Llama-2's
+    and Mistral's vocabularies). Their decoder turns a run of them into text
+    only as a whole: a run ending in an incomplete character decodes to U+FFFD
+    for every byte, the complete characters before it included, so the text of
+    a run can change until a token of another kind ends it."""
+    try:
+        found = _BYTE_IDS.get(tokenizer)
+    except TypeError:  # not weakly referable: looked up each time
+        found = None
+    if found is None:
+        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        found = frozenset(index for piece, index in vocabulary.items() if len(piece) == 6 and BYTE_PIECE.fullmatch(piece))
+        try:
+            _BYTE_IDS[tokenizer] = found
+        except TypeError:
+            pass
+    return found
+
 
 class Detokenizer:
     """Decodes the growing list of generated ids and hands out only new text.
     A trailing U+FFFD means an incomplete UTF-8 sequence: hold it back until the
-    next token completes it.
+    next token completes it; so is a trailing run of byte-fallback pieces (see
+    `byte_ids`), until a token of another kind ends it. So the text handed out
+    after each token is a function of the tokens so far, whatever their number
+    per push: one token a step and several give the same text.
+
+    `context`: ids the reply continues (a completion's prompt). Decoders that
+    drop the first token's leading space (SentencePiece's) would drop the
+    space between the prompt's last word and the reply's first; the reply's
+    text is then what the context's last tokens and the reply decode to,
+    after the text of those tokens alone. A chat reply begins a new message
+    and takes none.
 
     Decoding every id again at each token costs a long reply's length per token
     (7.7 s over 8,000 tokens, on the thread that serves the page and the API).
@@ -22,25 +59,36 @@ class Detokenizer:
     WINDOW = 6
     SETTLE = 64
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
+        self.bytes = byte_ids(tokenizer)
+        self.context = self._context(list(context))
+        self.context_text = self.tokenizer.decode(self.context, skip_special_tokens=True) if self.context else ""
         self.ids: list[int] = []
         self.emitted = ""
-        self.anchor = 0  # ids[: anchor] decode to `settled`
+        self.anchor = 0  # ids[: anchor] decode to `settled`; ids[anchor] is not a byte piece
         self.settled = ""
         self.next_settle = 2 * self.SETTLE  # the length at which the anchor next moves
         self.next_check = 2 * self.SETTLE  # ... and the windowed text is next checked against the whole decode
         self.windowed = True  # False once they differed: the whole reply is decoded from then on
 
-    def push(self, ids: list[int]) -> str:
+    def _context(self, ids: list[int]) -> list[int]:
+        """The last WINDOW ids, none where they end in a byte piece (the
+        reply could complete its character, changing the context's text)."""
+        if not ids or ids[-1] in self.bytes:
+            return []
+        return ids[-self.WINDOW :]
+
+    def push(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)
-        text = self._text(len(self.ids))
+        end = self._settled_end()
+        text = self._text(end)
         if text.endswith("\ufffd"):
             return ""
         delta = text[len(self.emitted) :]
         self.emitted = text
-        if self.windowed and len(self.ids) >= self.next_settle:
-            self._settle(text)
+        if self.windowed and end >= self.next_settle:
+            self._settle(text, end)
         return delta
 
     def flush(self) -> str:
@@ -50,7 +98,18 @@ class Detokenizer:
         self.emitted = text
         return delta
 
+    def _settled_end(self) -> int:
+        """The ids before a trailing run of byte pieces (all where none ends them)."""
+        end = len(self.ids)
+        while end > self.anchor and self.ids[end - 1] in self.bytes:
+            end -= 1
+        return end
+
     def _decode(self, start: int, end: int) -> str:
+        if start == 0 and self.context:
+            text = self.tokenizer.decode(self.context + self.ids[:end], skip_special_tokens=True)
+            if text.startswith(self.context_text):
+                return text[len(self.context_text) :]
         return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
 
     def _text(self, end: int) -> str:
@@ -63,14 +122,15 @@ class Detokenizer:
             return self._decode(0, end)
         return self.settled + tail[len(window) :]
 
-    def _settle(self, text: str) -> None:
-        """Every SETTLE tokens: move the anchor to SETTLE tokens before the end,
-        where the text before it is what was handed out and ends on a whole
-        character (else it waits SETTLE tokens more). At lengths doubling, the
-        windowed `text` is first checked against the whole decode, and windowing
-        stops for good where they differ. So a reply's decoding grows with its
-        length, not with its length squared."""
-        length = len(self.ids)
+    def _settle(self, text: str, length: int) -> None:
+        """Every SETTLE tokens: move the anchor to SETTLE tokens before the
+        end of `text` (the text of ids[:length]), where the text before it is
+        what was handed out and ends on a whole character, and no byte piece
+        is in the window or at the anchor (a run of them decodes differently
+        in part than whole); else it waits SETTLE tokens more. At lengths
+        doubling, the windowed `text` is first checked against the whole
+        decode, and windowing stops for good where they differ. So a reply's
+        decoding grows with its length, not with its length squared."""
         self.next_settle = length + self.SETTLE
         if length >= self.next_check:
             self.next_check = 2 * length
@@ -78,6 +138,8 @@ class Detokenizer:
                 self.windowed = False
                 return
         anchor = length - self.SETTLE
+        if not self.bytes.isdisjoint(self.ids[max(0, anchor - self.WINDOW) : anchor + 1]):
+            return
         settled = self._text(anchor)
         if settled.endswith("\ufffd") or not self.emitted.startswith(settled):
             return

@@ -408,6 +408,7 @@ class Engine:
         cancel: threading.Event | None = None,
         reading: bool = False,
         reuse: bool = False,
+        continues: bool = False,
     ) -> Iterator[Step | Reading]:
         """Decode after `prompt_ids`, yielding one Step per base-model forward
         (a prompt read in several chunks is one Step), and with `reading` a
@@ -421,14 +422,18 @@ class Engine:
         where prompts are read row by row (core/rowkernel.prefills) they are
         the same bits as a fresh read's; elsewhere a reply read back from the
         cache and one read in a chunk may differ in rounding. Speculative and
-        vanilla decoding continue the same caches alike."""
+        vanilla decoding continue the same caches alike.
+
+        With `continues`, the reply's text continues the prompt's (a
+        completion, not a chat reply): a space the tokenizer writes before
+        the reply's first word is kept (core/detokenize.Detokenizer)."""
         drafter = self._drafter(mode, tree, sampling)
         check_prompt(self, prompt_ids)  # a refused prompt takes no kept caches
         kept, first = self._take_kept(prompt_ids, drafter is not None) if reuse else (None, 0)
         passive = drafter is None and reuse and self._drafting_ready(kept, first)
         if passive:  # vanilla keeps the head's pairs for the next turn (it never drafts): a drafting turn after it reads only what is new
             drafter = Drafter(self.draft_head, self.model, tree, None, self.vocabulary)
-        run = _Run(self, list(prompt_ids), drafter, sampling, kept, first, passive)
+        run = _Run(self, list(prompt_ids), drafter, sampling, kept, first, passive, continues)
         whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
             yield from _steps(run, cancel, reading)
@@ -508,10 +513,11 @@ class _Run:
 
     def __init__(
         self, engine: Engine, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingParams,
-        kept: _Kept | None = None, first: int = 0, passive: bool = False,
+        kept: _Kept | None = None, first: int = 0, passive: bool = False, continues: bool = False,
     ):  # fmt: skip
         """kept, first: caches to continue and how many of their positions this
-        prompt keeps (Engine._take_kept); passive: `drafter` only gathers the
+        prompt keeps (Engine._take_kept); continues: the reply's text continues
+        the prompt's (Engine.stream); passive: `drafter` only gathers the
         head's pairs, for a later request, and drafts nothing (vanilla)."""
         self.engine, self.model, self.drafter, self.sampling = engine, engine.model, drafter, sampling
         self.passive = passive
@@ -540,7 +546,7 @@ class _Run:
             self.cache = kv_cache.new_cache(self.model)
         self.cached_ids = prompt_ids[: self.first]  # the tokens in the base cache, in order
         self.recorder = Recorder(reused=self.first)
-        self.detokenizer = Detokenizer(engine.base.tokenizer)
+        self.detokenizer = Detokenizer(engine.base.tokenizer, prompt_ids if continues else ())
         self.started = time.perf_counter()  # the prefill's time runs from here
         self.committed = self.first  # tokens in the base cache
         self.root = -1  # the last sampled token, not yet in the cache

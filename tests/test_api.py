@@ -240,14 +240,16 @@ def test_stop_strings_are_met_token_by_token_however_many_tokens_a_step_commits(
 
 def test_completions_take_a_raw_prompt(client, engine):
     prompt_ids = engine.base.tokenizer("w1 w2 w3")["input_ids"]
-    steps = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=12)))
+    steps = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=12), continues=True))
     reply = client.completions.create(model=engine.base.name, prompt="w1 w2 w3", max_tokens=12, temperature=0)
     assert reply.choices[0].text == "".join(step.text for step in steps)
+    whole = engine.base.tokenizer.decode(prompt_ids + [token for step in steps for token in step.token_ids], skip_special_tokens=True)
+    assert "w1 w2 w3" + reply.choices[0].text == whole  # the reply continues the prompt's text, its first space kept
     assert reply.usage.prompt_tokens == len(prompt_ids)
     by_ids = client.completions.create(model=engine.base.name, prompt=prompt_ids, max_tokens=12, temperature=0)
     assert by_ids.choices[0].text == reply.choices[0].text
     short = client.completions.create(model=engine.base.name, prompt="w1 w2 w3", temperature=0)  # max_tokens left out
-    sixteen = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=16)))
+    sixteen = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=16), continues=True))
     assert short.choices[0].text == "".join(step.text for step in sixteen) and short.usage.completion_tokens <= 16
 
 
@@ -886,8 +888,8 @@ def test_an_error_that_ends_the_decoding_between_reads_is_still_reported():
     async def reply():
         changed = asyncio.Event()
         changed.set()
-        generation = SimpleNamespace(stop=())
-        return [text async for text in texts(FailsBetweenReads(), changed, Connected(), generation, Outcome("eagle2", 3), None)]
+        generation = SimpleNamespace(stop=(), messages=[])
+        return [text async for text in texts(FailsBetweenReads(), changed, Connected(), generation, Outcome("eagle2", 3), None, [])]
 
     with pytest.raises(ApiError, match="the decoding failed") as raised:
         asyncio.run(reply())

@@ -232,3 +232,99 @@ def test_control_text_in_a_message_leaves_sentencepiece_word_boundaries_alone():
     plain = [{"role": "user", "content": "Say hi"}]
     shown = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
     assert encode_chat(tokenizer, plain) == tokenizer(shown, add_special_tokens=False)["input_ids"]
+
+
+def byte_fallback_tokenizer():
+    """Llama-2's kind of tokenizer: SentencePiece pieces ("▁" for a space, the
+    first one dropped when decoding) and the 256 byte pieces "<0x00>".."<0xFF>"
+    for characters outside the vocabulary, which decode only as whole runs."""
+    from transformers.models.llama.tokenization_llama import LlamaTokenizer
+
+    vocabulary = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocabulary.update({f"<0x{byte:02X}>": 3 + byte for byte in range(256)})
+    for piece in ["▁", "▁Hello", "Hello", "▁world", "world", ",", ".", "▁Paris", "▁is", "▁The", "▁capital", "▁of", "▁France", "s", "\n"]:
+        vocabulary[piece] = len(vocabulary)
+    return LlamaTokenizer(vocab=vocabulary, merges=[])
+
+
+def pieces_of(tokenizer, text: str) -> list[int]:
+    """`text` as its words' pieces and, for other characters, byte pieces."""
+    vocabulary, ids = tokenizer.get_vocab(), []
+    for word in text.split(" "):
+        if "▁" + word in vocabulary:
+            ids.append(vocabulary["▁" + word])
+        else:
+            ids.extend(vocabulary[f"<0x{byte:02X}>"] for byte in (" " + word).encode())
+    return ids
+
+
+def handed_out(tokenizer, ids: list[int], sizes, context=()) -> list[str]:
+    """The text handed out after each token, pushing `ids` in steps of `sizes` (cycled), then flushed."""
+    detokenizer, texts, at, step = Detokenizer(tokenizer, context), [], 0, 0
+    while at < len(ids):
+        count = min(sizes[step % len(sizes)], len(ids) - at)
+        detokenizer.push(ids[at : at + count])
+        texts.extend([None] * (count - 1) + [detokenizer.emitted])
+        at, step = at + count, step + 1
+    detokenizer.flush()
+    return texts + [detokenizer.emitted]
+
+
+def test_byte_pieces_give_the_same_text_one_token_a_step_and_several():
+    """With byte fallback, a complete character followed by an incomplete one
+    decodes to U+FFFD for every byte of both: the text handed out one token a
+    step (vanilla) once differed from the same tokens in one step (a draft
+    accepted whole), and a window starting inside a run of byte pieces cut the
+    text at the wrong place and repeated characters."""
+    tokenizer = byte_fallback_tokenizer()
+    vocabulary = tokenizer.get_vocab()
+    half = [vocabulary[f"<0x{byte:02X}>"] for byte in "你好".encode()[:4]]
+    for ids in (
+        [vocabulary["▁Hello"]] + half + [vocabulary["▁world"]],  # 你 complete, 好 cut after one byte, then a word
+        [vocabulary["▁Hello"]] + half,  # the reply cut mid-character (max_tokens or Stop)
+    ):
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        assert handed_out(tokenizer, ids, [1])[-1] == handed_out(tokenizer, ids, [len(ids)])[-1] == whole
+    for before in range(40, 90, 3):  # emoji (byte pieces only) straddling the anchor's window
+        ids = [vocabulary["▁Hello"]] * before + pieces_of(tokenizer, "🎉🎉🎉")[1:] + [vocabulary["▁world"]] * 100
+        texts = handed_out(tokenizer, ids, [1])
+        assert texts[-1] == tokenizer.decode(ids, skip_special_tokens=True), before
+
+
+def test_byte_pieces_random_replies_hand_out_one_text_whatever_the_steps():
+    """Random replies over words and byte pieces (whole characters, cut ones,
+    stray bytes): after every token, the text handed out is the same for one
+    token a step and for steps of 2-5 tokens, and it ends as decoding the whole reply."""
+    tokenizer = byte_fallback_tokenizer()
+    generator = torch.Generator().manual_seed(5)
+    words = [index for piece, index in tokenizer.get_vocab().items() if index > 258]
+    characters = [pieces_of(tokenizer, character)[1:] for character in "é東🦅ß京€"]
+    for trial in range(12):
+        ids = []
+        while len(ids) < 400:
+            kind = int(torch.randint(0, 10, (), generator=generator))
+            if kind < 6:
+                ids.append(words[int(torch.randint(0, len(words), (), generator=generator))])
+            elif kind < 9:
+                ids.extend(characters[int(torch.randint(0, len(characters), (), generator=generator))])
+            else:
+                ids.append(3 + int(torch.randint(0, 256, (), generator=generator)))  # a stray byte
+        one = handed_out(tokenizer, ids, [1])
+        assert one[-1] == tokenizer.decode(ids, skip_special_tokens=True), trial
+        several = handed_out(tokenizer, ids, [2, 5, 3, 4])
+        assert all(text is None or text == one[at] for at, text in enumerate(several)), trial
+        assert all(one[at].startswith(one[at - 1]) for at in range(1, len(one))), trial  # nothing handed out is taken back
+
+
+def test_a_completion_keeps_the_space_before_its_first_word():
+    """SentencePiece drops the first token's leading space when decoding: a
+    completion of "The capital of France is" read "Paris", and a client
+    joining prompt and reply got "isParis". With the prompt as context the
+    reply is " Paris"; a chat reply (no context) still starts without it."""
+    tokenizer = byte_fallback_tokenizer()
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    vocabulary = tokenizer.get_vocab()
+    reply = [vocabulary["▁Paris"], vocabulary[","], vocabulary["▁Paris"]]
+    assert handed_out(tokenizer, reply, [1], context=prompt)[-1] == " Paris, Paris" == handed_out(tokenizer, reply, [3], context=prompt)[-1]
+    assert handed_out(tokenizer, reply, [1])[-1] == "Paris, Paris"
+    assert handed_out(tokenizer, pieces_of(tokenizer, "é"), [1], context=prompt)[-1] == " é"
