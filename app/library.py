@@ -79,7 +79,7 @@ def trained_heads(heads_dir: Path, base_name: str, base_config) -> list[str]:
     """Head folders (config.json + model.safetensors) under `heads_dir` made
     for this base: its name in the training report, or, without
     a report, matching hidden and vocabulary sizes."""
-    found = []
+    found, base_config = [], base_config.get_text_config()  # a vision-language model's text sizes
     for config_file in sorted(heads_dir.glob("*/config.json")):
         folder = config_file.parent
         config, report = read_json(config_file), read_json(folder / REPORT_FILE)

@@ -62,7 +62,7 @@ def folder_sizes(model: str | None) -> tuple[int | None, int | None]:
 def load_draft_head(base, source, dtype=None):
     """The head at `source` (any kind), checked against `base` and placed on its
     device, in `dtype` (default: the base model's)."""
-    config = base.model.config
+    config = base.model.config.get_text_config()  # a vision-language model keeps its text model's sizes apart
     vocab = base.model.get_output_embeddings().weight.shape[0]
     return load_head(source, config.hidden_size, vocab, base.device, dtype or base.dtype, config.num_hidden_layers)
 

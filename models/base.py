@@ -18,6 +18,7 @@ import torch
 
 from models.errors import (
     CorruptedFileError,
+    KestrelError,
     MissingWeightsError,
     ModelNotFoundError,
     NetworkError,
@@ -263,26 +264,30 @@ def quantization_config(quantization: str, dtype: torch.dtype):
 
 def _load(location, gguf_file, name, quantization, dtype, device, automatic: bool = False) -> LoadedModel:
     """automatic: the quantization was chosen by auto, so int4 may fall back
-    to int8 (or none) for a model whose layer sizes the int4 kernel cannot take."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    to int8 (or none) for a model whose layer sizes the int4 kernel cannot take,
+    and a checkpoint saved quantized with bitsandbytes keeps its own."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from models.hub import reachable
 
-    # sdpa honours the boolean 4D tree masks of speculative decoding
-    options = {"dtype": dtype, "attn_implementation": "sdpa"}
-    if gguf_file:
-        options["gguf_file"] = gguf_file
-    quantize = quantization_config(quantization, dtype)
-    if quantize is not None:
-        options["quantization_config"] = quantize
-        options["device_map"] = {"": device}
+    # sdpa honours the boolean 4D tree masks of speculative decoding; a repo's own
+    # Python code is never run (transformers would otherwise ask on the terminal)
+    options = {"dtype": dtype, "attn_implementation": "sdpa", "trust_remote_code": False}
+    gguf = {"gguf_file": gguf_file} if gguf_file else {}
+    options.update(gguf)
     # a repo id without a network: the cache at once, not after the hub's retries
     cache_only = not Path(location).is_dir() and not reachable()
     options["local_files_only"] = cache_only
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            location, local_files_only=cache_only, **({"gguf_file": gguf_file} if gguf_file else {})
-        )
+        config = AutoConfig.from_pretrained(location, local_files_only=cache_only, trust_remote_code=False, **gguf)
+        check_generates(config, name)
+        quantization, saved = saved_quantization(config, name, quantization, automatic)
+        quantize = quantization_config(quantization, dtype)  # bitsandbytes' import and dtype checks for a saved one too
+        if quantize is not None:
+            if not saved:  # a saved checkpoint's own settings come with it
+                options["quantization_config"] = quantize
+            options["device_map"] = {"": device}
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=cache_only, trust_remote_code=False, **gguf)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **options)
         except ValueError as error:
@@ -293,6 +298,8 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
             log.info(f"{name}: transformers runs this architecture with eager attention only; vanilla decoding")
             options["attn_implementation"] = "eager"
             model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **options)
+    except KestrelError:  # the checks above, already specific
+        raise
     except Exception as error:  # translated into one specific, readable error
         raise _explain(error, name, quantization) from error
     check_complete(info, name)
@@ -327,6 +334,60 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
         if quantization != "none":
             (int4 if quantization == "int4" else int8).quantize_decoder(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)
+
+
+# methods whose saved weights need kernels (and packages) Kestrel does not install
+KERNEL_QUANTIZATIONS = ("gptq", "awq", "aqlm", "exl2", "eetq", "hqq", "quanto", "compressed-tensors", "vptq", "higgs", "spqr", "bitnet")
+
+
+def saved_quantization(config, name: str, quantization: str, automatic: bool) -> tuple[str, bool]:
+    """(the quantization to load with, whether the checkpoint was saved with
+    it) for a checkpoint whose config.json names how its weights were saved
+    quantized. Quantizing bitsandbytes' saved layers again would read their
+    stored codes as weights and write noise, so a bitsandbytes checkpoint
+    loads as it was saved (auto) or is refused naming the choice that fits;
+    methods that need kernels Kestrel does not install are refused."""
+    saved = getattr(config, "quantization_config", None)
+    if saved is None:
+        return quantization, False
+    settings = saved if isinstance(saved, dict) else saved.to_dict()
+    method = str(settings.get("quant_method", "")).lower()
+    if method == "bitsandbytes":
+        bits = "4bit" if settings.get("load_in_4bit") else "8bit"
+        if automatic or quantization == bits:
+            return bits, True
+        raise QuantizationUnavailableError(
+            f"{name}: its weights are saved quantized with bitsandbytes' {bits}, which cannot be quantized again or undone; "
+            f"load it with quantization {bits} or auto"
+        )
+    if method in KERNEL_QUANTIZATIONS:
+        raise QuantizationUnavailableError(
+            f"{name}: its weights are saved quantized with {method}, whose kernels Kestrel does not run; choose the "
+            "model's unquantized repo (Kestrel quantizes it itself: auto, int4, int8, 4bit or 8bit)"
+        )
+    return quantization, False  # others transformers reads into the model's dtype (fp8 on CPUs)
+
+
+# model types AutoModelForCausalLM also maps to an encoder's language-model head (BertLMHeadModel): loaded
+# without is_decoder, transformers only logs a warning, and the model attends both ways and writes noise
+ENCODERS = (
+    "bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie", "data2vec-text",
+    "rembert", "roc_bert", "megatron-bert", "xmod", "big_bird", "roformer", "bert-generation",
+)  # fmt: skip
+
+
+def check_generates(config, name: str) -> None:
+    """Refuse models that read text rather than write it, before their weights load."""
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedArchitectureError(
+            f"{name}: {model_type} is an encoder-decoder model; Kestrel runs decoder-only chat models (Llama, Qwen, Mistral, ...)"
+        )
+    if model_type in ENCODERS and not getattr(config, "is_decoder", False):
+        raise UnsupportedArchitectureError(
+            f"{name}: {model_type} is an encoder, a model that reads text rather than writes it; "
+            "choose a decoder-only chat model (Llama, Qwen, Mistral, ...)"
+        )
 
 
 def check_complete(info: dict, name: str) -> None:
@@ -395,6 +456,13 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
             f"{name}: the weights do not have the shapes config.json gives them (files of another model, or an edited "
             "config.json); the terminal lists them"
         )
+    if "trust_remote_code" in text:  # a model_type transformers does not know, whose repo brings its own code
+        return UnsupportedArchitectureError(
+            f"{name}: this model needs Python code from its own repo (trust_remote_code), which Kestrel does not run; "
+            "choose a model whose architecture transformers supports itself"
+        )
+    if "Unrecognized configuration class" in text:  # transformers knows it, but not as a text generator (T5, vision models)
+        return UnsupportedArchitectureError(f"{name}: transformers does not run this architecture as a text generator ({text.splitlines()[0]})")
     if isinstance(error, (ValueError, KeyError)) and ("model type" in text or "architecture" in text.lower()):
         return UnsupportedArchitectureError(f"{name}: architecture not supported by transformers ({text.splitlines()[0]})")
     if "bitsandbytes" in text or "bnb" in text:

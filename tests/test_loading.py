@@ -642,3 +642,100 @@ def test_an_architecture_transformers_runs_with_eager_attention_only_decodes_van
     ours = [token for step in engine.stream(prompt, "vanilla", SamplingParams(max_new_tokens=10)) for token in step.token_ids]
     expected = base.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :].tolist()
     assert ours == expected[: len(ours)] and len(ours) >= 1
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_checkpoint_saved_quantized_with_bitsandbytes_loads_as_saved_or_is_refused_by_name(tmp_path, tiny_dir, bits):
+    """int8 (or auto, where the int8 probe wins on a CPU) read bitsandbytes'
+    saved 8-bit codes as weights, 127 times too large, and the model wrote
+    noise without an error; int4 on a 4-bit one failed with a traceback."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tests.factory import tiny_tokenizer
+
+    settings = BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    saved = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=settings, device_map={"": "cpu"}, dtype=torch.float32)
+    saved.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    prompt = torch.tensor([[1, 9, 10, 11, 12, 13]])
+    expected = saved(prompt).logits
+    loaded = load_base(str(tmp_path), quantization="auto", dtype="float32")
+    assert loaded.quantization == f"{bits}bit"
+    assert type(loaded.model.model.layers[0].mlp.up_proj).__name__ == ("Linear8bitLt" if bits == 8 else "Linear4bit")
+    assert torch.equal(loaded.model(prompt).logits, expected)
+    for other in ("none", "int8", "int4", "8bit" if bits == 4 else "4bit"):
+        with pytest.raises(QuantizationUnavailableError, match=f"saved quantized with bitsandbytes' {bits}bit.*quantization {bits}bit or auto"):
+            load_base(str(tmp_path), quantization=other, dtype="float32")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
+def test_a_checkpoint_saved_for_kernels_kestrel_does_not_run_is_refused_by_name(tmp_path, tiny_dir, method):
+    """They were said as damaged files, some with a hint to pip install optimum."""
+    for file in tiny_dir.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    settings = json.loads((tiny_dir / "config.json").read_text())
+    settings["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(QuantizationUnavailableError, match=f"saved quantized with {method}, whose kernels Kestrel does not run; choose the model's unquantized repo"):
+        load_base(str(tmp_path))
+
+
+def test_a_model_that_needs_its_repo_s_own_code_is_refused_without_running_it(tmp_path, tiny_dir):
+    """transformers asked on the terminal whether to run the folder's Python
+    code (and ran it on "y"), and elsewhere it was said as damaged files."""
+    for file in tiny_dir.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    settings = json.loads((tiny_dir / "config.json").read_text())
+    settings.update(model_type="kestrel_custom_lm", architectures=["CustomForCausalLM"])
+    settings["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    ran = tmp_path / "ran.txt"
+    code = f"open({str(ran)!r}, 'w').close()\nfrom transformers import LlamaConfig\nclass CustomConfig(LlamaConfig):\n    model_type = 'kestrel_custom_lm'\n"
+    (tmp_path / "configuration_custom.py").write_text(code)
+    (tmp_path / "modeling_custom.py").write_text(code.replace("Config", "ForCausalLM").replace("model_type", "base_model_prefix"))
+    with pytest.raises(UnsupportedArchitectureError, match=r"needs Python code from its own repo \(trust_remote_code\), which Kestrel does not run"):
+        load_base(str(tmp_path))
+    assert not ran.exists()
+
+
+def test_encoders_are_refused_before_their_weights_load(tmp_path):
+    """A BERT loaded as BertLMHeadModel (transformers only logs that it wants
+    is_decoder) and wrote noise; an encoder-decoder was said as damaged files."""
+    import transformers
+
+    common = dict(vocab_size=64, bos_token_id=1, eos_token_id=4, pad_token_id=2)
+    bert = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **common)
+    save_other_model(tmp_path / "bert", bert)
+    with pytest.raises(UnsupportedArchitectureError, match="bert is an encoder, a model that reads text rather than writes it"):
+        load_base(str(tmp_path / "bert"))
+    t5 = transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, decoder_start_token_id=0, **common)
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(t5).save_pretrained(tmp_path / "t5")
+    with pytest.raises(UnsupportedArchitectureError, match="t5 is an encoder-decoder model"):
+        load_base(str(tmp_path / "t5"))
+
+
+def test_a_vision_language_model_takes_a_head_by_its_text_model_s_sizes(tmp_path):
+    """Gemma 3's config keeps its text model's sizes in text_config: loading a
+    head for it failed with an AttributeError after the whole model had loaded."""
+    import transformers
+
+    from app.session import load_draft_head
+    from models.errors import HeadFormatError
+    from models.head import DraftHead, HeadConfig, save_head
+
+    text = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=5, eoi_token_index=6, image_token_index=7)
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "base")
+    from tests.factory import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path / "base")
+    base = load_base(str(tmp_path / "base"), dtype="float32")
+    for width in (64, 48):
+        head = DraftHead(HeadConfig(hidden_size=width, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+        save_head(head, tmp_path / f"head{width}")
+    assert load_draft_head(base, str(tmp_path / "head64")).config.hidden_size == 64
+    with pytest.raises(HeadFormatError, match="48"):  # sized from the text model: refused by its width, not an AttributeError
+        load_draft_head(base, str(tmp_path / "head48"))
