@@ -6,6 +6,7 @@ requirements.txt, then hands over to the command line in app/cli.py. Later
 runs skip what is done and reinstall only when requirements.txt changed."""
 
 import contextlib
+import errno
 import hashlib
 import os
 import platform
@@ -30,11 +31,18 @@ MIN_PYTHON = (3, 11)
 MAX_PYTHON = (3, 14)
 # Windows' exit status of a program stopped by Ctrl+C (STATUS_CONTROL_C_EXIT).
 CONTROL_C_EXIT = 0xC000013A
+# The errors that mean another process holds a lock: flock's EWOULDBLOCK (EAGAIN, or EACCES
+# where it is made of fcntl locks) and msvcrt.locking's EACCES (EDEADLK once it gives up). Any
+# other means that the file system takes no locks (NFS without its lock service: ENOLCK; some
+# shared and FUSE folders: EOPNOTSUPP, EINVAL), and waiting for it would never end.
+LOCK_HELD = (errno.EACCES, errno.EDEADLK) if os.name == "nt" else (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
 def fail(cause: str, fix: str) -> None:
+    """Say why setup stopped and exit; main waits for Enter where the window
+    would close, once the setup lock is let go (a next start must not wait
+    for this window)."""
     print(f"\nKestrel could not start: {cause}\nFix: {fix}", file=sys.stderr, flush=True)
-    hold_window("Press Enter to close.")
     sys.exit(1)
 
 
@@ -73,7 +81,9 @@ def wanted_stamp() -> str:
 
 
 def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to run Kestrel still reach check_python
-    command = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check", *args]
+    # --no-input: a login that pip would ask for (an index that needs one) fails with its error
+    # instead of waiting for an answer to a prompt that the lines read below never show
+    command = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check", "--no-input", *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in process.stdout:
@@ -162,6 +172,8 @@ def venv_problem() -> "str | None":
 
 
 def _try_lock(handle) -> bool:
+    """True: locked; False: another process holds it. Any other OSError (the
+    file system takes no locks) is raised."""
     try:
         if os.name == "nt":
             import msvcrt
@@ -173,8 +185,10 @@ def _try_lock(handle) -> bool:
 
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except OSError:
-        return False
+    except OSError as error:
+        if error.errno in LOCK_HELD:
+            return False
+        raise
 
 
 @contextlib.contextmanager
@@ -182,17 +196,21 @@ def setup_lock():
     """One setup at a time: a second start (an impatient double-click during
     the first run's install) waits for the first instead of installing into
     the same .venv. The lock goes with the process that holds it, also when
-    it is killed. Where the lock file cannot be made, setup goes on without it."""
+    it is killed. Where the lock file cannot be made or locked, setup goes on without it."""
     try:
         handle = open(LOCK, "a+")
     except OSError:
         yield
         return
     try:
-        if not _try_lock(handle):
-            print("Another Kestrel start is setting up .venv: waiting for it to finish ...", flush=True)
-            while not _try_lock(handle):
-                time.sleep(1)
+        try:
+            if not _try_lock(handle):
+                print("Another Kestrel start is setting up .venv: waiting for it to finish ...", flush=True)
+                while not _try_lock(handle):
+                    time.sleep(1)
+        except OSError as error:
+            print(f"Note: files in {ROOT} cannot be locked ({error.strerror or error}), so a second start would not wait "
+                  "for this one: setting up without a lock; start Kestrel again only once this start is done.", flush=True)
         yield
     finally:
         handle.close()  # and with it the lock
@@ -286,6 +304,10 @@ def main() -> None:
     except KeyboardInterrupt:
         print("\nStopped. Run launch.py again to finish setting up.", file=sys.stderr, flush=True)
         sys.exit(130)
+    except SystemExit:  # fail(): the setup lock is let go by now, so a next start does not wait for this window
+        with contextlib.suppress(KeyboardInterrupt):
+            hold_window("Press Enter to close.")
+        raise
     if not in_venv():
         command = [str(venv_python()), str(Path(__file__).resolve()), *sys.argv[1:]]
         if window_closes():  # execv on Windows detaches from the console; a shortcut's window waits after an error

@@ -5,6 +5,7 @@ or a full disk mid-write leaves the previous version intact."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 import platformdirs
 
 from app.render import BASE, DRAFT, inert_markdown, is_number
+from models.errors import KestrelError
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
@@ -39,6 +41,15 @@ def data_dir() -> Path:
 
 LOCK_FILE = "kestrel.lock"
 LOCKED_BYTE = 1 << 16  # where Windows locks the file: past the address it holds
+# The errors that mean another process holds the lock: flock's EWOULDBLOCK (EAGAIN, or EACCES
+# where it is made of fcntl locks) and msvcrt.locking's EACCES (EDEADLK once it gives up). Any
+# other means that the file system takes no locks (NFS without its lock service: ENOLCK; some
+# shared and FUSE folders: EOPNOTSUPP, EINVAL): no process holds the folder, nor can one.
+LOCK_HELD = (errno.EACCES, errno.EDEADLK) if os.name == "nt" else (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+class FolderLockError(KestrelError):
+    """A folder whose file system takes no file locks, so that a second run could not be kept out."""
 
 
 class DataLock:
@@ -54,7 +65,8 @@ class DataLock:
     def acquire(self) -> bool:
         """True when this process now holds the folder, or when nothing can be
         written there at all (no lock can be taken; the page names the problem
-        at load and no chat is saved); False when another process holds it."""
+        at load and no chat is saved); False when another process holds it.
+        FolderLockError where files there can be written but not locked."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open while the lock is held)
@@ -70,9 +82,16 @@ class DataLock:
                 import fcntl
 
                 fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as error:
             file.close()
-            return False
+            if error.errno in LOCK_HELD:
+                return False
+            # the data folder is chosen by KESTREL_DATA_DIR; a command's work folder by its options
+            choose = "set KESTREL_DATA_DIR to" if self.path.name == LOCK_FILE else "use"
+            raise FolderLockError(
+                f"{self.path.parent}: files there cannot be locked ({error.strerror or error}), and without a lock a second "
+                f"Kestrel could write over this one's files there; {choose} a folder on a local disk"
+            ) from error
         self._file = file
         file.truncate(0)  # a previous holder's address is no longer served
         file.flush()

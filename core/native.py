@@ -26,6 +26,11 @@ log = logging.getLogger("kestrel")
 
 # -ffp-contract=off: no fused multiply-adds chosen by the compiler here and not there
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+# What GCC, clang and ld say when the machine stopped a build, not the source: a full disk or
+# temporary folder, too little memory, a compiler or linker killed (by the OOM killer, say).
+PASSING_FAILURES = ("no space left", "disk quota exceeded", "cannot create temporary file", "out of memory",
+                    "cannot allocate memory", "memory exhausted", "resource temporarily unavailable",
+                    "signal terminated program", "terminated with signal", "due to signal", "unable to execute command")  # fmt: skip
 
 
 # What the int4 and int8 product kernels share (prepended to their sources): the float vector
@@ -244,9 +249,11 @@ def unsupported() -> str | None:
 def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
     """The shared library built from `source` (building it if not cached), or
     None where it cannot be built here (said once per process, in one line for
-    all kernels) or its build failed. A failed build is recorded beside the
-    cache with the compiler's error, and not tried again at every start until
-    the compiler changes (the first line of the error is said, once)."""
+    all kernels) or its build failed. A build the compiler refused is recorded
+    beside the cache with the compiler's error, and not tried again at every
+    start until the compiler changes (the first line of the error is said,
+    once); one stopped by the machine (a full disk, a killed compiler) is tried
+    again at the next start."""
     why = unsupported()
     if why is not None:
         eager = ", and the model runs eagerly (install g++ for the fast path)" if compiler() is None and sys.platform.startswith("linux") else ""
@@ -263,7 +270,9 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
         log.warning(f"{what}: the cached kernel {path} is damaged (cut short); building it again")
         path.unlink(missing_ok=True)
     compiler_id = compiler_stamp(tool)
-    if failed.is_file() and failed.read_text(errors="replace").startswith(compiler_id + "\n"):
+    record = failed.read_text(errors="replace") if failed.is_file() else ""
+    # a record of a passing failure (written before they were told apart) does not hold either
+    if record.startswith(compiler_id + "\n") and not passing_failure(record):
         say_once(f"failed-{stem}", f"{what}: its kernel did not build here (see {failed}); torch's kernel runs instead")
         return None
     log.info(f"Building the {stem} kernel (once; cached afterwards)...")
@@ -281,16 +290,25 @@ def build(stem: str, source: str, flags: list[str], what: str) -> Path | None:
     except (OSError, subprocess.SubprocessError) as error:
         detail = (getattr(error, "stderr", None) or str(error)).strip()
         errors = [line for line in detail.splitlines() if "error" in line.lower()] or detail.splitlines() or [type(error).__name__]
-        if isinstance(error, subprocess.CalledProcessError):  # the compiler refused it: not worth trying at every start
+        refused = isinstance(error, subprocess.CalledProcessError) and not passing_failure(detail, error.returncode)
+        if refused:  # the compiler refused it: not worth trying at every start
             try:
                 failed.write_text(f"{compiler_id}\n{' '.join(map(str, error.cmd))}\n\n{detail}\n")
             except OSError:
                 pass
-        log.warning(f"{what}: building its kernel failed ({errors[0].strip()[:200]}); torch's kernel runs instead")
+        again = "" if refused else ", and the build is tried again at the next start"
+        log.warning(f"{what}: building its kernel failed ({errors[0].strip()[:200]}); torch's kernel runs instead{again}")
         return None
     finally:
         code.unlink(missing_ok=True)
         staging.unlink(missing_ok=True)
+
+
+def passing_failure(said: str, returncode: int = 1) -> bool:
+    """Whether a failed compiler run says nothing about the source: killed by
+    a signal (a negative returncode), or stopped by the disk or memory
+    (PASSING_FAILURES in what it said)."""
+    return returncode < 0 or any(words in said.lower() for words in PASSING_FAILURES)
 
 
 def compiler_stamp(tool: str) -> str:

@@ -547,3 +547,80 @@ def test_the_chat_command_says_when_a_reply_ends_without_text(tiny_dir, monkeypa
     monkeypatch.setattr(cli, "load_engine", ends_at_once)
     assert cli.main(["chat", "w1", "--model", str(tiny_dir), "--mode", "vanilla", "--max-new-tokens", "4"]) == 0
     assert "note: the model ended its reply without writing anything" in capsys.readouterr().err
+
+
+def test_a_failed_setup_lets_the_next_start_in_while_its_window_waits_for_enter(monkeypatch, tmp_path, capsys):
+    """A first start that fails in a window that waits for Enter (a double-click,
+    the Linux shortcut) has let go of the setup lock by then: a start made
+    while that window stays open sets up instead of waiting for it."""
+    monkeypatch.setattr(launch, "LOCK", tmp_path / "setup.lock")
+    monkeypatch.setattr(launch, "setup_needed", lambda: True)
+    monkeypatch.setattr(launch, "set_up", lambda: launch.fail("the package index cannot be reached", "connect to the internet"))
+    monkeypatch.setenv(launch.SHORTCUT, "1")
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(isatty=lambda: True))
+    free = []
+
+    def press_enter(prompt):  # a second start, made while this window waits
+        with open(launch.LOCK, "a+") as other:
+            free.append(launch._try_lock(other))
+
+    monkeypatch.setattr("builtins.input", press_enter)
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main()
+    assert exit_info.value.code == 1 and free == [True]
+    assert "Kestrel could not start: the package index cannot be reached" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX's")
+def test_a_folder_that_takes_no_locks_is_named_instead_of_read_as_held(monkeypatch, tmp_path, capsys):
+    """Where the file system takes no locks (NFS without its lock service:
+    ENOLCK), setup goes on without one, saying so, instead of waiting for a
+    start that does not exist; the data folder names the problem and the way
+    out instead of saying that Kestrel is already running. A lock another
+    process holds (EWOULDBLOCK) is still waited for, or refused."""
+    import errno
+    import fcntl
+
+    from app.store import DataLock, FolderLockError
+
+    def flock(fd, operation, error=errno.ENOLCK):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    monkeypatch.setattr(launch, "LOCK", tmp_path / "setup.lock")
+    entered = threading.Event()
+
+    def start():
+        with launch.setup_lock():
+            entered.set()
+
+    threading.Thread(target=start, daemon=True).start()
+    assert entered.wait(5), "setup waited for a lock that no process holds"
+    out = capsys.readouterr().out
+    assert f"files in {launch.ROOT} cannot be locked (No locks available)" in out and "waiting" not in out
+    with pytest.raises(FolderLockError) as error_info:
+        DataLock(tmp_path / "data").acquire()
+    said = str(error_info.value)
+    assert f"{tmp_path / 'data'}: files there cannot be locked (No locks available)" in said and "KESTREL_DATA_DIR" in said
+    monkeypatch.setattr(fcntl, "flock", lambda fd, operation: flock(fd, operation, errno.EWOULDBLOCK))
+    assert not DataLock(tmp_path / "data").acquire()
+    with open(launch.LOCK, "a+") as handle:
+        assert launch._try_lock(handle) is False
+
+
+def test_pip_fails_instead_of_waiting_for_a_login_it_cannot_show(monkeypatch):
+    """pip's lines are read from a pipe, whole: a prompt for an index's login
+    ("User for host: ") would never show, and the install would wait for good."""
+    commands = []
+
+    class Pip:
+        def __init__(self, command, **kwargs):
+            commands.append(command)
+            self.stdout = iter(["Successfully installed x\n"])
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Pip)
+    launch.run_pip(["-r", "requirements.txt"], "installing requirements.txt")
+    assert len(commands) == 1 and commands[0][2:4] == ["pip", "install"] and "--no-input" in commands[0]

@@ -131,3 +131,54 @@ def test_kernels_are_not_built_for_cpus_they_cannot_run_on(monkeypatch, caplog):
     finally:
         native._said.clear()
         native._said.update(said)
+
+
+@pytest.mark.parametrize(
+    ("returncode", "said"),
+    [
+        (1, "probe.cpp: fatal error: error writing to /tmp/ccx.s: No space left on device"),  # TMPDIR full
+        (1, "g++: fatal error: Killed signal terminated program cc1plus"),  # the OOM killer, on the compiler proper
+        (-9, ""),  # the OOM killer, on g++ itself
+    ],
+)
+def test_a_build_stopped_by_the_machine_is_tried_again_at_the_next_start(tmp_path, monkeypatch, caplog, returncode, said):
+    """A full disk or temporary folder, or a compiler killed for memory, says
+    nothing about the kernel: no failure is recorded, the warning says the
+    build is tried again, and the next start builds it."""
+    import logging
+
+    monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(native, "unsupported", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: "/usr/bin/g++")
+    runs = []
+
+    def stopped(command, **kwargs):
+        runs.append(command)
+        raise subprocess.CalledProcessError(returncode, command, "", said)
+
+    monkeypatch.setattr(native.subprocess, "run", stopped)
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        assert native.build("probe", "int x;\n", ["-shared"], "a test kernel") is None
+    assert "building its kernel failed" in caplog.text and "tried again at the next start" in caplog.text
+    assert not list(tmp_path.glob("kernels/*.failed.txt"))
+    assert native.build("probe", "int x;\n", ["-shared"], "a test kernel") is None and len(runs) == 2
+
+
+def test_a_recorded_failure_that_the_machine_caused_does_not_hold(tmp_path, monkeypatch):
+    """A record written for a full disk (before such failures were told apart
+    from the compiler's refusals) does not keep the kernel off: it is built again."""
+    monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(native, "unsupported", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: "/usr/bin/g++")
+    runs = []
+
+    def refused(command, **kwargs):
+        runs.append(command)
+        raise subprocess.CalledProcessError(1, command, "", "probe.cpp:1:2: error: #error \"no\"")
+
+    monkeypatch.setattr(native.subprocess, "run", refused)
+    assert native.build("probe", "int x;\n", ["-shared"], "a test kernel") is None
+    record = next(tmp_path.glob("kernels/probe-*.failed.txt"))
+    assert native.build("probe", "int x;\n", ["-shared"], "a test kernel") is None and len(runs) == 1  # refused: not again
+    record.write_text(record.read_text().replace('error: #error "no"', "fatal error: error writing to /tmp/ccx.s: No space left on device"))
+    assert native.build("probe", "int x;\n", ["-shared"], "a test kernel") is None and len(runs) == 2
