@@ -4,8 +4,8 @@ one port, behind the access rules a local server owes its user.
 - Loopback by default; the Host header must name this machine, so that a web
   page cannot reach the server through a rebound DNS name.
 - A request that a browser makes from another site (its Origin header) is
-  refused unless that origin was allowed with --allow-origin; no CORS headers
-  are sent otherwise.
+  refused unless that origin was allowed with --allow-origin; another origin
+  reads only its refusal, which names the option.
 - With an API key, every /v1 call needs `Authorization: Bearer KEY`."""
 
 from __future__ import annotations
@@ -39,13 +39,17 @@ from app.runtime import Runtime
 
 LOCALHOST = "127.0.0.1"
 ICON = Path(__file__).resolve().parent.parent / "assets" / "kestrel.svg"
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+# Host names no web page can rebind to its own address: this machine's, and those a container reaches it
+# by (Docker Desktop's, Podman's). Subdomains of localhost too (RFC 6761: browsers resolve them to loopback).
+LOCAL_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "host.docker.internal", "gateway.docker.internal", "host.containers.internal"})
 API_PATHS = ("/v1/", "/health")
 # pages whose state (the chat shown, the last values sent to each component: about half a MB each)
 # the server keeps, the least recently used dropped first; Gradio's 10,000 kept every reload's for
 # days of use. A tab whose state was dropped goes on as after a server restart (the chat it names)
 PAGE_SESSIONS_KEPT = 64
 MAX_UPLOAD = "64mb"  # a file the page takes (a chat to import, a benchmark's prompts); Gradio's default has no limit
+ORIGINS_TOLD = 100  # refused origins named on the terminal, at most (a client that is no browser can send any)
+log = logging.getLogger("kestrel")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,10 @@ class Access:
     def loopback(self) -> bool:
         return self.host == LOCALHOST
 
+    def allows(self, origin: str) -> bool:
+        """Whether --allow-origin named `origin`, itself or by its scheme (moz-extension://*)."""
+        return origin in self.allow_origins or origin.split("://", 1)[0] + "://*" in self.allow_origins
+
 
 def new_api_key() -> str:
     return "kestrel-" + secrets.token_urlsafe(24)
@@ -66,6 +74,29 @@ def new_api_key() -> str:
 
 def is_api(path: str) -> bool:
     return path.startswith(API_PATHS) or path == "/v1"
+
+
+# An origin as a browser sends it (RFC 6454): scheme://host[:port], of any scheme, as extensions'
+# (chrome-extension://ID, moz-extension://UUID) and desktop apps' pages (app://obsidian.md, tauri://localhost) have
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://([A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?")
+# Every origin of one scheme: a browser's extensions (Firefox gives each install of one its own id), not every web site
+ORIGIN_SCHEME = re.compile(r"(?!https?://)[a-z][a-z0-9+.-]*://\*")
+
+
+def allowable_origin(value: str) -> bool:
+    """What --allow-origin takes: an origin, SCHEME://* or null (the origin of
+    file:// pages, and of any web site's sandboxed frames: ui.access_from asks for an API key with it)."""
+    return value == "null" or ORIGIN.fullmatch(value) is not None or ORIGIN_SCHEME.fullmatch(value) is not None
+
+
+def origin_refusal(origin: str) -> str:
+    """Why a request from the page at `origin` is refused, with the --allow-origin that would allow it."""
+    if origin == "null":
+        return ("requests from a page without an origin (Origin: null: a file:// page, or a sandboxed frame of any web site) are not allowed; "
+                "start Kestrel with --allow-origin null and an --api-key to allow them")  # fmt: skip
+    if not allowable_origin(origin):
+        return f"requests from the web page at {origin!r} are not allowed, nor can they be: that is no origin (scheme://host[:port])"
+    return f"requests from the web page at {origin} are not allowed; start Kestrel with --allow-origin {origin} to allow them"
 
 
 class Guard:
@@ -76,14 +107,16 @@ class Guard:
         self.access = access
         self.version = version  # the page's (page_version)
         self.own_origins = {f"http://{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]")}
+        self.told: set[str] = set()  # the refused origins named on the terminal
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
         origin = headers.get("origin")
-        if scope["type"] == "http" and is_api(scope["path"]) and origin in self.access.allow_origins:
-            send = with_cors(send, origin)  # refusals too: the page on that origin can then read why
+        cross_site = scope["type"] == "http" and is_api(scope["path"]) and origin is not None
+        if cross_site:  # an allowed origin reads every answer; any other is refused below, and reads why
+            send = with_cors(send, origin)
         refusal = self._refusal(scope, headers)
         if refusal is not None:
             if scope["type"] == "websocket":
@@ -95,28 +128,30 @@ class Guard:
             response = JSONResponse({"detail": STALE_PAGE, "error": STALE_PAGE}, status_code=409)
             response.raw_headers.append(STALE_HEADER)
             return await response(scope, receive, send)
-        if scope["type"] == "http" and is_api(scope["path"]) and origin in self.access.allow_origins:
-            if scope["method"] == "OPTIONS":  # a CORS preflight from an allowed origin
-                return await self._preflight(headers.get("access-control-request-headers", ""))(scope, receive, send)
+        if cross_site and scope["method"] == "OPTIONS":  # a CORS preflight: a refused origin's passes too, so that
+            # the request after it is sent and its refusal read (the page would see only "Failed to fetch")
+            return await self._preflight(headers.get("access-control-request-headers", ""))(scope, receive, send)
         return await self.app(scope, receive, send)
 
     def _refusal(self, scope, headers: dict) -> Response | None:
-        if self.access.loopback and host_name(headers.get("host", "")) not in LOOPBACK_NAMES:
+        if self.access.loopback and not local_name(host_name(headers.get("host", ""))):
             shown = headers.get("host", "(none)")
-            return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers only to 127.0.0.1, localhost and ::1").response()
+            return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers only to 127.0.0.1, ::1, localhost, *.localhost "
+                            "and the names containers reach it by (host.docker.internal, host.containers.internal)").response()  # fmt: skip
         origin = headers.get("origin")
         if not is_api(scope["path"]):  # the page: its own actions only (Gradio's CORS check leaves a header out, refusing
             # nothing, and a form POST needs no preflight: any site's page could upload files here, or run events)
             if scope.get("method", "GET") not in ("GET", "HEAD", "OPTIONS") and origin is not None and not self._own(origin, headers):
-                return ApiError(403, f"the page's actions come from the page itself, not from the web page at {origin}; "
-                                f"where that is the page behind a proxy, start Kestrel with --allow-origin {origin}",
+                proxied = f"; where that is the page behind a proxy, start Kestrel with --allow-origin {origin}" if web_origin(origin) else ""
+                return ApiError(403, f"the page's actions come from the page itself, not from the web page at {origin}{proxied}",
                                 code="origin_not_allowed").response()  # fmt: skip
             return None  # Gradio checks its login
-        if origin is not None and origin not in self.own_origins and origin not in self.access.allow_origins:
-            return ApiError(
-                403, f"requests from the web page at {origin} are not allowed; start Kestrel with --allow-origin {origin} to allow them",
-                code="origin_not_allowed",
-            ).response()  # fmt: skip
+        if origin is not None and origin not in self.own_origins and not self.access.allows(origin) and scope.get("method") != "OPTIONS":
+            message = origin_refusal(origin)
+            if origin not in self.told and len(self.told) < ORIGINS_TOLD:  # on the terminal too: the page may show no more than
+                self.told.add(origin)  # "Failed to fetch", or nothing
+                log.warning("Refused: %s", message)
+            return ApiError(403, message, code="origin_not_allowed").response()
         if self.access.api_key is not None and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.access.api_key.encode()):
@@ -128,8 +163,10 @@ class Guard:
     def _own(self, origin: str, headers: dict) -> bool:
         """Whether `origin` is the page's: this machine's names at this port, the
         address the browser reached the server by (with --listen), or one allowed
-        with --allow-origin (the page's address behind a proxy that sends its own Host)."""
-        return origin in self.own_origins or origin.split("://", 1)[-1] == headers.get("host") or origin in self.access.allow_origins
+        with --allow-origin as a web site's (the page's address behind a proxy that sends its
+        own Host; not null, which any web site's sandboxed frames send)."""
+        proxied = web_origin(origin) and origin in self.access.allow_origins
+        return origin in self.own_origins or origin.split("://", 1)[-1] == headers.get("host") or proxied
 
     @staticmethod
     def _preflight(requested: str) -> Response:
@@ -157,6 +194,14 @@ def host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+def local_name(name: str) -> bool:
+    return name in LOCAL_NAMES or name.endswith(".localhost")
+
+
+def web_origin(origin: str) -> bool:
+    return origin.startswith(("http://", "https://")) and ORIGIN.fullmatch(origin) is not None
+
+
 def with_headers(send, added: list[tuple[bytes, bytes]]):
     async def send_with_headers(message):
         if message["type"] == "http.response.start":
@@ -169,8 +214,13 @@ def with_headers(send, added: list[tuple[bytes, bytes]]):
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP header name (RFC 9110's token)
 
 
+# Headers a page's script may read beyond the safelisted ones: when to retry, and whether to (the SDKs read both)
+EXPOSED = b"Retry-After, x-should-retry"
+
+
 def with_cors(send, origin: str):
-    return with_headers(send, [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")])
+    cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"access-control-expose-headers", EXPOSED), (b"vary", b"Origin")]
+    return with_headers(send, cors)
 
 
 # The API's paths without /v1, as a client whose base URL lacks it asks for them.
@@ -195,7 +245,7 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
             response = error.response()
             response.headers["Allow"] = ", ".join(allowed)
             return response
-        return ApiError(404, f"no such API endpoint: {request.method} {path}", code="unknown_url").response()
+        return ApiError(404, f"no such API endpoint: {request.method} {path}{endpoint_hint(path)}", code="unknown_url").response()
 
     async def without_v1(request: Request) -> Response:
         path = request.url.path
@@ -228,6 +278,16 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
         css=render.CSS, js=render.page_js(version), favicon_path=str(ICON), max_file_size=MAX_UPLOAD,
     )  # fmt: skip
     return Guard(app, access, port, version)
+
+
+def endpoint_hint(path: str) -> str:
+    """What a client asking for `path` most likely has to change, or ''."""
+    if path.startswith("/v1/v1/") or path == "/v1/v1":
+        return "; the base URL has /v1 twice: end it in a single /v1 (this client adds the other)"
+    if path == "/v1/responses" or path.startswith("/v1/responses/"):
+        return ("; Kestrel serves no Responses API, only Chat Completions at /v1/chat/completions (and legacy completions at /v1/completions): "
+                "set the client to its chat-completions mode")  # fmt: skip
+    return ""
 
 
 def allowed_methods(routes, path: str) -> tuple[str, ...]:

@@ -498,8 +498,6 @@ def test_host_and_origin_checks_and_no_cors_by_default(server, engine):
         json={"model": engine.base.name, "messages": MESSAGES},
     )  # fmt: skip
     assert other_site.status_code == 403 and "--allow-origin" in other_site.json()["error"]["message"]
-    preflight = httpx.options(url, headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
-    assert "access-control-allow-origin" not in preflight.headers
     # the page's own routes: another site's page may link to it, not act on it (a form POST needs no preflight)
     upload = f"{server.url}gradio_api/upload"
     files = {"files": ("a.jsonl", b'{"turns": ["w1"]}\n', "application/octet-stream")}
@@ -544,6 +542,77 @@ def test_allowed_origin_gets_cors_headers(engine, tmp_path_factory):
         assert refused.status_code == 403 and "--allow-origin https://chat.example" in refused.json()["error"]["message"]
     finally:
         server.close()
+
+
+def test_the_host_may_name_this_computer_or_what_containers_reach_it_by_and_nothing_else(server):
+    url = f"{server.url}v1/models"
+    for host in ("kestrel.localhost:8100", "A.B.LocalHost", "host.docker.internal:8100", "gateway.docker.internal", "host.containers.internal:8100"):
+        assert httpx.get(url, headers={"Host": host}).status_code == 200, host
+    for host in ("localhost.attacker.example", "evil-localhost", "x.host.docker.internal", "docker.internal", "attacker.internal"):
+        refused = httpx.get(url, headers={"Host": host})
+        assert refused.status_code == 403 and "not this computer" in refused.json()["error"]["message"], host
+
+
+def test_a_refused_origin_reads_why_and_the_terminal_names_it_once(server, engine, caplog):
+    """The page at a refused origin could show no more than "Failed to fetch":
+    its preflight is answered, the request after it refused with a 403 it may
+    read, and Kestrel's terminal names the origin and the option, once."""
+    url, site = f"{server.url}v1/chat/completions", {"Origin": "chrome-extension://abcdefghijklmnop"}
+    asked = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = httpx.options(url, headers={**site, **asked})
+    assert preflight.status_code == 204 and preflight.headers["access-control-allow-origin"] == site["Origin"]
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        for _ in range(3):
+            refused = httpx.post(url, headers={**site, "Authorization": "Bearer unused"}, json={"model": engine.base.name, "messages": MESSAGES})
+            assert refused.status_code == 403 and refused.headers["access-control-allow-origin"] == site["Origin"]
+            assert "--allow-origin chrome-extension://abcdefghijklmnop to allow" in refused.json()["error"]["message"]
+    told = [record.getMessage() for record in caplog.records if "chrome-extension://abcdefghijklmnop" in record.getMessage()]
+    assert len(told) == 1 and "--allow-origin chrome-extension://abcdefghijklmnop" in told[0]
+
+
+@pytest.fixture(scope="module")
+def allowing(engine, tmp_path_factory):
+    """A server that allows a web site, a browser extension, every Firefox extension, a desktop app and null."""
+    allowed = ("http://localhost:3000", "chrome-extension://abcdefghijklmnop", "moz-extension://*", "app://obsidian.md", "null")
+    server = start(engine, tmp_path_factory, Access(api_key="key-1", allow_origins=allowed))
+    yield server
+    server.close()
+
+
+def test_extensions_and_desktop_apps_can_be_allowed_and_null_only_on_the_api(allowing):
+    url, key = f"{allowing.url}v1/models", {"Authorization": "Bearer key-1"}
+    for origin in ("chrome-extension://abcdefghijklmnop", "moz-extension://0f3c5e2a-5d3b-4c7e-9a51-1d2e3f4a5b6c", "app://obsidian.md", "null"):
+        ok = httpx.get(url, headers={**key, "Origin": origin})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin, origin
+    for origin in ("chrome-extension://ponmlkjihgfedcba", "app://other.example", "https://localhost:3000"):
+        assert httpx.get(url, headers={**key, "Origin": origin}).status_code == 403, origin
+    # the page takes actions from an allowed web site (the page behind a proxy), not from any site's sandboxed frame
+    upload, files = f"{allowing.url}gradio_api/upload", {"files": ("a.jsonl", b'{"turns": ["w1"]}\n', "application/octet-stream")}
+    assert httpx.post(upload, headers={"Origin": "http://localhost:3000"}, files=files).status_code == 200
+    for origin in ("null", "chrome-extension://abcdefghijklmnop"):
+        refused = httpx.post(upload, headers={"Origin": origin}, files=files)
+        assert refused.status_code == 403 and "--allow-origin" not in refused.json()["error"]["message"], origin
+
+
+def test_an_allowed_origin_may_read_when_and_whether_to_retry(allowing):
+    """Retry-After and x-should-retry are not CORS-safelisted: a page's script
+    (the official JavaScript SDK's retries) reads them only where they are exposed."""
+    for headers in ({"Authorization": "Bearer key-1"}, {}):
+        answer = httpx.get(f"{allowing.url}v1/models", headers={"Origin": "http://localhost:3000", **headers})
+        exposed = {name.strip().lower() for name in answer.headers.get("access-control-expose-headers", "").split(",")}
+        assert {"retry-after", "x-should-retry"} <= exposed, answer.status_code
+
+
+def test_the_responses_api_and_a_doubled_v1_get_a_404_that_says_what_to_change(server, engine):
+    client = openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="/v1/chat/completions") as error:
+        client.responses.create(model=engine.base.name, input="w1")
+    assert error.value.code == "unknown_url"
+    doubled = openai.OpenAI(base_url=f"{server.url}v1/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="/v1 twice") as error:
+        chat(doubled, engine.base.name)
+    assert error.value.code == "unknown_url"
+    assert httpx.get(f"{server.url}v1/nope").json()["error"]["message"] == "no such API endpoint: GET /v1/nope"
 
 
 def test_api_key_is_required_when_set(engine, tmp_path_factory):
