@@ -597,6 +597,17 @@ def resolve_head_folder(source: str) -> Path:
             hf_hub_download(source, CONFIG_FILE, local_files_only=cache_only)
         except hub.RemoteEntryNotFoundError as error:
             raise HeadFormatError(f"{source}: the repo has no {CONFIG_FILE}; not a draft head") from error
+        published = None if cache_only else published_safetensors(source)
+        if published is not None:
+            if any(key.startswith("model.layers.") for key in published.weight_map):  # judged before gigabytes download
+                raise HeadFormatError(
+                    f"{source}: a whole model's weights (keys model.layers.*), not a draft head; "
+                    "give it as the base model and a head made for it as the draft head"
+                )
+            if published.sharded:  # a large head in shards: all of them, with their index
+                from huggingface_hub import snapshot_download
+
+                return Path(snapshot_download(source, allow_patterns=[CONFIG_FILE, "*.safetensors", "*.safetensors.index.json"]))
         missing = hub.LocalEntryNotFoundError if cache_only else hub.RemoteEntryNotFoundError
         for name in WEIGHT_FILES:
             try:
@@ -621,6 +632,19 @@ def resolve_head_folder(source: str) -> Path:
             raise
         raise NetworkError(unreachable_message(source, cause)) from error
     raise HeadFormatError(f"{source}: the repo has no {' or '.join(WEIGHT_FILES)}")
+
+
+def published_safetensors(source: str):
+    """The names of a hub repo's safetensors weights and whether they are in
+    shards, read from the files' headers (kilobytes, not the weights); None
+    where the repo has none (a head in pytorch_model.bin) or they cannot be parsed."""
+    from huggingface_hub import get_safetensors_metadata
+    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
+
+    try:
+        return get_safetensors_metadata(source)
+    except (NotASafetensorsRepoError, SafetensorsParsingError):  # the downloads below say what the repo holds
+        return None
 
 
 def load_head(

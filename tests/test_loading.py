@@ -739,3 +739,52 @@ def test_a_vision_language_model_takes_a_head_by_its_text_model_s_sizes(tmp_path
     assert load_draft_head(base, str(tmp_path / "head64")).config.hidden_size == 64
     with pytest.raises(HeadFormatError, match="48"):  # sized from the text model: refused by its width, not an AttributeError
         load_draft_head(base, str(tmp_path / "head48"))
+
+
+def test_a_hub_head_is_judged_by_its_weights_headers_before_they_download(tmp_path, monkeypatch, tiny_dir):
+    """A whole model given as the head by repo id downloaded all its weights
+    (gigabytes) before it was refused; a head in shards was refused as a repo
+    with no model.safetensors. The safetensors headers (kilobytes) tell both."""
+    import huggingface_hub
+    from safetensors.torch import load_file, save_file
+
+    from models import hub
+    from models.errors import HeadFormatError
+    from models.head import resolve_head_folder, save_head
+    from tests.factory import random_head
+
+    base = load_base(str(tiny_dir))
+    head = save_head(random_head(base.model), tmp_path / "head")
+    downloads = []
+
+    def download(repo, name, **options):
+        downloads.append(name)
+        return str(head / name)
+
+    def headers(repo, **options):
+        if repo == "owner/model":
+            return SimpleNamespace(weight_map={"model.layers.0.mlp.up_proj.weight": "model.safetensors"}, sharded=False)
+        return SimpleNamespace(weight_map={key: "model-00001-of-00002.safetensors" for key in state}, sharded=repo == "owner/sharded")
+
+    state = load_file(str(head / "model.safetensors"))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "config.json").write_text((head / "config.json").read_text())
+    keys = sorted(state)
+    parts = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+    for name, part in parts.items():
+        save_file({key: state[key] for key in part}, str(shards / name))
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {key: name for name, part in parts.items() for key in part}}))
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", headers)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **options: str(shards))
+    with pytest.raises(HeadFormatError, match=r"owner/model: a whole model's weights \(keys model.layers.\*\), not a draft head"):
+        resolve_head_folder("owner/model")
+    assert downloads == ["config.json"]  # the weights were never asked for
+    assert resolve_head_folder("owner/sharded") == shards
+    assert resolve_head_folder("owner/head") == head and downloads[-1] == "model.safetensors"
+    config = base.model.config
+    from models.head import load_head
+
+    assert load_head(shards, config.hidden_size, config.vocab_size).config.hidden_size == config.hidden_size
