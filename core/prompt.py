@@ -30,13 +30,45 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+# Vicuna v1.1-v1.5's conversation format (FastChat's "vicuna_v1.1"), which its repos, made before chat
+# templates existed, do not carry, and which the published EAGLE heads for Vicuna were trained on:
+# "SYSTEM USER: question ASSISTANT: answer</s>USER: next question ASSISTANT:"
+VICUNA_SYSTEM = (
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
+)
+VICUNA_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system, turns = messages[0]['content'], messages[1:] -%}"
+    "{%- else -%}{%- set system, turns = '" + VICUNA_SYSTEM.replace("'", "\\'") + "', messages -%}{%- endif -%}"
+    "{{- (bos_token or '') + system -}}"
+    "{%- for message in turns -%}"
+    "{%- if message['role'] == 'assistant' -%}{{- ' ASSISTANT: ' + message['content'] + (eos_token or '') -}}"
+    "{%- else -%}{{- ('' if loop.previtem is defined and loop.previtem['role'] == 'assistant' else ' ') + 'USER: ' + message['content'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- ' ASSISTANT:' -}}{%- endif -%}"
+)
+
+
+def chat_template(tokenizer) -> str | None:
+    """The tokenizer's chat template, or for a Vicuna without one (the last
+    part of its repo id or folder names it) Vicuna's; None: a plain transcript (render_chat)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if own:
+        return own
+    name = str(getattr(tokenizer, "name_or_path", "")).replace("\\", "/").rstrip("/").rpartition("/")[2]
+    return VICUNA_TEMPLATE if "vicuna" in name.lower() else None
+
+
 def render_chat(tokenizer, messages: list[dict]) -> str:
     """The chat template's text of `messages`, ending with the assistant's header."""
-    if getattr(tokenizer, "chat_template", None):
+    template = chat_template(tokenizer)
+    if template:
         from jinja2 import TemplateError
 
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
         except TemplateError as error:  # the template's raise_exception: what it refuses, in its words
             raise ChatTemplateError(f"the model's chat template refuses this conversation: {error}") from error
     # base models without a template: a plain transcript

@@ -303,6 +303,11 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     except Exception as error:  # translated into one specific, readable error
         raise _explain(error, name, quantization) from error
     check_complete(info, name)
+    from core.prompt import chat_template
+
+    if chat_template(tokenizer) is None:  # a base model: said once, here, rather than guessed at from its replies
+        log.warning(f"{name}: its tokenizer has no chat template, so chats are written as a plain 'User: ... Assistant:' "
+                    "transcript, which a base model may continue past its answer (writing the user's next turn too)")  # fmt: skip
     if quantize is None:
         try:
             model.to(device)

@@ -1,3 +1,5 @@
+import json
+import logging
 import threading
 
 import pytest
@@ -7,6 +9,7 @@ from core.config import SamplingParams
 from core.detokenize import Detokenizer
 from core.engine import ContextOverflowError, Engine
 from core.prompt import encode_chat
+from models.base import load_base
 
 
 def generate_reference(engine: Engine, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -328,3 +331,30 @@ def test_a_completion_keeps_the_space_before_its_first_word():
     assert handed_out(tokenizer, reply, [1], context=prompt)[-1] == " Paris, Paris" == handed_out(tokenizer, reply, [3], context=prompt)[-1]
     assert handed_out(tokenizer, reply, [1])[-1] == "Paris, Paris"
     assert handed_out(tokenizer, pieces_of(tokenizer, "é"), [1], context=prompt)[-1] == " é"
+
+
+def test_a_vicuna_without_a_chat_template_gets_vicuna_s_format(default_base, tmp_path, caplog):
+    """Vicuna's repos carry no chat template (they predate them), and its
+    published EAGLE heads were trained on its own format: those chats were
+    written as a plain "User: ... Assistant:" transcript. Other tokenizers
+    without a template still are, said once at load."""
+    from core.prompt import render_chat
+    from tests.factory import save_tiny_model, tiny_tokenizer
+
+    vicuna = tiny_tokenizer()
+    vicuna.chat_template, vicuna.name_or_path = None, "lmsys/vicuna-7b-v1.3"
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Why's that?"}]
+    system = "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, detailed, and polite answers to the user's questions."
+    assert render_chat(vicuna, chat) == f"<s>{system} USER: Hi ASSISTANT: Hello!{vicuna.eos_token}USER: Why's that? ASSISTANT:"
+    assert render_chat(vicuna, [{"role": "system", "content": "Be brief."}, chat[0]]) == "<s>Be brief. USER: Hi ASSISTANT:"
+    vicuna.name_or_path = "someone/base-model"
+    assert render_chat(vicuna, chat[:1]) == "<s>User: Hi\nAssistant:"
+
+    folder = save_tiny_model(tmp_path / "base")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        load_base(str(folder))
+    assert "has no chat template, so chats are written as a plain 'User: ... Assistant:' transcript" in caplog.text
