@@ -61,15 +61,33 @@ def system_memory_gb() -> float | None:
     return None
 
 
-def catalog_frame(available_gb: float | None) -> pd.DataFrame:
+def cpu_weight_bytes() -> int | None:
+    """Bytes a weight takes while a model loads on this machine's CPU (the dtype
+    auto computes in: bf16 where the CPU has it natively, else float32); None with a GPU."""
+    import torch
+
+    from models.base import cpu_has_native_bf16
+
+    if torch.cuda.is_available():
+        return None
+    return 2 if cpu_has_native_bf16() else 4
+
+
+def catalog_frame(available_gb: float | None, load_bytes: int | None = None) -> pd.DataFrame:
+    """load_bytes: on a CPU, cpu_weight_bytes(); each size's verdict here then
+    weighs loading's peak too (catalog.cpu_load_gb), which exceeds every size
+    but 16-bit's on CPUs without native bf16."""
     rows = []
     for entry in catalog.CATALOG:
         smallest = catalog.estimated_gb(entry, 4)
         row = {"model": entry.name, "parameters (B)": entry.parameters,
                f"4-bit on a {catalog.CONSUMER_GPU_NAME} GPU": catalog.fit(smallest, catalog.CONSUMER_GPU_GB)}  # fmt: skip
+        peak = catalog.cpu_load_gb(entry, load_bytes) if load_bytes else 0.0
         for label, bits in (("4-bit", 4), ("8-bit", 8), ("16-bit", 16)):
             needed = catalog.estimated_gb(entry, bits)
-            row[f"{label} GB"] = f"{needed:.1f} ({catalog.fit(needed, available_gb)} here)"
+            row[f"{label} GB"] = f"{needed:.1f} ({catalog.fit(max(needed, peak), available_gb)} here)"
+        if load_bytes:
+            row["load peak on this CPU GB"] = f"{peak:.1f}"
         row.update({"draft head": entry.head or "bundled", "head format": entry.kind})
         rows.append(row)
     return pd.DataFrame(rows)

@@ -16,9 +16,12 @@ import gradio as gr
 from app import render
 from app.chat import MODE_LABELS, RANGES, ChatHandlers, default_settings, mode_choices
 from app.compare import SUMMARY_COLUMNS, CompareHandlers
-from app.library import DTYPE_CHOICES, MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, detected_memory, error_text, remembered_model
+from app.library import (
+    DTYPE_CHOICES, MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, cpu_weight_bytes, detected_memory, error_text,
+    remembered_model,
+)  # fmt: skip
 from app.runtime import Runtime
-from app.server import LOCALHOST, Access, Server, new_api_key
+from app.server import LOCALHOST, Access, Server, allowable_origin, new_api_key
 from app.store import Store, data_dir
 from core.config import MODES, TreeParams
 from core.engine import Engine
@@ -174,15 +177,18 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
 
             with gr.Tab("Models", id="models") as models_tab:
                 memory_gb, memory_kind = detected_memory()
+                load_bytes = cpu_weight_bytes()
+                peak = (f" On this CPU a model loads whole in {'bfloat16' if load_bytes == 2 else 'float32'} before its "
+                        "weights are quantized: 'here' counts that peak too." if load_bytes else "")  # fmt: skip
                 status = gr.HTML(elem_id="model-status")
                 gr.Markdown(
                     f"Detected memory: **{memory_gb:.1f} GB** of {memory_kind}; each size says whether it fits here. "
                     f"'4-bit on a {catalog.CONSUMER_GPU_NAME} GPU' says whether the 4-bit model fits one "
                     "(an RTX 3060). Estimates include the draft head and about 1 GB of runtime overhead; "
-                    "4/8-bit need bitsandbytes (CUDA for speed)."
+                    f"4/8-bit need bitsandbytes (CUDA for speed).{peak}"
                     if memory_gb else f"Detected memory: {memory_kind}."
                 )  # fmt: skip
-                gr.Dataframe(catalog_frame(memory_gb), interactive=False, label="Catalog")
+                gr.Dataframe(catalog_frame(memory_gb, load_bytes), interactive=False, label="Catalog")
                 entry = gr.Dropdown([e.name for e in catalog.CATALOG], label="Catalog entry", value=None, elem_id="catalog-entry")
                 with gr.Row():
                     model_box = gr.Textbox(label="Base model (repo id, local folder or .gguf file; empty = bundled default)", elem_id="model-box")
@@ -332,9 +338,14 @@ def access_from(args) -> Access:
             f"add {' '.join(missing)} (or drop --listen to stay on this computer)"
         )
     origins = tuple(origin.rstrip("/") for origin in args.allow_origin or ())
-    bad = [origin for origin in origins if not origin.startswith(("http://", "https://")) or origin.count("/") != 2]
+    bad = [origin for origin in origins if not allowable_origin(origin)]
     if bad:
-        raise ValueError(f"--allow-origin takes an origin such as http://localhost:3000, got {bad[0]!r}")
+        raise ValueError(
+            "--allow-origin takes an origin, scheme://host[:port] (http://localhost:3000, chrome-extension://ID), "
+            f"SCHEME://* for every one of a browser's extensions (moz-extension://*; not http or https) or null, got {bad[0]!r}"
+        )
+    if "null" in origins and api_key is None:  # not only file:// pages: any web site can make a frame that sends null
+        raise ValueError("--allow-origin null admits a sandboxed frame of any web site too, so it needs --api-key (auto generates one)")
     return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins)
 
 

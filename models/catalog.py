@@ -50,6 +50,13 @@ def estimated_gb(entry: CatalogEntry, bits: int) -> float:
     return decoder * bits / 8 + (entry.embedding_parameters + entry.head_parameters + entry.head_embedding) * 2 + RUNTIME_OVERHEAD_GB
 
 
+def cpu_load_gb(entry: CatalogEntry, weight_bytes: int) -> float:
+    """Loading's peak on a CPU: transformers reads the whole model and the head
+    in the dtype they compute in (float32, 4 bytes a weight, on CPUs without
+    native bf16) before Kestrel's int4 or int8 replace the decoder's linears."""
+    return (entry.parameters + entry.head_parameters + entry.head_embedding) * weight_bytes + RUNTIME_OVERHEAD_GB
+
+
 def fit(needed_gb: float, available_gb: float | None) -> str:
     """fits (with 15% to spare), tight, or does not fit."""
     if available_gb is None:

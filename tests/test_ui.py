@@ -1250,6 +1250,12 @@ def test_catalog_and_trained_heads(engine, tmp_path):
     assert here["Vicuna-13B v1.3"].endswith("(does not fit here)")
     assert gpu["Llama-3.1-8B-Instruct (EAGLE-3)"] == "fits" and gpu["Qwen3-8B (EAGLE-3, community head)"] == "fits"
     assert gpu["Llama-3.3-70B-Instruct (EAGLE-3)"] == "does not fit"
+    assert dict(zip(frame["model"], frame["4-bit GB"]))["Llama-3.1-8B-Instruct (EAGLE-3)"].endswith("(fits here)")
+    # a CPU without native bf16 reads the whole 8B model in float32 (about 35 GB with its head) before int4 shrinks it
+    on_cpu = catalog_frame(24.0, load_bytes=4)
+    four_bit = dict(zip(on_cpu["model"], on_cpu["4-bit GB"]))
+    assert four_bit["Llama-3.1-8B-Instruct (EAGLE-3)"].endswith("(does not fit here)") and four_bit["SmolLM2-135M-Instruct (bundled)"].endswith("(fits here)")
+    assert dict(zip(on_cpu["model"], on_cpu["load peak on this CPU GB"]))["Llama-3.1-8B-Instruct (EAGLE-3)"] == "34.8"
     for name, base in (("mine", engine.base.name), ("other", "another/model"), ("unreported", None)):
         save_head(random_head(engine.model), tmp_path / "heads" / name)
         if base:
@@ -1286,6 +1292,25 @@ def test_access_is_local_unless_listen_with_auth_and_api_key():
     with pytest.raises(ValueError, match="--allow-origin"):
         access_from(ui_args("--allow-origin", "localhost:3000"))
     assert access_from(ui_args("--allow-origin", "http://localhost:3000/")).allow_origins == ("http://localhost:3000",)
+
+
+def test_allow_origin_takes_extensions_and_apps_and_null_with_a_key_as_refusals_suggest():
+    from app.server import origin_refusal
+    from app.ui import access_from
+
+    origins = ["chrome-extension://abcdefghijklmnop", "moz-extension://*", "app://obsidian.md", "tauri://localhost", "vscode-webview://0a1b2c", "http://[::1]:3000"]
+    assert access_from(ui_args(*[part for origin in origins for part in ("--allow-origin", origin)])).allow_origins == tuple(origins)
+    for bad in ("*", "http://*", "https://*", "localhost:3000", "https://chat.example/path", "Chrome-Extension://abc", "app://a b"):
+        with pytest.raises(ValueError, match="--allow-origin takes"):
+            access_from(ui_args("--allow-origin", bad))
+    with pytest.raises(ValueError, match="--api-key"):  # any web site's sandboxed frame sends null too
+        access_from(ui_args("--allow-origin", "null"))
+    assert access_from(ui_args("--allow-origin", "null", "--api-key", "auto")).allow_origins == ("null",)
+    # what a refusal tells a page's user to start Kestrel with is taken; nothing is suggested for what is no origin
+    for origin in ("chrome-extension://abcdefghijklmnop", "moz-extension://0f3c5e2a-5d3b", "app://obsidian.md", "null", "https://chat.example:8443"):
+        suggested = re.search(r"--allow-origin (\S+)", origin_refusal(origin)).group(1)
+        assert suggested == origin and access_from(ui_args("--allow-origin", suggested, "--api-key", "auto")).allow_origins == (origin,)
+    assert "--allow-origin" not in origin_refusal("https://chat.example/path") + origin_refusal("\x1b[31m")
 
 
 def test_the_browser_opens_only_where_there_is_a_desktop(monkeypatch):
