@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from app.decoding import Decoding, ServerStopping
-from app.request import Generation, RequestError, parse_chat, parse_completion
+from app.request import Generation, RequestError, model_defaults, parse_chat, parse_completion
 from app.runtime import ModelBusyError, ModelChangedError, ModelLoadingError, NoModelError, Runtime
 from core.detokenize import Detokenizer
 from core.engine import Engine, Step
@@ -291,7 +291,8 @@ class Api:
             )  # fmt: skip
         asked = generation.max_tokens
         limit = room if asked is None else min(asked, room)
-        sampling = replace(generation.sampling, max_new_tokens=limit)
+        defaults = {name: value for name, value in model_defaults(engine.model).items() if name not in generation.sampling_sent}
+        sampling = replace(generation.sampling, max_new_tokens=limit, **defaults)
         clipped_from = asked if asked is not None and asked > room and generation.max_tokens_sent else None  # a default is not "requested"
         return Prepared(engine, replace(generation, sampling=sampling), prompt_ids, mode, clipped_from)
 

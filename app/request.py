@@ -55,6 +55,10 @@ class RequestError(ValueError):
         self.code = code
 
 
+# the sampling settings a model's generation_config.json may recommend, for requests that leave them out
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+
+
 @dataclass(frozen=True)
 class Generation:
     """What one request asks the engine for, before its prompt is tokenized."""
@@ -70,6 +74,7 @@ class Generation:
     stream: bool
     include_usage: bool
     max_tokens_sent: bool = True  # False where max_tokens is the endpoint's default (completions' 16), not the client's
+    sampling_sent: frozenset[str] = frozenset(SAMPLING_FIELDS)  # of SAMPLING_FIELDS, those the client sent (model_defaults)
 
 
 def parse_chat(body: dict) -> Generation:
@@ -118,6 +123,7 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
         tree=_tree(kestrel), mode=mode, stop=_stops(body.get("stop")), stream=_boolean(body, "stream", False),
         include_usage=_include_usage(body),
         max_tokens_sent=default_max_tokens is None or any(body.get(name) is not None for name in ("max_tokens", "max_completion_tokens")),
+        sampling_sent=frozenset(name for name in SAMPLING_FIELDS if body.get(name) is not None or (name == "top_k" and kestrel.get(name) is not None)),
     )  # fmt: skip
 
 
@@ -296,3 +302,25 @@ def _integer(body: dict, name: str, default, low: int, high: int, param: str | N
     if type(value) is not int or not low <= value <= high:
         raise RequestError(f"{param} must be an integer from {low} to {high}, got {value!r}", param)
     return value
+
+
+def model_defaults(model) -> dict:
+    """The temperature, top_p and top_k that the model's generation_config.json
+    recommends for sampling (do_sample true: Qwen3's 0.6, 0.95 and 20), for
+    the requests that leave them out, as vLLM and Ollama take a model's own
+    defaults; {} where it recommends none (OpenAI's defaults then hold).
+    Values outside what a request may send are left out."""
+    config = getattr(model, "generation_config", None)
+    try:
+        written = config.to_diff_dict() if config is not None else {}  # what the file sets, not the class's defaults
+    except Exception:  # a generation config transformers cannot compare: none recommended
+        return {}
+    if written.get("do_sample") is not True:
+        return {}
+    ranges = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1_000_000)}
+    found = {}
+    for name, (low, high) in ranges.items():
+        value = written.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high:
+            found[name] = int(value) if name == "top_k" else float(value)
+    return found

@@ -963,3 +963,28 @@ def test_an_error_that_ends_the_decoding_between_reads_is_still_reported():
     with pytest.raises(ApiError, match="the decoding failed") as raised:
         asyncio.run(reply())
     assert raised.value.status == 500
+
+
+def test_sampling_left_out_takes_the_model_s_own_recommended_settings(client, engine, monkeypatch):
+    """Open WebUI, LangChain and Continue leave temperature out: that was
+    OpenAI's 1 over the whole vocabulary, where Qwen3's and Llama-3.1's
+    generation_config.json recommend 0.6 with top_p (and top_k) cuts. A model
+    that recommends nothing keeps OpenAI's defaults; a value sent wins."""
+    from transformers import GenerationConfig
+
+    name = engine.base.name
+
+    def sampled(top_k=None, **kwargs):  # temperature None: sent as null, as left out
+        extra = {} if top_k is None else {"extra_body": {"top_k": top_k}}
+        return chat(client, name, max_tokens=24, seed=11, **extra, **kwargs).choices[0].message.content
+
+    openai_defaults = sampled(temperature=1.0)
+    assert sampled(temperature=None) == openai_defaults  # the tiny model's generation config recommends nothing
+    recommended = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.5, top_k=3)
+    monkeypatch.setattr(engine.model, "generation_config", recommended)
+    model_own = sampled(temperature=0.6, top_p=0.5, top_k=3)
+    assert sampled(temperature=None) == model_own != openai_defaults
+    assert sampled(temperature=None, top_p=1.0, top_k=0) == sampled(temperature=0.6, top_p=1.0, top_k=0)  # sent: kept
+    assert sampled(temperature=1.0) == sampled(temperature=1.0, top_p=0.5, top_k=3)
+    monkeypatch.setattr(engine.model, "generation_config", GenerationConfig(do_sample=False, temperature=0.6))
+    assert sampled(temperature=None) == openai_defaults  # not for sampling: none recommended
