@@ -27,6 +27,8 @@ from core.stats import Snapshot
 from models.errors import ChatTemplateError, KestrelError, json_kind
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
+# a body that large is most often an attached photo (base64 image_url parts), which no size would let through
+TEXT_ONLY = " (the models here read text only: image and audio parts are refused at any size)"
 POLL_SECONDS = 0.1  # how often a waiting response checks that its client is still there
 # a stream that waits for its turn, or for a long prompt to be read, sends an SSE comment this often: clients and
 # proxies with a read timeout (30-60 s is common) would otherwise give up on a reply that is only queued
@@ -489,13 +491,13 @@ async def read_body(request: Request) -> bytes:
     """The request body, at most MAX_BODY_BYTES."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is {int(declared)} bytes; at most {MAX_BODY_BYTES} are accepted")
+        raise ApiError(413, f"the request body is {int(declared)} bytes; at most {MAX_BODY_BYTES} are accepted{TEXT_ONLY}")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes{TEXT_ONLY}")
             chunks.append(chunk)
     except ClientDisconnect as error:  # a client that hung up while sending: answered (to no one) without a traceback
         raise ApiError(400, f"the client closed the connection after {size} bytes of the request body") from error

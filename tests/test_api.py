@@ -988,3 +988,14 @@ def test_sampling_left_out_takes_the_model_s_own_recommended_settings(client, en
     assert sampled(temperature=1.0) == sampled(temperature=1.0, top_p=0.5, top_k=3)
     monkeypatch.setattr(engine.model, "generation_config", GenerationConfig(do_sample=False, temperature=0.6))
     assert sampled(temperature=None) == openai_defaults  # not for sampling: none recommended
+
+
+def test_a_photo_over_the_body_limit_is_told_that_images_are_not_read(server, engine):
+    """A phone photo sent as a base64 image part (Open WebUI, LibreChat) passes
+    4 MiB and got only "body too large": the user could not tell that no size would do."""
+    photo = "data:image/jpeg;base64," + "A" * (5 << 20)
+    content = [{"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": photo}}]
+    body = {"model": engine.base.name, "messages": [{"role": "user", "content": content}]}
+    refused = httpx.post(f"{server.url}v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 413
+    assert "the models here read text only: image and audio parts are refused at any size" in refused.json()["error"]["message"]
