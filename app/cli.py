@@ -297,9 +297,16 @@ def main(argv: list[str]) -> int:
                 signal.signal(getattr(signal, name), _interrupted)
     try:
         if args.command == "ui":
+            lock = None
+            if not args.install_shortcut:  # the data folder's lock before the page's imports (seconds): a second
+                from app.instance import DataLock, data_dir, tell_running  # start (a double-click twice) answers at once
+
+                lock = DataLock(data_dir())
+                if not lock.acquire():
+                    return tell_running(lock, data_dir(), args.no_browser)
             from app.ui import serve
 
-            return serve(args)
+            return serve(args, lock)
         if args.command == "chat":
             return run_chat(args)
         if args.command == "bench":
@@ -395,7 +402,7 @@ def working_in(work: Path, command: str):
     """Hold `work` for this command while it runs (an OS file lock, gone with
     the process however it ends): a second run in the same folder would write
     its answers and features among this one's."""
-    from app.store import DataLock
+    from app.instance import DataLock
     from core.training.work import LOCK_FILE
 
     lock = DataLock(work, LOCK_FILE)
@@ -417,7 +424,7 @@ def busy_text(work: Path, holder: str, command: str) -> str:
 
 def held_by(work: Path) -> str | None:
     """The command holding `work` now (working_in), or None where none does."""
-    from app.store import DataLock
+    from app.instance import DataLock
     from core.training.work import LOCK_FILE
 
     if not (work / LOCK_FILE).is_file():

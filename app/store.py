@@ -5,7 +5,6 @@ or a full disk mid-write leaves the previous version intact."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -16,10 +15,7 @@ import uuid
 from collections.abc import Collection
 from pathlib import Path
 
-import platformdirs
-
 from app.render import BASE, DRAFT, inert_markdown, is_number
-from models.errors import KestrelError
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
@@ -31,92 +27,6 @@ LATEST_TIME = 32503680000.0  # 3000-01-01: Windows' localtime fails past 3000 (a
 # On Windows a file that another program holds open (a virus scanner or the
 # search indexer reading the file just written) cannot be replaced for a moment.
 REPLACE_TRIES = 6 if os.name == "nt" else 1
-
-
-def data_dir() -> Path:
-    """Kestrel's user data folder; KESTREL_DATA_DIR overrides it (tests)."""
-    override = os.environ.get("KESTREL_DATA_DIR")
-    return Path(override).expanduser() if override else Path(platformdirs.user_data_dir("kestrel"))  # "~/..." as a shell would
-
-
-LOCK_FILE = "kestrel.lock"
-LOCKED_BYTE = 1 << 16  # where Windows locks the file: past the address it holds
-# The errors that mean another process holds the lock: flock's EWOULDBLOCK (EAGAIN, or EACCES
-# where it is made of fcntl locks) and msvcrt.locking's EACCES (EDEADLK once it gives up). Any
-# other means that the file system takes no locks (NFS without its lock service: ENOLCK; some
-# shared and FUSE folders: EOPNOTSUPP, EINVAL): no process holds the folder, nor can one.
-LOCK_HELD = (errno.EACCES, errno.EDEADLK) if os.name == "nt" else (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
-
-
-class FolderLockError(KestrelError):
-    """A folder whose file system takes no file locks, so that a second run could not be kept out."""
-
-
-class DataLock:
-    """One running page per data folder: two would each save their own view of
-    a chat over the other's. Held as an OS file lock, which ends with the
-    process however it ends (no stale lock after a crash); the file names the
-    holder's address, for a second start to open instead."""
-
-    def __init__(self, folder: Path, name: str = LOCK_FILE):
-        self.path = folder / name
-        self._file = None
-
-    def acquire(self) -> bool:
-        """True when this process now holds the folder, or when nothing can be
-        written there at all (no lock can be taken; the page names the problem
-        at load and no chat is saved); False when another process holds it.
-        FolderLockError where files there can be written but not locked."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open while the lock is held)
-        except OSError:  # a read-only folder, or a file where the folder belongs
-            return True
-        try:
-            if os.name == "nt":
-                import msvcrt
-
-                file.seek(LOCKED_BYTE)  # a byte past the address, so that a second start can read that
-                msvcrt.locking(file.fileno(), msvcrt.LK_NBLCK, 1)
-            else:
-                import fcntl
-
-                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            file.close()
-            if error.errno in LOCK_HELD:
-                return False
-            # the data folder is chosen by KESTREL_DATA_DIR; a command's work folder by its options
-            choose = "set KESTREL_DATA_DIR to" if self.path.name == LOCK_FILE else "use"
-            raise FolderLockError(
-                f"{self.path.parent}: files there cannot be locked ({error.strerror or error}), and without a lock a second "
-                f"Kestrel could write over this one's files there; {choose} a folder on a local disk"
-            ) from error
-        self._file = file
-        file.truncate(0)  # a previous holder's address is no longer served
-        file.flush()
-        return True
-
-    def announce(self, url: str) -> None:
-        """Name this process's address in the lock file, for a second start."""
-        if self._file is None:  # no lock could be taken (nothing can be written there)
-            return
-        self._file.truncate(0)
-        self._file.seek(0)
-        self._file.write(url)
-        self._file.flush()
-
-    def holder(self) -> str:
-        """The address the holding process announced ("" while it starts)."""
-        try:
-            return self.path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            return ""
-
-    def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing the file releases the lock
-            self._file = None
 
 
 def write_atomic(path: Path, text: str, shared: bool = False) -> None:

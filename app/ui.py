@@ -5,10 +5,8 @@ concurrency group, so requests queue instead of running at once."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
-import webbrowser
 from pathlib import Path
 
 import gradio as gr
@@ -22,7 +20,8 @@ from app.library import (
 )  # fmt: skip
 from app.runtime import Runtime
 from app.server import LOCALHOST, Access, Server, allowable_origin, new_api_key
-from app.store import Store, data_dir
+from app.instance import DataLock, data_dir, open_browser, tell_running
+from app.store import Store
 from core.config import MODES, TreeParams
 from core.engine import Engine
 from models import catalog
@@ -44,15 +43,6 @@ def as_typed(control: gr.components.Component) -> None:
     names neither the setting nor keeps the message being sent, where
     Options.from_values names the setting and gives the message back."""
     control.preprocess = lambda payload: payload
-
-
-def open_browser(url: str) -> None:
-    """The page in the desktop's browser. Without a graphical session (Linux
-    over ssh, a server), none: Python's fallback is a text browser such as
-    lynx, which would take over the terminal that shows Kestrel's own lines."""
-    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
-        return
-    webbrowser.open(url)
 
 
 CHATBOT_HEIGHT = "clamp(200px, calc(100vh - 350px), 760px)"
@@ -370,8 +360,10 @@ def load_first(args, settings: dict, load_pair) -> Engine:
     return load_pair(args.model, args.head, args.quantization, args.dtype, args.device, args.compile)
 
 
-def serve(args) -> int:
-    """`launch.py ui`: load the model, then serve the page and the API until interrupted."""
+def serve(args, lock: DataLock | None = None) -> int:
+    """`launch.py ui`: load the model, then serve the page and the API until
+    interrupted. lock: the data folder's, held already (the CLI takes it
+    before importing this module, so that a second start answers at once)."""
     if args.install_shortcut:
         from app.shortcut import install
 
@@ -387,18 +379,13 @@ def serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     from app.session import load_pair, prepare_costs
-    from app.store import DataLock, remove_leftovers
+    from app.store import remove_leftovers
 
     store_dir = data_dir()
-    lock = DataLock(store_dir)
-    if not lock.acquire():  # a second start (a double-click twice): the running one keeps the chats
-        url = lock.holder()
-        where = f"at {url}" if url else "(still starting)"
-        print(f"Kestrel is already running {where} with the chats in {store_dir}; "
-              "a second one would save over its chats. Set KESTREL_DATA_DIR to run another with chats of its own.", flush=True)  # fmt: skip
-        if url and not args.no_browser:
-            open_browser(url)
-        return 0
+    if lock is None:
+        lock = DataLock(store_dir)
+        if not lock.acquire():  # a second start (a double-click twice): the running one keeps the chats
+            return tell_running(lock, store_dir, args.no_browser)
     remove_leftovers(store_dir)
     engine = load_first(args, Store(store_dir).load_settings(), load_pair)
     prepare_costs(engine)

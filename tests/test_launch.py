@@ -581,7 +581,7 @@ def test_a_folder_that_takes_no_locks_is_named_instead_of_read_as_held(monkeypat
     import errno
     import fcntl
 
-    from app.store import DataLock, FolderLockError
+    from app.instance import DataLock, FolderLockError
 
     def flock(fd, operation, error=errno.ENOLCK):
         raise OSError(error, os.strerror(error))

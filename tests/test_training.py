@@ -793,7 +793,7 @@ def test_long_prompts_refuses_another_models_answers_a_second_run_and_passages_l
     tiny_dir, prompts_file, tmp_path, capsys
 ):
     from app.cli import main
-    from app.store import DataLock
+    from app.instance import DataLock
     from core.training.work import LOCK_FILE
     from tests.factory import save_tiny_model
 
@@ -964,7 +964,7 @@ def test_a_second_run_in_a_work_folder_is_refused_while_the_first_works(tmp_path
     earlier run (the first had written nothing yet) and answered into the same
     cache, each prompt twice."""
     from app.cli import main
-    from app.store import DataLock
+    from app.instance import DataLock
     from core.training.work import LOCK_FILE, holds_a_run
 
     def loaded(*args, **kwargs):

@@ -507,7 +507,7 @@ def test_a_file_held_open_for_a_moment_is_replaced_when_it_is_let_go(store, monk
 
 
 def test_data_dir_override(tmp_path, monkeypatch):
-    from app.store import data_dir
+    from app.instance import data_dir
 
     monkeypatch.setenv("KESTREL_DATA_DIR", str(tmp_path))
     assert data_dir() == tmp_path
@@ -1315,20 +1315,20 @@ def test_allow_origin_takes_extensions_and_apps_and_null_with_a_key_as_refusals_
 
 def test_the_browser_opens_only_where_there_is_a_desktop(monkeypatch):
     """Linux without a graphical session (ssh, a server): Python's fallback would run a text browser in Kestrel's terminal."""
-    from app import ui
+    from app import instance
 
     opened = []
-    monkeypatch.setattr(ui.webbrowser, "open", opened.append)
-    monkeypatch.setattr(ui.sys, "platform", "linux")
+    monkeypatch.setattr(instance.webbrowser, "open", opened.append)
+    monkeypatch.setattr(instance.sys, "platform", "linux")
     for name in ("DISPLAY", "WAYLAND_DISPLAY"):
         monkeypatch.delenv(name, raising=False)
-    ui.open_browser("http://127.0.0.1:7860/")
+    instance.open_browser("http://127.0.0.1:7860/")
     assert opened == []
     monkeypatch.setenv("WAYLAND_DISPLAY", "wayland-0")
-    ui.open_browser("http://127.0.0.1:7860/")
+    instance.open_browser("http://127.0.0.1:7860/")
     monkeypatch.delenv("WAYLAND_DISPLAY")
-    monkeypatch.setattr(ui.sys, "platform", "darwin")
-    ui.open_browser("http://127.0.0.1:7861/")
+    monkeypatch.setattr(instance.sys, "platform", "darwin")
+    instance.open_browser("http://127.0.0.1:7861/")
     assert opened == ["http://127.0.0.1:7860/", "http://127.0.0.1:7861/"]
 
 
@@ -1917,8 +1917,8 @@ def test_one_running_page_per_data_folder(tmp_path, capsys, monkeypatch):
     """A second start on the same data folder (a double-click twice) does not
     serve a second page that would save over the first one's chats: it names
     the running one's address and opens it. The lock ends with its holder."""
-    from app import ui
-    from app.store import DataLock
+    from app import instance, ui
+    from app.instance import DataLock
 
     first = DataLock(tmp_path)
     assert first.acquire()
@@ -1927,11 +1927,15 @@ def test_one_running_page_per_data_folder(tmp_path, capsys, monkeypatch):
     opened = []
     monkeypatch.setenv("DISPLAY", ":0")  # a desktop session, where a browser is started
     monkeypatch.setenv("KESTREL_DATA_DIR", str(tmp_path))
-    monkeypatch.setattr(ui.webbrowser, "open", opened.append)
+    monkeypatch.setattr(instance.webbrowser, "open", opened.append)
     monkeypatch.setattr("app.session.load_pair", lambda *a, **k: pytest.fail("a second start must not load a model"))
     args = SimpleNamespace(install_shortcut=False, listen=False, auth=None, api_key=None, allow_origin=[], threads=None, no_browser=False)
     assert ui.serve(args) == 0
     assert opened == ["http://127.0.0.1:7860/"] and "already running at http://127.0.0.1:7860/" in capsys.readouterr().out
+    # the command line answers before importing the page (gradio, torch: 15 s or more on a first start's cold disk)
+    code = "import sys; from app.cli import main; code = main(['ui', '--no-browser']); print('imported:', 'gradio' in sys.modules, 'torch' in sys.modules)"
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert "already running at http://127.0.0.1:7860/" in second.stdout and "imported: False False" in second.stdout, second.stdout + second.stderr
     first.release()  # the first one ended (a crash too: the OS drops its lock)
     again = DataLock(tmp_path)
     assert again.acquire() and again.holder() == ""  # the old address is gone while this one starts
@@ -1978,7 +1982,7 @@ def test_a_data_folder_that_cannot_be_saved_to_is_named_when_the_page_loads(hand
 
 
 def test_folders_set_with_a_tilde_are_in_the_home_folder(monkeypatch):
-    from app.store import data_dir
+    from app.instance import data_dir
     from models.bundled import cache_root
 
     monkeypatch.setenv("KESTREL_DATA_DIR", "~/kestrel-chats")
@@ -2038,7 +2042,7 @@ def test_a_message_left_without_a_reply_is_said_unless_its_reply_is_on_its_way(h
 def test_a_data_folder_that_cannot_be_written_still_starts_the_page(tmp_path):
     """No lock can be taken where nothing can be written (a read-only folder,
     a file in the folder's place): the page starts and names the problem."""
-    from app.store import DataLock
+    from app.instance import DataLock
 
     (tmp_path / "file").write_text("")
     lock = DataLock(tmp_path / "file")

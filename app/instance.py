@@ -1,0 +1,123 @@
+"""One running Kestrel per data folder: where the folder is, the lock that
+keeps a second start from serving it too, and that start opening the running
+one's page. Light to import (no torch, gradio or pandas), so that a second
+start (a double-click twice) answers at once instead of after the imports."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import webbrowser
+from pathlib import Path
+
+import platformdirs
+
+from models.errors import KestrelError
+
+
+def data_dir() -> Path:
+    """Kestrel's user data folder; KESTREL_DATA_DIR overrides it (tests)."""
+    override = os.environ.get("KESTREL_DATA_DIR")
+    return Path(override).expanduser() if override else Path(platformdirs.user_data_dir("kestrel"))  # "~/..." as a shell would
+
+
+LOCK_FILE = "kestrel.lock"
+LOCKED_BYTE = 1 << 16  # where Windows locks the file: past the address it holds
+# The errors that mean another process holds the lock: flock's EWOULDBLOCK (EAGAIN, or EACCES
+# where it is made of fcntl locks) and msvcrt.locking's EACCES (EDEADLK once it gives up). Any
+# other means that the file system takes no locks (NFS without its lock service: ENOLCK; some
+# shared and FUSE folders: EOPNOTSUPP, EINVAL): no process holds the folder, nor can one.
+LOCK_HELD = (errno.EACCES, errno.EDEADLK) if os.name == "nt" else (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+class FolderLockError(KestrelError):
+    """A folder whose file system takes no file locks, so that a second run could not be kept out."""
+
+
+class DataLock:
+    """One running page per data folder: two would each save their own view of
+    a chat over the other's. Held as an OS file lock, which ends with the
+    process however it ends (no stale lock after a crash); the file names the
+    holder's address, for a second start to open instead."""
+
+    def __init__(self, folder: Path, name: str = LOCK_FILE):
+        self.path = folder / name
+        self._file = None
+
+    def acquire(self) -> bool:
+        """True when this process now holds the folder, or when nothing can be
+        written there at all (no lock can be taken; the page names the problem
+        at load and no chat is saved); False when another process holds it.
+        FolderLockError where files there can be written but not locked."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open while the lock is held)
+        except OSError:  # a read-only folder, or a file where the folder belongs
+            return True
+        try:
+            if os.name == "nt":
+                import msvcrt
+
+                file.seek(LOCKED_BYTE)  # a byte past the address, so that a second start can read that
+                msvcrt.locking(file.fileno(), msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            file.close()
+            if error.errno in LOCK_HELD:
+                return False
+            # the data folder is chosen by KESTREL_DATA_DIR; a command's work folder by its options
+            choose = "set KESTREL_DATA_DIR to" if self.path.name == LOCK_FILE else "use"
+            raise FolderLockError(
+                f"{self.path.parent}: files there cannot be locked ({error.strerror or error}), and without a lock a second "
+                f"Kestrel could write over this one's files there; {choose} a folder on a local disk"
+            ) from error
+        self._file = file
+        file.truncate(0)  # a previous holder's address is no longer served
+        file.flush()
+        return True
+
+    def announce(self, url: str) -> None:
+        """Name this process's address in the lock file, for a second start."""
+        if self._file is None:  # no lock could be taken (nothing can be written there)
+            return
+        self._file.truncate(0)
+        self._file.seek(0)
+        self._file.write(url)
+        self._file.flush()
+
+    def holder(self) -> str:
+        """The address the holding process announced ("" while it starts)."""
+        try:
+            return self.path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return ""
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the file releases the lock
+            self._file = None
+
+
+def open_browser(url: str) -> None:
+    """The page in the desktop's browser. Without a graphical session (Linux
+    over ssh, a server), none: Python's fallback is a text browser such as
+    lynx, which would take over the terminal that shows Kestrel's own lines."""
+    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        return
+    webbrowser.open(url)
+
+
+def tell_running(lock: DataLock, store_dir: Path, no_browser: bool) -> int:
+    """A second start on a held data folder: name the running Kestrel and
+    open its page (it keeps the chats; a second would save over them)."""
+    url = lock.holder()
+    where = f"at {url}" if url else "(still starting)"
+    print(f"Kestrel is already running {where} with the chats in {store_dir}; "
+          "a second one would save over its chats. Set KESTREL_DATA_DIR to run another with chats of its own.", flush=True)  # fmt: skip
+    if url and not no_browser:
+        open_browser(url)
+    return 0
