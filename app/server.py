@@ -308,10 +308,15 @@ def free_port(host: str, start: int, tries: int = 100) -> int:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # let the probe share a port in use)
             try:
                 probe.bind((host, port))
+            except PermissionError as error:  # not in use: a port below 1024 as a user (Linux, macOS)
+                if port < 1024:
+                    raise OSError(f"port {port} on {host} cannot be used ({error.strerror}): ports below 1024 need "
+                                  "administrator rights; choose --port 1024 or higher") from error  # fmt: skip
+                continue
             except OSError:
                 continue
             return port
-    raise OSError(f"no free port in {start}-{last} on {host}; pass --port")
+    raise OSError(f"no free port in {start}-{last} on {host}; choose a port outside these with --port")
 
 
 # The page names each event by its number in the page it was served. A page opened before

@@ -69,13 +69,18 @@ def converted_folder() -> Path:
     return folder
 
 
-# what a finished conversion holds: a folder without one of these is made again
-CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# what a finished conversion holds: a folder without one of these, or with one empty, is made
+# again. The chat template (its own file, as transformers saves it) is checked here because
+# nothing else would: a model without one loads, and the instruct model gets a plain transcript.
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja")
 STALE_STAGING_SECONDS = 3600  # a staging folder this old belongs to a conversion that was stopped
+# On Windows a folder whose file another program holds open (a virus scanner or the search
+# indexer reading the model just written) cannot be renamed for a moment (as app/store.py's replace).
+RENAME_TRIES = 6 if os.name == "nt" else 1
 
 
 def complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in CONVERTED_FILES)
+    return all((folder / name).is_file() and (folder / name).stat().st_size > 0 for name in CONVERTED_FILES)
 
 
 def remove_stale_staging(folder: Path) -> None:
@@ -135,6 +140,11 @@ def convert(gguf: Path, folder: Path) -> None:
 
     from models.base import out_of_memory
 
+    # Kestrel's own leftovers first (a stopped conversion's staging folder, a copy that is not
+    # complete: about 0.5 GB each), so that the room they free counts
+    remove_stale_staging(folder)
+    if not complete(folder):
+        shutil.rmtree(folder, ignore_errors=True)
     check_room(folder.parent)  # before the half minute of converting, not after it
     log.info(f"Preparing the bundled model {DEFAULT_NAME} (once, about 30 s)...")
     try:
@@ -159,7 +169,6 @@ def convert(gguf: Path, folder: Path) -> None:
     staging = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(folder)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         plain.save_pretrained(staging)
@@ -172,11 +181,22 @@ def convert(gguf: Path, folder: Path) -> None:
     if complete(folder):  # another start finished first: use its copy
         shutil.rmtree(staging, ignore_errors=True)
         return
-    shutil.rmtree(folder, ignore_errors=True)  # an incomplete or damaged copy
     try:
-        staging.rename(folder)
+        rename(staging, folder)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         if not complete(folder):  # not a lost race: a real failure
             raise
     log.info(f"Bundled model ready in {folder}")
+
+
+def rename(source: Path, target: Path) -> None:
+    """Path.rename, tried again for a moment where another program holds a file in it (Windows)."""
+    for attempt in range(RENAME_TRIES):
+        try:
+            source.rename(target)
+            return
+        except PermissionError:
+            if attempt == RENAME_TRIES - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)

@@ -624,3 +624,131 @@ def test_pip_fails_instead_of_waiting_for_a_login_it_cannot_show(monkeypatch):
     monkeypatch.setattr(launch.subprocess, "Popen", Pip)
     launch.run_pip(["-r", "requirements.txt"], "installing requirements.txt")
     assert len(commands) == 1 and commands[0][2:4] == ["pip", "install"] and "--no-input" in commands[0]
+
+
+SSL_LINE = ("Could not fetch URL https://pypi.org/simple/torch/: There was a problem confirming the ssl certificate: "
+            "HTTPSConnectionPool(host='pypi.org', port=443): Max retries exceeded with url: /simple/torch/ (Caused by "
+            "SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: "
+            "unable to get local issuer certificate (_ssl.c:1006)'))) - skipping")  # fmt: skip
+PROXY_LINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after connection broken by "
+              "'ProxyError('Cannot connect to proxy.', OSError('Tunnel connection failed: 407 Proxy Authentication Required'))': /simple/torch/")  # fmt: skip
+OFFLINE_LINE = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after connection broken by "
+                "'NewConnectionError('<HTTPSConnection object>: Failed to establish a new connection: [Errno -3] "
+                "Temporary failure in name resolution')': /simple/torch/")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("said", "cause", "fix"),
+    [
+        (SSL_LINE, f"the package index's certificate is not trusted here ({SSL_LINE.strip()})", "set PIP_CERT"),
+        (PROXY_LINE, f"the proxy did not let pip through ({PROXY_LINE})", "check the proxy settings"),
+        (OFFLINE_LINE, f"the package index cannot be reached ({OFFLINE_LINE})", "connect to the internet and run launch.py again"),
+    ],
+)
+def test_a_pip_failure_names_its_cause_with_pip_s_line(monkeypatch, capsys, said, cause, fix):
+    """A proxy or antivirus that inspects HTTPS makes pip say "Could not fetch URL",
+    as it does offline: told to connect to the internet while online, without the
+    line that says why. Offline, the fix holds after an update too, not only on a first run."""
+
+    class Pip:
+        def __init__(self, command, **kwargs):
+            self.stdout = iter(["Collecting torch==2.13.0\n", f"{said}\n", "ERROR: No matching distribution found for torch==2.13.0\n"])
+
+        def wait(self):
+            return 1
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Pip)
+    with pytest.raises(SystemExit):
+        launch.run_pip(["-r", "requirements.txt"], "installing requirements.txt")
+    err = capsys.readouterr().err
+    assert f"Kestrel could not start: installing requirements.txt: {cause}" in err and fix in err and "first run" not in err
+
+
+def test_a_venv_that_cannot_be_made_says_what_venv_said_on_stdout_or_of_the_folder_s_path(monkeypatch, tmp_path, capsys):
+    """Debian and Ubuntu print the package that venv needs on stdout, which was
+    dropped (leaving a generic python3-venv, wrong for a python3.X of its own); a
+    folder whose path holds the PATH separator (':', ';' on Windows) is to be moved
+    or renamed, not fixed by installing a venv module."""
+    debian = ("The virtual environment was not created successfully because ensurepip is not\navailable.  On Debian/Ubuntu "
+              "systems, you need to install the python3-venv\npackage using the following command.\n\n    apt install "
+              "python3.12-venv\n\nYou may need to use sudo with that command.\n\nFailing command: /x/.venv/bin/python3.12\n")  # fmt: skip
+    monkeypatch.setattr(launch, "VENV", tmp_path / ".venv")
+    monkeypatch.setattr(launch, "STAMP", tmp_path / ".venv" / "kestrel-requirements.sha256")
+    monkeypatch.setattr(launch, "in_venv", lambda: False)
+
+    def venv(command, **kwargs):
+        raise subprocess.CalledProcessError(1, command, output=debian, stderr="")
+
+    monkeypatch.setattr(launch.subprocess, "run", venv)
+    with pytest.raises(SystemExit):
+        launch.set_up()
+    err = capsys.readouterr().err
+    assert "Fix: install Python's venv module (apt install python3.12-venv, with sudo)" in err and "python3-venv" not in err
+    fix = launch.venv_fix("Error: Refusing to create a venv in /tmp/AI:ML/.venv because it contains the PATH separator :.")
+    assert "rename the folder in its path" in fix and "':'" in fix and "Finder" in fix and "venv module" not in fix
+    fix = launch.venv_fix("Error: Refusing to create a venv in C:\\AI;ML\\.venv because it contains the PATH separator ;.")
+    assert "rename the folder in its path" in fix and "';'" in fix and "Finder" not in fix
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a link needs administrator rights or developer mode on Windows")
+def test_a_venv_that_is_a_link_or_cannot_be_removed_or_stamped_is_said_without_a_traceback(monkeypatch, tmp_path, capsys):
+    """A .venv linked to another disk whose Python is gone raised "Cannot call
+    rmtree on a symbolic link" at every start: what the link points to is left
+    alone, and made again in once emptied. A .venv that cannot be removed (a
+    file held on Windows) and a stamp that cannot be written are one cause and one fix."""
+    target = tmp_path / "disk" / "venv"
+    target.mkdir(parents=True)
+    (target / "pyvenv.cfg").write_text("home = /a/python/that/is/gone\n")
+    venv = tmp_path / ".venv"
+    venv.symlink_to(target)
+    monkeypatch.setattr(launch, "VENV", venv)
+    monkeypatch.setattr(launch, "STAMP", venv / "kestrel-requirements.sha256")
+    monkeypatch.setattr(launch, "in_venv", lambda: False)
+    monkeypatch.setattr(launch, "run_pip", lambda args, step: None)
+    real_run = subprocess.run
+
+    def fake_venv(command, **kwargs):  # `python -m venv DIR`: a working one, linked to this Python
+        if command[1:3] != ["-m", "venv"]:
+            return real_run(command, **kwargs)
+        launch.venv_python().parent.mkdir(parents=True)
+        launch.venv_python().symlink_to(Path(sys.executable).resolve())
+
+    monkeypatch.setattr(launch.subprocess, "run", fake_venv)
+    with pytest.raises(SystemExit):
+        launch.set_up()
+    err = capsys.readouterr().err
+    assert f"Kestrel could not start: .venv is a link to {target}" in err and f"empty the folder {target}" in err
+    assert venv.is_symlink() and (target / "pyvenv.cfg").exists()
+    (target / "pyvenv.cfg").unlink()
+    launch.set_up()  # emptied: made again inside it
+    assert venv.is_symlink() and (target / "bin" / "python").exists() and not launch.stamp_stale()
+
+    monkeypatch.setattr(launch, "STAMP", tmp_path / "disk" / "pyvenv.cfg" / "stamp")  # a file where its folder belongs
+    (tmp_path / "disk" / "pyvenv.cfg").write_text("")
+    with pytest.raises(SystemExit):
+        launch.set_up()
+    assert f"the packages are installed, but {launch.STAMP} cannot be written" in capsys.readouterr().err
+
+    venv.unlink()
+    venv.mkdir()
+    monkeypatch.setattr(launch, "STAMP", venv / "kestrel-requirements.sha256")
+
+    def held(path, *args, **kwargs):
+        raise PermissionError(13, "Access is denied", str(path))
+
+    monkeypatch.setattr(launch.shutil, "rmtree", held)
+    with pytest.raises(SystemExit):
+        launch.set_up()
+    assert f".venv cannot be removed to be made again ([Errno 13] Access is denied: '{venv}')" in capsys.readouterr().err
+
+
+def test_a_wrong_python_is_told_the_command_that_runs_another_on_its_system(capsys):
+    """Windows has no python3.11 command; its launcher takes the version: py -3.11."""
+    for system, older, newer in (("win32", "py -3.11 launch.py", "py -3.14 launch.py"), ("linux", "python3.11 launch.py", "python3.14 launch.py")):
+        with pytest.raises(SystemExit):
+            launch.check_python((3, 10, 13), system)
+        assert f"(e.g. {older})" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            launch.check_python((3, 15, 0), system)
+        assert f"(e.g. {newer})" in capsys.readouterr().err
+    assert launch.start_command("", "win32") == "py launch.py" and launch.start_command("", "darwin") == "python3 launch.py"

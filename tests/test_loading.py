@@ -207,6 +207,8 @@ def test_two_first_starts_converting_at_once_both_end_with_the_bundled_model(tmp
 
         def save_pretrained(self, folder):
             (Path(folder) / self.name).write_text("{}")
+            if self.name == "tokenizer.json":  # as transformers saves a tokenizer's chat template
+                (Path(folder) / "chat_template.jinja").write_text("{{ messages }}")
             if self.name == "model.safetensors":
                 (Path(folder) / "config.json").write_text("{}")
                 if finish_first:  # another start renames its copy into place meanwhile
@@ -788,3 +790,97 @@ def test_a_hub_head_is_judged_by_its_weights_headers_before_they_download(tmp_pa
     from models.head import load_head
 
     assert load_head(shards, config.hidden_size, config.vocab_size).config.hidden_size == config.hidden_size
+
+
+def fake_conversion(monkeypatch) -> None:
+    """transformers' GGUF parse and save, faked: a conversion writes the converted files at once."""
+    import transformers
+
+    class Saved:
+        def __init__(self, *names):
+            self.names = names
+
+        def save_pretrained(self, folder):
+            for name in self.names:
+                (Path(folder) / name).write_text("{}")
+
+    class Loaded:
+        config = SimpleNamespace(to_dict=lambda: {"model_type": "llama"})
+
+        def state_dict(self):
+            return {}
+
+    tokenizer = Saved("tokenizer.json", "chat_template.jinja")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Loaded())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda config: SimpleNamespace(
+        load_state_dict=lambda *a, **k: None, save_pretrained=Saved("config.json", "model.safetensors").save_pretrained))  # fmt: skip
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", lambda **settings: None)
+
+
+def test_a_converted_copy_whose_chat_template_was_lost_is_made_again(tmp_path):
+    """A power cut soon after the first conversion can leave chat_template.jinja
+    empty or missing: the model still loads, and the instruct model would get a
+    plain transcript at every start. Such a copy is not complete."""
+    folder = tmp_path / "M"
+    folder.mkdir()
+    for name in bundled.CONVERTED_FILES:
+        (folder / name).write_text("{}")
+    assert bundled.complete(folder)
+    (folder / "chat_template.jinja").write_text("")
+    assert not bundled.complete(folder)
+    (folder / "chat_template.jinja").unlink()
+    assert not bundled.complete(folder)
+
+
+def test_the_room_for_the_conversion_counts_what_kestrel_s_own_leftovers_free(tmp_path, monkeypatch):
+    """A conversion killed mid-save leaves a staging folder (about 0.5 GB) and a
+    stopped one a copy that is not complete: removed before free space is
+    measured, a nearly full disk has the room. A running conversion's is kept."""
+    import subprocess
+    import sys
+
+    fake_conversion(monkeypatch)
+    models = tmp_path / "models"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (models / f"M.partial-{gone}").mkdir(parents=True)  # a conversion killed outright
+    (models / f"M.partial-{gone}" / "model.safetensors").write_text("half")
+    (models / f"M.partial-{os.getppid()}").mkdir()  # a running one's
+    (models / "M").mkdir()
+    (models / "M" / "model.safetensors").write_text("{}")  # a copy without its tokenizer
+
+    def disk_usage(path):  # the disk has the room once the leftovers are gone
+        leftovers = (models / f"M.partial-{gone}").exists() or (models / "M").exists()
+        return SimpleNamespace(free=(100 if leftovers else 600) << 20)
+
+    monkeypatch.setattr(bundled.shutil, "disk_usage", disk_usage)
+    bundled.convert(tmp_path / "x.gguf", models / "M")
+    assert bundled.complete(models / "M")
+    assert sorted(p.name for p in models.iterdir()) == ["M", f"M.partial-{os.getppid()}"]
+
+
+def test_the_converted_model_is_renamed_into_place_once_a_virus_scanner_lets_go_of_it(tmp_path, monkeypatch):
+    """On Windows, Defender or the search indexer reading the model just written
+    holds its staging folder for a moment: the rename into place is tried again
+    (as a chat's file is saved, app/store.py) instead of losing the conversion."""
+    fake_conversion(monkeypatch)
+    real, refusals = Path.rename, []
+
+    def held(source, target):
+        if len(refusals) < 2:
+            refusals.append(target)
+            raise PermissionError(13, "Access is denied")
+        return real(source, target)
+
+    monkeypatch.setattr(bundled, "RENAME_TRIES", 6)
+    monkeypatch.setattr(Path, "rename", held)
+    folder = tmp_path / "models" / "M"
+    bundled.convert(tmp_path / "x.gguf", folder)
+    assert len(refusals) == 2 and bundled.complete(folder)
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["M"]
+    refusals.clear()
+    monkeypatch.setattr(bundled, "RENAME_TRIES", 2)
+    (tmp_path / "models" / "M" / "tokenizer.json").unlink()
+    with pytest.raises(PermissionError):  # held for longer: the error, and no staging folder left
+        bundled.convert(tmp_path / "x.gguf", folder)
+    assert list(folder.parent.iterdir()) == []

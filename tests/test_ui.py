@@ -2372,3 +2372,29 @@ def test_a_name_given_in_one_tab_stays_when_another_tab_or_a_reply_begun_before_
     list(handlers.send("w4", renamed, "", *values(max_new_tokens=4)))  # a view that still has the name (a stale tab forks)
     assert all(c["title"] != "Trip plans" or c["id"] != chat["id"] for c in store.list_chats())
     assert handlers.rename("Mine", new_chat())[2] == gr.skip()  # refused: the name typed stays in the box
+
+
+def test_free_port_names_a_port_below_1024_instead_of_calling_it_in_use(monkeypatch):
+    """As a user, binding a port below 1024 is refused (EACCES): `--port 80`
+    said "no free port in 80-179; pass --port" and `--port 1000` "Port 1000 is
+    in use; using 1024". A range in use does not ask for the --port given."""
+    import errno
+    import socket
+
+    from app import server
+
+    class Probe(socket.socket):  # as a user: the tests may run as root, who may bind any port
+        def bind(self, address):
+            if address[1] < 1024:
+                raise PermissionError(errno.EACCES, "Permission denied")
+            if address[1] >= 8000:
+                raise OSError(errno.EADDRINUSE, "Address already in use")
+            super().bind(address)
+
+    monkeypatch.setattr(server.socket, "socket", Probe)
+    for port in (80, 1000):
+        with pytest.raises(OSError, match=f"port {port} on 127.0.0.1 cannot be used .*ports below 1024 need administrator rights; choose --port 1024 or higher"):
+            server.free_port("127.0.0.1", port)
+    with pytest.raises(OSError, match="no free port in 8000-8002 on 127.0.0.1") as error_info:
+        server.free_port("127.0.0.1", 8000, tries=3)
+    assert "pass --port" not in str(error_info.value)
