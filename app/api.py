@@ -301,7 +301,7 @@ class Api:
     def _prompt_ids(self, engine: Engine, generation: Generation) -> list[int]:
         if generation.messages is not None:
             try:
-                return engine.encode(generation.messages)
+                return engine.encode(generation.messages, generation.template_options)
             except ChatTemplateError as error:  # the model's own chat template refused the conversation, saying why
                 raise ApiError(400, f"messages: {error}", "messages") from error
             except Exception as error:  # the template failed otherwise

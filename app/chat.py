@@ -39,10 +39,11 @@ SAVE_INTERVAL = 1.0  # seconds between saves of a new reply as it grows: a crash
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 
 
-# The settings' ranges (-1 = a random seed); a value typed into a number box outside them
+# The settings' ranges (-1 = a random seed; up to 32768 new tokens, which reasoning models such as
+# Qwen3 are recommended); a value typed into a number box outside them
 # is refused by name (a slider's box brings its value back into range itself when left).
 RANGES = {
-    "temperature": (0, 2), "top_p": (0.05, 1), "top_k": (0, 1_000_000), "max_new_tokens": (1, 2048), "seed": (-1, 2**32 - 1),
+    "temperature": (0, 2), "top_p": (0.05, 1), "top_k": (0, 1_000_000), "max_new_tokens": (1, 32768), "seed": (-1, 2**32 - 1),
     "total_tokens": (0, 128), "depth": (1, 12), "tree_top_k": (1, 16),
 }  # fmt: skip
 # the settings the page shows as sliders: a value typed past a slider's range settles, in the

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     app_bench = commands.add_parser("bench-app", help="tokens/s of one prompt through the chat command, the API, the page's endpoint and the page in Chromium")
     app_bench.add_argument("--prompt", default="Write a Python function that checks whether a number is prime, and explain it.", help="the user message (default: a prime-check request)")
     app_bench.add_argument("--modes", default="vanilla,eagle2", help="comma-separated decoding modes (default vanilla,eagle2)")
-    app_bench.add_argument("--max-new-tokens", type=integer(1, 2048), default=256, help="most tokens per reply, at most 2048 as on the page (default 256)")
+    app_bench.add_argument("--max-new-tokens", type=integer(1, 32768), default=256, help="most tokens per reply, at most 32768 as on the page (default 256)")
     app_bench.add_argument("--threads", type=thread_count, default=min(2, os.cpu_count() or 2), help="CPU threads of the chat command and the server (default 2)")
     app_bench.add_argument("--rounds", type=integer(1), default=2, help="rounds of every way and mode; the table shows medians (default 2)")
     app_bench.add_argument("--port", type=PORT, default=7877, help="port of the server it starts (default 7877)")

@@ -4,9 +4,10 @@ parameter at fault and its allowed range (the API answers them with 400)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from core.config import MODES, SEEDS, TREE_LIMITS, SamplingParams, TreeParams
+from models.errors import json_kind
 
 MAX_MESSAGES = 1024  # messages in one chat request
 MAX_STOPS = 32  # stop strings: OpenAI allows 4, but front-ends made for local servers send more (an instruct template's and the user's own)
@@ -32,7 +33,7 @@ REFUSED = {
     "guided_choice": (None,), "guided_grammar": (None,), "logits_processors": (None,), "structured_outputs": (None,),
     "ban_eos_token": (None, False), "do_sample": (None, True), "num_beams": (None, 1), "no_repeat_ngram_size": (None, 0),
     "bad_words": (None, []), "allowed_token_ids": (None,), "continue_final_message": (None, False),
-    "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {}), "n_probs": (None, 0),
+    "add_generation_prompt": (None, True), "n_probs": (None, 0),
     "dynatemp_range": (None, 0, 0.0), "tfs": (None, 1, 1.0), "typical": (None, 1, 1.0),
     "epsilon_cutoff": (None, 0, 0.0), "eta_cutoff": (None, 0, 0.0), "grammar_string": (None, ""),
     "rep_pen": (None, 1, 1.0), "smoothing_factor": (None, 0, 0.0), "smoothing_curve": (None, 1, 1.0),
@@ -75,11 +76,31 @@ class Generation:
     include_usage: bool
     max_tokens_sent: bool = True  # False where max_tokens is the endpoint's default (completions' 16), not the client's
     sampling_sent: frozenset[str] = frozenset(SAMPLING_FIELDS)  # of SAMPLING_FIELDS, those the client sent (model_defaults)
+    template_options: dict | None = None  # chat_template_kwargs: variables for the model's chat template
 
 
 def parse_chat(body: dict) -> Generation:
     messages = _messages(body.get("messages"))
-    return _generation(body, messages=messages, prompt=None)
+    return replace(_generation(body, messages=messages, prompt=None), template_options=_template_options(body.get("chat_template_kwargs")))
+
+
+# what the chat template is given by Kestrel itself: not a request's to set through chat_template_kwargs
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize", "continue_final_message")
+
+
+def _template_options(value) -> dict | None:
+    """chat_template_kwargs (vLLM's and SGLang's name): variables for the
+    model's chat template, as Qwen3's {"enable_thinking": false}. A template
+    reads only those it knows; Kestrel's own variables are refused by name."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(f"chat_template_kwargs must be an object of the chat template's variables, got {json_kind(value)}", "chat_template_kwargs")
+    for name in value:
+        if name in TEMPLATE_OWN or not name.isidentifier():
+            why = "is set by Kestrel" if name in TEMPLATE_OWN else "is not a template variable's name"
+            raise RequestError(f"chat_template_kwargs.{name} {why}", f"chat_template_kwargs.{name}")
+    return value or None
 
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint

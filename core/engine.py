@@ -385,8 +385,8 @@ class Engine:
         """How often the head's drafted nodes were accepted, by draft confidence, under these sampling settings."""
         return self.calibrations.get("head", setting_of(sampling)).curve()
 
-    def encode(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.base.tokenizer, messages)
+    def encode(self, messages: list[dict], template_options: dict | None = None) -> list[int]:
+        return encode_chat(self.base.tokenizer, messages, template_options)
 
     def chat(
         self,

@@ -17,17 +17,55 @@ from models.errors import ChatTemplateError
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "</s>")
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...].
+def encode_chat(tokenizer, messages: list[dict], options: dict | None = None) -> list[int]:
+    """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...];
+    options: variables for the chat template (Qwen3's enable_thinking).
     Control-token text inside a message (a user pasting "<|im_end|>") stays
-    text: only the template's own control tokens are tokens."""
-    text = render_chat(tokenizer, messages)
+    text: only the template's own control tokens are tokens. A reply cut
+    inside its reasoning goes back without it (without_unfinished_thinking)."""
+    messages = without_unfinished_thinking(tokenizer, messages, options)
+    text = render_chat(tokenizer, messages, options)
     controls = control_texts(tokenizer)
     if any(control in message["content"] for message in messages for control in controls):
-        ids = _encode_contents_literally(tokenizer, messages, text)
+        ids = _encode_contents_literally(tokenizer, messages, text, options)
         if ids is not None:
             return ids
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+THINK_START, THINK_END = "<think>", "</think>"  # around a reasoning model's thinking (Qwen3, DeepSeek-R1)
+
+
+def without_unfinished_thinking(tokenizer, messages: list[dict], options: dict | None = None) -> list[dict]:
+    """The messages with each earlier reply cut (by Stop or the token limit)
+    inside its reasoning left without that unfinished reasoning. Reasoning
+    models' templates drop a finished reasoning from earlier turns (they cut
+    at </think>) but keep an unfinished one whole, as if it were the answer:
+    hundreds of tokens of it in every later prompt. Where the template opens
+    the reasoning itself (DeepSeek-R1's generation prompt ends in <think>),
+    a reply without </think> is all unfinished reasoning."""
+    cut = [index for index, message in enumerate(messages) if message["role"] == "assistant" and THINK_END not in message["content"]]
+    if not cut:
+        return messages
+    opened = None
+    kept = list(messages)
+    for index in cut:
+        content = messages[index]["content"]
+        start = content.find(THINK_START)
+        if start < 0:
+            opened = _opens_thinking(tokenizer, options) if opened is None else opened
+            if not opened:
+                continue
+        kept[index] = {**messages[index], "content": content[: max(start, 0)].rstrip()}
+    return kept
+
+
+def _opens_thinking(tokenizer, options: dict | None) -> bool:
+    """Whether the template's generation prompt ends inside an opened <think>."""
+    try:
+        return render_chat(tokenizer, [{"role": "user", "content": "x"}], options).rstrip().endswith(THINK_START)
+    except Exception:  # a template that refuses a lone user message: none opened that could be seen
+        return False
 
 
 # Vicuna v1.1-v1.5's conversation format (FastChat's "vicuna_v1.1"), which its repos, made before chat
@@ -61,14 +99,17 @@ def chat_template(tokenizer) -> str | None:
     return VICUNA_TEMPLATE if "vicuna" in name.lower() else None
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The chat template's text of `messages`, ending with the assistant's header."""
+def render_chat(tokenizer, messages: list[dict], options: dict | None = None) -> str:
+    """The chat template's text of `messages`, ending with the assistant's
+    header; options: variables for the template (chat_template_kwargs)."""
     template = chat_template(tokenizer)
     if template:
         from jinja2 import TemplateError
 
         try:
-            return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+            return tokenizer.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=True, tokenize=False, **(options or {})
+            )
         except TemplateError as error:  # the template's raise_exception: what it refuses, in its words
             raise ChatTemplateError(f"the model's chat template refuses this conversation: {error}") from error
     # base models without a template: a plain transcript
@@ -84,24 +125,27 @@ def control_texts(tokenizer) -> set[str]:
     return {control for control in controls if control}
 
 
-def _encode_contents_literally(tokenizer, messages: list[dict], text: str) -> list[int] | None:
+def _encode_contents_literally(tokenizer, messages: list[dict], text: str, options: dict | None = None) -> list[int] | None:
     """The template rendered around markers, each content tokenized with its
-    control-token text split into ordinary tokens. None where the template
+    control-token text split into ordinary tokens. Where the template changes
+    replies (reasoning models' cut theirs at </think>), the replies stay as
+    they are and only the other messages are marked. None where the template
     changes contents in a way the markers cannot place (the caller then
     tokenizes the whole text as usual)."""
-    markers = [{**message, "content": f"\x00{index}\x00"} for index, message in enumerate(messages)]
-    pieces = re.split("\x00([0-9]+)\x00", render_chat(tokenizer, markers))
-    # pieces: template text, content index, template text, ..., template text
-    for shape in (lambda content: content, str.strip):  # some templates trim contents
-        contents = [shape(message["content"]) for message in messages]
-        spans = [contents[int(piece)] if odd else piece for odd, piece in _alternating(pieces)]
-        if "".join(spans) == text:
-            literal = _literal_tokenizer(tokenizer)
-            ids = []
-            for odd, span in _alternating(spans):
-                if span:
-                    ids += _encode_piece(literal if odd else tokenizer, span, odd, first=not ids)
-            return ids
+    for marked in (lambda message: True, lambda message: message["role"] != "assistant"):
+        markers = [{**message, "content": f"\x00{index}\x00"} if marked(message) else message for index, message in enumerate(messages)]
+        pieces = re.split("\x00([0-9]+)\x00", render_chat(tokenizer, markers, options))
+        # pieces: template text, content index, template text, ..., template text
+        for shape in (lambda content: content, str.strip):  # some templates trim contents
+            contents = [shape(message["content"]) for message in messages]
+            spans = [contents[int(piece)] if odd else piece for odd, piece in _alternating(pieces)]
+            if "".join(spans) == text:
+                literal = _literal_tokenizer(tokenizer)
+                ids = []
+                for odd, span in _alternating(spans):
+                    if span:
+                        ids += _encode_piece(literal if odd else tokenizer, span, odd, first=not ids)
+                return ids
     return None
 
 

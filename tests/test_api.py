@@ -284,7 +284,7 @@ def test_seeded_sampling_repeats(client, engine):
         ({"extra_body": {"repeat_penalty": 1.8}}, "repeat_penalty"),
         ({"extra_body": {"max_new_tokens": 5}}, "max_new_tokens"),
         ({"extra_body": {"do_sample": False}}, "do_sample"),
-        ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, "chat_template_kwargs"),
+        ({"extra_body": {"chat_template_kwargs": {"messages": []}}}, "chat_template_kwargs.messages"),
         ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
         ({"extra_body": {"num_predict": 5}}, "num_predict"),  # Ollama's reply length
         ({"extra_body": {"max_length": 5}}, "max_length"),  # KoboldCpp's
@@ -999,3 +999,33 @@ def test_a_photo_over_the_body_limit_is_told_that_images_are_not_read(server, en
     refused = httpx.post(f"{server.url}v1/chat/completions", json=body, timeout=60)
     assert refused.status_code == 413
     assert "the models here read text only: image and audio parts are refused at any size" in refused.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_reach_the_template_and_kestrel_s_own_are_refused(client, engine, monkeypatch):
+    """{"enable_thinking": false}, as vLLM documents for Qwen3, was refused
+    with a 400 (even true, the template's default): thinking could not be
+    turned off. The variables Kestrel sets itself are refused by name."""
+    import re
+
+    from app.request import RequestError, parse_chat
+
+    seen = []
+    encode = type(engine).encode
+
+    def spy(self, messages, template_options=None):
+        seen.append(template_options)
+        return encode(self, messages, template_options)
+
+    monkeypatch.setattr(type(engine), "encode", spy)
+    reply = chat(client, engine.base.name, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.choices[0].finish_reason in ("stop", "length") and seen[-1] == {"enable_thinking": False}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+    for value, message in (
+        ([1], "chat_template_kwargs must be an object of the chat template's variables, got an array"),
+        ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt is set by Kestrel"),
+        ({"messages": []}, "chat_template_kwargs.messages is set by Kestrel"),
+        ({"not a name": 1}, "chat_template_kwargs.not a name is not a template variable's name"),
+    ):
+        with pytest.raises(RequestError, match=re.escape(message)):
+            parse_chat({**body, "chat_template_kwargs": value})
+    assert parse_chat({**body, "chat_template_kwargs": {}}).template_options is None

@@ -377,7 +377,7 @@ def test_saved_settings_of_the_wrong_kind_fall_back_to_defaults(engine, store):
         ({"temperature": 5}, "Temperature: enter a number from 0 to 2 (it is 5)"),
         ({"top_p": None}, "Top-p: enter a number (it is empty)"),
         ({"depth": 0}, "Tree: depth: enter a number from 1 to 12"),
-        ({"max_new_tokens": 99999}, "Max new tokens: enter a number from 1 to 2048"),
+        ({"max_new_tokens": 99999}, "Max new tokens: enter a number from 1 to 32768"),
         ({"seed": 1.5}, "Seed: enter a whole number"),
         ({"top_k": -3}, "Top-k: enter a number from 0 to 1000000 (it is -3)"),
         ({"seed": 1e30}, "Seed: enter a number from -1 to 4294967295"),

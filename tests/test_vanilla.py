@@ -358,3 +358,76 @@ def test_a_vicuna_without_a_chat_template_gets_vicuna_s_format(default_base, tmp
     with caplog.at_level(logging.WARNING, logger="kestrel"):
         load_base(str(folder))
     assert "has no chat template, so chats are written as a plain 'User: ... Assistant:' transcript" in caplog.text
+
+
+# Reasoning models' templates, as Qwen3's and DeepSeek-R1-Distill's behave: earlier replies lose
+# their reasoning where it ends (</think>); Qwen3 takes enable_thinking; R1's generation prompt
+# opens the reasoning itself, so its replies begin inside it and hold only the closing tag.
+QWEN3_LIKE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' and '</think>' in message.content -%}"
+    "{{ '<|im_start|>assistant\\n' + message.content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}{%- endif -%}"
+)
+R1_LIKE = QWEN3_LIKE.replace("{{ '<|im_start|>assistant\\n' }}", "{{ '<|im_start|>assistant\\n<think>\\n' }}")
+
+
+def reasoning_tokenizer(default_base, template):
+    import copy
+
+    tokenizer = copy.deepcopy(default_base.tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_a_reply_cut_inside_its_reasoning_goes_back_without_it(default_base):
+    """A reply stopped, or cut by the token limit, inside its <think> has no
+    </think> for the template to cut at: the whole unfinished reasoning went
+    into every later prompt as that turn's answer. Finished replies are the
+    template's to shape; other models' replies are left as they are."""
+    from core.prompt import render_chat
+
+    question, follow = {"role": "user", "content": "What is 2+2?"}, {"role": "user", "content": "And 3+3?"}
+    qwen3 = reasoning_tokenizer(default_base, QWEN3_LIKE)
+    cut = {"role": "assistant", "content": "<think>\nThe user asks a sum. Let me add two and two carefully, one"}
+    assert "Let me add" not in default_base.tokenizer.decode(encode_chat(qwen3, [question, cut, follow]))
+    finished = {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\nIt is 4."}
+    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in default_base.tokenizer.decode(encode_chat(qwen3, [question, finished, follow]))
+    answered_before = {"role": "assistant", "content": "It is 4. <think>\nbut wait"}  # the answer before a reasoning begun later stays
+    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in default_base.tokenizer.decode(encode_chat(qwen3, [question, answered_before, follow]))
+
+    r1 = reasoning_tokenizer(default_base, R1_LIKE)
+    assert render_chat(r1, [question]).endswith("<think>\n")
+    unfinished = {"role": "assistant", "content": "The user asks a sum. Let me add two and two"}  # no tags: R1's opened it
+    assert "Let me add" not in default_base.tokenizer.decode(encode_chat(r1, [question, unfinished, follow]))
+    closed = {"role": "assistant", "content": "Two and two.\n</think>\n\nIt is 4."}
+    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in default_base.tokenizer.decode(encode_chat(r1, [question, closed, follow]))
+    plain = [question, {"role": "assistant", "content": "Let me add two and two"}, follow]  # a model that does not reason
+    assert "Let me add" in default_base.tokenizer.decode(encode_chat(default_base.tokenizer, plain))
+
+
+def test_control_text_stays_text_after_a_reply_the_template_cuts_at_its_reasoning(default_base):
+    """The literal encoding placed markers in every message; a template that
+    cuts replies at </think> cut the marker too, so a pasted "<|im_end|>"
+    became a real end of turn once a reply with reasoning was in the chat."""
+    qwen3 = reasoning_tokenizer(default_base, QWEN3_LIKE)
+    end = default_base.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    chat = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\nIt is 4."},
+        {"role": "user", "content": "What does <|im_end|> mean in a template?"},
+    ]
+    assert encode_chat(qwen3, chat).count(end) == 3  # one per message: the pasted one is text
+
+
+def test_chat_template_options_reach_the_template(default_base):
+    """chat_template_kwargs (Qwen3's enable_thinking: false) is given to the template."""
+    from core.prompt import render_chat
+
+    qwen3 = reasoning_tokenizer(default_base, QWEN3_LIKE)
+    question = [{"role": "user", "content": "Hi"}]
+    assert render_chat(qwen3, question).endswith("<|im_start|>assistant\n")
+    assert render_chat(qwen3, question, {"enable_thinking": False}).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
