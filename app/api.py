@@ -89,6 +89,9 @@ class StopScanner:
             sent += text
             if stopped:
                 return sent, index + 1
+            held = self.detokenizer.held()  # a byte piece the detokenizer holds (Llama-2's newline, <0x0A>): a stop
+            if held and any(stop in self.pending + held for stop in self.stops):  # string ending in it ends the reply at this token
+                return sent + self.push(held)[0], index + 1
         if step.finish_reason is not None:  # the engine's last text also holds what its detokenizer held back
             text, stopped = self.push(self.detokenizer.flush())
             sent += text

@@ -25,6 +25,7 @@ from app.store import CHATS_FOLDER, NAME_LIMIT, SETTINGS_FILE, Store, as_chat, a
 from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine, check_prompt
+from core.prompt import UNFINISHED
 from models.errors import ChatTemplateError, KestrelError
 
 # The settings controls, in the order their values reach the handlers.
@@ -148,8 +149,19 @@ def mode_for(engine: Engine, wanted: str) -> tuple[str, str]:
 
 
 def engine_messages(chat: dict) -> list[dict]:
+    """The chat as the engine reads it; a reply that ended before its end (Stop,
+    the token limit) marked so (core/prompt.without_unfinished_thinking)."""
     system = [{"role": "system", "content": chat["system"]}] if chat.get("system") else []
-    return system + [{"role": m["role"], "content": m["content"]} for m in chat["messages"]]
+    return system + [{"role": m["role"], "content": m["content"], **({UNFINISHED: True} if unfinished(m) else {})} for m in chat["messages"]]
+
+
+def unfinished(message: dict) -> bool:
+    """A reply stopped, or cut by the token limit, the context window or the server's end."""
+    stats = message.get("stats")
+    return message["role"] == "assistant" and isinstance(stats, dict) and stats.get("finish_reason") in UNFINISHED_REASONS
+
+
+UNFINISHED_REASONS = ("cancelled", "length", "context", "interrupted")
 
 
 def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[dict], int]:
@@ -254,6 +266,11 @@ def overflow_text(engine: Engine, messages: list[dict], error: ContextOverflowEr
         return f"{error}. The system prompt alone is {tokens:,} tokens: shorten it (a new chat keeps it)."
     over = len(engine.encode(messages)) - engine.context_limit + 1  # earlier turns are dropped already: a new chat would not help
     return f"{error}. Shorten the message by at least {over:,} tokens, and more to leave room for the reply."
+
+
+def reasoning_mark(reply: Reply) -> dict:
+    """A reasoning model's reply is stored marked so: the page folds its reasoning (render.message_html)."""
+    return {"reasoning": True} if reply.reasoning else {}
 
 
 def run_settings(engine: Engine, mode: str, options: Options) -> dict:
@@ -718,7 +735,7 @@ class ChatHandlers:
                     if self.replying[chat["id"]] != colour:  # ticked or unticked during the reply
                         colour = self.replying[chat["id"]]
                         history = display(chat, colour)
-                    pending = {"role": "assistant", "content": reply.text, "segments": reply.segments}
+                    pending = {"role": "assistant", "content": reply.text, "segments": reply.segments, **reasoning_mark(reply)}
                     stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
                     plots = SKIP_PANEL[1:]
                     if plot_throttle.ready():
@@ -776,7 +793,7 @@ class ChatHandlers:
         `kept`: the reply a regeneration replaces, kept with the new one as an earlier reply."""
         stats = reply_summary(reply, mode, settings)
         chat.pop(TAKEN_BACK, None)  # the reply is saved in place of the exchange Edit took back
-        message = {"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": stats}
+        message = {"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": stats, **reasoning_mark(reply)}
         if kept is not None:
             message[EARLIER] = with_earlier(kept)
         chat["messages"].append(message)
@@ -806,7 +823,8 @@ class ChatHandlers:
         crash or a killed server loses at most SAVE_INTERVAL of it; the chat in
         memory is left as it is (the reply's end saves it whole)."""
         stats = {**reply_summary(reply, mode, settings), "finish_reason": "interrupted"}
-        message = {"role": "assistant", "content": reply.text, "segments": [list(run) for run in reply.segments], "stats": stats}
+        message = {"role": "assistant", "content": reply.text, "segments": [list(run) for run in reply.segments], "stats": stats,
+                   **reasoning_mark(reply)}  # fmt: skip
         try:
             self.store.save_chat({**stored(chat), "messages": [*chat["messages"], message]})
         except OSError:

@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--auth", help="USER:PASS for the page, required by --listen")
     ui.add_argument("--api-key", help="require this key as 'Authorization: Bearer KEY' on the /v1 API; auto = generate one and print it (required by --listen)")
     ui.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let web pages from ORIGIN call the /v1 API (CORS): http://localhost:3000, chrome-extension://ID, moz-extension://* (every extension), null (file:// pages; needs --api-key); repeatable")
+    ui.add_argument("--allow-host", action="append", metavar="NAME", help="answer requests that reach this computer by NAME too, as host.docker.internal from a container in Docker Desktop (Open WebUI, LibreChat); repeatable")
     ui.add_argument("--no-kept-caches", action="store_true", help="read every request's prompt afresh, never continuing an earlier request's caches (bench-app's server: each way then reads the prompt as the chat command does)")
     ui.add_argument("--max-queue", type=integer(1), default=16, help="requests that may wait for the model; more are refused with 429 (default 16)")
     ui.add_argument("--install-shortcut", action="store_true", help="create a desktop/menu shortcut and exit")

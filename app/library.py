@@ -13,8 +13,10 @@ import pandas as pd
 
 from app import render
 from app.chat import mode_choices
+from app.request import model_defaults
 from app.runtime import Runtime
 from app.session import load_pair
+from core.engine import Engine
 from core.training.report import REPORT_FILE
 from models import catalog
 from models.base import DTYPES, QUANTIZATIONS
@@ -240,7 +242,7 @@ class LibraryHandlers:
             if not isinstance(error, (KestrelError, ValueError)):
                 log.exception("Loading a model in the Models tab failed")
             return self.status(), self.failed(error), gr.skip()
-        notice = LOADED
+        notice = LOADED + recommended_sampling(engine)
         if self.remember is not None:
             try:
                 self.remember({"model": absolute(model), "head": absolute(head), "quantization": quantization, "dtype": dtype})
@@ -276,3 +278,17 @@ class LibraryHandlers:
             return self.status(), render.escape(str(error)), gr.skip()
         said = "Unloaded; memory freed." if held else "No model is loaded; there was nothing to unload."
         return self.status(), said, gr.update(choices=mode_choices(["vanilla"]), value="vanilla")
+
+
+def recommended_sampling(engine: Engine) -> str:
+    """Where the model's generation_config.json recommends sampling settings
+    (Qwen3's, DeepSeek-R1-Distill's: greedy decoding makes their reasoning
+    repeat itself), a sentence naming them for the Settings; "" otherwise.
+    The API takes them where a request leaves them out (app/request.model_defaults)."""
+    recommended = model_defaults(engine.model)
+    if not recommended:
+        return ""
+    names = {"temperature": "Temperature", "top_p": "Top-p", "top_k": "Top-k"}
+    listed = ", ".join(f"{names[name]} {value:g}" for name, value in recommended.items())
+    return (f" The model recommends sampling with {listed} (its generation_config.json): set them in the Decoding settings of the Chat tab, "
+            "where Temperature 0 decodes greedily, which it may not be made for.")  # fmt: skip

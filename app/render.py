@@ -65,6 +65,17 @@ COPY_JS = """() => {
     }
     return out + prose(text.slice(last));
   };
+  // a reasoning model's reasoning block (render.message_html): its tags back around it
+  const think = /<details class="kestrel-think"(?: open)? data-open="([^"]*)" data-close="([^"]*)"(?: data-fence="(\\d+)")?><summary>[^<]*<\\/summary>\\n\\n([\\s\\S]*?)\\n\\n<\\/details>(?:\\n\\n|$)/g;
+  const written = (text) => {
+    let out = "", last = 0;
+    for (const found of text.matchAll(think)) {
+      const inner = found[3] ? found[4].slice(0, -Number(found[3])) : found[4];  // without the fence closed for the page
+      out += plain(text.slice(last, found.index)) + decode(found[1]) + plain(inner) + decode(found[2]);
+      last = found.index + found[0].length;
+    }
+    return out + plain(text.slice(last));
+  };
   let fromChat = false;
   document.addEventListener("click", (event) => {
     const target = event.target.closest ? event.target : event.target.parentElement;
@@ -73,7 +84,7 @@ COPY_JS = """() => {
   }, true);
   if (navigator.clipboard) {
     const write = navigator.clipboard.writeText.bind(navigator.clipboard);
-    navigator.clipboard.writeText = (text) => write(fromChat ? plain(text) : text);
+    navigator.clipboard.writeText = (text) => write(fromChat ? written(text) : text);
   }
   // the notice lines are live regions: a screen reader says what they say (a refusal, "Stopped.", an error)
   // (the Compare and Models tabs are built when first opened: marked then)
@@ -243,6 +254,9 @@ CSS = """
 /* the chat's clear and copy-all buttons in a row of their own above the messages, not over them */
 #chatbot .icon-button-wrapper.top-panel { position: static; align-self: flex-end; margin: 2px 4px 0 0; }
 #chatbot .bubble-wrap { height: auto; flex: 1 1 0; min-height: 0; }
+/* a reasoning model's reasoning: folded under its summary once the answer begins, dimmed when open */
+.kestrel-think { margin-bottom: 0.5em; opacity: 0.75; }
+.kestrel-think > summary { cursor: pointer; font-style: italic; }
 """
 
 
@@ -310,8 +324,84 @@ def coloured(segments: list[list[str]], escaper=escape) -> str:
     return "".join(parts)
 
 
+THINK_START, THINK_END = "<think>", "</think>"  # around a reasoning model's thinking (as core/prompt's)
+
+
+def reasoning_spans(text: str) -> tuple[int, int, int, int] | None:
+    """Where a reasoning model's reply holds its reasoning: (its start, its end,
+    the answer's start, whether it is finished: 1 or 0), the tags and the
+    newlines around them between; None for a reply without. Qwen3's begin
+    with <think>; DeepSeek-R1's template opens it in the prompt, so theirs hold
+    only </think> (one still thinking cannot be told from an answer)."""
+    start, end = text.find(THINK_START), text.find(THINK_END)
+    if 0 <= end and not 0 <= start < end:  # opened by the template
+        inner = 0
+    elif 0 <= start and not text[:start].strip():
+        inner = start + len(THINK_START)
+        inner += len(text[inner:]) - len(text[inner:].lstrip("\n"))
+        if end < 0:  # still thinking, or cut there
+            return inner, len(text), len(text), 0
+    else:
+        return None
+    after = end + len(THINK_END)
+    return inner, end, after + len(text[after:]) - len(text[after:].lstrip("\n")), 1
+
+
+def cut_segments(segments: list[list[str]], start: int, end: int) -> list[list[str]]:
+    """The [text, origin] segments of text[start:end]."""
+    cut, position = [], 0
+    for text, origin in segments:
+        piece = text[max(start - position, 0) : max(end - position, 0)]
+        add_segment(cut, piece, origin)
+        position += len(text)
+    return cut
+
+
+def attribute_text(text: str) -> str:
+    """`text` as an HTML attribute's value, every character a numeric entity (COPY_JS decodes them)."""
+    return "".join(f"&#{ord(character)};" for character in text)
+
+
 def message_html(message: dict, colour: bool) -> str:
-    """What the chatbot shows for one stored message: markdown whose prose is
+    """What the chatbot shows for one stored message (see body_html); a
+    reasoning model's reply (marked "reasoning", chat.reasoning_mark) has its
+    reasoning in a block of its own, folded once the answer begins, the tags
+    around it kept in the block's attributes for COPY_JS to put back."""
+    segments = message.get("segments") or [[message["content"], BASE]]
+    text = "".join(piece for piece, _ in segments)
+    spans = reasoning_spans(text) if message.get("reasoning") is True else None
+    if spans is None:
+        return body_html(segments, colour)
+    inner, end, answer, finished = spans
+    reasoning = body_html(cut_segments(segments, inner, end), colour)
+    # a code block the reasoning leaves open (cut there, or still written) would hold the block's end and the answer
+    fence = open_fence(text[inner:end])
+    closing = f'\n{fence}' if fence else ""
+    marked = f' data-fence="{len(closing)}"' if fence else ""  # what COPY_JS leaves out
+    opened, closed = attribute_text(text[:inner]), attribute_text(text[end:answer])
+    title = "Reasoning" if finished else "Reasoning..."
+    return (f'<details class="kestrel-think"{"" if finished else " open"} data-open="{opened}" data-close="{closed}"{marked}>'
+            f"<summary>{title}</summary>\n\n{reasoning}{closing}\n\n</details>\n\n"
+            f"{body_html(cut_segments(segments, answer, len(text)), colour)}")  # fmt: skip
+
+
+FENCE_LINE = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})(.*)$", re.MULTILINE)
+
+
+def open_fence(text: str) -> str:
+    """The line that closes a code block `text` leaves open, "" where it leaves none."""
+    opened = ""
+    for match in FENCE_LINE.finditer(text):
+        marker, rest = match.groups()
+        if not opened:
+            opened = marker
+        elif marker[0] == opened[0] and len(marker) >= len(opened) and not rest.strip():  # a closing line holds no info
+            opened = ""
+    return opened
+
+
+def body_html(segments: list[list[str]], colour: bool) -> str:
+    """Markdown whose prose is
     HTML-escaped (drafted runs highlighted when `colour`). Code spans and fences
     stay raw: the markdown renderer already shows their content as text, and
     escaping there would show the entities themselves. Raw text holding a "<"
@@ -320,7 +410,6 @@ def message_html(message: dict, colour: bool) -> str:
     one becomes an HTML <code> element, a fence that the renderer may read
     otherwise an HTML <pre> block, both with their text escaped (and the
     text as written beside it, for COPY_JS)."""
-    segments = message.get("segments") or [[message["content"], BASE]]
     text = "".join(piece for piece, _ in segments)
     origins = [origin if colour else BASE for piece, origin in segments for _ in piece]
     parts, position = [], 0

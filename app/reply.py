@@ -13,6 +13,7 @@ from app.render import BASE, DRAFT, add_segment, split_step
 from app.runtime import ModelQueue
 from core.config import SamplingParams, TreeParams
 from core.engine import Engine, Reading, Step
+from core.prompt import thinks
 from core.stats import Snapshot
 
 RATE_INTERVAL = 0.25  # seconds between points of the tokens/s curve
@@ -29,6 +30,7 @@ class Reply:
     finish_reason: str | None = None
     last_sample: tuple[float, int] = (0.0, 0)  # (seconds, tokens) at the latest curve point
     reading: Reading | None = None  # how far a long prompt is read, until its first token
+    reasoning: bool = False  # made by a reasoning model (core/prompt.thinks): the page folds its <think> part
 
     @property
     def reading_text(self) -> str:
@@ -88,7 +90,7 @@ def follow_reply(
     generator cancels the decoding. `reuse`: continue the caches of the last
     reply made with it where this conversation starts as that one did
     (Engine.stream), as a chat's next turn does."""
-    reply = Reply()
+    reply = Reply(reasoning=thinks(engine.base.tokenizer))
     decoding = Decoding(queue, lambda stop: engine.chat(messages, mode, sampling, tree, stop, reading=True, reuse=reuse), cancel)
     cursor = 0
     try:

@@ -85,7 +85,10 @@ def parse_chat(body: dict) -> Generation:
 
 
 # what the chat template is given by Kestrel itself: not a request's to set through chat_template_kwargs
-TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize", "continue_final_message")
+TEMPLATE_OWN = (
+    "messages", "conversation", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize", "continue_final_message",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+)  # fmt: skip (apply_chat_template's own arguments too)
 
 
 def _template_options(value) -> dict | None:

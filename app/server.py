@@ -39,9 +39,12 @@ from app.runtime import Runtime
 
 LOCALHOST = "127.0.0.1"
 ICON = Path(__file__).resolve().parent.parent / "assets" / "kestrel.svg"
-# Host names no web page can rebind to its own address: this machine's, and those a container reaches it
-# by (Docker Desktop's, Podman's). Subdomains of localhost too (RFC 6761: browsers resolve them to loopback).
-LOCAL_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "host.docker.internal", "gateway.docker.internal", "host.containers.internal"})
+# Host names no web page can rebind to its own address: this machine's own. Others (host.docker.internal,
+# *.localhost) are looked up by the network's name server where Docker Desktop is not installed, or in some
+# browsers: a network that answers for them could serve a page under one and rebind it here, so they are
+# only answered when named with --allow-host.
+LOCAL_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")  # what --allow-host takes
 API_PATHS = ("/v1/", "/health")
 # pages whose state (the chat shown, the last values sent to each component: about half a MB each)
 # the server keeps, the least recently used dropped first; Gradio's 10,000 kept every reload's for
@@ -58,14 +61,17 @@ class Access:
     auth: tuple[str, str] | None = None  # the page's login (--auth USER:PASS)
     api_key: str | None = None  # required as a Bearer token on /v1 when set
     allow_origins: tuple[str, ...] = ()  # other sites' pages that may call /v1 (CORS)
+    allow_hosts: tuple[str, ...] = ()  # other names this computer is reached by (--allow-host host.docker.internal), lower case
 
     @property
     def loopback(self) -> bool:
         return self.host == LOCALHOST
 
     def allows(self, origin: str) -> bool:
-        """Whether --allow-origin named `origin`, itself or by its scheme (moz-extension://*)."""
-        return origin in self.allow_origins or origin.split("://", 1)[0] + "://*" in self.allow_origins
+        """Whether --allow-origin named `origin`, itself or by its scheme (moz-extension://*; null only as itself)."""
+        if origin in self.allow_origins:
+            return True
+        return "://" in origin and origin.split("://", 1)[0] + "://*" in self.allow_origins
 
 
 def new_api_key() -> str:
@@ -80,7 +86,7 @@ def is_api(path: str) -> bool:
 # (chrome-extension://ID, moz-extension://UUID) and desktop apps' pages (app://obsidian.md, tauri://localhost) have
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://([A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?")
 # Every origin of one scheme: a browser's extensions (Firefox gives each install of one its own id), not every web site
-ORIGIN_SCHEME = re.compile(r"(?!https?://)[a-z][a-z0-9+.-]*://\*")
+ORIGIN_SCHEME = re.compile(r"(?!(?:https?|null)://)[a-z][a-z0-9+.-]*://\*")
 
 
 def allowable_origin(value: str) -> bool:
@@ -134,10 +140,12 @@ class Guard:
         return await self.app(scope, receive, send)
 
     def _refusal(self, scope, headers: dict) -> Response | None:
-        if self.access.loopback and not local_name(host_name(headers.get("host", ""))):
+        name = host_name(headers.get("host", ""))
+        if self.access.loopback and name not in LOCAL_NAMES and name.lower() not in self.access.allow_hosts:
             shown = headers.get("host", "(none)")
-            return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers only to 127.0.0.1, ::1, localhost, *.localhost "
-                            "and the names containers reach it by (host.docker.internal, host.containers.internal)").response()  # fmt: skip
+            allow = f"; start Kestrel with --allow-host {name.lower()} to answer to it" if HOST_NAME.fullmatch(name.lower()) else ""
+            return ApiError(403, f"Host {shown!r} is not this computer; Kestrel answers to 127.0.0.1, localhost and ::1, and to "
+                            f"the names given with --allow-host (host.docker.internal from a container in Docker Desktop){allow}").response()  # fmt: skip
         origin = headers.get("origin")
         if not is_api(scope["path"]):  # the page: its own actions only (Gradio's CORS check leaves a header out, refusing
             # nothing, and a form POST needs no preflight: any site's page could upload files here, or run events)
@@ -170,10 +178,10 @@ class Guard:
 
     @staticmethod
     def _preflight(requested: str) -> Response:
-        """An allowed origin's preflight: no body (a 204 has none). The headers
-        it asks to send are allowed as asked: clients add their own (the official
-        JavaScript SDK sends X-Stainless-* on every request), and the origin is
-        already trusted."""
+        """A preflight: no body (a 204 has none). The headers it asks to send
+        are allowed as asked: clients add their own (the official JavaScript
+        SDK sends X-Stainless-* on every request). An origin not allowed gets
+        the same answer, and its request after it only its 403 (Guard._refusal)."""
         names = {name.lower(): name for name in ["Authorization", "Content-Type"]}  # header names are case-insensitive
         for name in requested.split(","):
             if HEADER_NAME.fullmatch(name.strip()):
@@ -192,10 +200,6 @@ def host_name(host: str) -> str:
     if host.startswith("["):
         return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def local_name(name: str) -> bool:
-    return name in LOCAL_NAMES or name.endswith(".localhost")
 
 
 def web_origin(origin: str) -> bool:

@@ -14,13 +14,13 @@ import gradio as gr
 from app import render
 from app.chat import MODE_LABELS, RANGES, ChatHandlers, default_settings, mode_choices
 from app.compare import SUMMARY_COLUMNS, CompareHandlers
+from app.instance import DataLock, data_dir, open_browser, tell_running
 from app.library import (
     DTYPE_CHOICES, MODEL_SETTING, TRAINED_LABEL, LibraryHandlers, catalog_frame, cpu_weight_bytes, detected_memory, error_text,
-    remembered_model,
+    recommended_sampling, remembered_model,
 )  # fmt: skip
 from app.runtime import Runtime
-from app.server import LOCALHOST, Access, Server, allowable_origin, new_api_key
-from app.instance import DataLock, data_dir, open_browser, tell_running
+from app.server import HOST_NAME, LOCALHOST, Access, Server, allowable_origin, new_api_key
 from app.store import Store
 from core.config import MODES, TreeParams
 from core.engine import Engine
@@ -336,7 +336,11 @@ def access_from(args) -> Access:
         )
     if "null" in origins and api_key is None:  # not only file:// pages: any web site can make a frame that sends null
         raise ValueError("--allow-origin null admits a sandboxed frame of any web site too, so it needs --api-key (auto generates one)")
-    return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins)
+    hosts = tuple(host.lower().rstrip(".") for host in getattr(args, "allow_host", None) or ())
+    bad = [host for host in hosts if not HOST_NAME.fullmatch(host)]
+    if bad:
+        raise ValueError(f"--allow-host takes a host name without port, such as host.docker.internal, got {bad[0]!r}")
+    return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins, hosts)
 
 
 def load_first(args, settings: dict, load_pair) -> Engine:
@@ -391,6 +395,8 @@ def serve(args, lock: DataLock | None = None) -> int:
     prepare_costs(engine)
     runtime = Runtime(engine, max_waiting=args.max_queue, reuse=not args.no_kept_caches)
     print(f"Loaded {runtime.describe()}", flush=True)
+    if recommended := recommended_sampling(engine):  # as the Models tab says it after a load there
+        print(recommended.strip(), flush=True)
     print(f"Chats and settings: {store_dir}", flush=True)
     server = Server(build_app(runtime, store_dir, args.device, args.compile), runtime, access, args.port)
     server.start()

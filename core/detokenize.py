@@ -66,7 +66,7 @@ class Detokenizer:
         self.context_text = self.tokenizer.decode(self.context, skip_special_tokens=True) if self.context else ""
         self.ids: list[int] = []
         self.emitted = ""
-        self.anchor = 0  # ids[: anchor] decode to `settled`; ids[anchor] is not a byte piece
+        self.anchor = 0  # ids[: anchor] decode to `settled`; no run of byte pieces goes on across it
         self.settled = ""
         self.next_settle = 2 * self.SETTLE  # the length at which the anchor next moves
         self.next_check = 2 * self.SETTLE  # ... and the windowed text is next checked against the whole decode
@@ -91,6 +91,17 @@ class Detokenizer:
             self._settle(text, end)
         return delta
 
+    def held(self) -> str:
+        """The text a trailing run of byte pieces would add now, not handed out
+        (push holds it until a token of another kind ends the run); "" where
+        none is held or it ends in an incomplete character."""
+        if self._settled_end() == len(self.ids):
+            return ""
+        text = self._text(len(self.ids))
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        return text[len(self.emitted) :]
+
     def flush(self) -> str:
         """What was held back at the end of generation (an incomplete character)."""
         text = self._text(len(self.ids))
@@ -104,6 +115,12 @@ class Detokenizer:
         while end > self.anchor and self.ids[end - 1] in self.bytes:
             end -= 1
         return end
+
+    def _inside_run(self, position: int) -> bool:
+        """Whether ids[position] continues a run of byte pieces begun before it
+        (a run decodes differently in part than whole; a run of one, as
+        Llama-2's newline <0x0A> between words, is whole on either side)."""
+        return 0 < position < len(self.ids) and self.ids[position - 1] in self.bytes and self.ids[position] in self.bytes
 
     def _decode(self, start: int, end: int) -> str:
         if start == 0 and self.context:
@@ -125,10 +142,10 @@ class Detokenizer:
     def _settle(self, text: str, length: int) -> None:
         """Every SETTLE tokens: move the anchor to SETTLE tokens before the
         end of `text` (the text of ids[:length]), where the text before it is
-        what was handed out and ends on a whole character, and no byte piece
-        is in the window or at the anchor (a run of them decodes differently
-        in part than whole); else it waits SETTLE tokens more. At lengths
-        doubling, the windowed `text` is first checked against the whole
+        what was handed out and ends on a whole character, and neither the
+        anchor nor the window's start splits a run of byte pieces (a run
+        decodes differently in part than whole); else it waits SETTLE tokens
+        more. At lengths doubling, the windowed `text` is first checked against the whole
         decode, and windowing stops for good where they differ. So a reply's
         decoding grows with its length, not with its length squared."""
         self.next_settle = length + self.SETTLE
@@ -138,7 +155,7 @@ class Detokenizer:
                 self.windowed = False
                 return
         anchor = length - self.SETTLE
-        if not self.bytes.isdisjoint(self.ids[max(0, anchor - self.WINDOW) : anchor + 1]):
+        if self._inside_run(anchor) or self._inside_run(anchor - self.WINDOW):
             return
         settled = self._text(anchor)
         if settled.endswith("\ufffd") or not self.emitted.startswith(settled):

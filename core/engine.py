@@ -188,7 +188,8 @@ class Engine:
         self.model = base.model
         self.stop_ids = stop_token_ids(base.model, base.tokenizer)
         byte_ids(base.tokenizer)  # read from the vocabulary once now (0.1 s for 49k pieces), not in the first reply's time
-        self.context_limit = getattr(base.model.config, "max_position_embeddings", None) or 1 << 30
+        # a vision-language model (Gemma 3) keeps its text model's window in its text config
+        self.context_limit = getattr(base.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
         self.rope_boundary = rope_boundary(base.model.config)
         self.argmax = ScreenedArgmax(base.model.get_output_embeddings())
         self.vocabulary = None if head is None else draft_vocabulary(head, base.model)

@@ -23,7 +23,7 @@ def encode_chat(tokenizer, messages: list[dict], options: dict | None = None) ->
     Control-token text inside a message (a user pasting "<|im_end|>") stays
     text: only the template's own control tokens are tokens. A reply cut
     inside its reasoning goes back without it (without_unfinished_thinking)."""
-    messages = without_unfinished_thinking(tokenizer, messages, options)
+    messages = [{key: value for key, value in message.items() if key != UNFINISHED} for message in without_unfinished_thinking(tokenizer, messages, options)]
     text = render_chat(tokenizer, messages, options)
     controls = control_texts(tokenizer)
     if any(control in message["content"] for message in messages for control in controls):
@@ -34,16 +34,30 @@ def encode_chat(tokenizer, messages: list[dict], options: dict | None = None) ->
 
 
 THINK_START, THINK_END = "<think>", "</think>"  # around a reasoning model's thinking (Qwen3, DeepSeek-R1)
+# a reply's key (the page's own replies): it ended before its end (Stop, the token limit), so one
+# without </think> under a template that opens the reasoning itself is all unfinished reasoning
+UNFINISHED = "unfinished"
+
+
+def thinks(tokenizer) -> bool:
+    """Whether the tokenizer has <think> and </think> as tokens of their own:
+    a reasoning model's (Qwen3's, DeepSeek-R1-Distill's)."""
+    added = getattr(tokenizer, "added_tokens_encoder", None) or {}
+    return THINK_START in added and THINK_END in added
 
 
 def without_unfinished_thinking(tokenizer, messages: list[dict], options: dict | None = None) -> list[dict]:
-    """The messages with each earlier reply cut (by Stop or the token limit)
-    inside its reasoning left without that unfinished reasoning. Reasoning
-    models' templates drop a finished reasoning from earlier turns (they cut
-    at </think>) but keep an unfinished one whole, as if it were the answer:
-    hundreds of tokens of it in every later prompt. Where the template opens
-    the reasoning itself (DeepSeek-R1's generation prompt ends in <think>),
-    a reply without </think> is all unfinished reasoning."""
+    """For a reasoning model (thinks), the messages with each earlier reply cut
+    (by Stop or the token limit) inside its reasoning left without that
+    unfinished reasoning. Their templates drop a finished reasoning from
+    earlier turns (they cut at </think>) but keep an unfinished one whole, as
+    if it were the answer: hundreds of tokens of it in every later prompt.
+    Where the template opens the reasoning itself (DeepSeek-R1's generation
+    prompt ends in <think>), a reply marked UNFINISHED without </think> is
+    all unfinished reasoning; one not marked is left as it is (a client that
+    sends earlier answers without their reasoning, as DeepSeek advises)."""
+    if not thinks(tokenizer):
+        return messages
     cut = [index for index, message in enumerate(messages) if message["role"] == "assistant" and THINK_END not in message["content"]]
     if not cut:
         return messages
@@ -53,6 +67,8 @@ def without_unfinished_thinking(tokenizer, messages: list[dict], options: dict |
         content = messages[index]["content"]
         start = content.find(THINK_START)
         if start < 0:
+            if not messages[index].get(UNFINISHED):
+                continue
             opened = _opens_thinking(tokenizer, options) if opened is None else opened
             if not opened:
                 continue
@@ -106,10 +122,10 @@ def render_chat(tokenizer, messages: list[dict], options: dict | None = None) ->
     if template:
         from jinja2 import TemplateError
 
+        # the tokenizer's own, as transformers picks it (a dict of named templates: the default one)
+        given = {} if getattr(tokenizer, "chat_template", None) else {"chat_template": template}
         try:
-            return tokenizer.apply_chat_template(
-                messages, chat_template=template, add_generation_prompt=True, tokenize=False, **(options or {})
-            )
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **given, **(options or {}))
         except TemplateError as error:  # the template's raise_exception: what it refuses, in its words
             raise ChatTemplateError(f"the model's chat template refuses this conversation: {error}") from error
     # base models without a template: a plain transcript

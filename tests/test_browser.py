@@ -1141,6 +1141,61 @@ def test_copying_a_message_gives_its_text_as_written(browser, app_url, data_dir)
         page.close()
 
 
+def test_a_reasoning_model_s_reasoning_is_folded_and_copied_as_written(browser, app_url, data_dir):
+    """Qwen3's and DeepSeek-R1's replies begin with their reasoning: it showed
+    as text with literal <think> tags above the answer, thousands of tokens of
+    it. It folds under "Reasoning" (open while still thinking), and copying
+    gives the reply as written, tags included."""
+    from app.render import message_html
+    from app.store import new_chat
+
+    chat = new_chat()
+    qwen3 = "<think>\nThe user asks for 2+2. **Two** and two: `a < b`.\n</think>\n\nIt is **4**."
+    r1 = "They ask again; three and three.\n</think>\n\nIt is 6."  # the template opened the reasoning
+    thinking = "<think>\nStill weighing it"
+    fenced = "<think>\nTry it:\n```python\nprint(4 + 4)\n</think>\n\nIt is 8."  # a code block the reasoning leaves open
+    chat["messages"] = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": qwen3, "segments": token_segments(qwen3), "reasoning": True},
+        {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": r1, "segments": token_segments(r1), "reasoning": True},
+        {"role": "user", "content": "And 4+4?"},
+        {"role": "assistant", "content": thinking, "segments": token_segments(thinking), "reasoning": True},
+        {"role": "user", "content": "Tags?"}, {"role": "assistant", "content": "Close it with </think> then."},  # another model's: as written
+        {"role": "user", "content": "Again?"}, {"role": "assistant", "content": fenced, "segments": token_segments(fenced), "reasoning": True},
+    ]
+    saved_and_open(data_dir, chat)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, permissions=["clipboard-read", "clipboard-write"])
+    page.add_init_script(f"sessionStorage.setItem('kestrel-shown-chat', {json.dumps(chat['id'])})")
+    try:
+        page.goto(app_url)
+        page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        blocks = page.locator("#chatbot details.kestrel-think")
+        blocks.nth(2).wait_for(timeout=30_000)
+        page.locator("#chatbot").get_by_text("Close it with </think> then.").wait_for(timeout=5_000)
+        assert blocks.count() == 4 and page.locator("#chatbot").get_by_text("<think>").count() == 0
+        assert [block.locator("summary").inner_text() for block in blocks.all()] == ["Reasoning", "Reasoning", "Reasoning...", "Reasoning"]
+        assert page.evaluate("[...document.querySelectorAll('#chatbot details.kestrel-think')].map(d => d.open)") == [False, False, True, False]
+        for answer in ("It is 4.", "It is 6.", "It is 8."):
+            assert page.locator("#chatbot").get_by_text(answer).is_visible(), answer
+        reasoning = page.locator("#chatbot").get_by_text("three and three.")
+        assert not reasoning.is_visible()
+        blocks.nth(1).locator("summary").click()
+        reasoning.wait_for(state="visible", timeout=5_000)
+        page.evaluate("navigator.clipboard.writeText('')")
+        page.locator("#chatbot button[aria-label='Copy message']").nth(1).click()  # the first reply's own button
+        page.wait_for_function("navigator.clipboard.readText().then(text => text.length > 0)")
+        assert page.evaluate("navigator.clipboard.readText()") == qwen3
+        # each reply's content as the chat hands it to the clipboard (the markup above), copied from the chat
+        copy = """(text) => {
+          document.querySelector('#chatbot').dispatchEvent(new MouseEvent('click', {bubbles: true}));
+          return navigator.clipboard.writeText(text).then(() => navigator.clipboard.readText());
+        }"""
+        for message in chat["messages"][1::2]:
+            assert page.evaluate(copy, message_html(message, True)) == message["content"], message["content"]
+    finally:
+        page.close()
+
+
 def test_charts_keep_their_data_when_a_reply_is_refused(page):
     """A message refused for the context window after a new chat: the run had
     sent the empty charts, then skipped them in its last update, which Gradio

@@ -739,6 +739,9 @@ def test_a_vision_language_model_takes_a_head_by_its_text_model_s_sizes(tmp_path
         head = DraftHead(HeadConfig(hidden_size=width, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
         save_head(head, tmp_path / f"head{width}")
     assert load_draft_head(base, str(tmp_path / "head64")).config.hidden_size == 64
+    from core.engine import Engine
+
+    assert Engine(base).context_limit == config.text_config.max_position_embeddings  # prompts past it are refused
     with pytest.raises(HeadFormatError, match="48"):  # sized from the text model: refused by its width, not an AttributeError
         load_draft_head(base, str(tmp_path / "head48"))
 

@@ -133,6 +133,21 @@ def test_kernels_are_not_built_for_cpus_they_cannot_run_on(monkeypatch, caplog):
         native._said.update(said)
 
 
+def failing_builds(tmp_path, monkeypatch, returncode: int, said: str) -> list:
+    """Builds whose compiler fails with `returncode`, saying `said` (on stderr); the list of their commands."""
+    monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(native, "unsupported", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: "/usr/bin/g++")
+    runs = []
+
+    def failing(command, **kwargs):
+        runs.append(command)
+        raise subprocess.CalledProcessError(returncode, command, "", said)
+
+    monkeypatch.setattr(native.subprocess, "run", failing)
+    return runs
+
+
 @pytest.mark.parametrize(
     ("returncode", "said"),
     [
@@ -147,16 +162,7 @@ def test_a_build_stopped_by_the_machine_is_tried_again_at_the_next_start(tmp_pat
     build is tried again, and the next start builds it."""
     import logging
 
-    monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(native, "unsupported", lambda: None)
-    monkeypatch.setattr(native, "compiler", lambda: "/usr/bin/g++")
-    runs = []
-
-    def stopped(command, **kwargs):
-        runs.append(command)
-        raise subprocess.CalledProcessError(returncode, command, "", said)
-
-    monkeypatch.setattr(native.subprocess, "run", stopped)
+    runs = failing_builds(tmp_path, monkeypatch, returncode, said)
     with caplog.at_level(logging.INFO, logger="kestrel"):
         assert native.build("probe", "int x;\n", ["-shared"], "a test kernel") is None
     assert "building its kernel failed" in caplog.text and "tried again at the next start" in caplog.text
@@ -167,16 +173,7 @@ def test_a_build_stopped_by_the_machine_is_tried_again_at_the_next_start(tmp_pat
 def test_a_recorded_failure_that_the_machine_caused_does_not_hold(tmp_path, monkeypatch):
     """A record written for a full disk (before such failures were told apart
     from the compiler's refusals) does not keep the kernel off: it is built again."""
-    monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(native, "unsupported", lambda: None)
-    monkeypatch.setattr(native, "compiler", lambda: "/usr/bin/g++")
-    runs = []
-
-    def refused(command, **kwargs):
-        runs.append(command)
-        raise subprocess.CalledProcessError(1, command, "", "probe.cpp:1:2: error: #error \"no\"")
-
-    monkeypatch.setattr(native.subprocess, "run", refused)
+    runs = failing_builds(tmp_path, monkeypatch, 1, "probe.cpp:1:2: error: #error \"no\"")
     assert native.build("probe", "int x;\n", ["-shared"], "a test kernel") is None
     record = next(tmp_path.glob("kernels/probe-*.failed.txt"))
     assert native.build("probe", "int x;\n", ["-shared"], "a test kernel") is None and len(runs) == 1  # refused: not again

@@ -1300,12 +1300,18 @@ def test_allow_origin_takes_extensions_and_apps_and_null_with_a_key_as_refusals_
 
     origins = ["chrome-extension://abcdefghijklmnop", "moz-extension://*", "app://obsidian.md", "tauri://localhost", "vscode-webview://0a1b2c", "http://[::1]:3000"]
     assert access_from(ui_args(*[part for origin in origins for part in ("--allow-origin", origin)])).allow_origins == tuple(origins)
-    for bad in ("*", "http://*", "https://*", "localhost:3000", "https://chat.example/path", "Chrome-Extension://abc", "app://a b"):
+    for bad in ("*", "http://*", "https://*", "null://*", "localhost:3000", "https://chat.example/path", "Chrome-Extension://abc", "app://a b"):
         with pytest.raises(ValueError, match="--allow-origin takes"):
             access_from(ui_args("--allow-origin", bad))
     with pytest.raises(ValueError, match="--api-key"):  # any web site's sandboxed frame sends null too
         access_from(ui_args("--allow-origin", "null"))
     assert access_from(ui_args("--allow-origin", "null", "--api-key", "auto")).allow_origins == ("null",)
+    assert not access_from(ui_args("--allow-origin", "moz-extension://*")).allows("null")  # null only as itself, with its key
+    assert access_from(ui_args("--allow-host", "Host.Docker.Internal", "--allow-host", "kestrel.localhost")).allow_hosts == (
+        "host.docker.internal", "kestrel.localhost")
+    for bad in ("host.docker.internal:8100", "http://host.docker.internal", "a b"):
+        with pytest.raises(ValueError, match="--allow-host takes a host name without port"):
+            access_from(ui_args("--allow-host", bad))
     # what a refusal tells a page's user to start Kestrel with is taken; nothing is suggested for what is no origin
     for origin in ("chrome-extension://abcdefghijklmnop", "moz-extension://0f3c5e2a-5d3b", "app://obsidian.md", "null", "https://chat.example:8443"):
         suggested = re.search(r"--allow-origin (\S+)", origin_refusal(origin)).group(1)
@@ -2398,3 +2404,39 @@ def test_free_port_names_a_port_below_1024_instead_of_calling_it_in_use(monkeypa
     with pytest.raises(OSError, match="no free port in 8000-8002 on 127.0.0.1") as error_info:
         server.free_port("127.0.0.1", 8000, tries=3)
     assert "pass --port" not in str(error_info.value)
+
+
+def test_a_model_that_recommends_sampling_says_so_when_it_loads(engine, tiny_dir, store, tmp_path, monkeypatch):
+    """Qwen3's and DeepSeek-R1-Distill's cards warn that greedy decoding (the
+    page's default) makes their reasoning repeat itself; the page said nothing
+    of the settings their generation_config.json recommends."""
+    import shutil
+
+    runtime = Runtime(engine)
+    library = LibraryHandlers(runtime, store.folder / "heads", "cpu", "off")
+    _, notice, _ = library.load(str(tiny_dir), "", None, "none", "float32")
+    assert notice == "Loaded."
+    recommending = tmp_path / "recommending"
+    shutil.copytree(tiny_dir, recommending)
+    settings = json.loads((recommending / "generation_config.json").read_text())
+    (recommending / "generation_config.json").write_text(json.dumps({**settings, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    _, notice, _ = library.load(str(recommending), "", None, "none", "float32")
+    assert notice == ("Loaded. The model recommends sampling with Temperature 0.6, Top-p 0.95, Top-k 20 (its generation_config.json): "
+                      "set them in the Decoding settings of the Chat tab, where Temperature 0 decodes greedily, which it may not be made for.")  # fmt: skip
+
+
+def test_replies_that_ended_before_their_end_go_to_the_engine_marked_so():
+    """A stopped or cut reply of a DeepSeek-R1 chat holds only unfinished
+    reasoning (its template opened it): marked, the engine leaves it out of
+    the next prompt (core/prompt.without_unfinished_thinking)."""
+    from app.chat import engine_messages
+
+    chat = new_chat("Be brief.")
+    chat["messages"] = [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "stats": {"finish_reason": "stop"}},
+        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "stats": {"finish_reason": "length"}},
+        {"role": "user", "content": "e"}, {"role": "assistant", "content": "f", "stats": {"finish_reason": "cancelled"}},
+        {"role": "user", "content": "g"}, {"role": "assistant", "content": "h"},  # imported without stats
+    ]
+    marked = [message.get("unfinished", False) for message in engine_messages(chat)]
+    assert marked == [False, False, False, False, True, False, True, False, False]

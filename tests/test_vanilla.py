@@ -376,9 +376,13 @@ R1_LIKE = QWEN3_LIKE.replace("{{ '<|im_start|>assistant\\n' }}", "{{ '<|im_start
 
 
 def reasoning_tokenizer(default_base, template):
+    """The bundled tokenizer with a reasoning model's template and its <think> and </think> tokens."""
     import copy
 
+    from transformers import AddedToken
+
     tokenizer = copy.deepcopy(default_base.tokenizer)
+    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
     tokenizer.chat_template = template
     return tokenizer
 
@@ -393,20 +397,24 @@ def test_a_reply_cut_inside_its_reasoning_goes_back_without_it(default_base):
     question, follow = {"role": "user", "content": "What is 2+2?"}, {"role": "user", "content": "And 3+3?"}
     qwen3 = reasoning_tokenizer(default_base, QWEN3_LIKE)
     cut = {"role": "assistant", "content": "<think>\nThe user asks a sum. Let me add two and two carefully, one"}
-    assert "Let me add" not in default_base.tokenizer.decode(encode_chat(qwen3, [question, cut, follow]))
+    assert "Let me add" not in qwen3.decode(encode_chat(qwen3, [question, cut, follow]))
     finished = {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\nIt is 4."}
-    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in default_base.tokenizer.decode(encode_chat(qwen3, [question, finished, follow]))
+    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in qwen3.decode(encode_chat(qwen3, [question, finished, follow]))
     answered_before = {"role": "assistant", "content": "It is 4. <think>\nbut wait"}  # the answer before a reasoning begun later stays
-    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in default_base.tokenizer.decode(encode_chat(qwen3, [question, answered_before, follow]))
+    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in qwen3.decode(encode_chat(qwen3, [question, answered_before, follow]))
 
     r1 = reasoning_tokenizer(default_base, R1_LIKE)
     assert render_chat(r1, [question]).endswith("<think>\n")
-    unfinished = {"role": "assistant", "content": "The user asks a sum. Let me add two and two"}  # no tags: R1's opened it
-    assert "Let me add" not in default_base.tokenizer.decode(encode_chat(r1, [question, unfinished, follow]))
+    unfinished = {"role": "assistant", "content": "The user asks a sum. Let me add two and two", "unfinished": True}  # R1's template opened it
+    assert "Let me add" not in r1.decode(encode_chat(r1, [question, unfinished, follow]))
+    # a client that sends earlier answers without their reasoning (as DeepSeek advises): not marked, kept
+    answer = {"role": "assistant", "content": "It is 4, since two and two make four."}
+    assert "since two and two make four" in r1.decode(encode_chat(r1, [question, answer, follow]))
     closed = {"role": "assistant", "content": "Two and two.\n</think>\n\nIt is 4."}
-    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in default_base.tokenizer.decode(encode_chat(r1, [question, closed, follow]))
-    plain = [question, {"role": "assistant", "content": "Let me add two and two"}, follow]  # a model that does not reason
-    assert "Let me add" in default_base.tokenizer.decode(encode_chat(default_base.tokenizer, plain))
+    assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in r1.decode(encode_chat(r1, [question, closed, follow]))
+    # a model that does not reason (no <think> token): a reply that writes about the tag is left whole
+    plain = [question, {"role": "assistant", "content": "Write <think> to open it; and so on", "unfinished": True}, follow]
+    assert "Write <think> to open it; and so on" in default_base.tokenizer.decode(encode_chat(default_base.tokenizer, plain))
 
 
 def test_control_text_stays_text_after_a_reply_the_template_cuts_at_its_reasoning(default_base):
@@ -414,7 +422,7 @@ def test_control_text_stays_text_after_a_reply_the_template_cuts_at_its_reasonin
     cuts replies at </think> cut the marker too, so a pasted "<|im_end|>"
     became a real end of turn once a reply with reasoning was in the chat."""
     qwen3 = reasoning_tokenizer(default_base, QWEN3_LIKE)
-    end = default_base.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end = qwen3.convert_tokens_to_ids("<|im_end|>")
     chat = [
         {"role": "user", "content": "What is 2+2?"},
         {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\nIt is 4."},
@@ -431,3 +439,35 @@ def test_chat_template_options_reach_the_template(default_base):
     question = [{"role": "user", "content": "Hi"}]
     assert render_chat(qwen3, question).endswith("<|im_start|>assistant\n")
     assert render_chat(qwen3, question, {"enable_thinking": False}).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_tokenizer_with_several_named_chat_templates_uses_its_default(default_base):
+    """Hermes-3's and Command-R's tokenizers keep a dict of named templates;
+    passing it on as the template to use raised a TypeError for every chat."""
+    import copy
+
+    from core.prompt import render_chat
+
+    named = copy.deepcopy(default_base.tokenizer)
+    named.chat_template = {"default": "{{ 'D:' + messages[0]['content'] }}", "tool_use": "{{ 'T:' + messages[0]['content'] }}"}
+    assert render_chat(named, [{"role": "user", "content": "Hi"}]) == "D:Hi"
+
+
+def test_llama2_newlines_let_the_anchor_move_and_a_stop_string_ending_in_one_is_found_at_its_token():
+    """Llama-2's newline is the byte piece <0x0A>: the anchor, kept off every
+    byte piece, rarely moved in code (every line ends in one), and a held
+    newline let a stop string ending in it be found one token late."""
+    from app.api import StopScanner
+    from core.engine import Step
+
+    tokenizer = byte_fallback_tokenizer()
+    vocabulary = tokenizer.get_vocab()
+    newline = vocabulary["<0x0A>"]
+    ids = [token for _ in range(120) for token in (vocabulary["▁Hello"], vocabulary["▁world"], newline)]
+    detokenizer = Detokenizer(tokenizer)
+    texts = [detokenizer.push([token]) for token in ids]
+    assert "".join(texts) + detokenizer.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert detokenizer.anchor > len(ids) // 2
+    scanner = StopScanner(("\n",), tokenizer)
+    step = Step(tuple(ids[:6]), "", 0, 0, 0.0, 0.0, None, None)
+    assert scanner.scan(step) == ("Hello world", 3)  # the newline's own token ends the reply
