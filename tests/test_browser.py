@@ -960,7 +960,7 @@ def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
     saved_and_open(data_dir, chat)
     shown_at_next_load(page, chat["id"])
     page.reload()
-    page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=30_000)
+    page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=60_000)
     if not page.locator("#colour input").is_checked():
         page.locator("#colour input").check()
         page.wait_for_function("document.querySelectorAll('#chatbot span.kd').length > 0")
