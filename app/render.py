@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from core.calibration import CurvePoint
+from core.prompt import THINK_END, THINK_START
 from core.stats import Snapshot
 
 DRAFT, BASE = "draft", "base"  # token origins: drafted-and-accepted, or sampled by the base model
@@ -322,9 +323,6 @@ def coloured(segments: list[list[str]], escaper=escape) -> str:
         escaped = escaper(text)
         parts.append(f'<span class="kd" style="{DRAFT_STYLE}">{escaped}</span>' if origin == DRAFT else escaped)
     return "".join(parts)
-
-
-THINK_START, THINK_END = "<think>", "</think>"  # around a reasoning model's thinking (as core/prompt's)
 
 
 def reasoning_spans(text: str) -> tuple[int, int, int, int] | None:

@@ -56,8 +56,10 @@ class RequestError(ValueError):
         self.code = code
 
 
-# the sampling settings a model's generation_config.json may recommend, for requests that leave them out
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+# the sampling settings a request may send, with the ranges it may send them in (top_k also -1, for off),
+# and that a model's generation_config.json may recommend for the requests that leave them out
+SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1_000_000)}
+SAMPLING_FIELDS = tuple(SAMPLING_RANGES)
 
 
 @dataclass(frozen=True)
@@ -133,9 +135,9 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
     top_k_source = kestrel if "top_k" in kestrel else body
     top_k_name = "kestrel.top_k" if "top_k" in kestrel else "top_k"
     sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # as OpenAI's: 0 keeps the most likely token alone
-        top_k=max(0, _integer(top_k_source, "top_k", 0, -1, 1_000_000, top_k_name)),  # -1: off, as vLLM takes it
+        temperature=_number(body, "temperature", 1.0, *SAMPLING_RANGES["temperature"]),
+        top_p=_number(body, "top_p", 1.0, *SAMPLING_RANGES["top_p"]),  # as OpenAI's: 0 keeps the most likely token alone
+        top_k=max(0, _integer(top_k_source, "top_k", 0, -1, SAMPLING_RANGES["top_k"][1], top_k_name)),  # -1: off, as vLLM takes it
         max_new_tokens=max_tokens or 1,
         seed=_seed(body),
     )
@@ -341,9 +343,8 @@ def model_defaults(model) -> dict:
         return {}
     if written.get("do_sample") is not True:
         return {}
-    ranges = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1_000_000)}
     found = {}
-    for name, (low, high) in ranges.items():
+    for name, (low, high) in SAMPLING_RANGES.items():
         value = written.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high:
             found[name] = int(value) if name == "top_k" else float(value)

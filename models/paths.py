@@ -1,8 +1,11 @@
 """Paths as the user types them (`~` and `~user` expanded, or refused by
-name), and tensors written there with the path named when the disk refuses."""
+name), tensors written there with the path named when the disk refuses, and
+files moved into place while another program holds them for a moment."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from models.errors import ModelNotFoundError
@@ -16,6 +19,20 @@ def user_path(text: str | Path) -> Path:
     except RuntimeError:
         user = str(text)[1:].split("/", 1)[0].split("\\", 1)[0]
         raise ModelNotFoundError(f"{text}: no user {user!r} on this computer, so ~{user} cannot be expanded") from None
+
+
+def while_held(move: Callable[[Path, Path], object], source: Path, target: Path, tries: int) -> None:
+    """move(source, target), tried again for a moment (up to `tries` times) where
+    another program holds a file in it: on Windows a virus scanner or the search
+    indexer reading a file just written refuses its replacing or renaming."""
+    for attempt in range(tries):
+        try:
+            move(source, target)
+            return
+        except PermissionError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)
 
 
 def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
