@@ -949,7 +949,7 @@ def test_a_reload_shows_the_chat_this_tab_showed(browser, app_url, data_dir):
             tab.close()
 
 
-def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
+def test_coloured_replies_render_like_uncoloured_ones(browser, data_dir, app_url):
     from app.store import new_chat
 
     chat = new_chat()
@@ -958,9 +958,19 @@ def test_coloured_replies_render_like_uncoloured_ones(page, data_dir, app_url):
         {"role": "assistant", "content": MARKDOWN_REPLY, "segments": token_segments(MARKDOWN_REPLY)},
     ]
     saved_and_open(data_dir, chat)
-    shown_at_next_load(page, chat["id"])
-    page.reload()
-    page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=60_000)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})  # a tab of its own, opened on the chat (as the copying test's)
+    page.add_init_script(f"sessionStorage.setItem('kestrel-shown-chat', {json.dumps(chat['id'])})")  # as shown_at_next_load
+    try:
+        page.goto(app_url)
+        page.locator("#mode input[value=eagle2]:checked").wait_for(timeout=30_000)
+        page.locator("#chatbot").get_by_text("Checking primes").wait_for(timeout=60_000)
+        coloured_and_plain(page)
+    finally:
+        page.close()
+
+
+def coloured_and_plain(page) -> None:
+    """The chat shown, coloured and uncoloured: the same text and structure."""
     if not page.locator("#colour input").is_checked():
         page.locator("#colour input").check()
         page.wait_for_function("document.querySelectorAll('#chatbot span.kd').length > 0")
