@@ -895,7 +895,16 @@ def rendered(page) -> dict:
 def shown_at_next_load(page, chat_id: str) -> None:
     """The page's next load shows this chat, as a reload shows the chat the tab
     showed: not by the settings' open chat, which a write of the previous
-    test's still running may replace meanwhile."""
+    test's still running may replace meanwhile. The page records the chat it
+    shows there itself once its load has set it (render.KEEP_SHOWN_JS), which
+    may come after the settings the page fixture waits for: that record is
+    waited for first, else it could write over this one before the reload."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+    try:
+        page.wait_for_function("sessionStorage.getItem('kestrel-shown-chat') !== null", timeout=10_000)
+    except PlaywrightTimeoutError:  # a page that shows no saved chat records none
+        pass
     page.evaluate("id => sessionStorage.setItem('kestrel-shown-chat', id)", chat_id)
 
 
