@@ -298,13 +298,14 @@ def main(argv: list[str]) -> int:
                 signal.signal(getattr(signal, name), _interrupted)
     try:
         if args.command == "ui":
-            lock = None
-            if not args.install_shortcut:  # the data folder's lock before the page's imports (seconds): a second
-                from app.instance import DataLock, data_dir, tell_running  # start (a double-click twice) answers at once
+            if args.install_shortcut:
+                return install_shortcut(args)
+            # the data folder's lock before the page's imports (seconds): a second start (a double-click twice) answers at once
+            from app.instance import DataLock, data_dir, tell_running
 
-                lock = DataLock(data_dir())
-                if not lock.acquire():
-                    return tell_running(lock, data_dir(), args.no_browser)
+            lock = DataLock(data_dir())
+            if not lock.acquire():
+                return tell_running(lock, data_dir(), args.no_browser)
             from app.ui import serve
 
             return serve(args, lock)
@@ -340,6 +341,43 @@ def main(argv: list[str]) -> int:
         print(f"\ninterrupted{f' ({hint} to continue)' if hint else ''}", file=sys.stderr)
         return 130
     return 0
+
+
+def install_shortcut(args: argparse.Namespace) -> int:
+    """`ui --install-shortcut`: the desktop/menu shortcut, starting Kestrel with the other options given."""
+    from app.shortcut import install
+
+    written = install(options=shortcut_options(args))
+    for path in written:
+        print(f"Shortcut written: {path}")
+    if sys.platform.startswith("linux") and len(written) == 1:
+        print("No desktop folder was found (~/Desktop, or XDG_DESKTOP_DIR in ~/.config/user-dirs.dirs): only the menu entry was written")
+    return 0
+
+
+def shortcut_options(args: argparse.Namespace) -> list[str]:
+    """The page's options of this start that differ from their defaults, for
+    its shortcut to start Kestrel with: a --model or --head folder or file made
+    absolute (the shortcut starts in Kestrel's folder). ValueError for a
+    password or key, which the shortcut's file would hold in plain text."""
+    parser = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)).choices["ui"]
+    options = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest in ("help", "install_shortcut") or value == action.default:
+            continue
+        name = action.option_strings[-1]
+        if action.dest == "auth" or (action.dest == "api_key" and value != "auto"):
+            raise ValueError(f"{name}: a shortcut keeps no passwords or keys (its file would hold them in plain text); "
+                             f"make it without {name}, or start Kestrel from a terminal with it")  # fmt: skip
+        if action.nargs == 0:  # a switch
+            options.append(name)
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            path = Path(str(item)).expanduser()
+            given = str(path.resolve()) if action.dest in ("model", "head") and path.exists() else str(item)
+            options += [name, given]
+    return options
 
 
 def _interrupted(signum, frame):

@@ -23,19 +23,20 @@ def moved_folders() -> list[tuple[str, str]]:
     return [(name, str(Path(os.environ[name]).expanduser().resolve())) for name in MOVED_FOLDERS if os.environ.get(name)]
 
 
-def desktop_entry(root: Path, python: str, folders: list[tuple[str, str]] = ()) -> str:
+def desktop_entry(root: Path, python: str, folders: list[tuple[str, str]] = (), options: list[str] = ()) -> str:
     """A freedesktop.org entry: Exec's arguments quoted (with \\ " ` $ escaped
     inside the quotes, and the whole line's backslashes and % doubled, as the
     specification asks of string values and field codes), other values with
     their backslashes doubled, so that any folder name starts Kestrel.
-    `folders`: variables set for it, through env."""
+    `folders`: variables set for it, through env; `options`: launch.py's (shortcut_command)."""
     setting = "env " + "".join(f"{exec_argument(f'{name}={value}')} " for name, value in folders) if folders else ""
+    given = "".join(f" {exec_argument(option)}" for option in shortcut_command(options))
     return "\n".join([
         "[Desktop Entry]",
         "Type=Application",
         "Name=Kestrel",
         "Comment=Local LLM chat with EAGLE-2 speculative decoding",
-        f"Exec={setting}{exec_argument(python)} {exec_argument(str(root / 'launch.py'))}",
+        f"Exec={setting}{exec_argument(python)} {exec_argument(str(root / 'launch.py'))}{given}",
         f"Path={entry_value(str(root))}",
         f"Icon={entry_value(str(root / 'assets' / 'kestrel.svg'))}",
         "Terminal=true",
@@ -44,15 +45,31 @@ def desktop_entry(root: Path, python: str, folders: list[tuple[str, str]] = ()) 
     ])  # fmt: skip
 
 
-def windows_batch(root: Path, python: str, folders: list[tuple[str, str]] = ()) -> str:
+def windows_batch(root: Path, python: str, folders: list[tuple[str, str]] = (), options: list[str] = ()) -> str:
     """cmd reads a batch file in the console's code page: switched to UTF-8
     first, so that a folder named with accents is found ('%' doubled: cmd
     expands it even in quotes). launch.py keeps the window open after a
     failure; the pause covers a Python that is gone (cmd's 9009)."""
     root_text, python_text = (str(path).replace("%", "%%") for path in (root, python))
     setting = [f'set "{name}={value.replace("%", "%%")}"' for name, value in folders]
-    lines = ["@echo off", "chcp 65001 >nul", *setting, f'cd /d "{root_text}"', f'"{python_text}" launch.py %*', "if errorlevel 9009 pause", ""]
+    quoted = "".join(f' "{batch_argument(option)}"' for option in shortcut_command(options))
+    lines = ["@echo off", "chcp 65001 >nul", *setting, f'cd /d "{root_text}"', f'"{python_text}" launch.py{quoted} %*', "if errorlevel 9009 pause", ""]
     return "\r\n".join(lines)
+
+
+def shortcut_command(options: list[str]) -> list[str]:
+    """launch.py's arguments for a shortcut made with `options`: none for the
+    defaults (the shortcut's own arguments are then the page's options or a
+    command), else the page's command and the options."""
+    return ["ui", *options] if options else []
+
+
+def batch_argument(text: str) -> str:
+    """One argument of a batch file's command line, to be written in quotes:
+    cmd has no escape for a quote inside quotes."""
+    if '"' in text:
+        raise ValueError(f"{text!r}: a Windows shortcut cannot pass on an option with a double quote in it")
+    return text.replace("%", "%%")
 
 
 def exec_argument(text: str) -> str:
@@ -67,10 +84,11 @@ def entry_value(text: str) -> str:
     return text.replace("\\", "\\\\")
 
 
-def mac_command(root: Path, python: str, folders: list[tuple[str, str]] = ()) -> str:
+def mac_command(root: Path, python: str, folders: list[tuple[str, str]] = (), options: list[str] = ()) -> str:
     """bash, with the paths in single quotes (nothing is expanded there; a ' is closed, escaped and reopened)."""
     setting = "".join(f"export {name}={shell_quoted(value)}\n" for name, value in folders)
-    return f"#!/bin/bash\n{setting}cd {shell_quoted(str(root))}\nexec {shell_quoted(python)} launch.py \"$@\"\n"
+    given = "".join(f"{shell_quoted(option)} " for option in shortcut_command(options))
+    return f"#!/bin/bash\n{setting}cd {shell_quoted(str(root))}\nexec {shell_quoted(python)} launch.py {given}\"$@\"\n"
 
 
 def shell_quoted(text: str) -> str:
@@ -120,18 +138,19 @@ def xdg_desktop(home: Path) -> Path:
     return home / "Desktop"
 
 
-def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None = None) -> list[Path]:
+def install(root: Path = ROOT, platform: str = sys.platform, home: Path | None = None, options: list[str] = ()) -> list[Path]:
     """Write the shortcut(s) for this platform; returns the files written (on
-    Linux the menu entry, and the desktop's where the desktop folder exists)."""
+    Linux the menu entry, and the desktop's where the desktop folder exists).
+    options: the page's options the shortcut starts Kestrel with (cli.shortcut_options)."""
     known = windows_desktop() if home is None and platform.startswith("win") else None  # OneDrive may move it
     home = home or Path.home()
     desktop = known or (home / "Desktop" if platform.startswith("win") or platform == "darwin" else xdg_desktop(home))
     folders = moved_folders()
     if platform.startswith("win"):
-        return [_write_executable(desktop / "Kestrel.bat", windows_batch(root, base_python(), folders))]
+        return [_write_executable(desktop / "Kestrel.bat", windows_batch(root, base_python(), folders, options))]
     if platform == "darwin":
-        return [_write_executable(desktop / "Kestrel.command", mac_command(root, base_python(), folders))]
-    entry = desktop_entry(root, base_python(), [(SHORTCUT, "1"), *folders])  # its terminal closes at the end: an error waits there
+        return [_write_executable(desktop / "Kestrel.command", mac_command(root, base_python(), folders, options))]
+    entry = desktop_entry(root, base_python(), [(SHORTCUT, "1"), *folders], options)  # its terminal closes at the end: an error waits there
     data_home = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share")
     written = [_write_executable(data_home / "applications" / "kestrel.desktop", entry)]
     if desktop.is_dir() and desktop.resolve() != home.resolve():

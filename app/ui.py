@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 from pathlib import Path
 
 import gradio as gr
@@ -368,15 +367,6 @@ def serve(args, lock: DataLock | None = None) -> int:
     """`launch.py ui`: load the model, then serve the page and the API until
     interrupted. lock: the data folder's, held already (the CLI takes it
     before importing this module, so that a second start answers at once)."""
-    if args.install_shortcut:
-        from app.shortcut import install
-
-        written = install()
-        for path in written:
-            print(f"Shortcut written: {path}")
-        if sys.platform.startswith("linux") and len(written) == 1:
-            print("No desktop folder was found (~/Desktop, or XDG_DESKTOP_DIR in ~/.config/user-dirs.dirs): only the menu entry was written")
-        return 0
     access = access_from(args)
     if args.threads:
         import torch

@@ -1355,6 +1355,14 @@ def test_shortcuts_start_kestrel_from_any_folder_name(tmp_path):
     root.mkdir()
     folders = [("KESTREL_DATA_DIR", str(root / "data")), ("KESTREL_CACHE_DIR", str(root / "cache"))]  # set when it was made
     line = next(line for line in desktop_entry(root, "/usr/bin/python3", folders).splitlines() if line.startswith("Exec="))[5:]
+    assert exec_arguments(line) == ["env", *(f"{name}={value}" for name, value in folders), "/usr/bin/python3", str(root / "launch.py")]
+    script = mac_command(root, "/bin/echo", folders).replace("exec ", 'pwd; echo "$KESTREL_DATA_DIR"; echo "$KESTREL_CACHE_DIR"; exit; : ')
+    ran = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert ran.stdout.splitlines() == [str(root), str(root / "data"), str(root / "cache")], ran.stderr
+
+
+def exec_arguments(line: str) -> list[str]:
+    """A desktop entry's Exec value read back as its program's arguments."""
     general = {"s": " ", "n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
     text, index = "", 0
     while index < len(line):  # the string escapes of a desktop entry's values
@@ -1377,10 +1385,44 @@ def test_shortcuts_start_kestrel_from_any_folder_name(tmp_path):
         else:
             current += char
         index += 1
-    assert arguments + [current] == ["env", *(f"{name}={value}" for name, value in folders), "/usr/bin/python3", str(root / "launch.py")]
-    script = mac_command(root, "/bin/echo", folders).replace("exec ", 'pwd; echo "$KESTREL_DATA_DIR"; echo "$KESTREL_CACHE_DIR"; exit; : ')
-    ran = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
-    assert ran.stdout.splitlines() == [str(root), str(root / "data"), str(root / "cache")], ran.stderr
+    return arguments + [current]
+
+
+def test_shortcut_starts_kestrel_with_the_options_it_was_made_with(tmp_path, monkeypatch, capsys):
+    """`--model ./folder --port 7861 --install-shortcut`: the shortcut starts
+    that model on that port (it started the defaults), the folder made
+    absolute since the shortcut starts in Kestrel's own folder; a password or
+    key is refused by name, and nothing is written."""
+    from app.cli import main
+    from app.shortcut import ROOT, mac_command, windows_batch
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("XDG_DATA_HOME", "XDG_CONFIG_HOME", "KESTREL_DATA_DIR", "KESTREL_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my model").mkdir()
+    given = ["--model", "my model", "--port", "7861", "--no-browser", "--allow-origin", "app://obsidian.md", "--allow-origin", "null", "--head", "owner/head"]
+    assert main([*given, "--install"]) == 0  # argparse's abbreviation of --install-shortcut: not passed on either
+    entry = tmp_path / "home/.local/share/applications/kestrel.desktop"
+    line = next(line for line in entry.read_text().splitlines() if line.startswith("Exec="))[5:]
+    expected = ["ui", "--model", str(tmp_path / "my model"), "--head", "owner/head", "--port", "7861", "--no-browser", "--allow-origin", "app://obsidian.md", "--allow-origin", "null"]
+    assert exec_arguments(line)[-len(expected) - 1 :] == [str(ROOT / "launch.py"), *expected]
+    assert capsys.readouterr().out.startswith("Shortcut written: ")
+    assert main(["--install-shortcut"]) == 0  # the defaults: launch.py alone, as before
+    assert exec_arguments(next(line for line in entry.read_text().splitlines() if line.startswith("Exec="))[5:])[-1] == str(ROOT / "launch.py")
+    entry.unlink()
+    assert main(["--listen", "--auth", "me:secret", "--api-key", "sk-1", "--install-shortcut"]) == 2
+    assert "--auth: a shortcut keeps no passwords or keys" in capsys.readouterr().err and not entry.exists()
+    assert main(["--api-key", "auto", "--install-shortcut"]) == 0 and exec_arguments(
+        next(line for line in entry.read_text().splitlines() if line.startswith("Exec="))[5:])[-3:] == ["ui", "--api-key", "auto"]  # fmt: skip
+    script = mac_command(ROOT, "/bin/echo", options=["--model", "it's $HOME"])
+    ran = subprocess.run(["bash", "-c", script, "bash", "--port", "1"], capture_output=True, text=True)
+    assert ran.stdout == "launch.py ui --model it's $HOME --port 1\n", ran.stderr  # the shortcut's own arguments after them
+    batch = windows_batch(Path("C:\\K"), "py.exe", options=["--model", "D:\\100% models"]).split("\r\n")
+    assert batch[3] == '"py.exe" launch.py "ui" "--model" "D:\\100%% models" %*'
+    with pytest.raises(ValueError, match="double quote"):
+        windows_batch(Path("C:\\K"), "py.exe", options=["--model", 'a"b'])
 
 
 def test_install_shortcut_linux(tmp_path, monkeypatch):
