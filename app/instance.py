@@ -22,6 +22,19 @@ def data_dir() -> Path:
     return Path(override).expanduser() if override else Path(platformdirs.user_data_dir("kestrel"))  # "~/..." as a shell would
 
 
+ROOT = Path(__file__).resolve().parent.parent
+CODE_FOLDERS = ("app", "core", "models")  # what an update changes
+
+
+def code_stamp(root: Path = ROOT) -> str:
+    """This Kestrel's folder and the time of its code's latest change: a
+    running Kestrel with another stamp is another copy, or this one before an
+    update (a new copy, or files pulled over these)."""
+    files = (path for folder in CODE_FOLDERS for path in (root / folder).glob("*.py"))
+    newest = max((path.stat().st_mtime_ns for path in files), default=0)
+    return f"{newest} {root}"
+
+
 LOCK_FILE = "kestrel.lock"
 LOCKED_BYTE = 1 << 16  # where Windows locks the file: past the address it holds
 # The errors that mean another process holds the lock: flock's EWOULDBLOCK (EAGAIN, or EACCES
@@ -81,20 +94,28 @@ class DataLock:
         return True
 
     def announce(self, url: str) -> None:
-        """Name this process's address in the lock file, for a second start."""
+        """Name this process's address in the lock file, and its code's stamp, for a second start."""
         if self._file is None:  # no lock could be taken (nothing can be written there)
             return
         self._file.truncate(0)
         self._file.seek(0)
-        self._file.write(url)
+        self._file.write(f"{url}\n{code_stamp()}")
         self._file.flush()
 
     def holder(self) -> str:
         """The address the holding process announced ("" while it starts)."""
+        return self._announced()[0]
+
+    def holder_stamp(self) -> str:
+        """The holding process's code_stamp ("" while it starts)."""
+        return self._announced()[1]
+
+    def _announced(self) -> tuple[str, str]:
         try:
-            return self.path.read_text(encoding="utf-8").strip()
+            url, _, stamp = self.path.read_text(encoding="utf-8").partition("\n")
         except (OSError, UnicodeDecodeError):
-            return ""
+            return "", ""
+        return url.strip(), stamp.strip()
 
     def release(self) -> None:
         if self._file is not None:
@@ -114,8 +135,15 @@ def open_browser(url: str) -> None:
 def tell_running(lock: DataLock, store_dir: Path, no_browser: bool) -> int:
     """A second start on a held data folder: name the running Kestrel and
     open its page (it keeps the chats; a second would save over them)."""
-    url = lock.holder()
+    url, stamp = lock.holder(), lock.holder_stamp()
     where = f"at {url}" if url else "(still starting)"
+    mine = code_stamp()
+    if stamp and stamp != mine:  # opening its page would pass the older Kestrel off as this one
+        folder = stamp.partition(" ")[2]
+        which = "started before this one's files were updated" if folder == mine.partition(" ")[2] else f"from {folder}"
+        print(f"Another Kestrel, {which}, is running {where} with the chats in {store_dir}. "
+              "Close it (Ctrl+C in its window) and start this one again to use it.", flush=True)  # fmt: skip
+        return 1
     print(f"Kestrel is already running {where} with the chats in {store_dir}; "
           "a second one would save over its chats. Set KESTREL_DATA_DIR to run another with chats of its own.", flush=True)  # fmt: skip
     if url and not no_browser:

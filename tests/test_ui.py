@@ -1961,6 +1961,37 @@ def test_a_read_only_data_folder_still_replies_and_says_what_was_not_saved(handl
     assert handlers.remember("w2", *values()) == gr.skip()  # saved: the notice is left as it is
 
 
+def test_a_start_after_an_update_does_not_pass_the_older_running_kestrel_off_as_itself(tmp_path, capsys, monkeypatch):
+    """A start whose code differs from the running Kestrel's (files updated
+    since it started, or another copy of Kestrel) says so and opens nothing;
+    the same code opens the running page, as before."""
+    from app import instance
+    from app.instance import DataLock, code_stamp, tell_running
+
+    root = tmp_path / "kestrel"
+    (root / "core").mkdir(parents=True)
+    (root / "core" / "engine.py").write_text("")
+    before = code_stamp(root)
+    os.utime(root / "core" / "engine.py", ns=(time.time_ns() + 10**9,) * 2)  # an update's newer file
+    assert code_stamp(root) != before and code_stamp(root).endswith(str(root))
+    held = DataLock(tmp_path)
+    assert held.acquire()
+    held.announce("http://127.0.0.1:7860/")
+    opened = []
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.setattr(instance.webbrowser, "open", opened.append)
+    assert tell_running(DataLock(tmp_path), tmp_path, no_browser=False) == 0 and opened == ["http://127.0.0.1:7860/"]
+    capsys.readouterr()
+    monkeypatch.setattr(instance, "code_stamp", lambda: f"{time.time_ns()} {instance.ROOT}")  # this copy, updated since
+    assert tell_running(DataLock(tmp_path), tmp_path, no_browser=False) == 1 and len(opened) == 1
+    out = capsys.readouterr().out
+    assert "Another Kestrel, started before this one's files were updated, is running at http://127.0.0.1:7860/" in out and "Close it" in out
+    monkeypatch.setattr(instance, "code_stamp", lambda: f"1 {root}")  # another copy of Kestrel
+    assert tell_running(DataLock(tmp_path), tmp_path, no_browser=True) == 1
+    assert f"Another Kestrel, from {instance.ROOT}, is running" in capsys.readouterr().out
+    held.release()
+
+
 def test_one_running_page_per_data_folder(tmp_path, capsys, monkeypatch):
     """A second start on the same data folder (a double-click twice) does not
     serve a second page that would save over the first one's chats: it names
