@@ -78,9 +78,9 @@ def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) ->
     """decoding: the options of commands that decode (a draft head, compiled layers); train-head has neither.
     Returns the group, for a command's own model options."""
     group = parser.add_argument_group("model")
-    group.add_argument("--model", help="base model: Hugging Face repo id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--model", help="base model: Hugging Face repo id (owner/name, or owner/name@REV for a branch, tag or commit), local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     if decoding:
-        group.add_argument("--head", help="EAGLE draft head: Hugging Face repo id or local folder (default: the bundled head of the default model, if any)")
+        group.add_argument("--head", help="EAGLE draft head: Hugging Face repo id (owner/name, or owner/name@REV) or local folder (default: the bundled head of the default model, if any)")
     group.add_argument("--quantization", default="auto", choices=("auto", "none", "int4", "int8", "8bit", "4bit"), help="base model weights: int4 or int8 (CPU kernels; int4 Kestrel's own where a C++ compiler is found), 8bit or 4bit (bitsandbytes, for GPUs), or none; auto (default) = on CPUs int4 for a 4-bit GGUF where Kestrel's int4 kernel is built, else int8 where it is measured faster, else none")
     group.add_argument("--dtype", default="auto", choices=("auto", "float64", "float32", "bfloat16", "float16"), help="compute dtype (default auto: bf16/fp16 on GPUs; bf16 on CPUs with native bf16, else float32)")
     if decoding:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from models.errors import (
     json_kind,
 )
 from models.paths import user_path
+from models.repo import parse_repo
 
 QUANTIZATIONS = ("auto", "none", "int4", "int8", "8bit", "4bit")
 DTYPES = {
@@ -37,7 +37,6 @@ DTYPES = {
     "float16": torch.float16,
 }
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 log = logging.getLogger("kestrel")
 
@@ -46,7 +45,7 @@ log = logging.getLogger("kestrel")
 class LoadedModel:
     model: torch.nn.Module  # a transformers *ForCausalLM, in eval mode
     tokenizer: object  # its tokenizer, with a chat template where the model has one
-    name: str  # what the user asked for (repo id, folder or file)
+    name: str  # what the user asked for (repo id with its @revision, if any, folder or file)
     quantization: str  # one of QUANTIZATIONS other than auto: what was applied
 
     @property
@@ -110,6 +109,7 @@ def load_base(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     gguf = None  # where the GGUF file is, for auto to ask whether it is 4-bit
+    revision = None  # of a repo id pinned with @REV
     if source is None or source == bundled.DEFAULT_NAME:
         location, gguf_file, name, gguf = str(bundled.converted_folder()), None, bundled.DEFAULT_NAME, bundled.gguf_path
     else:
@@ -122,8 +122,8 @@ def load_base(
         elif path.is_dir():
             check_folder(path)
             location = str(path)
-        elif not REPO_ID.match(source):
-            raise ModelNotFoundError(f"{source}: no such file or folder, and not a Hugging Face repo id (owner/name)")
+        else:
+            location, revision = pinned_repo(source)
     four_bit = quantization == "auto" and gguf is not None and _four_bit(gguf)
     chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
     if torch_device.type == "cpu" and torch_dtype == torch.float16:  # only asked for by name: auto never picks it on CPUs
@@ -135,7 +135,7 @@ def load_base(
             "for a GGUF choose quantization auto, int4, int8 or none"
         )
     try:
-        return _load(location, gguf_file, name, chosen, torch_dtype, torch_device, quantization == "auto")
+        return _load(location, gguf_file, name, chosen, torch_dtype, torch_device, quantization == "auto", revision=revision)
     except (CorruptedFileError, MissingWeightsError) as error:
         if name != bundled.DEFAULT_NAME or gguf_file is not None:
             raise
@@ -143,6 +143,20 @@ def load_base(
         log.warning(f"The converted copy of the bundled model in {location} cannot be read ({error}); converting it again")
         shutil.rmtree(location, ignore_errors=True)
         return _load(str(bundled.converted_folder()), None, name, chosen, torch_dtype, torch_device, quantization == "auto")
+
+
+def pinned_repo(source: str) -> tuple[str, str | None]:
+    """(repo id, revision) of a base model given as owner/name or owner/name@REV
+    that is no local file or folder."""
+    repo = parse_repo(source)
+    if repo is None:
+        raise ModelNotFoundError(f"{source}: no such file or folder, and not a Hugging Face repo id (owner/name, or owner/name@REV)")
+    if repo.revision is not None and Path(repo.id).is_dir():  # transformers reads a folder of that name before asking the hub
+        raise ModelNotFoundError(
+            f"{source}: {Path(repo.id).absolute()} is a folder, which would load in place of the repo's revision "
+            f"{repo.revision}; give that folder itself, or run Kestrel from another folder"
+        )
+    return repo.id, repo.revision
 
 
 def _four_bit(locate) -> bool:
@@ -262,10 +276,12 @@ def quantization_config(quantization: str, dtype: torch.dtype):
     )
 
 
-def _load(location, gguf_file, name, quantization, dtype, device, automatic: bool = False) -> LoadedModel:
+def _load(location, gguf_file, name, quantization, dtype, device, automatic: bool = False, revision: str | None = None) -> LoadedModel:
     """automatic: the quantization was chosen by auto, so int4 may fall back
     to int8 (or none) for a model whose layer sizes the int4 kernel cannot take,
-    and a checkpoint saved quantized with bitsandbytes keeps its own."""
+    and a checkpoint saved quantized with bitsandbytes keeps its own.
+    revision: the branch, tag or commit of the repo `location` that every file
+    (config, tokenizer, weights, generation config) is read from; None = its default branch."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from models.hub import reachable
@@ -275,11 +291,13 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     options = {"dtype": dtype, "attn_implementation": "sdpa", "trust_remote_code": False}
     gguf = {"gguf_file": gguf_file} if gguf_file else {}
     options.update(gguf)
+    pinned = {"revision": revision} if revision is not None else {}  # transformers passes it on to the generation config
+    options.update(pinned)
     # a repo id without a network: the cache at once, not after the hub's retries
     cache_only = not Path(location).is_dir() and not reachable()
     options["local_files_only"] = cache_only
     try:
-        config = AutoConfig.from_pretrained(location, local_files_only=cache_only, trust_remote_code=False, **gguf)
+        config = AutoConfig.from_pretrained(location, local_files_only=cache_only, trust_remote_code=False, **gguf, **pinned)
         check_generates(config, name)
         quantization, saved = saved_quantization(config, name, quantization, automatic)
         quantize = quantization_config(quantization, dtype)  # bitsandbytes' import and dtype checks for a saved one too
@@ -287,7 +305,7 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
             if not saved:  # a saved checkpoint's own settings come with it
                 options["quantization_config"] = quantize
             options["device_map"] = {"": device}
-        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=cache_only, trust_remote_code=False, **gguf)
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=cache_only, trust_remote_code=False, **gguf, **pinned)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **options)
         except ValueError as error:
@@ -445,6 +463,8 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
         return NetworkError(f"{name}: this repo is gated; accept its licence on huggingface.co and log in (hf auth login)")
     if any(isinstance(link, hub.RepositoryNotFoundError) for link in chain):
         return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private){no_folder(name)}")
+    if any(isinstance(link, hub.RevisionNotFoundError) for link in chain):  # the hub's 404 for a pinned @REV
+        return ModelNotFoundError(f"{name}: the repo on the Hugging Face hub has no such revision (branch, tag or commit hash)")
     answered = answered_message(name, error)  # a login refused (a revoked token), the hub's own error
     if answered is not None:
         return NetworkError(answered)

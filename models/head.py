@@ -19,6 +19,7 @@ from torch import nn
 
 from models.errors import HeadFormatError, KestrelError, ModelNotFoundError, NetworkError, json_kind
 from models.paths import user_path
+from models.repo import Repo, parse_repo
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -568,24 +569,27 @@ def _read_weights(file: Path) -> dict[str, torch.Tensor]:
 
 
 def local_head_folder(source: str) -> Path | None:
-    """The folder `source` names; None where it can only be a Hugging Face repo id. A path that
-    is not a folder is an error at once, before any download or model load."""
+    """The folder `source` names; None where it can only be a Hugging Face repo id (owner/name,
+    or owner/name@REV). A path that is not a folder, or a repo id written wrong, is an error at
+    once, before any download or model load."""
     path = user_path(source)
     if path.is_dir():
         return path
     if path.is_file():
         folder = f" ({path.parent})" if (path.parent / "config.json").is_file() else ""
         raise ModelNotFoundError(f"{source}: is a file; a draft head is the folder holding config.json and its weights{folder}")
-    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+    if path.exists() or parse_repo(source) is None:
         raise ModelNotFoundError(f"{source}: no such draft-head folder, and not a Hugging Face repo id")
     return None
 
 
 def resolve_head_folder(source: str) -> Path:
-    """A local folder as is; otherwise a Hugging Face repo id, downloaded to the HF cache."""
+    """A local folder as is; otherwise a Hugging Face repo id (at its @revision, if one is
+    given), downloaded to the HF cache."""
     path = local_head_folder(source)
     if path is not None:
         return path
+    repo = parse_repo(source)  # local_head_folder refused any source that names no repo
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub
 
@@ -594,10 +598,10 @@ def resolve_head_folder(source: str) -> Path:
     cache_only = not reachable()  # without a network: the cache at once, not after the hub's retries
     try:
         try:
-            hf_hub_download(source, CONFIG_FILE, local_files_only=cache_only)
+            hf_hub_download(repo.id, CONFIG_FILE, revision=repo.revision, local_files_only=cache_only)
         except hub.RemoteEntryNotFoundError as error:
             raise HeadFormatError(f"{source}: the repo has no {CONFIG_FILE}; not a draft head") from error
-        published = None if cache_only else published_safetensors(source)
+        published = None if cache_only else published_safetensors(repo)
         if published is not None:
             if any(key.startswith("model.layers.") for key in published.weight_map):  # judged before gigabytes download
                 raise HeadFormatError(
@@ -607,11 +611,12 @@ def resolve_head_folder(source: str) -> Path:
             if published.sharded:  # a large head in shards: all of them, with their index
                 from huggingface_hub import snapshot_download
 
-                return Path(snapshot_download(source, allow_patterns=[CONFIG_FILE, "*.safetensors", "*.safetensors.index.json"]))
+                patterns = [CONFIG_FILE, "*.safetensors", "*.safetensors.index.json"]
+                return Path(snapshot_download(repo.id, revision=repo.revision, allow_patterns=patterns))
         missing = hub.LocalEntryNotFoundError if cache_only else hub.RemoteEntryNotFoundError
         for name in WEIGHT_FILES:
             try:
-                return Path(hf_hub_download(source, name, local_files_only=cache_only)).parent
+                return Path(hf_hub_download(repo.id, name, revision=repo.revision, local_files_only=cache_only)).parent
             except missing:  # offline, the cache may hold the other weights file
                 continue
         if cache_only:
@@ -620,6 +625,9 @@ def resolve_head_folder(source: str) -> Path:
         raise NetworkError(f"{source}: this repo is gated; accept its licence on huggingface.co and log in") from error
     except hub.RepositoryNotFoundError as error:
         raise ModelNotFoundError(f"{source}: no such repo on the Hugging Face hub{no_folder(source)}") from error
+    except hub.RevisionNotFoundError as error:  # the hub's 404 for a pinned @REV
+        raise ModelNotFoundError(f"{source}: the repo {repo.id} has no revision {repo.revision!r} on the Hugging Face hub "
+                                 "(no such branch, tag or commit hash)") from error  # fmt: skip
     except hub.HfHubHTTPError as error:  # an answer, not a network to check: a login refused, the hub's own error
         raise NetworkError(answered_message(source, error) or str(error)) from error
     except (hub.LocalEntryNotFoundError, OSError) as error:
@@ -634,15 +642,15 @@ def resolve_head_folder(source: str) -> Path:
     raise HeadFormatError(f"{source}: the repo has no {' or '.join(WEIGHT_FILES)}")
 
 
-def published_safetensors(source: str):
-    """The names of a hub repo's safetensors weights and whether they are in
-    shards, read from the files' headers (kilobytes, not the weights); None
-    where the repo has none (a head in pytorch_model.bin) or they cannot be parsed."""
+def published_safetensors(repo: Repo):
+    """The names of a hub repo's safetensors weights (at its revision) and whether
+    they are in shards, read from the files' headers (kilobytes, not the weights);
+    None where the repo has none (a head in pytorch_model.bin) or they cannot be parsed."""
     from huggingface_hub import get_safetensors_metadata
     from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
 
     try:
-        return get_safetensors_metadata(source)
+        return get_safetensors_metadata(repo.id, revision=repo.revision)
     except (NotASafetensorsRepoError, SafetensorsParsingError):  # the downloads below say what the repo holds
         return None
 

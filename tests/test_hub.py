@@ -39,13 +39,13 @@ def offline(monkeypatch, tmp_path):
     return tmp_path / "hub", attempts
 
 
-def cache_repo(cache, repo, folder):
-    """Lay folder's files out as the hub's cache holds a download of repo."""
+def cache_repo(cache, repo, folder, ref="main", commit=COMMIT):
+    """Lay folder's files out as the hub's cache holds a download of repo at `ref` (a branch or tag)."""
     root = cache / f"models--{repo.replace('/', '--')}"
-    shutil.copytree(folder, root / "snapshots" / COMMIT)
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(COMMIT)
-    return root / "snapshots" / COMMIT
+    shutil.copytree(folder, root / "snapshots" / commit)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+    return root / "snapshots" / commit
 
 
 def test_the_probe_reads_a_failed_connection_as_unreachable(offline, monkeypatch):
@@ -82,6 +82,35 @@ def test_a_cached_base_model_loads_offline_after_one_probe(offline, tiny_dir):
     with pytest.raises(NetworkError, match="someone/absent-base: not in the local cache"):
         load_base("someone/absent-base", dtype="float32")
     assert attempts == [("huggingface.co", 443)] * 2
+
+
+PINNED = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def test_a_pinned_revision_loads_every_file_from_its_own_snapshot_offline(offline, tmp_path, tiny_dir):
+    """owner/name@REV (a tag, or a commit hash) reads the base model's config,
+    tokenizer, weights and generation config, and the head's files, from REV's
+    snapshot. The cache holds no default branch for either repo, so a file asked
+    for without the revision is not found (a generation config not found is
+    skipped silently: its top_k tells it was read)."""
+    import json
+
+    cache, _ = offline
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    (base / "generation_config.json").write_text(json.dumps({"top_k": 7}))
+    cache_repo(cache, "someone/tiny-base", base, ref="v1", commit=PINNED)
+    for source in ("someone/tiny-base@v1", f"someone/tiny-base@{PINNED}"):
+        loaded = load_base(source, dtype="float32")
+        assert loaded.name == source  # what is keyed by the name (cached step costs, the API's model id) tells revisions apart
+        assert loaded.model.generation_config.top_k == 7
+    with pytest.raises(NetworkError, match="someone/tiny-base: not in the local cache"):  # the default branch, as before
+        load_base("someone/tiny-base", dtype="float32")
+    head = random_head(AutoModelForCausalLM.from_config(tiny_config()))
+    snapshot = cache_repo(cache, "someone/tiny-head", save_head(head, tmp_path / "head"), ref="v1", commit=PINNED)
+    assert resolve_head_folder("someone/tiny-head@v1") == resolve_head_folder(f"someone/tiny-head@{PINNED}") == snapshot
+    with pytest.raises(NetworkError, match="someone/tiny-head: not in the local cache"):
+        resolve_head_folder("someone/tiny-head")
 
 
 def test_a_name_lookup_that_hangs_counts_as_unreachable_within_the_probe_s_time(offline, monkeypatch):

@@ -887,3 +887,144 @@ def test_the_converted_model_is_renamed_into_place_once_a_virus_scanner_lets_go_
     with pytest.raises(PermissionError):  # held for longer: the error, and no staging folder left
         bundled.convert(tmp_path / "x.gguf", folder)
     assert list(folder.parent.iterdir()) == []
+
+
+def test_a_repo_id_may_pin_a_revision_and_a_bad_one_is_named(tmp_path, monkeypatch, tiny_dir):
+    """owner/name@REV (a branch, tag, commit hash or a pull request's ref), as vLLM
+    and other tools take it. A bad form is refused naming what is wrong, for a base
+    model and a head alike, before the hub is asked; a local folder that exists
+    loads as that folder, an '@' in its path or not."""
+    import re
+    import shutil
+
+    from models import hub
+    from models.head import resolve_head_folder, save_head
+    from models.repo import Repo, parse_repo
+    from tests.factory import random_head
+
+    assert parse_repo("owner/name") == Repo("owner/name", None)
+    assert parse_repo("owner/name@v1.0") == Repo("owner/name", "v1.0")
+    assert parse_repo("owner/name@refs/pr/3") == Repo("owner/name", "refs/pr/3")
+    assert parse_repo("./folder") is None and parse_repo("name") is None
+    monkeypatch.setattr(hub, "reachable", lambda: pytest.fail("the hub was asked"))
+    for source, wrong in (
+        ("owner/name@", "the revision after '@' is empty; write owner/name@REV (REV a branch, tag or commit hash), or owner/name for"),
+        ("owner/name@v1@v2", "not a Hugging Face repo id: it has two '@'"),
+        ("@v1", "'' before '@' is not a Hugging Face repo id"),
+        ("./models/name@v1", "'./models/name' before '@' is not a Hugging Face repo id"),
+    ):  # fmt: skip
+        for load in (load_base, resolve_head_folder):
+            with pytest.raises(ModelNotFoundError, match=re.escape(f"{source}: no such file or folder, and {wrong}")):
+                load(source)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_dir, tmp_path / "owner" / "tiny@v1")
+    assert load_base("owner/tiny@v1").name == "owner/tiny@v1"
+    head = save_head(random_head(load_base(str(tiny_dir)).model), tmp_path / "owner" / "head@v1")
+    assert resolve_head_folder("owner/head@v1") == Path("owner/head@v1")
+    assert resolve_head_folder(str(head)) == head
+    shutil.copytree(tiny_dir, tmp_path / "owner" / "tiny")  # transformers would read this folder, not the hub's v2
+    with pytest.raises(ModelNotFoundError, match=r"owner/tiny@v2: .*owner/tiny is a folder, which would load in place of the repo's revision v2"):
+        load_base("owner/tiny@v2")
+
+
+def test_a_pinned_base_model_passes_its_revision_to_every_load(monkeypatch, tiny_dir):
+    """Its config, tokenizer and model (whose weights and generation config
+    transformers reads at the revision given it) are each asked for at REV;
+    without an '@', at the default branch as before. The hub's repo is the
+    tiny folder here."""
+    import transformers
+
+    from models import hub
+
+    asked = []
+
+    def spying(kind):
+        original = kind.from_pretrained
+
+        def from_pretrained(location, **options):
+            if location != "owner/tiny":  # transformers' own calls, made with the folder below
+                return original(location, **options)
+            asked.append((kind.__name__, location, options.get("revision")))
+            return original(str(tiny_dir), **options)
+
+        return from_pretrained
+
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    for kind in (transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(kind, "from_pretrained", spying(kind))
+    kinds = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM")
+    assert load_base("owner/tiny@v1", dtype="float32").name == "owner/tiny@v1"
+    assert asked == [(kind, "owner/tiny", "v1") for kind in kinds]
+    asked.clear()
+    assert load_base("owner/tiny", dtype="float32").name == "owner/tiny"
+    assert asked == [(kind, "owner/tiny", None) for kind in kinds]
+
+
+def test_a_pinned_head_passes_its_revision_to_every_hub_call(tmp_path, monkeypatch, tiny_dir):
+    """config.json, the safetensors headers, the weights, and a sharded head's
+    snapshot are each asked for at REV; without an '@', at the default branch
+    (no revision) as before."""
+    import huggingface_hub
+
+    from models import hub
+    from models.head import resolve_head_folder, save_head
+    from tests.factory import random_head
+
+    head = save_head(random_head(load_base(str(tiny_dir)).model), tmp_path / "head")
+    asked = []
+
+    def download(repo, name, revision=None, **options):
+        asked.append(("hf_hub_download", repo, name, revision))
+        return str(head / name)
+
+    def headers(repo, revision=None, **options):
+        asked.append(("get_safetensors_metadata", repo, revision))
+        return SimpleNamespace(weight_map={"fc.weight": "model.safetensors"}, sharded=repo == "owner/sharded")
+
+    def snapshot(repo, revision=None, **options):
+        asked.append(("snapshot_download", repo, revision))
+        return str(head)
+
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", headers)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    for source, repo, revision in (("owner/head@v1", "owner/head", "v1"), ("owner/head", "owner/head", None)):
+        asked.clear()
+        assert resolve_head_folder(source) == head
+        assert asked == [("hf_hub_download", repo, "config.json", revision), ("get_safetensors_metadata", repo, revision),
+                         ("hf_hub_download", repo, "model.safetensors", revision)]  # fmt: skip
+    asked.clear()
+    assert resolve_head_folder("owner/sharded@refs/pr/3") == head
+    assert asked == [("hf_hub_download", "owner/sharded", "config.json", "refs/pr/3"),
+                     ("get_safetensors_metadata", "owner/sharded", "refs/pr/3"), ("snapshot_download", "owner/sharded", "refs/pr/3")]  # fmt: skip
+
+
+def test_a_revision_the_hub_lacks_is_named_as_such(monkeypatch):
+    """The hub's 404 for a revision it does not have, for a head and (wrapped by
+    transformers) for a base model: named as a missing revision, not as an answer
+    to try again later."""
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub.utils import hf_raise_for_status
+
+    from models import hub
+    from models.base import _explain
+    from models.head import resolve_head_folder
+
+    def no_revision(*args, **kwargs):
+        request = httpx2.Request("GET", "https://huggingface.co/owner/name/resolve/v9/config.json")
+        hf_raise_for_status(httpx2.Response(404, headers={"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id: v9"}, request=request))
+
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_revision)
+    with pytest.raises(ModelNotFoundError, match=r"owner/name@v9: the repo owner/name has no revision 'v9' on the Hugging Face hub"):
+        resolve_head_folder("owner/name@v9")
+    try:
+        try:
+            no_revision()
+        except Exception as error:  # as transformers wraps it
+            raise OSError("v9 is not a valid git identifier (branch name, tag name or commit id)") from error
+    except OSError as wrapped:
+        explained = _explain(wrapped, "owner/name@v9", "none")
+    assert isinstance(explained, ModelNotFoundError) and "owner/name@v9: the repo on the Hugging Face hub has no such revision" in str(explained)
