@@ -23,6 +23,7 @@ from app.request import Generation, RequestError, model_defaults, parse_chat, pa
 from app.runtime import ModelBusyError, ModelChangedError, ModelLoadingError, NoModelError, Runtime
 from core.detokenize import Detokenizer
 from core.engine import Engine, Step
+from core.prompt import opened_thinking
 from core.stats import Snapshot
 from models.errors import ChatTemplateError, KestrelError, json_kind
 
@@ -180,6 +181,9 @@ class Prepared:
     prompt_ids: list[int]
     mode: str
     clipped_from: int | None  # the max_tokens asked for, when the context window cut it
+    # the <think> the chat template ended the prompt with (DeepSeek-R1's "<think>\n"), "" for none: the reply's
+    # content begins with it, as clients fold reasoning only between <think> and </think>; not a generated token
+    opener: str = ""
 
 
 class Api:
@@ -246,6 +250,7 @@ class Api:
             return error.response()
         outcome = Outcome(prepared.mode, len(prepared.prompt_ids))
         pieces = texts(decoding, changed, request, generation, outcome, prepared.engine.base.tokenizer, prepared.prompt_ids)
+        pieces = opened(pieces, prepared.opener)
         reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         shape = Shape(reply_id, int(time.time()), prepared.engine.base.name, chat, prepared.clipped_from)
         if generation.stream:
@@ -287,6 +292,7 @@ class Api:
             why = engine.speculation_problem() if engine.head is not None else "no draft head is loaded"
             raise ApiError(400, f"kestrel.mode {mode} is not available: {why}; available: {', '.join(engine.modes)}", "kestrel.mode")
         prompt_ids = self._prompt_ids(engine, generation)
+        opener = "" if generation.messages is None else opened_thinking(engine.base.tokenizer, generation.messages, generation.template_options)
         room = engine.context_limit - len(prompt_ids)
         if room < 1:
             where = "messages" if generation.messages is not None else "prompt"
@@ -299,7 +305,7 @@ class Api:
         defaults = {name: value for name, value in model_defaults(engine.model).items() if name not in generation.sampling_sent}
         sampling = replace(generation.sampling, max_new_tokens=limit, **defaults)
         clipped_from = asked if asked is not None and asked > room and generation.max_tokens_sent else None  # a default is not "requested"
-        return Prepared(engine, replace(generation, sampling=sampling), prompt_ids, mode, clipped_from)
+        return Prepared(engine, replace(generation, sampling=sampling), prompt_ids, mode, clipped_from, opener)
 
     def _prompt_ids(self, engine: Engine, generation: Generation) -> list[int]:
         if generation.messages is not None:
@@ -393,6 +399,17 @@ async def texts(
                 return
     finally:
         decoding.stop()
+
+
+async def opened(pieces: AsyncIterator[str], opener: str) -> AsyncIterator[str]:
+    """`pieces` behind `opener` (Prepared.opener): it goes out with the first
+    text, or at the end of a reply that has none."""
+    async for text in pieces:
+        if text and opener:
+            text, opener = opener + text, ""
+        yield text
+    if opener:
+        yield opener
 
 
 def read_steps(decoding: Decoding, cursor: int) -> list[Step]:

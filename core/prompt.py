@@ -23,7 +23,7 @@ def encode_chat(tokenizer, messages: list[dict], options: dict | None = None) ->
     Control-token text inside a message (a user pasting "<|im_end|>") stays
     text: only the template's own control tokens are tokens. A reply cut
     inside its reasoning goes back without it (without_unfinished_thinking)."""
-    messages = [{key: value for key, value in message.items() if key != UNFINISHED} for message in without_unfinished_thinking(tokenizer, messages, options)]
+    messages = _templated(tokenizer, messages, options)
     text = render_chat(tokenizer, messages, options)
     controls = control_texts(tokenizer)
     if any(control in message["content"] for message in messages for control in controls):
@@ -31,6 +31,12 @@ def encode_chat(tokenizer, messages: list[dict], options: dict | None = None) ->
         if ids is not None:
             return ids
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _templated(tokenizer, messages: list[dict], options: dict | None) -> list[dict]:
+    """`messages` as the chat template is given them: without unfinished reasoning, without the UNFINISHED mark."""
+    kept = without_unfinished_thinking(tokenizer, messages, options)
+    return [{key: value for key, value in message.items() if key != UNFINISHED} for message in kept]
 
 
 THINK_START, THINK_END = "<think>", "</think>"  # around a reasoning model's thinking (Qwen3, DeepSeek-R1)
@@ -79,9 +85,27 @@ def without_unfinished_thinking(tokenizer, messages: list[dict], options: dict |
 def _opens_thinking(tokenizer, options: dict | None) -> bool:
     """Whether the template's generation prompt ends inside an opened <think>."""
     try:
-        return render_chat(tokenizer, [{"role": "user", "content": "x"}], options).rstrip().endswith(THINK_START)
+        return bool(_thinking_opener(render_chat(tokenizer, [{"role": "user", "content": "x"}], options)))
     except Exception:  # a template that refuses a lone user message: none opened that could be seen
         return False
+
+
+def opened_thinking(tokenizer, messages: list[dict], options: dict | None = None) -> str:
+    """The <think> the prompt of `messages` ends with, as the template wrote
+    it (DeepSeek-R1's "<think>\\n"), where the template opens the reasoning
+    itself: the reply begins inside it and writes only </think>. "" for a
+    model that does not reason (thinks) and where the prompt ends otherwise
+    (Qwen3's replies write <think> themselves; chat_template_kwargs may turn
+    the reasoning off). The prompt is rendered as encode_chat renders it."""
+    if not thinks(tokenizer):
+        return ""
+    return _thinking_opener(render_chat(tokenizer, _templated(tokenizer, messages, options), options))
+
+
+def _thinking_opener(text: str) -> str:
+    """The <think> that `text` ends with and the whitespace after it; "" where it ends otherwise."""
+    kept = text.rstrip()
+    return text[len(kept) - len(THINK_START) :] if kept.endswith(THINK_START) else ""
 
 
 # Vicuna v1.1-v1.5's conversation format (FastChat's "vicuna_v1.1"), which its repos, made before chat

@@ -1037,3 +1037,105 @@ def test_chat_template_kwargs_reach_the_template_and_kestrel_s_own_are_refused(c
         with pytest.raises(RequestError, match=re.escape(message)):
             parse_chat({**body, "chat_template_kwargs": value})
     assert parse_chat({**body, "chat_template_kwargs": {}}).template_options is None
+
+
+# Tiny templates that behave as the reasoning models' do: DeepSeek-R1-Distill's generation prompt opens the
+# reasoning itself ("<think>\n"), so its replies write only </think>; Qwen3's replies write <think> themselves.
+# Both drop an earlier reply's reasoning up to its </think>; enable_thinking false closes the reasoning at once.
+REASONING_HISTORY = (
+    "{% for message in messages %}<|im_start|> {{ message['role'] }} "
+    "{{ message['content'].split('</think>')[-1] if message['role'] == 'assistant' else message['content'] }} <|im_end|> "
+    "{% endfor %}"
+)
+THINKING_OFF = "{% if enable_thinking is defined and enable_thinking is false %}"
+R1_LIKE = REASONING_HISTORY + "{% if add_generation_prompt %}<|im_start|> assistant <think>\n" + THINKING_OFF + "\n</think>\n\n{% endif %}{% endif %}"
+QWEN3_LIKE = REASONING_HISTORY + "{% if add_generation_prompt %}<|im_start|> assistant " + THINKING_OFF + "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+REASONED = [MESSAGES[0], {"role": "user", "content": "w4 w5"}]  # the tiny reasoning model's reply to it runs past 12 tokens
+
+
+@pytest.fixture(scope="module")
+def reasoning(tmp_path_factory):
+    """A tiny reasoning model (<think> and </think> are tokens of its own; R1_LIKE's template) on a server of its
+    own: its engine and a client."""
+    from transformers import AddedToken, AutoTokenizer
+
+    from models.base import load_base
+    from tests.factory import WORDS, save_tiny_model
+
+    folder = save_tiny_model(tmp_path_factory.mktemp("reasoning") / "llama", vocab_size=len(WORDS) + 2)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tokenizer.chat_template = R1_LIKE
+    tokenizer.save_pretrained(folder)
+    base = load_base(str(folder), dtype="float64")
+    engine = Engine(base, random_head(base.model), head_name="random test head")
+    server = start(engine, tmp_path_factory)
+    yield engine, openai.OpenAI(base_url=f"{server.url}v1", api_key="unused", max_retries=0, timeout=120)
+    server.close()
+
+
+def engine_reply(engine, prompt_ids: list[int], max_new_tokens: int = 12, continues: bool = False) -> tuple[str, list[int]]:
+    """The engine's own greedy reply to `prompt_ids`: its text and its token ids."""
+    steps = list(engine.stream(prompt_ids, "eagle2", SamplingParams(max_new_tokens=max_new_tokens), continues=continues))
+    return "".join(step.text for step in steps), [token for step in steps for token in step.token_ids]
+
+
+def test_a_reply_inside_reasoning_the_template_opened_begins_with_its_think(reasoning, monkeypatch):
+    """DeepSeek-R1's template opens the reasoning in the prompt, so its replies
+    held only "</think>": Open WebUI and LibreChat fold reasoning only between
+    <think> and </think>, and showed it as the answer with a stray tag. The
+    content begins with the template's own "<think>\\n", which is no generated
+    token: usage, stop strings and max_tokens are as before; sent back in the
+    history a finished reply makes the same prompt, and one cut inside its
+    reasoning goes back without it, as Qwen3's do. A prompt that does not end
+    inside the reasoning (Qwen3's, a raw completion) gets none."""
+    engine, client = reasoning
+    tokenizer, name = engine.base.tokenizer, engine.base.name
+    assert engine.encode(REASONED)[-1] == tokenizer.convert_tokens_to_ids("<think>")
+    text, ids = engine_reply(engine, engine.encode(REASONED))
+    reply = chat(client, name, messages=REASONED, max_tokens=12)
+    assert reply.choices[0].message.content == "<think>\n" + text
+    assert reply.usage.completion_tokens == len(ids) == 12 and reply.usage.prompt_tokens == len(engine.encode(REASONED))
+    short = chat(client, name, messages=REASONED, max_tokens=3)
+    assert short.choices[0].message.content == "<think>\n" + engine_reply(engine, engine.encode(REASONED), 3)[0]
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+    assert "<think>" in text  # the tiny model writes one itself: a stop string meets that one, not the template's
+    for stop in (f" {text.split()[2]}", "<think>"):
+        counted = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n], skip_special_tokens=True))
+        reply = chat(client, name, messages=REASONED, max_tokens=12, stop=stop)
+        assert reply.choices[0].message.content == "<think>\n" + text[: text.index(stop)], stop
+        assert reply.usage.completion_tokens == counted and reply.choices[0].finish_reason == "stop", stop
+
+    # sent back, the reasoning is dropped up to its </think> as before: nothing doubles
+    answered = [*REASONED, {"role": "assistant", "content": text + " </think> w9"}, {"role": "user", "content": "w4 w5"}]
+    returned = [*answered[:2], {"role": "assistant", "content": "<think>\n" + answered[2]["content"]}, answered[3]]
+    assert engine.encode(returned) == engine.encode(answered)
+    assert chat(client, name, messages=returned, max_tokens=2).usage.prompt_tokens == len(engine.encode(answered))
+    cut = [*REASONED, {"role": "assistant", "content": short.choices[0].message.content}, answered[3]]
+    assert engine.encode(cut) == engine.encode([*REASONED, {"role": "assistant", "content": ""}, answered[3]])
+
+    raw = tokenizer.apply_chat_template(REASONED, add_generation_prompt=True, tokenize=False)
+    completion = client.completions.create(model=name, prompt=raw, max_tokens=12, temperature=0)
+    assert completion.choices[0].text == engine_reply(engine, tokenizer(raw)["input_ids"], continues=True)[0]
+    assert not completion.choices[0].text.startswith("<think>")
+    monkeypatch.setattr(tokenizer, "chat_template", QWEN3_LIKE)
+    assert chat(client, name, messages=REASONED, max_tokens=12).choices[0].message.content == engine_reply(engine, engine.encode(REASONED))[0]
+
+
+def test_a_streamed_reply_inside_reasoning_the_template_opened_begins_with_its_think(reasoning):
+    """The first content delta begins with the template's "<think>\\n"; the
+    usage chunk counts the generated tokens only. Where chat_template_kwargs
+    close the reasoning in the prompt, no tag is added."""
+    engine, client = reasoning
+    text, ids = engine_reply(engine, engine.encode(REASONED))
+    chunks = list(chat(client, engine.base.name, messages=REASONED, max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(contents) > 1 and contents[0].startswith("<think>\n") and "".join(contents) == "<think>\n" + text
+    assert chunks[-1].usage.completion_tokens == len(ids)
+
+    off = {"enable_thinking": False}
+    assert engine.base.tokenizer.decode(engine.encode(REASONED, off)).rstrip().endswith("</think>")
+    chunks = list(chat(client, engine.base.name, messages=REASONED, max_tokens=12, stream=True, extra_body={"chat_template_kwargs": off}))
+    closed = engine_reply(engine, engine.encode(REASONED, off))[0]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == closed
