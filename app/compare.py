@@ -160,21 +160,26 @@ class CompareHandlers:
     def arm(self, request: gr.Request = None) -> tuple:
         """Compare pressed, before the run waits for the model: this tab's Stop is
         released here, so that a Stop pressed while the run waits still applies,
-        and the last comparison leaves the screen. Outputs: the three panes, verdict."""
+        and the last comparison leaves the screen. Outputs: the three panes, verdict,
+        refused (a hidden box that `compare` reads: its value travels with this press's run)."""
         if not self._armed(request, "compare"):
-            return gr.skip(), gr.skip(), gr.skip(), ALREADY_TEXT.format(what="comparison")
-        return "", "", "", "Waiting for the model..."
+            return gr.skip(), gr.skip(), gr.skip(), ALREADY_TEXT.format(what="comparison"), True
+        return "", "", "", "Waiting for the model...", False
 
     def arm_benchmark(self, request: gr.Request = None) -> tuple:
-        """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice."""
+        """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice, refused."""
         if not self._armed(request, "benchmark"):  # its progress bar says "Waiting for the model...", then how far it got
-            return gr.skip(), gr.skip(), gr.skip(), ALREADY_TEXT.format(what="benchmark")
-        return None, None, None, ""
+            return gr.skip(), gr.skip(), gr.skip(), ALREADY_TEXT.format(what="benchmark"), True
+        return None, None, None, "", False
 
     def _armed(self, request, kind: str) -> bool:
         """False where this tab's run of this kind is still on or waiting: the
-        page would not send the second press's run (Gradio drops an event
-        pending already), and arming it would have released a Stop pressed for the first."""
+        second press's run, which the page sends all the same, then does nothing,
+        and arming it would have released a Stop pressed for the first. The page
+        sends every press's run (ui.py), since a press in the moment between a
+        run's end here and the page's word of it is armed: were its run dropped,
+        as Gradio drops an event pending already, its mark would stay, and every
+        later press be refused."""
         key = compare_key(request, kind)  # the tab's comparison and benchmark each have their own: arming one
         if key in self.pending:
             return False
@@ -190,9 +195,13 @@ class CompareHandlers:
             self.pending.pop(key, None)
             self.runtime.cancel_kept(key)  # a signal for every closed tab, where it began nothing, added up
 
-    def compare(self, prompt: str, with_eagle: bool, request: gr.Request, *values) -> Iterator[tuple]:
+    def compare(self, prompt: str, with_eagle: bool, refused: bool, request: gr.Request, *values) -> Iterator[tuple]:
         """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict. The tab's
-        Stop signal is released by arm (at the click), not here."""
+        Stop signal is released by arm (at the click), not here. refused: arm
+        refused this press (and said why); the run pressed before keeps its mark."""
+        if refused:
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
         try:
             yield from self._compare(prompt, with_eagle, request, values)
         finally:
@@ -255,9 +264,12 @@ class CompareHandlers:
             self.runtime.cancel(key)
         return tuple("Stopping..." if self.pending.get(key) == kind else gr.skip() for kind, key in keys.items())
 
-    def benchmark(self, upload, limit: int, request: gr.Request, *values, progress=gr.Progress()) -> tuple:
+    def benchmark(self, upload, limit: int, refused: bool, request: gr.Request, *values, progress=gr.Progress()) -> tuple:
         """Outputs: summary table, tokens/s bar chart, full result (JSON), notice.
-        The tab's Stop signal is released by arm_benchmark (at the click)."""
+        The tab's Stop signal is released by arm_benchmark (at the click).
+        refused: as compare's."""
+        if refused:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         try:
             return self._benchmark(upload, limit, request, values, progress)
         finally:

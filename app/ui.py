@@ -271,16 +271,19 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
               show_progress="hidden", trigger_mode="always_last")  # fmt: skip
 
         # Compare and the benchmark release the tab's Stop at the click (arm), not when their turn
-        # comes: a Stop pressed while they wait for the model then applies
+        # comes: a Stop pressed while they wait for the model then applies. Every press's run is sent
+        # (trigger_mode), the page's last one pending or not: one that arm refused does nothing (a hidden box
+        # says so), and one armed as the last run ended, before the page heard of that end, runs
         panes = [pane_vanilla, pane_eagle, pane_eagle2, verdict]
-        gr.on([run_compare.click, prompt.submit], compare.arm, None, panes, concurrency_limit=None, show_progress="hidden", api_name=False).then(
-            compare.compare, [prompt, with_eagle, *controls], panes, api_name="compare", **STREAM
+        compare_refused, bench_refused = gr.Checkbox(False, visible=False), gr.Checkbox(False, visible=False)
+        gr.on([run_compare.click, prompt.submit], compare.arm, None, [*panes, compare_refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
+            compare.compare, [prompt, with_eagle, compare_refused, *controls], panes, api_name="compare", trigger_mode="multiple", **STREAM
         )  # fmt: skip
         stop_compare.click(compare.stop, None, [verdict, bench_notice], concurrency_limit=None, show_progress="hidden")
         with_eagle.change(lambda on: gr.update(visible=on), with_eagle, eagle_column)
         bench_outputs = [bench_table, bench_chart, bench_json, bench_notice]
-        run_bench.click(compare.arm_benchmark, None, bench_outputs, concurrency_limit=None, show_progress="hidden", api_name=False).then(
-            compare.benchmark, [upload, limit, *controls], bench_outputs, show_progress_on=bench_table, **MODEL
+        run_bench.click(compare.arm_benchmark, None, [*bench_outputs, bench_refused], concurrency_limit=None, show_progress="hidden", api_name=False).then(
+            compare.benchmark, [upload, limit, bench_refused, *controls], bench_outputs, show_progress_on=bench_table, trigger_mode="multiple", **MODEL
         )  # fmt: skip
 
         wanted_mode = gr.State(None)  # the mode this tab's user picked (or saved), given back when a model has it again

@@ -735,7 +735,7 @@ def test_a_system_prompt_too_long_for_the_window_is_named(engine):
 
 def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
     monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
-    updates = list(CompareHandlers(Runtime(engine)).compare("w3 w4", True, None, *values(max_new_tokens=20)))
+    updates = list(CompareHandlers(Runtime(engine)).compare("w3 w4", True, False, None, *values(max_new_tokens=20)))
     assert any(u[0] and not u[2] for u in updates), "vanilla streams before EAGLE-2 starts"
     vanilla, eagle, eagle2, verdict = updates[-1]
     assert vanilla and eagle and eagle2
@@ -752,7 +752,7 @@ def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
     assert "let the replies run longer (Max new tokens)" in verdict_html({"vanilla": short("length"), "eagle2": short("length")}, True)
     cut = verdict_html({"vanilla": short("context"), "eagle2": short("context")}, True)  # a longer answer would not fit
     assert "use a shorter prompt (this one leaves little room in the context window)" in cut and "longer answer" not in cut
-    verdict = list(CompareHandlers(Runtime(engine)).compare("w3 w4", False, None, *values(max_new_tokens=60)))[-1][3]
+    verdict = list(CompareHandlers(Runtime(engine)).compare("w3 w4", False, False, None, *values(max_new_tokens=60)))[-1][3]
     tokens = [int(n) for n in re.findall(r'-tau">[^<]*</td><td class="value">(\d+)</td>', verdict)]
     assert len(tokens) == 2 and ("too short" in verdict) == (min(tokens) < compare_module.SHORT_REPLY)
     assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1], [1]) is None
@@ -802,17 +802,17 @@ def test_a_reply_closed_while_its_long_prompt_is_read_is_cancelled(engine, monke
 def test_benchmark_button(engine, tmp_path):
     pytest.importorskip("core.bench")
     table, chart, result, notice = CompareHandlers(Runtime(engine)).benchmark(
-        None, 1, None, *values(max_new_tokens=8), progress=no_progress
+        None, 1, False, None, *values(max_new_tokens=8), progress=no_progress
     )
     assert "identical to vanilla on 100%" in notice and list(table["mode"]) == ["vanilla", "EAGLE-2"]
     assert set(result["modes"]) == {"vanilla", "eagle2"} and len(chart) == 2
     upload = tmp_path / "0123456789abcdef" / "mine.jsonl"  # as Gradio keeps an upload: under a folder of its own
     upload.parent.mkdir()
     upload.write_text('{"turns": ["w1"]}\n{"turns": [\n')
-    *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 1, None, *values(max_new_tokens=8), progress=no_progress)
+    *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 1, False, None, *values(max_new_tokens=8), progress=no_progress)
     assert notice.startswith("mine.jsonl:2: not valid JSON") and "0123456789abcdef" not in notice
     upload.write_text('{"turns": ["w1"]}\n')
-    *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 3, None, *values(max_new_tokens=8), progress=no_progress)
+    *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 3, False, None, *values(max_new_tokens=8), progress=no_progress)
     assert notice.endswith("of the prompts. The file holds 1 prompt; it was run.")
 
 
@@ -831,14 +831,14 @@ def test_compare_stop_and_chat_stop_each_stop_their_own(handlers, engine, monkey
     next(reply), next(reply)
     compare.stop(mine)
     assert list(reply)[-1][2]["messages"][-1]["stats"]["finish_reason"] != "cancelled"
-    assert compare.arm(mine) == ("", "", "", "Waiting for the model...")
-    runs = compare.compare("w3 w4", False, mine, *values(max_new_tokens=200))
+    assert compare.arm(mine) == ("", "", "", "Waiting for the model...", False)
+    runs = compare.compare("w3 w4", False, False, mine, *values(max_new_tokens=200))
     next(runs), next(runs)
     handlers.stop(chat)
     compare.stop(other)
     assert "verdict-eagle2-tps" in list(runs)[-1][3]
     compare.arm(mine)
-    runs = compare.compare("w3 w4", False, mine, *values(max_new_tokens=200))
+    runs = compare.compare("w3 w4", False, False, mine, *values(max_new_tokens=200))
     next(runs), next(runs)
     # a second press while the first runs: refused, saying so (the page would not send its run, and arming it
     # again had released a Stop pressed for the first); the first run goes on, and Stop still ends it
@@ -846,8 +846,8 @@ def test_compare_stop_and_chat_stop_each_stop_their_own(handlers, engine, monkey
     assert all(is_skip(pane) for pane in again[:3]) and "still running or waiting" in again[3]
     compare.stop(mine)
     assert list(runs)[-1][3] == "Stopped."
-    assert compare.arm(mine) == ("", "", "", "Waiting for the model...")  # taken again once it has ended
-    list(compare.compare("w3 w4", False, mine, *values(max_new_tokens=2)))
+    assert compare.arm(mine) == ("", "", "", "Waiting for the model...", False)  # taken again once it has ended
+    list(compare.compare("w3 w4", False, False, mine, *values(max_new_tokens=2)))
 
 
 def test_stop_pressed_while_a_comparison_waits_for_the_model_applies(engine):
@@ -858,29 +858,74 @@ def test_stop_pressed_while_a_comparison_waits_for_the_model_applies(engine):
     compare.arm(tab("mine"))
     verdict, bench_notice = compare.stop(tab("mine"))
     assert verdict == "Stopping..." and is_skip(bench_notice)  # said at once, not when the turn would come
-    updates = list(compare.compare("w4 w5", False, tab("mine"), *values(max_new_tokens=200)))
+    updates = list(compare.compare("w4 w5", False, False, tab("mine"), *values(max_new_tokens=200)))
     assert updates[-1][3] == "Stopped." and not any(update[0] for update in updates)  # not even the first token
     # a comparison stopped while it waits stays stopped when the benchmark is pressed next (they shared one signal)
     compare.arm(tab("mine"))
     compare.stop(tab("mine"))
     compare.arm_benchmark(tab("mine"))
-    assert list(compare.compare("w4 w5", False, tab("mine"), *values(max_new_tokens=200)))[-1][3] == "Stopped."
-    compare.benchmark(None, 1, tab("mine"), *values(max_new_tokens=8), progress=no_progress)
+    assert list(compare.compare("w4 w5", False, False, tab("mine"), *values(max_new_tokens=200)))[-1][3] == "Stopped."
+    compare.benchmark(None, 1, False, tab("mine"), *values(max_new_tokens=8), progress=no_progress)
     # a tab closed while its comparison waits: it never runs
     compare.arm(tab("closed"))
     compare.forget(tab("closed"))
-    assert list(compare.compare("w4 w5", False, tab("closed"), *values(max_new_tokens=200)))[-1][3] == "Stopped."
+    assert list(compare.compare("w4 w5", False, False, tab("closed"), *values(max_new_tokens=200)))[-1][3] == "Stopped."
     signals = len(compare.runtime._cancels)
     compare.forget(tab("never-compared"))  # a tab that began nothing here: no signal kept for it
     assert len(compare.runtime._cancels) == signals and not compare.pending
     compare.arm_benchmark(tab("stopping"))  # Ctrl+C on the server stops a benchmark on or waiting
     compare.runtime.stopping()
-    assert compare.benchmark(None, 1, tab("stopping"), *values(max_new_tokens=8), progress=no_progress)[3] == "Stopped before the benchmark started."
-    assert compare.arm_benchmark(tab("mine")) == (None, None, None, "")  # its progress bar says the rest
+    assert compare.benchmark(None, 1, False, tab("stopping"), *values(max_new_tokens=8), progress=no_progress)[3] == "Stopped before the benchmark started."
+    assert compare.arm_benchmark(tab("mine")) == (None, None, None, "", False)  # its progress bar says the rest
     assert compare.stop(tab("mine"))[1] == "Stopping..."
-    assert compare.benchmark(None, 1, tab("mine"), *values(max_new_tokens=8), progress=no_progress) == (
+    assert compare.benchmark(None, 1, False, tab("mine"), *values(max_new_tokens=8), progress=no_progress) == (
         None, None, None, "Stopped before the benchmark started."
     )  # fmt: skip
+
+
+def test_compare_pressed_as_the_last_comparison_ends_runs_and_leaves_the_tab_free(engine, tmp_path, monkeypatch):
+    """Compare pressed in the moment between a comparison's end on the server
+    (its mark let go) and the page's word of that end: arm takes the press while
+    the page still counts the last run as pending, and Gradio's page drops a
+    run pending already where its event's trigger_mode is "once". That press's
+    run must come all the same: a mark left for a run that never came refused
+    every later press as still running. A press refused during a run sends a
+    run too, which does nothing. The page is played here from the app's own
+    wiring: arm's outputs shown, then the run with the inputs the page holds."""
+    from gradio.helpers import special_args
+
+    from app.ui import build_app
+
+    monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
+    demo = build_app(Runtime(engine), tmp_path / "data")
+    arm, run = (next(event for event in demo.fns.values() if getattr(event.fn, "__name__", "") == name) for name in ("arm", "compare"))
+    shown = {block._id: block.value for block in run.inputs}  # what the page holds: as built, then as typed and set
+    shown.update(zip((block._id for block in run.inputs[-len(SETTINGS):]), values(max_new_tokens=4)))
+    shown[run.inputs[0]._id] = "w3 w4"
+    mine, verdict = tab("mine"), arm.outputs[3]._id
+
+    def press(last_run_pending: bool):
+        """Compare pressed: arm's outputs shown, then the updates of the run the page sends (none where it drops it)."""
+        for block, value in zip(arm.outputs, arm.fn(mine)):
+            if not is_skip(value):
+                shown[block._id] = value
+        if last_run_pending and run.trigger_mode == "once":
+            return iter(())
+        return run.fn(*special_args(run.fn, [shown[block._id] for block in run.inputs], mine)[0])
+
+    assert "verdict-eagle2-tps" in list(press(last_run_pending=False))[-1][3]  # the generator has ended: its mark is let go
+    second = list(press(last_run_pending=True))  # the page has not heard of that end yet
+    assert shown[verdict] == "Waiting for the model..."
+    third = press(last_run_pending=False)
+    assert shown[verdict] == "Waiting for the model..."  # not refused as still running
+    assert "verdict-eagle2-tps" in second[-1][3]
+    next(third)
+    refused = press(last_run_pending=True)
+    assert "still running" in shown[verdict]
+    assert all(is_skip(pane) for update in refused for pane in update)  # it does nothing, and the first run goes on
+    assert "verdict-eagle2-tps" in list(third)[-1][3]
+    fourth = press(last_run_pending=False)
+    assert shown[verdict] == "Waiting for the model..." and "verdict-eagle2-tps" in list(fourth)[-1][3]
 
 
 def test_compare_with_sampling_uses_one_seed_for_every_mode(engine, monkeypatch):
@@ -895,10 +940,10 @@ def test_compare_with_sampling_uses_one_seed_for_every_mode(engine, monkeypatch)
 
     monkeypatch.setattr(compare_module, "follow_reply", follow)
     compare = CompareHandlers(Runtime(engine))
-    verdict = list(compare.compare("w3 w4", True, None, *values(max_new_tokens=6, temperature=0.8, seed=-1)))[-1][3]
+    verdict = list(compare.compare("w3 w4", True, False, None, *values(max_new_tokens=6, temperature=0.8, seed=-1)))[-1][3]
     assert len(seeds) == 3 and len(set(seeds)) == 1 and seeds[0] is not None
     assert f"Sampled with seed {seeds[0]} in every mode" in verdict and "EAGLE-2 output is identical to vanilla" in verdict
-    *_, notice = compare.benchmark(None, 1, None, *values(max_new_tokens=6, temperature=0.8, seed=-1), progress=no_progress)
+    *_, notice = compare.benchmark(None, 1, False, None, *values(max_new_tokens=6, temperature=0.8, seed=-1), progress=no_progress)
     assert notice.startswith("Sampled with seed ") and "the same for every prompt and mode. EAGLE-2 output identical to vanilla on 100% of the prompts." in notice
 
 
@@ -908,12 +953,12 @@ def test_compare_names_why_speculation_is_off(engine, tiny_base, monkeypatch):
     compare = CompareHandlers(Runtime(engine))
     monkeypatch.setattr(type(engine), "speculation_problem", lambda self: "speculative decoding does not support sliding-window attention (mistral)")
     message = "Comparing needs speculative decoding, which is off for this model (speculative decoding does not support sliding-window attention (mistral))."
-    assert list(compare.compare("w3 w4", False, None, *values()))[-1] == ("", "", "", message)
-    *cleared, notice = compare.benchmark(None, 1, None, *values(), progress=no_progress)
+    assert list(compare.compare("w3 w4", False, False, None, *values()))[-1] == ("", "", "", message)
+    *cleared, notice = compare.benchmark(None, 1, False, None, *values(), progress=no_progress)
     assert cleared == [None, None, None] and "off for this model (speculative decoding does not support sliding-window" in notice
     monkeypatch.undo()
     compare = CompareHandlers(Runtime(Engine(tiny_base)))
-    assert list(compare.compare("w3 w4", False, None, *values()))[-1][3] == "Comparing needs a draft head; load a model with one in the Models tab."
+    assert list(compare.compare("w3 w4", False, False, None, *values()))[-1][3] == "Comparing needs a draft head; load a model with one in the Models tab."
 
 
 def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypatch):
@@ -934,16 +979,16 @@ def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypa
 
     monkeypatch.setattr(core.bench, "run_once", counted)
     handlers.arm_benchmark(mine)
-    table, _, result, notice = handlers.benchmark(str(prompts), 5, mine, *values(max_new_tokens=8), progress=no_progress)
+    table, _, result, notice = handlers.benchmark(str(prompts), 5, False, mine, *values(max_new_tokens=8), progress=no_progress)
     assert notice == "Stopped: the figures are those of the first 2 of 5 prompts."
     assert result["complete"] is False and len(result["prompts"]) == 4 and len(table) == 2
     monkeypatch.setattr(core.bench, "run_once", run_once)
     handlers.arm_benchmark(mine)
-    table, _, result, notice = handlers.benchmark(str(prompts), 5, mine, *values(max_new_tokens=8), progress=no_progress)
+    table, _, result, notice = handlers.benchmark(str(prompts), 5, False, mine, *values(max_new_tokens=8), progress=no_progress)
     assert result["complete"] and len(result["prompts"]) == 10  # a new run starts with Stop released
 
     prompts.write_text(json.dumps({"turns": ["w1"]}) + "\n" + json.dumps({"id": "long", "turns": [" ".join(["w2"] * 300)]}))
-    *_, notice = handlers.benchmark(str(prompts), 5, mine, *values(max_new_tokens=8), progress=no_progress)
+    *_, notice = handlers.benchmark(str(prompts), 5, False, mine, *values(max_new_tokens=8), progress=no_progress)
     assert notice.startswith("prompt long: ") and "context window is 256" in notice
 
 
