@@ -180,8 +180,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                 gr.Dataframe(catalog_frame(memory_gb, load_bytes), interactive=False, label="Catalog")
                 entry = gr.Dropdown([e.name for e in catalog.CATALOG], label="Catalog entry", value=None, elem_id="catalog-entry")
                 with gr.Row():
-                    model_box = gr.Textbox(label="Base model (repo id, local folder or .gguf file; empty = bundled default)", elem_id="model-box")
-                    head_box = gr.Textbox(label="Draft head (repo id or local folder; empty = bundled, if any)")
+                    model_box = gr.Textbox(label="Base model (repo id as owner/name, or owner/name@REV to pin a revision; local folder or .gguf file; empty = bundled default)", elem_id="model-box")
+                    head_box = gr.Textbox(label="Draft head (repo id, owner/name@REV too, or local folder; empty = bundled, if any)")
                 trained = gr.Dropdown(
                     [], label=f"{TRAINED_LABEL} (overrides the head box)",
                     info=library.heads_info, allow_custom_value=True,  # a page whose state the server let go still loads what it lists

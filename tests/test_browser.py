@@ -810,7 +810,7 @@ def test_load_in_the_models_tab_sets_the_chat_mode(page, served, tiny_dir, data_
     previous = runtime.engine
     try:
         page.get_by_role("tab", name="Models").click()
-        page.get_by_label("Base model (repo id, local folder or .gguf file; empty = bundled default)").fill(str(tiny_dir))
+        page.get_by_label("Base model (repo id as owner/name, or owner/name@REV to pin a revision; local folder or .gguf file; empty = bundled default)").fill(str(tiny_dir))
         page.get_by_role("button", name="Load", exact=True).click()
         page.get_by_text("Loaded.", exact=True).wait_for(timeout=120_000)
         page.locator("#model-status").get_by_text("without a draft head (vanilla only)").wait_for(timeout=10_000)
