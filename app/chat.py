@@ -245,6 +245,15 @@ def fewest_dropped(length: Callable[[int], int | None], last: int, budget: int) 
 
 
 CONTEXT_STEPS = 8  # past the context window, the oldest turns are dropped in steps of 1/8 of it
+REPLY_SHARE = 4  # the oldest turns are dropped to leave the reply its Max new tokens, up to 1/4 of the window
+
+
+def reply_room(engine: Engine, max_new_tokens: int) -> int:
+    """The tokens of the context window kept free for the reply when older
+    turns are dropped: its Max new tokens, so that a reply is not cut at the
+    window right after turns were dropped "to fit", but never more than a
+    share of the window (Max new tokens may exceed the window itself)."""
+    return max(1, min(max_new_tokens, engine.context_limit // REPLY_SHARE))
 
 
 def prompt_length(engine: Engine, messages: list[dict]) -> int | None:
@@ -258,14 +267,19 @@ def prompt_length(engine: Engine, messages: list[dict]) -> int | None:
 
 def overflow_text(engine: Engine, messages: list[dict], error: ContextOverflowError) -> str:
     """What to do about a prompt that does not fit even with the oldest turns
-    dropped: shorten the system prompt where it alone (with the newest message)
-    is too long, else the message."""
+    dropped: shorten the system prompt where shortening the message alone
+    cannot make room, else the message (or the system prompt)."""
     system = [m for m in messages if m["role"] == "system"]
     tokens = prompt_length(engine, system) if system else None  # None also where the template wants a user turn with it
-    if tokens is not None and tokens >= (prompt_length(engine, messages[-1:]) or 0):
+    total = len(engine.encode(messages))
+    over = total - engine.context_limit + 1  # earlier turns are dropped already: a new chat would not help
+    amount = f"{over:,} token{'' if over == 1 else 's'}"
+    if tokens is not None and total - tokens <= over:  # more than the message's own tokens: the system prompt leaves no room
         return f"{error}. The system prompt alone is {tokens:,} tokens: shorten it (a new chat keeps it)."
-    over = len(engine.encode(messages)) - engine.context_limit + 1  # earlier turns are dropped already: a new chat would not help
-    return f"{error}. Shorten the message by at least {over:,} tokens, and more to leave room for the reply."
+    if tokens:
+        return (f"{error}. Shorten the message or the system prompt ({tokens:,} tokens; a new chat keeps it) by at least {amount} "
+                "in all, and more to leave room for the reply.")  # fmt: skip
+    return f"{error}. Shorten the message by at least {amount}, and more to leave room for the reply."
 
 
 def reasoning_mark(reply: Reply) -> dict:
@@ -683,7 +697,7 @@ class ChatHandlers:
         if chat["id"] in self.forked:
             self.forked.discard(chat["id"])
             note = f"{FORKED_TEXT} {note}".strip()
-        messages, dropped = fit_context(engine, engine_messages(chat), room=min(options.sampling.max_new_tokens, 64))
+        messages, dropped = fit_context(engine, engine_messages(chat), room=reply_room(engine, options.sampling.max_new_tokens))
         if dropped:
             note = f"{note} Dropped the {oldest_messages(dropped)} to fit the context window.".strip()
             made_with = {**made_with, "context_dropped": dropped}  # kept with the reply: it was written without them

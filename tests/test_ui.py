@@ -37,7 +37,7 @@ from core.engine import Engine, Step
 from core.stats import Snapshot
 from models import catalog
 from models.errors import ChatTemplateError
-from tests.factory import CHAT_TEMPLATE, random_head
+from tests.factory import CHAT_TEMPLATE, random_head, save_tiny_model
 
 
 def values(**changes) -> list:
@@ -731,6 +731,44 @@ def test_a_system_prompt_too_long_for_the_window_is_named(engine):
     error = ContextOverflowError("the prompt is too long")
     assert "The system prompt alone is" in overflow_text(engine, system + [{"role": "user", "content": "w1"}], error)
     assert "Shorten the message by at least" in overflow_text(engine, [{"role": "user", "content": "w1 " * 300}], error)
+    # a system prompt that fits alone, with a message that fits alone: either may be shortened (the system prompt was blamed)
+    half = engine.context_limit // 2 + 10
+    both = [{"role": "system", "content": " ".join(["w2"] * half)}, {"role": "user", "content": " ".join(["w1"] * half)}]
+    said = overflow_text(engine, both, error)
+    assert "Shorten the message or the system prompt" in said and "alone" not in said, said
+    over = len(engine.encode(both)) - engine.context_limit + 1
+    assert f"by at least {over} tokens in all" in said
+    one = [{"role": "user", "content": "w1"}]
+    while len(engine.encode(one)) < engine.context_limit:
+        one[0]["content"] += " w1"
+    assert "by at least 1 token," in overflow_text(engine, one, error)  # not "1 tokens"
+
+
+def test_older_turns_are_dropped_to_leave_the_reply_its_max_new_tokens(tmp_path, store, monkeypatch):
+    """The page dropped turns to leave 64 tokens for the reply whatever Max new
+    tokens said, so a reply right after turns were dropped "to fit the context
+    window" was cut at the window; now it has its Max new tokens, up to a
+    quarter of the window."""
+    from app.chat import reply_room
+    from models.base import load_base
+
+    base = load_base(str(save_tiny_model(tmp_path / "wide", max_position_embeddings=1024)), dtype="float32")
+    engine = Engine(base, random_head(base.model))
+    assert engine.context_limit == 1024
+    assert reply_room(engine, 200) == 200 and reply_room(engine, 10) == 10 and reply_room(engine, 10**6) == 256
+    for name in ("TEXT_INTERVAL", "PANEL_INTERVAL", "PLOT_INTERVAL"):
+        monkeypatch.setattr(chat_module, name, 0.0)
+    handlers = ChatHandlers(Runtime(engine), store)
+    wanted = 200  # more than the 64 kept before
+    long_turn = " ".join(["w1"] * 150)
+    chat = new_chat()
+    dropped = 0
+    for _ in range(6):
+        chat = list(handlers.send(long_turn, chat, "", *values(max_new_tokens=wanted)))[-1][2]
+        stats = chat["messages"][-1]["stats"]
+        assert stats["finish_reason"] != "context", stats  # the tiny model writes on to its token limit: "length"
+        dropped = max(dropped, stats["settings"].get("context_dropped", 0))
+    assert dropped  # the chat outgrew the window
 
 
 def test_compare_streams_both_panes_then_verdict(engine, monkeypatch):
