@@ -651,13 +651,14 @@ def run_chat(args) -> int:
     mode = args.mode or ("eagle2" if "eagle2" in engine.modes else "vanilla")
     if args.mode is None and engine.head is not None and mode == "vanilla":  # as the page and the API do
         print(f"note: answering with vanilla decoding: {engine.speculation_problem()}", file=sys.stderr, flush=True)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    check_room(engine, messages, sampling.max_new_tokens)  # before the step costs are measured
     if tree.planned and mode == "eagle2":
         from app.session import prepare_costs
 
         prepare_costs(engine)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.prompt}
-    ]
     step, wrote = None, False
     progress = sys.stderr.isatty()  # how far a long prompt is read, on one line that the reply replaces
     with stop_on_interrupt() as stop:
@@ -680,10 +681,31 @@ def run_chat(args) -> int:
         f"{'' if stats.decoding_tokens_per_s is None else f' ({stats.decoding_tokens_per_s:.1f} after the first token)'}, "
         f"tau {stats.mean_accepted_length:.2f}, trees of {stats.mean_tree_size:.1f} nodes (depth {stats.mean_tree_depth:.1f}), "
         f"first token after {stats.time_to_first_token:.2f} s, "
-        f"{'' if sampling.greedy else f'seed {sampling.seed}, '}finished: {step.finish_reason}",
+        f"{'' if sampling.greedy else f'seed {sampling.seed}, '}finished: {step.finish_reason}{ENDINGS.get(step.finish_reason, '')}",
         file=sys.stderr,
     )
     return 130 if step.finish_reason == "cancelled" else 0
+
+
+ENDINGS = {"context": " (the reply reached the model's context window)"}  # said after the finish reason
+
+
+def check_room(engine, messages: list[dict], max_new_tokens: int) -> None:
+    """A prompt too long for the model's context window, refused with what to
+    shorten; one that leaves the reply less than --max-new-tokens, said first."""
+    from core.engine import ContextOverflowError, check_prompt
+
+    prompt_ids = engine.encode(messages)
+    try:
+        check_prompt(engine, prompt_ids)
+    except ContextOverflowError as error:
+        over = len(prompt_ids) - engine.context_limit + 1
+        which = "the prompt or --system" if len(messages) > 1 else "the prompt"
+        raise ValueError(f"{error}: shorten {which} by at least {over:,} token{'' if over == 1 else 's'}, and more to leave room for the reply") from None
+    room = engine.context_limit - len(prompt_ids)
+    if room < max_new_tokens:
+        print(f"note: the prompt is {len(prompt_ids):,} tokens of the model's context window of {engine.context_limit:,}: "
+              f"the reply can be {room:,} tokens long at most, not --max-new-tokens {max_new_tokens:,}", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def prompt_job_paths(args, written: str, cache: str, cached: str) -> tuple[Path, Path, Path]:

@@ -417,6 +417,30 @@ def test_chat_in_vanilla_mode_loads_no_head(tiny_dir, capsys, monkeypatch):
     assert loaded == []
 
 
+def test_chat_says_what_to_shorten_and_when_the_window_cuts_the_reply(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A prompt past the context window (256 tokens here) was refused as "the
+    prompt is N tokens" alone, after the step costs were measured; one that left
+    the reply less room than --max-new-tokens ended in "finished: context" alone."""
+    from app import cli, session
+    from models.base import load_base
+    from models.head import save_head
+    from tests.factory import random_head
+
+    save_head(random_head(load_base(str(tiny_dir), dtype="float32").model), tmp_path / "head")
+    monkeypatch.setattr(session, "prepare_costs", lambda engine: pytest.fail("measured before the prompt was checked"))
+    options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--mode", "eagle2", "--head", str(tmp_path / "head")]
+    assert cli.main(["chat", " ".join(["w1"] * 300), *options]) == 2
+    err = capsys.readouterr().err
+    assert "the model's context window is 256: shorten the prompt by at least" in err and "tokens, and more to leave room" in err, err
+    assert cli.main(["chat", " ".join(["w1"] * 150), "--system", " ".join(["w2"] * 150), *options]) == 2
+    assert "shorten the prompt or --system by at least" in capsys.readouterr().err
+    options = [*options[:-4], "--mode", "vanilla", "--max-new-tokens", "100"]
+    assert cli.main(["chat", " ".join(["w1"] * 240), *options]) == 0
+    err = capsys.readouterr().err
+    assert "the reply can be" in err and "not --max-new-tokens 100" in err, err
+    assert "finished: context (the reply reached the model's context window)" in err, err
+
+
 def test_chat_says_when_a_fixed_tree_is_more_than_depth_and_top_k_can_draft(tiny_dir, capsys):
     from app import cli
 
