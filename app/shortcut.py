@@ -23,6 +23,12 @@ def moved_folders() -> list[tuple[str, str]]:
     return [(name, str(Path(os.environ[name]).expanduser().resolve())) for name in MOVED_FOLDERS if os.environ.get(name)]
 
 
+# The shortcuts run the Python that made .venv, or python3 where that is gone (a system upgrade
+# removed python3.11): launch.py then checks its version and makes .venv again with it. Without
+# this, a Linux shortcut's terminal closed at once, saying nothing. sh's $0: the Python named.
+OR_PYTHON3 = 'if [ -x "$0" ]; then exec "$0" "$@"; fi; exec python3 "$@"'
+
+
 def desktop_entry(root: Path, python: str, folders: list[tuple[str, str]] = (), options: list[str] = ()) -> str:
     """A freedesktop.org entry: Exec's arguments quoted (with \\ " ` $ escaped
     inside the quotes, and the whole line's backslashes and % doubled, as the
@@ -36,7 +42,7 @@ def desktop_entry(root: Path, python: str, folders: list[tuple[str, str]] = (), 
         "Type=Application",
         "Name=Kestrel",
         "Comment=Local LLM chat with EAGLE-2 speculative decoding",
-        f"Exec={setting}{exec_argument(python)} {exec_argument(str(root / 'launch.py'))}{given}",
+        f"Exec={setting}{' '.join(exec_argument(part) for part in ('/bin/sh', '-c', OR_PYTHON3, python, str(root / 'launch.py')))}{given}",
         f"Path={entry_value(str(root))}",
         f"Icon={entry_value(str(root / 'assets' / 'kestrel.svg'))}",
         "Terminal=true",
@@ -88,7 +94,9 @@ def mac_command(root: Path, python: str, folders: list[tuple[str, str]] = (), op
     """bash, with the paths in single quotes (nothing is expanded there; a ' is closed, escaped and reopened)."""
     setting = "".join(f"export {name}={shell_quoted(value)}\n" for name, value in folders)
     given = "".join(f"{shell_quoted(option)} " for option in shortcut_command(options))
-    return f"#!/bin/bash\n{setting}cd {shell_quoted(str(root))}\nexec {shell_quoted(python)} launch.py {given}\"$@\"\n"
+    return (f"#!/bin/bash\n{setting}cd {shell_quoted(str(root))}\npython={shell_quoted(python)}\n"
+            f'[ -x "$python" ] || python=python3  # the Python that made .venv is gone: launch.py makes it again\n'
+            f'exec "$python" launch.py {given}"$@"\n')  # fmt: skip
 
 
 def shell_quoted(text: str) -> str:

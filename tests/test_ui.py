@@ -1432,13 +1432,13 @@ def test_shortcuts_start_kestrel_from_any_folder_name(tmp_path):
     """A folder named with %, quotes, $, ` or a backslash: the desktop entry's
     Exec line reads back (string escapes, then quoting) as the real paths,
     and the macOS command changes into that folder with nothing expanded."""
-    from app.shortcut import desktop_entry, mac_command
+    from app.shortcut import OR_PYTHON3, desktop_entry, mac_command
 
     root = tmp_path / "100% $HOME `x` a\\sb \"q\" it's"
     root.mkdir()
     folders = [("KESTREL_DATA_DIR", str(root / "data")), ("KESTREL_CACHE_DIR", str(root / "cache"))]  # set when it was made
     line = next(line for line in desktop_entry(root, "/usr/bin/python3", folders).splitlines() if line.startswith("Exec="))[5:]
-    assert exec_arguments(line) == ["env", *(f"{name}={value}" for name, value in folders), "/usr/bin/python3", str(root / "launch.py")]
+    assert exec_arguments(line) == ["env", *(f"{name}={value}" for name, value in folders), "/bin/sh", "-c", OR_PYTHON3, "/usr/bin/python3", str(root / "launch.py")]
     script = mac_command(root, "/bin/echo", folders).replace("exec ", 'pwd; echo "$KESTREL_DATA_DIR"; echo "$KESTREL_CACHE_DIR"; exit; : ')
     ran = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert ran.stdout.splitlines() == [str(root), str(root / "data"), str(root / "cache")], ran.stderr
@@ -1477,7 +1477,7 @@ def test_shortcut_starts_kestrel_with_the_options_it_was_made_with(tmp_path, mon
     absolute since the shortcut starts in Kestrel's own folder; a password or
     key is refused by name, and nothing is written."""
     from app.cli import main
-    from app.shortcut import ROOT, mac_command, windows_batch
+    from app.shortcut import ROOT, desktop_entry, mac_command, windows_batch
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for name in ("XDG_DATA_HOME", "XDG_CONFIG_HOME", "KESTREL_DATA_DIR", "KESTREL_CACHE_DIR"):
@@ -1502,6 +1502,19 @@ def test_shortcut_starts_kestrel_with_the_options_it_was_made_with(tmp_path, mon
     script = mac_command(ROOT, "/bin/echo", options=["--model", "it's $HOME"])
     ran = subprocess.run(["bash", "-c", script, "bash", "--port", "1"], capture_output=True, text=True)
     assert ran.stdout == "launch.py ui --model it's $HOME --port 1\n", ran.stderr  # the shortcut's own arguments after them
+    # the Python that made .venv gone (a system upgrade): python3 runs launch.py, which makes .venv again with it
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\necho python3 "$@"\n')
+    (fake / "python3").chmod(0o755)
+    path = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    ran = subprocess.run(["bash", "-c", mac_command(ROOT, str(tmp_path / "gone/python3.11"), options=["--port", "1"])], capture_output=True, text=True, env=path)
+    assert ran.stdout == "python3 launch.py ui --port 1\n", ran.stderr
+    entry_line = next(line for line in desktop_entry(ROOT, str(tmp_path / "gone/python3.11"), options=["--port", "1"]).splitlines() if line.startswith("Exec="))
+    ran = subprocess.run(exec_arguments(entry_line[5:]), capture_output=True, text=True, env=path)
+    assert ran.stdout == f"python3 {ROOT / 'launch.py'} ui --port 1\n", ran.stderr
+    entry_line = next(line for line in desktop_entry(ROOT, "/bin/echo", options=["--port", "1"]).splitlines() if line.startswith("Exec="))
+    assert subprocess.run(exec_arguments(entry_line[5:]), capture_output=True, text=True, env=path).stdout == f"{ROOT / 'launch.py'} ui --port 1\n"
     batch = windows_batch(Path("C:\\K"), "py.exe", options=["--model", "D:\\100% models"]).split("\r\n")
     assert batch[3] == '"py.exe" launch.py "ui" "--model" "D:\\100%% models" %*'
     with pytest.raises(ValueError, match="double quote"):
@@ -1509,7 +1522,7 @@ def test_shortcut_starts_kestrel_with_the_options_it_was_made_with(tmp_path, mon
 
 
 def test_install_shortcut_linux(tmp_path, monkeypatch):
-    from app.shortcut import install
+    from app.shortcut import ROOT, install
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("XDG_DATA_HOME", "KESTREL_DATA_DIR", "KESTREL_CACHE_DIR"):  # a shortcut made with none moved
@@ -1520,7 +1533,8 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     text = written[0].read_text()
     assert text.startswith("[Desktop Entry]") and "launch.py" in text and "Terminal=true" in text
     assert 'Exec=env "KESTREL_SHORTCUT=1" "' in text  # its terminal closes when Kestrel ends: launch.py holds it after an error
-    python = text.split('Exec=env "KESTREL_SHORTCUT=1" "')[1].split('"')[0]  # the Python that made .venv, not whatever python3 is
+    arguments = exec_arguments(next(line for line in text.splitlines() if line.startswith("Exec="))[5:])
+    python = arguments[arguments.index(str(ROOT / "launch.py")) - 1]  # the Python that made .venv, not whatever python3 is
     assert subprocess.run([python, "-c", "import sys; print(sys.version_info >= (3, 11))"], capture_output=True, text=True).stdout == "True\n"
     assert written[0].stat().st_mode & stat.S_IXUSR
     batch = install(platform="win32", home=tmp_path)[0]
@@ -1531,7 +1545,7 @@ def test_install_shortcut_linux(tmp_path, monkeypatch):
     monkeypatch.setenv("KESTREL_DATA_DIR", str(tmp_path / "100% chats"))  # the shortcut starts Kestrel with the folders set now
     moved = install(platform="win32", home=tmp_path)[0].read_bytes().decode("utf-8").split("\r\n")
     assert moved[2] == f'set "KESTREL_DATA_DIR={tmp_path / "100%% chats"}"' and moved[4] == f'"{python}" launch.py %*'
-    assert f'Exec=env "KESTREL_SHORTCUT=1" "KESTREL_DATA_DIR={tmp_path / "100%% chats"}" "{python}"' in install(platform="linux")[0].read_text()
+    assert f'Exec=env "KESTREL_SHORTCUT=1" "KESTREL_DATA_DIR={tmp_path / "100%% chats"}" "/bin/sh"' in install(platform="linux")[0].read_text()
     monkeypatch.delenv("KESTREL_DATA_DIR")
     assert 'cd /d "C:\\100%% Kestrel"' in install(root=Path("C:\\100% Kestrel"), platform="win32", home=tmp_path)[0].read_text()
     assert install(platform="darwin", home=tmp_path)[0].name == "Kestrel.command"
