@@ -21,7 +21,10 @@ from app import render
 from app.decoding import ServerStopping
 from app.reply import Reply, Throttle, follow_reply
 from app.runtime import Runtime
-from app.store import CHATS_FOLDER, NAME_LIMIT, SETTINGS_FILE, Store, as_chat, as_message, chat_file_problem, chat_title, clean_name, message_problem, new_chat, oldest_messages, to_json, to_markdown
+from app.store import (
+    CHATS_FOLDER, EARLIER, NAME_LIMIT, SETTINGS_FILE, Store, as_chat, chat_file_problem, chat_title, clean_name, earlier_replies, new_chat,
+    oldest_messages, to_json, to_markdown, well_formed,
+)  # fmt: skip
 from app.store import made_with as made_with_line
 from core.config import SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine, check_prompt
@@ -296,6 +299,8 @@ def run_settings(engine: Engine, mode: str, options: Options) -> dict:
         "quantization": engine.base.quantization, "temperature": sampling.temperature, "top_p": sampling.top_p,
         "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens, "seed": sampling.seed,
     }  # fmt: skip
+    if mode != "vanilla" and engine.head_name:  # where the head came from: a path, a repo id or "bundled"
+        settings["head"] = engine.head_name
     if mode == "eagle2":  # EAGLE drafts its fixed tree: the Tree settings do not apply to it
         settings["tree"] = {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k}
     return settings
@@ -377,22 +382,29 @@ def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
 TAKEN_BACK = "taken_back"
 
 
-# In a saved assistant message: the replies that regenerations replaced, oldest first (Earlier reply shows them)
-EARLIER = "earlier"
+# A saved assistant message's EARLIER replies are in the order they were written; in one that
+# Earlier reply shows, NEWER counts those of them written after it (the last ones)
+NEWER = "newer"
 EARLIER_LIMIT = 20  # replies kept per message
 
 
-def earlier_replies(message: dict) -> list[dict]:
-    """The message's earlier replies that can be shown (a hand-edited file may hold others)."""
-    earlier = message.get(EARLIER)
-    if not isinstance(earlier, list):
-        return []
-    return [as_message(m) for m in earlier if not message_problem(m) and m["role"] == "assistant"]
+def newer_count(message: dict, earlier: list[dict]) -> int:
+    """How many of the message's `earlier` replies were written after it (0 where a hand-edited file says otherwise)."""
+    newer = message.get(NEWER)
+    return newer if isinstance(newer, int) and not isinstance(newer, bool) and 0 <= newer <= len(earlier) else 0
 
 
 def with_earlier(replaced: dict) -> list[dict]:
-    """The earlier replies of a regenerated message: those of the reply it replaces, and that reply."""
-    return [*earlier_replies(replaced), without(replaced, EARLIER)][-EARLIER_LIMIT:]
+    """The earlier replies of a regenerated message: those of the reply it
+    replaces and that reply, in the order they were written, the oldest dropped past EARLIER_LIMIT."""
+    earlier = earlier_replies(replaced)
+    at = len(earlier) - newer_count(replaced, earlier)
+    return [*earlier[:at], kept_reply(replaced), *earlier[at:]][-EARLIER_LIMIT:]
+
+
+def kept_reply(message: dict) -> dict:
+    """A reply as kept among another's earlier ones: without its own."""
+    return {name: value for name, value in message.items() if name not in (EARLIER, NEWER)}
 
 
 def without(mapping: dict, key: str) -> dict:
@@ -468,6 +480,7 @@ IMPORT_LIMIT = 16 * 2**20  # bytes of a chat's JSON export that Import reads, at
 BUSY_TOAST_S = 4  # seconds the refusal also shows as a toast: the reply's next frames may redraw the notice line
 FORKED_TEXT = "This chat was changed in another tab: your message continues it as a new chat."
 STALE_TEXT = "This chat was changed in another tab: open it again from Saved chats to see its messages first."
+DAMAGED_TEXT = "The chat's file {} can no longer be read ({}), so it is left as it is."  # as damage_text says at page load
 EMPTY_PLOTS = (render.depth_frame(None), render.rate_frame([]))  # a chat without its last reply's figures
 
 
@@ -545,7 +558,7 @@ class ChatHandlers:
         self.reply_owner: dict[str, str | None] = {}  # of those, the browser tab (session) whose Send or Regenerate began it
         # of those, the ones whose decoding has ended, until their last update has gone to the page: set then
         self.finishing: dict[str, threading.Event] = {}
-        self.forked: set[str] = set()  # ids of copies made by accept, until their first reply's notice
+        self.forked: dict[str, str] = {}  # ids of copies made by accept -> why, until their first reply's notice
         self.unsaved: set[str] = set()  # ids of chats whose latest save failed: their disk copy is older, not another tab's
         # ids of chats whose accepted message (or regeneration) waits for the model, not yet started -> the
         # browser tab's session: a tab closed meanwhile never starts it, and its unload forgets the mark
@@ -581,7 +594,8 @@ class ChatHandlers:
         the chat the page shows, by which a page open across a server restart
         (its chat state gone with the server) continues that chat.
         Outputs: message box, pending message, chatbot, chat state, notice."""
-        text = (message or "").strip()
+        message = well_formed(message or "")  # a lone surrogate could be neither saved nor tokenized
+        text = message.strip()
         if not text:  # no pending message: send does nothing
             return message, "", gr.skip(), gr.skip(), notice_html("Type a message first.")
         chat = self._restored(chat, shown)  # None where it was never saved (an empty new chat) or is gone
@@ -602,12 +616,12 @@ class ChatHandlers:
     def _accepted(self, text: str, chat: dict | None, colour: bool, session: str | None) -> tuple:
         chat = copy.deepcopy(chat) if chat else new_chat()
         notes = []
-        if self._stale(chat):
+        if stale := self._stale(chat):
             chat["copy_of"] = chat["id"]  # titled as a copy in Saved chats
             chat["id"] = new_chat()["id"]
             chat.pop(TAKEN_BACK, None)  # a copy: nothing of it is saved yet
-            notes.append(FORKED_TEXT)
-            self.forked.add(chat["id"])  # the reply's own notice says it again
+            notes.append(FORKED_TEXT if stale == STALE_TEXT else stale)
+            self.forked[chat["id"]] = notes[-1]  # the reply's own notice says it again
         if self.runtime.queue.busy or self.replying:  # another reply, a comparison, the benchmark or an API request
             notes.append(WAITING_TEXT)
         self.runtime.fresh_cancel(chat["id"])
@@ -626,7 +640,7 @@ class ChatHandlers:
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
         """Outputs: message box, chatbot, chat state, notice, stats, depth plot, rate plot, calibration plot."""
-        message = message or ""
+        message = well_formed(message or "")
         if message.startswith(SENT_MARK):  # from accept (a caller of /send gives the message alone)
             token, _, message = message.removeprefix(SENT_MARK).partition(":")
             if token not in self.unsent:  # sent already: the send of a second press of the same Send
@@ -642,7 +656,7 @@ class ChatHandlers:
             yield message, gr.skip(), chat, busy_notice(), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()
-        chat["system"] = system or ""
+        chat["system"] = well_formed(system or "")
         chat["messages"].append({"role": "user", "content": message})
         yield from self._respond(chat, values, message, owner=owner)
 
@@ -668,11 +682,11 @@ class ChatHandlers:
         if chat and chat["id"] in self.replying:
             yield gr.skip(), gr.skip(), chat, busy_notice(), *SKIP_PANEL
             return
-        if self._stale(chat):
-            yield gr.skip(), gr.skip(), chat, notice_html(STALE_TEXT), *SKIP_PANEL
+        if stale := self._stale(chat):
+            yield gr.skip(), gr.skip(), chat, notice_html(stale), *SKIP_PANEL
             return
         chat = copy.deepcopy(chat) if chat else new_chat()  # its Stop was released by check_idle, at the click
-        chat["system"] = system or ""
+        chat["system"] = well_formed(system or "")
         kept = chat["messages"].pop() if chat["messages"] and chat["messages"][-1]["role"] == "assistant" else None
         if not chat["messages"]:
             yield gr.skip(), gr.skip(), chat, notice_html("Nothing to regenerate."), *SKIP_PANEL
@@ -694,9 +708,8 @@ class ChatHandlers:
         if mode == "eagle2" and (short := options.tree.shortfall(tuple(f'"{LABELS[name]}"' for name in TREE_SETTINGS))):
             note = f"{note} {short}".strip()
         made_with = run_settings(engine, mode, options)
-        if chat["id"] in self.forked:
-            self.forked.discard(chat["id"])
-            note = f"{FORKED_TEXT} {note}".strip()
+        if forked := self.forked.pop(chat["id"], None):
+            note = f"{forked} {note}".strip()
         messages, dropped = fit_context(engine, engine_messages(chat), room=reply_room(engine, options.sampling.max_new_tokens))
         if dropped:
             note = f"{note} Dropped the {oldest_messages(dropped)} to fit the context window.".strip()
@@ -928,18 +941,30 @@ class ChatHandlers:
             return True
         return chat["id"] in self.sent and bool(self.replying or self.runtime.queue.busy)
 
-    def _stale(self, chat: dict | None) -> bool:
-        """Whether another tab has changed this chat on disk since this tab
-        showed it (not when this tab's own latest save failed). After Edit the
-        view lacks the exchange taken back, which stays saved until the edited
-        message is sent: the saved messages are then the ones Edit saw."""
-        if not chat or chat["id"] in self.unsaved:
-            return False
-        shown = chat["messages"] + chat.get(TAKEN_BACK, [])
+    def _stale(self, chat: dict | None) -> str:
+        """Why this tab's view of the chat must not be saved over its file, or
+        "": STALE_TEXT where another tab has changed the chat on disk since this
+        tab showed it (not when this tab's own latest save failed), or the file
+        named with what is wrong with it where it can no longer be read (damaged
+        by hand: left as it is). After Edit the view lacks the exchange taken
+        back, which stays saved until the edited message is sent: the saved
+        messages are then the ones Edit saw."""
+        shown = chat["messages"] + chat.get(TAKEN_BACK, []) if chat else []
         if not shown:
-            return False
+            return ""
         saved = self.store.load_chat(chat["id"])
-        return saved is not None and saved["messages"] != json.loads(json.dumps(shown))  # as stored: lists
+        if saved is None and (damage := self._damage(chat["id"])):
+            return f"{damage} Messages sent go on with this chat as a new one."
+        if saved is None or chat["id"] in self.unsaved:
+            return ""
+        return STALE_TEXT if saved["messages"] != json.loads(json.dumps(shown)) else ""  # as stored: lists
+
+    def _damage(self, chat_id: str) -> str:
+        """DAMAGED_TEXT for a chat that the store cannot load, where its file is there; "" where there is none."""
+        path = self.store.chat_path(chat_id)
+        if not (path.exists() or path.is_symlink()):
+            return ""
+        return DAMAGED_TEXT.format(path, chat_file_problem(path))
 
     def _saved(self, action: Callable[[], None]) -> str:
         """Run a change to the saved chats; "" or the notice saying why it failed."""
@@ -959,8 +984,8 @@ class ChatHandlers:
         Outputs: message box, chatbot, chat state, notice."""
         if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), busy_notice()
-        if self._stale(chat):
-            return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+        if stale := self._stale(chat):
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(stale)
         put_back = (chat or {}).get(TAKEN_BACK) or [{}]
         if typed and typed.strip() and typed != put_back[0].get("content"):
             return gr.skip(), gr.skip(), gr.skip(), notice_html(TYPED_TEXT)
@@ -980,8 +1005,8 @@ class ChatHandlers:
         Outputs: chatbot, chat state, stats, notice."""
         if self._busy(chat):
             return gr.skip(), gr.skip(), gr.skip(), busy_notice()
-        if self._stale(chat):
-            return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+        if stale := self._stale(chat):
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(stale)
         if chat and chat.get(TAKEN_BACK):  # the saved chat still ends with the exchange Edit took back
             return gr.skip(), gr.skip(), gr.skip(), notice_html(EDIT_PENDING_TEXT)
         last = chat["messages"][-1] if chat and chat["messages"] else None
@@ -991,8 +1016,13 @@ class ChatHandlers:
         if not earlier:
             return gr.skip(), gr.skip(), gr.skip(), notice_html("This reply has no earlier versions: Regenerate keeps the replies it replaces.")
         chat = copy.deepcopy(chat)
-        chat["messages"][-1] = {**earlier[-1], EARLIER: [without(last, EARLIER), *earlier[:-1]]}  # the others in turn, then this one again
-        made = made_with_line(earlier[-1].get("stats"))
+        at = len(earlier) - newer_count(last, earlier)  # where the reply shown goes among them
+        if at == 0:  # the oldest is shown: back to the newest
+            previous, others, newer = earlier[-1], [kept_reply(last), *earlier[:-1]], 0
+        else:  # the one written before it
+            previous, others, newer = earlier[at - 1], [*earlier[: at - 1], kept_reply(last), *earlier[at:]], len(earlier) - at + 1
+        chat["messages"][-1] = {**kept_reply(previous), EARLIER: others, **({NEWER: newer} if newer else {})}
+        made = made_with_line(previous.get("stats"))
         note = (f"Another kept reply{f' ({made})' if made else ''}: {len(earlier) + 1} are kept for this message; "
                 "press Earlier reply again for the next.")  # fmt: skip
         note = f"{note} {self._save(chat)}".strip()
@@ -1007,12 +1037,12 @@ class ChatHandlers:
         shown_again = gr.skip() if colour is None or not chat else display(chat, colour)
         if not confirmed:
             return shown_again, *(gr.skip(),) * 5
-        if not chat or not (chat["messages"] or chat.get(TAKEN_BACK)):
+        if not self._removable(chat):
             return shown_again, *(gr.skip(),) * 4, notice_html(EMPTY_CHAT_TEXT.format("clear"))
         if self._busy(chat):
             return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), busy_notice()
-        if self._stale(chat):  # it would delete messages this tab never showed
-            return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+        if stale := self._stale(chat):  # it would delete messages this tab never showed
+            return shown_again, gr.skip(), gr.skip(), gr.skip(), gr.skip(), notice_html(stale)
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
@@ -1037,10 +1067,11 @@ class ChatHandlers:
             return self._kept_open(chat, busy_notice())
         try:
             loaded = self.store.load_chat(chat_id) if chat_id else None
+            damage = self._damage(chat_id) if chat_id and loaded is None else ""
         except ValueError:  # not a chat id (typed into the list)
-            loaded = None
-        if loaded is None and chat_id:  # deleted in another tab or window since this page listed it
-            return self._kept_open(chat, notice_html(GONE_TEXT))
+            loaded, damage = None, ""
+        if loaded is None and chat_id:  # deleted in another tab or window since this page listed it, or damaged by hand
+            return self._kept_open(chat, notice_html(f"{damage} The list shows the saved chats again." if damage else GONE_TEXT))
         if loaded is None:
             return gr.skip(), chat, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return self._shown(loaded, colour, gr.skip(), notice_html(cut_short_text(loaded, self._busy(loaded))))
@@ -1097,12 +1128,12 @@ class ChatHandlers:
         Outputs: chatbot, chat, chat list, stats, depth plot, rate plot, notice."""
         if not confirmed:
             return (gr.skip(),) * 7
-        if not chat or not (chat["messages"] or chat.get(TAKEN_BACK)):
+        if not self._removable(chat):
             return *(gr.skip(),) * 6, notice_html(EMPTY_CHAT_TEXT.format("delete"))
         if self._busy(chat):  # its reply would save it again when it ends
             return *(gr.skip(),) * 6, busy_notice()
-        if self._stale(chat):  # it would delete messages this tab never showed
-            return *(gr.skip(),) * 6, notice_html(STALE_TEXT)
+        if stale := self._stale(chat):  # it would delete messages this tab never showed
+            return *(gr.skip(),) * 6, notice_html(stale)
         chat = chat or new_chat()
         notice = self._saved(lambda: self.store.delete_chat(chat["id"]))
         if notice:
@@ -1110,6 +1141,11 @@ class ChatHandlers:
         self._opened(None)
         choices = gr.update(choices=chat_choices(self.store), value=None)
         return [], new_chat(chat.get("system", "")), choices, render.stats_html(None, 0, None), *EMPTY_PLOTS, ""
+
+    def _removable(self, chat: dict | None) -> bool:
+        """Whether Clear and Delete have a chat to remove: one with messages, or saved
+        without (a file written by hand or another program, listed by its title)."""
+        return bool(chat) and bool(chat["messages"] or chat.get(TAKEN_BACK) or self.store.chat_path(chat["id"]).exists())
 
     def rename(self, name: str | None, chat: dict | None) -> tuple:
         """Name the chat shown as the user typed it (spaces and line breaks
@@ -1120,11 +1156,11 @@ class ChatHandlers:
             return gr.skip(), gr.skip(), gr.skip(), notice_html("This chat has no messages yet: send one first, then name the chat.")
         if self._busy(chat):  # the reply's own saves would write the chat without the name
             return gr.skip(), gr.skip(), gr.skip(), busy_notice()
-        if self._stale(chat):  # saving it would drop what another tab added
-            return gr.skip(), gr.skip(), gr.skip(), notice_html(STALE_TEXT)
+        if stale := self._stale(chat):  # saving it would drop what another tab added
+            return gr.skip(), gr.skip(), gr.skip(), notice_html(stale)
         if chat.get(TAKEN_BACK):  # the exchange Edit took back stays saved until the edited message is sent
             return gr.skip(), gr.skip(), gr.skip(), notice_html(EDIT_PENDING_TEXT)
-        cleaned = clean_name(name or "")
+        cleaned = clean_name(well_formed(name or ""))
         if len(cleaned) > NAME_LIMIT:
             return gr.skip(), gr.skip(), gr.skip(), notice_html(
                 f"A chat's name can have at most {NAME_LIMIT} characters; this one has {len(cleaned)}: shorten it."
@@ -1152,8 +1188,8 @@ class ChatHandlers:
             return gr.skip(), notice_html("There is nothing to export yet: send a message first.")
         if self._busy(chat):  # the files would lack the reply being written
             return gr.skip(), busy_notice()
-        if self._stale(chat):  # the files would lack what another tab added
-            return gr.skip(), notice_html(STALE_TEXT)
+        if stale := self._stale(chat):  # the files would lack what another tab added
+            return gr.skip(), notice_html(stale)
         try:
             if self.exports is None or not Path(self.exports.name).is_dir():  # a temp cleaner may remove it while the app runs
                 self.exports = tempfile.TemporaryDirectory(prefix="kestrel-export-")
@@ -1203,7 +1239,7 @@ class ChatHandlers:
     def remember(self, system: str, *values):
         """Save the settings as soon as they change. Output: notice (said only where they cannot be saved)."""
         try:
-            self.store.update_settings({**self._chosen(values), "system": system})
+            self.store.update_settings({**self._chosen(values), "system": well_formed(system)})
         except OSError as error:
             return notice_html(f"The settings could not be saved ({error}); they apply until the page is closed.")
         return gr.skip()

@@ -25,6 +25,8 @@ CHAT_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")  # as new_chat makes them
 NAME_LIMIT = 100  # characters of a chat's name
 LARGEST_COUNT = 2**53  # a chat's token and forward counts, at most (a float holds every int up to it)
 LATEST_TIME = 32503680000.0  # 3000-01-01: Windows' localtime fails past 3000 (and NaN is no date anywhere)
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair, which UTF-8 cannot encode
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how JSON text read as UTF-8 can hold one (or a pair)
 # On Windows a file that another program holds open (a virus scanner or the
 # search indexer reading the file just written) cannot be replaced for a moment.
 REPLACE_TRIES = 6 if os.name == "nt" else 1
@@ -52,6 +54,20 @@ def write_atomic(path: Path, text: str, shared: bool = False) -> None:
         if isinstance(error, OSError) and error.errno is not None:
             raise OSError(error.errno, error.strerror, str(path)) from error
         raise
+
+
+def well_formed(value):
+    """A JSON value (text, list, object) with every lone UTF-16 surrogate in its
+    texts replaced by U+FFFD, the character a browser shows for one: JSON's
+    escapes and a browser's input can hold one (half an emoji), but it can be
+    neither saved as UTF-8, nor tokenized, nor sent to the page."""
+    if isinstance(value, str):
+        return LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [well_formed(item) for item in value]
+    if isinstance(value, dict):
+        return {well_formed(key): well_formed(item) for key, item in value.items()}
+    return value
 
 
 def remove_leftovers(folder: Path) -> None:
@@ -188,12 +204,20 @@ class Store:
         """Write the chat (one without messages is not kept). Its name is its
         file's: another tab's view of the chat, or a reply begun before the
         chat was named, saves it with the name it has on disk; Rename
-        (`named`) sets it, the chat's own name, or none, going to the file."""
+        (`named`) sets it, the chat's own name, or none, going to the file.
+        A file there that cannot be read as a chat (damaged by hand) is left
+        as it is: OSError naming it."""
         if not chat["messages"]:
             return
         path = self.chat_path(chat["id"])
-        saved = None if named else self.read_object(path)
-        if saved is not None:  # a file that cannot be read keeps the name this view has
+        try:
+            saved = self._parse(path)
+        except OSError:  # none, or held a moment by another program (Windows): written as before
+            saved = None
+        else:
+            if as_chat(saved, chat["id"]) is None:
+                raise OSError(f"{path} can no longer be read ({chat_file_problem(path)}), so it is left as it is")
+        if saved is not None and not named:
             chat.pop("name", None)
             if name := kept_name(saved.get("name")):
                 chat["name"] = name
@@ -259,9 +283,13 @@ class Store:
     @staticmethod
     def _parse(path: Path) -> dict | None:
         """The JSON object in `path` (a UTF-8 byte order mark, as some editors
-        write, allowed); None where it holds none; OSError where it cannot be read."""
+        write, allowed; lone surrogates read as U+FFFD: well_formed); None where
+        it holds none; OSError where it cannot be read."""
         try:
-            value = json.loads(path.read_text(encoding="utf-8-sig"))
+            text = path.read_text(encoding="utf-8-sig")
+            value = json.loads(text)
+            if SURROGATE_ESCAPE.search(text):  # rare: its texts are gone through only then
+                value = well_formed(value)
         except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
             return None
         return value if isinstance(value, dict) else None
@@ -350,6 +378,18 @@ def as_message(message: dict) -> dict:
     return {key: value for key, value in message.items() if key != "segments"}
 
 
+# In a saved assistant message: the replies that regenerations replaced (Earlier reply shows them)
+EARLIER = "earlier"
+
+
+def earlier_replies(message: dict) -> list[dict]:
+    """The message's earlier replies that can be shown (a hand-edited file may hold others)."""
+    earlier = message.get(EARLIER)
+    if not isinstance(earlier, list):
+        return []
+    return [as_message(m) for m in earlier if not message_problem(m) and m["role"] == "assistant"]
+
+
 def quoted(text: str) -> str:
     """A message as a Markdown block quote: everything it opens (a code
     block, an HTML block, a list) ends with the quote, so nothing in it can
@@ -367,6 +407,8 @@ def to_markdown(chat: dict) -> str:
         made = made_with(message.get("stats"))
         if made:
             lines += [f"_{made}_", ""]
+        if earlier := earlier_replies(message):
+            lines += [f"_Earlier replies kept for this message: {len(earlier)} (the JSON export holds them)._", ""]
     return "\n".join(lines)
 
 
@@ -384,6 +426,8 @@ def made_with(stats) -> str:
     if isinstance(settings.get("model"), str):
         weights = ", ".join(settings[key] for key in ("dtype", "quantization") if isinstance(settings.get(key), str))
         parts.append(f"{settings['model']} ({weights})" if weights else settings["model"])
+    if isinstance(settings.get("head"), str):
+        parts.append(f"draft head {settings['head']}")
     if is_number(settings.get("temperature")) and settings["temperature"] > 0:
         parts.append(f"temperature {settings['temperature']:g}")
         parts += [f"{label} {settings[key]}" for key, label in (("top_p", "top-p"), ("top_k", "top-k"), ("seed", "seed"))

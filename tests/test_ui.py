@@ -2610,3 +2610,117 @@ def test_replies_that_ended_before_their_end_go_to_the_engine_marked_so():
     ]
     marked = [message.get("unfinished", False) for message in engine_messages(chat)]
     assert marked == [False, False, False, False, True, False, True, False, False]
+
+
+def test_a_regeneration_from_an_earlier_reply_at_the_limit_drops_the_oldest_reply(handlers, store):
+    """With EARLIER_LIMIT replies kept, a regeneration drops the oldest, also
+    when Earlier reply shows another than the newest (whose turn then comes
+    back in the order the replies were written)."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    limit = chat_module.EARLIER_LIMIT
+    kept = [{"role": "assistant", "content": f"r{i}"} for i in range(limit)]
+    chat["messages"][-1] = {"role": "assistant", "content": f"r{limit}", chat_module.EARLIER: kept}
+    store.save_chat(chat)
+    for presses, shown in ((1, limit - 1), (2, limit - 2)):
+        view = chat
+        for _ in range(presses):
+            view = handlers.earlier_reply(view, True)[1]
+        assert view["messages"][-1]["content"] == f"r{shown}"
+        regenerated = list(handlers.regenerate(view, False, "", *values(max_new_tokens=4)))[-1][2]
+        earlier = [m["content"] for m in regenerated["messages"][-1][chat_module.EARLIER]]
+        assert earlier == [f"r{i}" for i in range(1, limit + 1)], presses  # r0 dropped, in the order they were written
+        store.save_chat(chat)
+
+
+def test_a_chat_file_damaged_while_shown_is_left_as_it_is_and_the_chat_goes_on_as_a_copy(handlers, store):
+    """A hand edit that leaves the file unreadable is kept, as at page load:
+    the tab's next message continues its chat as a copy, saying why, and
+    Earlier reply (which saves the chat) is refused."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    chat = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=4)))[-1][2]
+    path = store.chat_path(chat["id"])
+    damaged = path.read_text().replace('"content": "w1"', '"content": "w1 mended",', 1)  # a stray comma
+    path.write_text(damaged)
+    view, _, _, notice = handlers.earlier_reply(chat, True)
+    assert view == gr.skip() and "can no longer be read (not valid JSON" in notice and path.read_text() == damaged
+    _, pending, _, copied, notice = handlers.accept("w2", chat, True)
+    assert copied["id"] != chat["id"] and copied["copy_of"] == chat["id"] and "not valid JSON" in notice
+    final = list(handlers.send(pending, copied, "", *values(max_new_tokens=4)))[-1]
+    assert "not valid JSON" in final[3] and "another tab" not in final[3]  # said again with the reply
+    assert path.read_text() == damaged and store.load_chat(copied["id"])["title"] == "w1 (copy)"
+    with pytest.raises(OSError, match="not valid JSON"):  # a reply being written as the file was damaged: not saved over it
+        store.save_chat(chat)
+    assert path.read_text() == damaged
+
+
+def test_a_lone_surrogate_typed_or_read_from_a_file_is_saved_as_the_replacement_character(handlers, store, tmp_path):
+    """A lone UTF-16 surrogate (half an emoji: valid JSON as an escape, and
+    what a browser may send) can be neither written as UTF-8 nor tokenized:
+    it is read as U+FFFD, the character a browser shows for it."""
+    _, pending, _, chat, notice = handlers.accept("w1 \ud83d", new_chat(), True)
+    assert notice == "" and store.load_chat(chat["id"])["messages"][0]["content"] == "w1 \ufffd"
+    final = list(handlers.send(pending, chat, "w2 \udc00", *values(max_new_tokens=4)))[-1]
+    chat = final[2]
+    assert chat["messages"][0]["content"] == "w1 \ufffd" and chat["system"] == "w2 \ufffd" and not handlers.sent
+    path = store.chat_path(chat["id"])
+    saved = json.loads(path.read_text())
+    saved["messages"][1]["content"] = "w3 \ud83d"
+    path.write_text(json.dumps(saved))  # written as an escape: valid JSON
+    chat = handlers.open(chat["id"], new_chat(), True)[1]
+    assert chat["messages"][1]["content"] == "w3 \ufffd"
+    chat = list(handlers.send("w4", chat, "", *values(max_new_tokens=4)))[-1][2]
+    assert store.load_chat(chat["id"])["messages"][:3] == chat["messages"][:3] and len(chat["messages"]) == 4
+    (markdown, _), notice = handlers.export(chat)
+    assert notice == "" and "w3 \ufffd" in Path(markdown).read_text(encoding="utf-8")
+    assert handlers.rename("w5 \ud83d", chat)[2] == "w5 \ufffd"
+    assert handlers.remember("w6 \ud83d", *values()) == gr.skip() and store.load_settings()["system"] == "w6 \ufffd"
+    export = tmp_path / "export.json"
+    export.write_text(json.dumps({"messages": [{"role": "user", "content": "w7 \udc00"}]}))
+    _, imported, *_, notice = handlers.import_chat(str(export), new_chat(), True)
+    assert "Imported export.json" in notice and store.load_chat(imported["id"])["messages"][0]["content"] == "w7 \ufffd"
+
+
+def test_a_saved_chat_without_messages_can_be_deleted_and_cleared(handlers, store):
+    folder = store.chat_path("x").parent
+    folder.mkdir(parents=True)
+    path = folder / "20250101-000000-abcdef.json"
+    for remove in (handlers.delete, handlers.clear):
+        path.write_text(json.dumps({"title": "Old notes", "messages": []}))
+        assert [chat["title"] for chat in store.list_chats()] == ["Old notes"]
+        chat = handlers.open(path.stem, new_chat(), True)[1]
+        assert remove(chat)[-1] == "" and not path.exists() and store.list_chats() == []
+
+
+def test_the_markdown_export_says_how_many_earlier_replies_the_json_export_holds(handlers):
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    (markdown, _), _ = handlers.export(chat)
+    assert "Earlier replies" not in Path(markdown).read_text()
+    for _ in range(2):
+        chat = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=4)))[-1][2]
+    (markdown, data), _ = handlers.export(chat)
+    assert "_Earlier replies kept for this message: 2 (the JSON export holds them)._" in Path(markdown).read_text()
+    assert len(json.loads(Path(data).read_text())["messages"][-1]["earlier"]) == 2
+
+
+def test_a_listed_chat_whose_file_was_damaged_since_is_named_with_the_damage_when_picked(handlers, store):
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    other = list(handlers.send("w2", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    path = store.chat_path(chat["id"])
+    damaged = path.read_text()[:-5]
+    path.write_text(damaged)
+    shown, kept, *_, notice = handlers.open(chat["id"], other, True)
+    assert shown == gr.skip() and kept == other and "no longer saved" not in notice
+    assert "not valid JSON" in notice and chat["id"] in notice and path.read_text() == damaged
+    saved = json.loads(store.chat_path(other["id"]).read_text())
+    saved["messages"][0]["role"] = "System"
+    store.chat_path(other["id"]).write_text(json.dumps(saved))
+    notice = handlers.open(other["id"], new_chat(), True)[-1]
+    assert "message 1 has the role" in notice and "no longer saved" not in notice
+
+
+def test_a_reply_stores_the_draft_head_it_was_drafted_with(handlers, engine, monkeypatch):
+    monkeypatch.setattr(engine, "head_name", "heads/w1-head")
+    for mode in ("eagle2", "eagle", "vanilla"):
+        stats = list(handlers.send("w1", new_chat(), "", *values(mode=mode, max_new_tokens=4)))[-1][2]["messages"][-1]["stats"]
+        assert stats["settings"].get("head") == (None if mode == "vanilla" else "heads/w1-head"), mode
+        assert ("draft head heads/w1-head" in store_module.made_with(stats)) == (mode != "vanilla"), mode
