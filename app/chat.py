@@ -385,6 +385,7 @@ TAKEN_BACK = "taken_back"
 # A saved assistant message's EARLIER replies are in the order they were written; in one that
 # Earlier reply shows, NEWER counts those of them written after it (the last ones)
 NEWER = "newer"
+SYSTEM_FOR = "system_typed_for"  # in the settings: the id of the chat shown when the system prompt was typed
 EARLIER_LIMIT = 20  # replies kept per message
 
 
@@ -1236,10 +1237,13 @@ class ChatHandlers:
             return gr.skip()
         return display(chat, colour)
 
-    def remember(self, system: str, *values):
-        """Save the settings as soon as they change. Output: notice (said only where they cannot be saved)."""
+    def remember(self, system: str, shown: str, *values):
+        """Save the settings as soon as they change, the system prompt with the
+        id of the chat it was typed for (`shown`: a reload showing that chat
+        gives back the prompt as typed, not as the chat was sent with).
+        Output: notice (said only where they cannot be saved)."""
         try:
-            self.store.update_settings({**self._chosen(values), "system": well_formed(system)})
+            self.store.update_settings({**self._chosen(values), "system": well_formed(system), SYSTEM_FOR: shown or None})
         except OSError as error:
             return notice_html(f"The settings could not be saved ({error}); they apply until the page is closed.")
         return gr.skip()
@@ -1320,7 +1324,8 @@ class ChatHandlers:
         mode_update = gr.update(choices=mode_choices(modes), value=mode)
         controls = [mode_update] + [settings[name] for name in SETTINGS[1:]]
         outputs = (
-            *controls, chat.get("system", settings["system"]), display(chat, settings["colour"]), chat,
+            *controls, settings["system"] if saved.get(SYSTEM_FOR) == chat["id"] else chat.get("system", settings["system"]),
+            display(chat, settings["colour"]), chat,
             gr.update(choices=chat_choices(self.store, chats), value=chat["id"] if latest else None),
             render.stats_html(None, 0, session_tau(chat), saved=last_reply_stats(chat)),
             notice_html(" ".join(filter(None, (

@@ -267,7 +267,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         shown_id.change(chat.name_of, chat_state, chat_name, show_progress="hidden", api_name=False)  # another chat shown: its name
         colour.change(chat.recolour, [chat_state, colour], chatbot, show_progress="hidden")
         # saved as typed (the last value too: always_last), not only when the box loses the focus, which a reload never gives
-        gr.on([control.input for control in controls] + [system.input, system.blur], chat.remember, [system, *controls], notice,
+        gr.on([control.input for control in controls] + [system.input, system.blur], chat.remember, [system, shown_id, *controls], notice,
               show_progress="hidden", trigger_mode="always_last")  # fmt: skip
 
         # Compare and the benchmark release the tab's Stop at the click (arm), not when their turn

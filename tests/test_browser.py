@@ -606,6 +606,14 @@ def test_export_downloads_markdown_and_json(page, data_dir):
     # the page keeps the id of the chat shown, by which Send after a server restart continues it
     assert page.locator("#shown-chat-id textarea").input_value() == exported["id"]
     assert page.locator("#chats input").input_value().startswith("w4 w5")  # the chat shown is the one ticked in Saved chats
+    page.locator("#system textarea").press_sequentially("w3 w2")  # typed for this saved chat, not sent: a reload gives it back
+    page.wait_for_timeout(1500)
+    page.reload()
+    page.wait_for_function("document.querySelector('#system textarea')?.value === 'w3 w2'", timeout=30_000)
+    page.wait_for_function(f"document.querySelector('#shown-chat-id textarea')?.value === {json.dumps(exported['id'])}", timeout=15_000)
+    page.locator("#system textarea").fill("")
+    page.locator("#message textarea").click()
+    page.wait_for_timeout(1500)
     page.locator("#new-chat").click()  # another chat shown: the exported files of this one are no longer listed
     page.wait_for_function("document.querySelectorAll('#exported a[href]').length === 0", timeout=15_000)
     page.locator("#system textarea").press_sequentially("w9 w8")  # typed, never left: kept by a reload all the same

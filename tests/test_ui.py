@@ -307,6 +307,23 @@ def test_history_and_settings_survive_a_restart(engine, store, handlers):
     assert chatbot[0]["content"] == "w7 w8"
 
 
+def test_a_system_prompt_typed_for_a_saved_chat_survives_a_reload(handlers, engine, store):
+    """A saved chat sent with system prompt w9, then w5 typed in the box (not
+    sent): a reload showing that chat gave back w9, and the next settings save
+    wrote it over w5. Another chat shown gets its own system prompt."""
+    chat = list(handlers.send("w7 w8", new_chat(), "w9", *values(max_new_tokens=4)))[-1][2]
+    other = list(handlers.send("w1", new_chat(), "w3", *values(max_new_tokens=4)))[-1][2]
+    handlers.remember("w5", chat["id"], *values())  # typed while that chat is shown
+
+    def system_after_reload(tab_chat: str) -> str:
+        return ChatHandlers(Runtime(engine), Store(store.folder)).restore(tab_chat=tab_chat)[len(SETTINGS)]
+
+    assert system_after_reload(chat["id"]) == "w5"
+    assert system_after_reload(other["id"]) == "w3"  # typed for another chat: this one's own
+    handlers.remember("w5", other["id"], *values())
+    assert system_after_reload(chat["id"]) == "w9"
+
+
 def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, store):
     older = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
     time.sleep(0.01)
@@ -323,12 +340,12 @@ def test_a_reload_shows_the_chat_last_opened_or_written_in(handlers, engine, sto
     assert again.restore(tab_chat=newer["id"])[-4]["id"] == newer["id"] and again.restore_page(newer["id"])[-5]["id"] == newer["id"]
     gone = again.restore(tab_chat="gone")[-4]  # a new chat the tab showed (not saved until its first message), or one deleted:
     assert gone["messages"] == [] and gone["id"] not in (older["id"], newer["id"])  # a new chat, not another tab's
-    handlers.remember("", *values(temperature=0.5))  # a setting changed meanwhile
+    handlers.remember("", "", *values(temperature=0.5))  # a setting changed meanwhile
     assert reloaded() == older["id"]
     list(handlers.send("w3", newer, "", *values(max_new_tokens=4)))
     assert reloaded() == newer["id"]
     handlers.new(newer, "")  # a new chat, not saved until its first message, shows again with its system prompt
-    handlers.remember("w5", *values())
+    handlers.remember("w5", "", *values())
     restored = ChatHandlers(Runtime(engine), Store(store.folder)).restore()
     assert restored[-4]["messages"] == [] and restored[-4]["id"] not in (older["id"], newer["id"])
     assert restored[len(SETTINGS)] == "w5" and restored[-4]["system"] == "w5"
@@ -390,7 +407,7 @@ def test_a_setting_typed_out_of_range_or_emptied_is_named_and_the_message_kept(h
     other bad value is saved that would come back at the next start."""
     final = list(handlers.send("w1", new_chat(), "", *values(**changes)))[-1]
     assert named in final[3] and final[0] == "w1"
-    handlers.remember("", *values(**changes))
+    handlers.remember("", "", *values(**changes))
     name, typed = next(iter(changes.items()))
     restored = restored_settings(store.load_settings())[name]
     if name in SLIDERS and typed is not None:  # the slider's box settles on its range's nearest end, and is saved so
@@ -405,7 +422,7 @@ def test_an_empty_seed_box_is_saved_as_random(handlers, store):
     """An emptied Seed box sends with a random seed, and is kept as -1 (random), not as a setting not valid."""
     final = list(handlers.send("w1", new_chat(), "", *values(seed=None, temperature=1.0, max_new_tokens=4)))[-1]
     assert "enter" not in final[3]
-    handlers.remember("", *values(seed=None))
+    handlers.remember("", "", *values(seed=None))
     assert store.load_settings()["seed"] == -1 and "not valid" not in handlers.restore()[-1]
 
 
@@ -460,7 +477,7 @@ def test_the_page_passes_settings_as_typed():
 
 
 def test_settings_saved_when_changed(handlers, store):
-    handlers.remember("w3", *values(temperature=1.2, depth=3))
+    handlers.remember("w3", "", *values(temperature=1.2, depth=3))
     assert store.load_settings()["temperature"] == 1.2 and store.load_settings()["system"] == "w3"
 
 
@@ -1313,11 +1330,11 @@ def test_a_page_without_a_head_keeps_the_saved_mode(engine, store):
     vanilla picked where EAGLE modes are offered is saved."""
     store.update_settings({"mode": "eagle"})
     headless = ChatHandlers(Runtime(Engine(engine.base)), store)
-    headless.remember("", *values(mode="vanilla", temperature=0.5))
+    headless.remember("", "", *values(mode="vanilla", temperature=0.5))
     list(headless.send("hello", new_chat(), "", *values(mode="vanilla", max_new_tokens=2)))
     saved = store.load_settings()
     assert saved["mode"] == "eagle" and saved["max_new_tokens"] == 2  # the other settings are saved
-    ChatHandlers(Runtime(engine), store).remember("", *values(mode="vanilla"))
+    ChatHandlers(Runtime(engine), store).remember("", "", *values(mode="vanilla"))
     assert store.load_settings()["mode"] == "vanilla"
 
 
@@ -1983,7 +2000,7 @@ def test_unreadable_chats_and_settings_are_named_at_load_and_kept(handlers, stor
     assert "The saved settings could not be read" in notice and "settings.damaged-" in notice
     kept = list(store.folder.glob("settings.damaged-*.json"))
     assert len(kept) == 1 and kept[0].read_text() == '{"temperature": 0.7, "system": "be br'
-    handlers.remember("w2", *values())
+    handlers.remember("w2", "", *values())
     assert kept[0].read_text() == '{"temperature": 0.7, "system": "be br'  # the new settings went to settings.json
     assert store.load_settings()["system"] == "w2"
     assert all((folder / name).read_text() == text for name, text in damaged.items())
@@ -2006,7 +2023,7 @@ def test_a_settings_file_is_set_aside_only_when_damaged_and_never_replaced(handl
     monkeypatch.setattr(Path, "read_text", busy)
     assert store.set_aside_damaged_settings() is None and path.exists()
     # nor is it replaced by the one change a chat opened saves (read as {}, the other settings were lost)
-    assert "settings could not be saved" in handlers.remember("w1", *values())
+    assert "settings could not be saved" in handlers.remember("w1", "", *values())
     handlers._update_settings({"open_chat": "x"})
     monkeypatch.undo()
     assert json.loads(path.read_text(encoding="utf-8-sig")) == {"temperature": 0.7}
@@ -2017,7 +2034,7 @@ def test_a_settings_file_is_set_aside_only_when_damaged_and_never_replaced(handl
 
     monkeypatch.setattr(os, "replace", held)
     assert "settings.json" in handlers.restore()[-1] and "cannot be read" in handlers.restore()[-1]
-    assert "settings could not be saved" in handlers.remember("w1", *values())
+    assert "settings could not be saved" in handlers.remember("w1", "", *values())
     assert path.read_text() == '{"temperature": 0.' and not list(store.folder.glob("settings.damaged-*"))
 
 
@@ -2053,9 +2070,9 @@ def test_a_read_only_data_folder_still_replies_and_says_what_was_not_saved(handl
     for outcome in (handlers.delete(final[2]), handlers.clear(final[2])):
         assert "could not be changed" in outcome[-1] and "Read-only" in outcome[-1]
     assert handlers.edit_last(final[2], True)[0] == "w1"  # Edit writes nothing until the edited message is sent
-    assert "settings could not be saved" in handlers.remember("w2", *values(temperature=0.5)) and "Read-only" in handlers.remember("", *values())
+    assert "settings could not be saved" in handlers.remember("w2", "", *values(temperature=0.5)) and "Read-only" in handlers.remember("", "", *values())
     monkeypatch.undo()
-    assert handlers.remember("w2", *values()) == gr.skip()  # saved: the notice is left as it is
+    assert handlers.remember("w2", "", *values()) == gr.skip()  # saved: the notice is left as it is
 
 
 def test_a_start_after_an_update_does_not_pass_the_older_running_kestrel_off_as_itself(tmp_path, capsys, monkeypatch):
@@ -2673,7 +2690,7 @@ def test_a_lone_surrogate_typed_or_read_from_a_file_is_saved_as_the_replacement_
     (markdown, _), notice = handlers.export(chat)
     assert notice == "" and "w3 \ufffd" in Path(markdown).read_text(encoding="utf-8")
     assert handlers.rename("w5 \ud83d", chat)[2] == "w5 \ufffd"
-    assert handlers.remember("w6 \ud83d", *values()) == gr.skip() and store.load_settings()["system"] == "w6 \ufffd"
+    assert handlers.remember("w6 \ud83d", "", *values()) == gr.skip() and store.load_settings()["system"] == "w6 \ufffd"
     export = tmp_path / "export.json"
     export.write_text(json.dumps({"messages": [{"role": "user", "content": "w7 \udc00"}]}))
     _, imported, *_, notice = handlers.import_chat(str(export), new_chat(), True)
