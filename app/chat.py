@@ -1306,7 +1306,8 @@ class ChatHandlers:
         saved files that cannot be read (kept on disk, never overwritten).
         Outputs: the SETTINGS controls, system prompt, chatbot, chat, chat list, stats, notice
         (and with `wanted`, the saved mode that the model loaded now lacks)."""
-        damaged = self.store.set_aside_damaged_settings()
+        damaged = self.store.set_aside_damaged_settings() or self.store.set_aside
+        self.store.set_aside = None
         saved = self.store.load_settings()
         settings = restored_settings(saved)
         modes = self.runtime.modes or ("vanilla",)

@@ -135,6 +135,7 @@ class Store:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.settings_lock = threading.Lock()  # the page's settings and the Models tab's choice are saved from other threads
+        self.set_aside: str | None = None  # a damaged settings file a change set aside, until a page load has said so
 
     def load_settings(self) -> dict:
         return self.read_object(self.folder / SETTINGS_FILE) or {}
@@ -183,8 +184,10 @@ class Store:
         are). A damaged settings file is set aside first; where it cannot be,
         nothing is saved (OSError) rather than the file replaced."""
         with self.settings_lock:  # read, changed and written as one: two at once would lose one's change
-            if self.set_aside_damaged_settings() == SETTINGS_FILE:
+            kept = self.set_aside_damaged_settings()
+            if kept == SETTINGS_FILE:
                 raise OSError(f"{self.folder / SETTINGS_FILE} cannot be read and cannot be set aside, so it is left as it is")
+            self.set_aside = kept or self.set_aside  # damaged while the page was open: the next load says where it went
             try:  # a file that cannot be read just now (OSError) is left as it is: read as {}, the change would replace it
                 saved = self._parse(self.folder / SETTINGS_FILE) or {}
             except FileNotFoundError:

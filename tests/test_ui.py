@@ -2006,6 +2006,12 @@ def test_unreadable_chats_and_settings_are_named_at_load_and_kept(handlers, stor
     assert all((folder / name).read_text() == text for name, text in damaged.items())
     again = handlers.restore()[-1]
     assert "3 saved chats cannot be read" in again and "settings" not in again
+    (store.folder / "settings.json").write_text('{"temperature": 0.5,')  # damaged while the page is open
+    handlers.new(None, "")  # a change saved (the chat shown): the damaged file set aside, silently until now
+    assert len(list(store.folder.glob("settings.damaged-*.json"))) == 2
+    told = handlers.restore()[-1]
+    assert "The saved settings could not be read" in told and "settings.damaged-" in told
+    assert "settings" not in handlers.restore()[-1]  # said once
 
 
 def test_a_settings_file_is_set_aside_only_when_damaged_and_never_replaced(handlers, store, monkeypatch):
