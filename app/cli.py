@@ -1018,6 +1018,12 @@ def run_bench_command(args) -> int:
     drafted = [(head_of(mode), *parse_mode(mode, tree)) for mode in modes]
     own_head = any(head is None and mode in ("eagle", "eagle2") for head, mode, _ in drafted)  # else no head is loaded
     planned = {head for head, mode, shape in drafted if mode == "eagle2" and shape.planned}  # the heads whose trees the costs size
+    if own_head and not args.head:
+        from app.session import default_head
+
+        if default_head(args.model) is None:  # said before a model loads for minutes, as chat says it
+            needing = ", ".join(sorted({mode for head, mode, _ in drafted if head is None and mode in ("eagle", "eagle2")}))
+            raise ValueError(f"--modes {needing} needs a draft head: give --head HEAD (a head trained for this model), or leave {needing} out")
     engine = load_engine(args, with_head=own_head)
     other_heads = {
         name: Engine(engine.base, load_draft_head(engine.base, source), source, args.compile) for name, source in others.items()

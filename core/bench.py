@@ -33,7 +33,9 @@ def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
     settings come from `tree`. Plain labels use `tree` itself. "eagle2@NAME"
     drafts with the other head called NAME (`head_of`)."""
     named, _, shape = label.partition(":")
-    mode, _, head = named.partition("@")
+    mode, at, head = named.partition("@")
+    if at and not head:
+        raise ValueError(f"bad mode {label!r}: name the other head after @ (eagle2@NAME, with --other-head NAME=FOLDER), or drop the @")
     if head and mode not in ("eagle", "eagle2"):
         raise ValueError(f"bad mode {label!r}: only eagle and eagle2 draft with a head (@{head})")
     if mode not in MODES + BASELINES:

@@ -185,7 +185,7 @@ def test_mode_labels_set_tree_shapes():
     assert parse_mode("eagle2:8/4/2/6", tree)[1].lookup_tokens == 6
     with pytest.raises(ValueError, match="eagle drafts EAGLE-1's fixed tree; tree shapes are for eagle2"):
         parse_mode("eagle@x:6/3/2", tree)  # the shape was shown in the table and ignored
-    for bad in ("eagle2:8/4", "vanilla:8/4/2", "eagle2:a/b/c"):
+    for bad in ("eagle2:8/4", "vanilla:8/4/2", "eagle2:a/b/c", "eagle2@", "eagle2@:8/4/2"):  # "@" alone ran the own head, unlabelled
         with pytest.raises(ValueError, match="bad mode"):
             parse_mode(bad, tree)
 
@@ -276,6 +276,7 @@ def test_bench_refuses_an_unknown_or_missing_other_head_before_the_model_loads(t
         (["--modes", "vanilla,eagle2", "--other-head", f"mine={tmp_path}"], "--other-head mine: no mode drafts with it"),
         (["--modes", "eagle2:08/4/4,eagle2:8/4/4"], "--modes eagle2:08/4/4 and eagle2:8/4/4 run the same decoding"),
         (["--modes", "eagle2,eagle2:8/4/4", "--total-tokens", "8", "--depth", "4", "--tree-top-k", "4"], "run the same decoding"),
+        (["--model", str(tmp_path), "--modes", "vanilla,eagle2"], "--modes eagle2 needs a draft head: give --head HEAD"),  # no bundled head for it
     ]
     for extra, message in cases:
         assert main(["bench", "--prompts", str(path), *extra]) == 2
