@@ -380,7 +380,13 @@ def shortcut_options(args: argparse.Namespace) -> list[str]:
     return options
 
 
+SIGNALLED: list[int] = []  # the kills and hang-ups _interrupted took
+
+
 def _interrupted(signum, frame):
+    # noted first: a raise that lands in a finalizer or a weakref callback (as imports and a model's load
+    # run them) is only reported by Python, and the command would run on; the decoding then stops at once
+    SIGNALLED.append(signum)
     raise KeyboardInterrupt
 
 
@@ -409,6 +415,8 @@ def stop_on_interrupt():
 
     for number in taken:
         signal.signal(number, interrupted)
+    if SIGNALLED:  # a kill before the decoding whose KeyboardInterrupt was lost (_interrupted)
+        stop.set()
     try:
         yield stop
     finally:

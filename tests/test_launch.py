@@ -502,6 +502,42 @@ def test_ctrl_c_while_decoding_stops_the_reply_or_the_bench_with_what_it_has(tin
         time.sleep(5)
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGTERM handler to take a kill on Windows")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the interrupt Python dropped, as it reports it
+def test_a_kill_whose_interrupt_python_dropped_in_a_finalizer_still_stops_the_bench(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A kill at start, while imports and the model's load run finalizers: the
+    KeyboardInterrupt raised where it landed, in a finalizer, was only reported
+    ("Exception ignored in"), and the whole benchmark ran on, ending 0."""
+    import json
+    import os
+    import signal
+
+    from app import cli
+
+    monkeypatch.setattr(cli, "SIGNALLED", [])
+    load = cli.load_engine
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, inside the finalizer
+
+    def loaded_then_killed(*args, **kwargs):
+        engine = load(*args, **kwargs)
+        Finalized()
+        return engine
+
+    monkeypatch.setattr(cli, "load_engine", loaded_then_killed)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"w{i} w2"]}) + "\n" for i in range(3)))
+    argv = ["bench", "--prompts", str(prompts), "--modes", "vanilla", "--max-new-tokens", "6", "--model", str(tiny_dir),
+            "--dtype", "float32", "--compile", "off", "--threads", "1"]  # fmt: skip
+    try:
+        assert cli.main(argv) == 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert "interrupted" in capsys.readouterr().err and cli.SIGNALLED == [signal.SIGTERM]
+
+
 def cli_reply(cli, argv: list[str], capsys) -> str:
     assert cli.main(argv) == 0
     return capsys.readouterr().out
