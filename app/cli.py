@@ -287,6 +287,7 @@ def main(argv: list[str]) -> int:
 
     from models.errors import KestrelError
 
+    SIGNALLED.clear()  # of this command (tests run several in one process)
     if args.command in ("train-head", "ui", "bench-app", "bench"):
         # kill, logout, shutdown or a closed terminal end these as Ctrl-C does:
         # train-head saves its checkpoint and clock, the page saves the replies being written, bench-app stops its server
