@@ -367,6 +367,10 @@ def set_up() -> None:
             with contextlib.suppress(OSError):
                 failed_marker().touch()
             raise
+        except KeyboardInterrupt:  # cut short, whatever came before
+            with contextlib.suppress(OSError):
+                failed_marker().unlink(missing_ok=True)
+            raise
         with contextlib.suppress(OSError):
             failed_marker().unlink(missing_ok=True)
         try:

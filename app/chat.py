@@ -201,6 +201,8 @@ def fit_context(engine: Engine, messages: list[dict], room: int) -> tuple[list[d
         return system + turns, 0
     last = len(turns) - 1  # the newest message always stays
     needed = fewest_dropped(length, last, window)
+    if needed is None and room > MIN_REPLY_ROOM:  # the newest message leaves the reply less: the turns that fit stay
+        return fit_context(engine, messages, MIN_REPLY_ROOM)
     if needed is None:  # too long even alone: the engine names it
         return system + turns[last:], messages_in(last)
     step = max(1, engine.context_limit // CONTEXT_STEPS)
@@ -249,6 +251,7 @@ def fewest_dropped(length: Callable[[int], int | None], last: int, budget: int) 
 
 CONTEXT_STEPS = 8  # past the context window, the oldest turns are dropped in steps of 1/8 of it
 REPLY_SHARE = 4  # the oldest turns are dropped to leave the reply its Max new tokens, up to 1/4 of the window
+MIN_REPLY_ROOM = 64  # ... or this much, where the newest message alone leaves less
 
 
 def reply_room(engine: Engine, max_new_tokens: int) -> int:
@@ -955,17 +958,16 @@ class ChatHandlers:
             return ""
         saved = self.store.load_chat(chat["id"])
         if saved is None and (damage := self._damage(chat["id"])):
-            return f"{damage} Messages sent go on with this chat as a new one."
+            return f"{damage} Nothing is written to it or removed: a message sent goes on as a new chat; fix or remove the file to change it."
         if saved is None or chat["id"] in self.unsaved:
             return ""
         return STALE_TEXT if saved["messages"] != json.loads(json.dumps(shown)) else ""  # as stored: lists
 
     def _damage(self, chat_id: str) -> str:
-        """DAMAGED_TEXT for a chat that the store cannot load, where its file is there; "" where there is none."""
-        path = self.store.chat_path(chat_id)
-        if not (path.exists() or path.is_symlink()):
-            return ""
-        return DAMAGED_TEXT.format(path, chat_file_problem(path))
+        """DAMAGED_TEXT for a chat whose file can be read but holds no chat; "" where
+        there is none, or it cannot be read just now (held by another program on Windows)."""
+        problem = self.store.chat_damage(chat_id)
+        return DAMAGED_TEXT.format(self.store.chat_path(chat_id), problem) if problem else ""
 
     def _saved(self, action: Callable[[], None]) -> str:
         """Run a change to the saved chats; "" or the notice saying why it failed."""

@@ -23,15 +23,15 @@ def data_dir() -> Path:
 
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE_FOLDERS = ("app", "core", "models")  # what an update changes
+CODE_FOLDERS = ("app", "core", "models")  # what an update changes, with launch.py
 
 
 def code_stamp(root: Path = ROOT) -> str:
     """This Kestrel's folder and the time of its code's latest change: a
     running Kestrel with another stamp is another copy, or this one before an
     update (a new copy, or files pulled over these)."""
-    files = (path for folder in CODE_FOLDERS for path in (root / folder).glob("*.py"))
-    newest = max((path.stat().st_mtime_ns for path in files), default=0)
+    files = [root / "launch.py", *(path for folder in CODE_FOLDERS for path in (root / folder).rglob("*.py"))]
+    newest = max((path.stat().st_mtime_ns for path in files if path.is_file()), default=0)
     return f"{newest} {root}"
 
 
@@ -138,9 +138,10 @@ def tell_running(lock: DataLock, store_dir: Path, no_browser: bool) -> int:
     url, stamp = lock.holder(), lock.holder_stamp()
     where = f"at {url}" if url else "(still starting)"
     mine = code_stamp()
-    if stamp and stamp != mine:  # opening its page would pass the older Kestrel off as this one
+    if url and stamp != mine:  # opening its page would pass the older Kestrel off as this one
+        # no stamp beside its address: a Kestrel from before stamps were written, so before an update
         folder = stamp.partition(" ")[2]
-        which = "started before this one's files were updated" if folder == mine.partition(" ")[2] else f"from {folder}"
+        which = f"from {folder}" if folder and folder != mine.partition(" ")[2] else "started before this one's files were updated"
         print(f"Another Kestrel, {which}, is running {where} with the chats in {store_dir}. "
               "Close it (Ctrl+C in its window) and start this one again to use it.", flush=True)  # fmt: skip
         return 1

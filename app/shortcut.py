@@ -72,10 +72,13 @@ def shortcut_command(options: list[str]) -> list[str]:
 
 def batch_argument(text: str) -> str:
     """One argument of a batch file's command line, to be written in quotes:
-    cmd has no escape for a quote inside quotes."""
+    cmd has no escape for a quote inside quotes; backslashes ending it are
+    doubled, since Windows reads a backslash before the closing quote as
+    escaping it (D:\\ would run on into the next argument)."""
     if '"' in text:
         raise ValueError(f"{text!r}: a Windows shortcut cannot pass on an option with a double quote in it")
-    return text.replace("%", "%%")
+    trailing = len(text) - len(text.rstrip("\\"))
+    return (text + "\\" * trailing).replace("%", "%%")
 
 
 def exec_argument(text: str) -> str:

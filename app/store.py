@@ -194,6 +194,17 @@ class Store:
                 saved = {}
             self.save_settings({**saved, **changes})
 
+    def chat_damage(self, chat_id: str) -> str:
+        """What keeps the chat's file from being read as a chat, where it can be
+        read (damaged by hand); "" where it holds the chat, is missing, or cannot
+        be read just now (held by another program on Windows: not damage)."""
+        path = self.chat_path(chat_id)
+        try:
+            value = self._parse(path)
+        except OSError:
+            return ""
+        return "" if as_chat(value, chat_id) is not None else chat_file_problem(path)
+
     def chat_path(self, chat_id: str) -> Path:
         """The chat's file in the chats folder; ValueError for an id that would
         name another place: a path; on Windows a drive or stream (a colon), a device (CON, NUL...)."""

@@ -97,6 +97,20 @@ def test_an_incomplete_venv_is_made_again(monkeypatch, tmp_path, capsys):
     launch.STAMP.unlink()
     launch.bootstrap()
     assert "cut short" in capsys.readouterr().out
+    launch.STAMP.unlink()
+    monkeypatch.setattr(launch, "run_pip", failing)
+    with pytest.raises(SystemExit):
+        launch.bootstrap()
+
+    def stopped(args, step):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "run_pip", stopped)  # the retry stopped with Ctrl+C: cut short, not failed
+    with pytest.raises(KeyboardInterrupt):
+        launch.bootstrap()
+    monkeypatch.setattr(launch, "run_pip", lambda args, step: installed.append(step))
+    launch.bootstrap()
+    assert "finishing an install that was cut short" in capsys.readouterr().out
 
 
 def test_pip_s_downloads_are_shown_with_their_size():

@@ -622,6 +622,21 @@ def test_a_long_chat_drops_its_oldest_turns_in_steps(engine):
         assert whole - len(prompts[index]) < needed + Window.context_limit // 8 + 130
 
 
+def test_a_long_newest_message_keeps_the_turns_that_fit_with_less_room_for_the_reply(engine):
+    """A newest message that leaves less than the wanted reply room (Max new
+    tokens, up to a quarter of the window) but fits with 64 tokens to spare:
+    the earlier turns that fit stay, instead of all of them being dropped."""
+    class Window:
+        context_limit = 2048
+        encode = staticmethod(engine.encode)
+
+    earlier = [{"role": role, "content": "w1 w2"} for role in ("user", "assistant") * 3]
+    paste = {"role": "user", "content": " ".join(["w3"] * 1700)}
+    assert Window.context_limit - 512 < len(engine.encode([paste])) < Window.context_limit - 64 - len(engine.encode(earlier))
+    fitted, dropped = fit_context(Window(), [*earlier, paste], room=512)
+    assert dropped == 0 and fitted[-1] is paste
+
+
 def test_a_pasted_text_stays_while_it_fits_and_long_chats_encode_a_few_times(engine):
     """Where the step would drop a long pasted text together with the short
     messages before it, the text stays while it fits; and a chat of hundreds of
@@ -1534,6 +1549,7 @@ def test_shortcut_starts_kestrel_with_the_options_it_was_made_with(tmp_path, mon
     assert subprocess.run(exec_arguments(entry_line[5:]), capture_output=True, text=True, env=path).stdout == f"{ROOT / 'launch.py'} ui --port 1\n"
     batch = windows_batch(Path("C:\\K"), "py.exe", options=["--model", "D:\\100% models"]).split("\r\n")
     assert batch[3] == '"py.exe" launch.py "ui" "--model" "D:\\100%% models" %*'
+    assert windows_batch(Path("C:\\K"), "py.exe", options=["--model", "D:\\"]).split("\r\n")[3] == '"py.exe" launch.py "ui" "--model" "D:\\\\" %*'
     with pytest.raises(ValueError, match="double quote"):
         windows_batch(Path("C:\\K"), "py.exe", options=["--model", 'a"b'])
 
@@ -2110,6 +2126,15 @@ def test_a_start_after_an_update_does_not_pass_the_older_running_kestrel_off_as_
     assert tell_running(DataLock(tmp_path), tmp_path, no_browser=True) == 1
     assert f"Another Kestrel, from {instance.ROOT}, is running" in capsys.readouterr().out
     held.release()
+    (tmp_path / "kestrel.lock").write_text("http://127.0.0.1:7860/")  # as a Kestrel from before the stamps announced itself
+    assert tell_running(DataLock(tmp_path), tmp_path, no_browser=False) == 1 and len(opened) == 1
+    assert "started before this one's files were updated" in capsys.readouterr().out
+    (root / "core" / "training").mkdir()
+    (root / "core" / "training" / "trainer.py").write_text("")
+    later = code_stamp(root).partition(" ")[0]
+    newest = int(later) + 10**10
+    os.utime(root / "core" / "training" / "trainer.py", ns=(newest, newest))
+    assert code_stamp(root) == f"{newest} {root}"  # a file in a subfolder counts too
 
 
 def test_one_running_page_per_data_folder(tmp_path, capsys, monkeypatch):
@@ -2674,6 +2699,24 @@ def test_a_chat_file_damaged_while_shown_is_left_as_it_is_and_the_chat_goes_on_a
     with pytest.raises(OSError, match="not valid JSON"):  # a reply being written as the file was damaged: not saved over it
         store.save_chat(chat)
     assert path.read_text() == damaged
+    notice = handlers.delete(chat, True)[-1]
+    assert "Nothing is written to it or removed" in notice and path.read_text() == damaged
+
+
+def test_a_chat_file_held_a_moment_by_another_program_is_no_damage(handlers, store, monkeypatch):
+    """A file that cannot be read just now (a virus scanner holding it on
+    Windows) is not damaged: the chat goes on as itself, not as a copy."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    original = Path.read_text
+
+    def held(self, *args, **kwargs):
+        if self.name == f"{chat['id']}.json":
+            raise PermissionError(13, "Permission denied")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", held)
+    _, _, _, accepted, notice = handlers.accept("w2", chat, True)
+    assert accepted["id"] == chat["id"] and "can no longer be read" not in notice
 
 
 def test_a_lone_surrogate_typed_or_read_from_a_file_is_saved_as_the_replacement_character(handlers, store, tmp_path):
