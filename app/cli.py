@@ -515,6 +515,23 @@ def recorded_quantization(work: Path, asked: str) -> str:
     return recorded
 
 
+def written_by_run(out: Path, work: Path) -> bool:
+    """Whether the head in `out` was written by the run whose work `work`
+    holds: its report records that run's id. A head whose report records none
+    (downloaded, someone's own, or written before runs were recorded) is
+    not taken for the run's."""
+    import json
+
+    from core.training.report import REPORT_FILE
+    from core.training.work import run_id
+
+    try:
+        recorded = json.loads((out / REPORT_FILE).read_text(encoding="utf-8")).get("run")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return recorded is not None and recorded == run_id(work)
+
+
 def earlier_arch(out: Path) -> str | None:
     """The --arch of the head in `out`: from the report of the train-head run
     that wrote it, else (a report without one, or none) told by the head's own
@@ -810,7 +827,7 @@ def run_train_head(args) -> int:
     from core.training.answers import training_ids
     from core.training.pipeline import ANSWERS_FILE
     from core.training.report import NOTES_FILE, REPORT_FILE
-    from core.training.work import holds_a_run
+    from core.training.work import holds_a_run, not_a_work_folder
     from models.head import CONFIG_FILE, WEIGHT_FILES
 
     set_threads(args.threads)
@@ -828,6 +845,8 @@ def run_train_head(args) -> int:
     holder = held_by(work)
     if holder is not None:  # before what its work there looks like to this run
         raise ValueError(busy_text(work, holder, "train-head"))
+    if stranger := not_a_work_folder(work):  # a run would answer afresh among its files, or take them for its own
+        raise ValueError(f"{stranger}; give the --work of the run to resume, or a new folder (by default OUT/work)")
     earlier_run = holds_a_run(work)
     if earlier_run and not args.resume:
         raise ValueError(earlier_run_text(work))
@@ -848,6 +867,10 @@ def run_train_head(args) -> int:
     if holds_head and not earlier_run:  # --resume with nothing to resume: the head there is someone's, not this run's
         raise ValueError(f"--out {args.out}: already holds a head or its notes, and {work} holds no earlier run for "
                          "--resume to continue; choose another --out (or the --work of the run that wrote it)")  # fmt: skip
+    if holds_head and not written_by_run(out, work):  # another run's head, a downloaded one, or one of unknown origin
+        raise ValueError(f"--out {args.out}: holds a head that the run in {work} did not write (or that records no run: "
+                         "downloaded, or written by an earlier Kestrel), which --resume would replace; resume into that "
+                         "run's own --out, or choose another --out")  # fmt: skip
     if args.resume and not earlier_run:  # a forgotten --work would otherwise answer every prompt again, unasked
         raise ValueError(f"--resume: {work} holds no earlier run to continue; give the --work of the run to resume, "
                          "or leave --resume out to start one")  # fmt: skip

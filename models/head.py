@@ -362,10 +362,23 @@ def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = N
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {key: tensor.detach().contiguous().cpu() for key, tensor in head.state_dict().items()}
-    save_tensors(state, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "model.safetensors").chmod(0o644)  # safetensors writes it readable by its owner alone
+    # each file whole or not at all, through a .partial one: a full disk leaves an earlier head's as it was
+    partial = folder / "model.safetensors.partial"
+    try:
+        save_tensors(state, partial, metadata={"format": "pt"})  # an OSError naming the file
+        partial.chmod(0o644)  # safetensors writes it readable by its owner alone
+        partial.replace(folder / "model.safetensors")
+    finally:
+        partial.unlink(missing_ok=True)
     settings = {**head.config.to_dict(), **(extra_config or {})}
-    (folder / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    partial = folder / f"{CONFIG_FILE}.partial"
+    try:
+        partial.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+        partial.replace(folder / CONFIG_FILE)
+    except OSError as error:
+        raise OSError(f"{folder / CONFIG_FILE}: cannot be written ({error.strerror or error})") from error
+    finally:
+        partial.unlink(missing_ok=True)
     return folder
 
 

@@ -1098,3 +1098,166 @@ def test_self_prompts_open_with_words_of_the_files_prompts_but_never_of_held_out
         openings(alone, 1, SelfParams(), 0.05)
     ids = request_ids(500, 7, 0.05)
     assert len(set(ids)) == 500 and not any(is_held_out(rid, 0.05) for rid in ids) and ids[0].startswith("self-7-")
+
+
+def test_resume_replaces_only_the_head_the_resumed_run_wrote(tiny_base, prompts_file, tmp_path, monkeypatch, capsys):
+    """--resume with another run's --work wrote over a head copied out of its
+    own run (its work folder deleted, as a final head allows) or a downloaded
+    one: its weights replaced and its notes telling the other run's data."""
+    from dataclasses import replace
+
+    from app.cli import main
+    from core.training.work import RUN_FILE
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    paths = RunPaths(prompts_file, tmp_path / "h1", tmp_path / "h1" / "work")
+    train_head(tiny_base, paths, replace(ANSWERS, samples_per_prompt=1), FEATURES, replace(TRAIN, epochs=1), progress=False, draft_vocab=24)
+    assert json.loads((paths.out / REPORT_FILE).read_text())["run"] == json.loads((paths.work / RUN_FILE).read_text())["run"]
+    copy = tmp_path / "h1copy"
+    shutil.copytree(paths.out, copy, ignore=shutil.ignore_patterns("work"))
+    other = tmp_path / "wk3"  # another run's work
+    other.mkdir()
+    (other / "answers.jsonl").write_text("")
+    weights = (copy / "model.safetensors").read_bytes()
+    monkeypatch.setattr("models.base.load_base", no_model)
+    command = ["train-head", "--prompts", str(prompts_file), "--threads", "1", "--resume"]
+    assert main([*command, "--out", str(copy), "--work", str(other)]) == 2
+    assert f"--out {copy}: holds a head that the run in {other} did not write" in capsys.readouterr().err
+    report = json.loads((copy / REPORT_FILE).read_text())
+    (copy / REPORT_FILE).write_text(json.dumps({key: value for key, value in report.items() if key != "run"}))
+    assert main([*command, "--out", str(copy), "--work", str(paths.work)]) == 2  # a head that records no run: not proven its own
+    assert "did not write (or that records no run" in capsys.readouterr().err
+    (copy / REPORT_FILE).unlink()
+    (copy / NOTES_FILE).unlink()  # a downloaded head: config.json and model.safetensors alone
+    assert main([*command, "--out", str(copy), "--work", str(other)]) == 2
+    assert f"the run in {other} did not write" in capsys.readouterr().err
+    assert (copy / "model.safetensors").read_bytes() == weights and not (other / "features").exists()
+    with pytest.raises(AssertionError, match="the model must not load"):  # the run that wrote it goes on
+        main([*command, "--out", str(paths.out), "--work", str(paths.work)])
+
+
+def test_long_prompts_use_the_answers_they_plan_of_those_cached(tiny_base, tiny_dir, prompts_file, tmp_path):
+    """A work folder holding more answers (an earlier, larger --documents; a
+    prompt file with the same prompts under other ids) made the documents of
+    all of them, or failed with a KeyError on a question of another file."""
+    from app.cli import main
+    from core.training.answers import training_ids
+    from core.training.features import is_held_out
+
+    out, work = tmp_path / "long.jsonl", tmp_path / "docs"
+    options = ["long-prompts", "--prompts", str(prompts_file), "--out", str(out), "--work", str(work), "--model", str(tiny_dir),
+               "--count", "8", "--min-tokens", "60", "--max-tokens", "120", "--max-new-tokens", "24",
+               "--min-passage-tokens", "8", "--answer-batch", "4", "--threads", "1"]  # fmt: skip
+    assert main([*options, "--documents", "12"]) == 0
+    assert main([*options, "--documents", "4"]) == 0
+    planned = [pid for pid in training_ids(prompts_file) if not is_held_out(pid, 0.05)][:4]
+    stops, decode = set(stop_token_ids(tiny_base.model, tiny_base.tokenizer)), tiny_base.tokenizer.decode
+    passages = {answer.id: decode([t for t in answer.answer_ids if t not in stops], skip_special_tokens=True).strip()
+                for answer in read_answers(work / "documents.jsonl")}  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row in rows:
+        used = {pid for pid, text in passages.items() if text and text in row["turns"][0]}
+        assert used and used <= set(planned), row
+    renamed = tmp_path / "renamed.jsonl"  # the same prompts, other ids
+    renamed.write_text("".join(json.dumps({**row, "id": f"q{pid[1:]}"}) + "\n" for pid, row in training_ids(prompts_file).items()))
+    assert main([*options[:2], str(renamed), *options[3:], "--documents", "4"]) == 0
+    assert main([*options, "--documents", "4"]) == 0  # the other file's answers, cached beside these, are left out
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+
+
+def test_a_folder_that_is_no_work_folder_is_refused_as_what_it_looks_like(tmp_path, prompts_file, monkeypatch, capsys):
+    """--work naming a head's folder: with --resume a run started afresh inside
+    it (answers, features and checkpoints among the head's files), and without
+    it the refusal advised --resume."""
+    from transformers import AutoModelForCausalLM
+
+    from app.cli import main
+    from core.training.work import holds_a_run
+    from models.head import save_head
+    from tests.factory import random_head, tiny_config
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr("models.base.load_base", no_model)
+    head = save_head(random_head(AutoModelForCausalLM.from_config(tiny_config())), tmp_path / "head")
+    before = sorted(path.name for path in head.iterdir())
+    for resume in ([], ["--resume"]):
+        assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "new"), "--work", str(head), *resume]) == 2
+        err = capsys.readouterr().err
+        assert f"{head}: holds config.json, model.safetensors, which no training run writes: it looks like a draft head's" in err
+        assert "pass --resume" not in err
+    assert sorted(path.name for path in head.iterdir()) == before and not holds_a_run(head)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("")
+    assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "new"), "--work", str(notes), "--resume"]) == 2
+    assert "holds todo.txt, which no training run writes: it looks like a folder of other files" in capsys.readouterr().err
+
+
+def test_a_full_disk_leaves_the_report_and_head_whole_and_names_the_file(tiny_base, prompts_file, tmp_path, monkeypatch):
+    """The report was written in place: a full disk left training_report.json
+    cut (JSON that no longer reads), and answers appended to a full disk
+    stopped the run with a bare "[Errno 28]"."""
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    from core.training.report import write_report
+    from models.head import save_head
+    from tests.factory import random_head, tiny_config
+
+    report = {"run": "r", "data": {}, "notes": ["x" * 5000]}
+    (tmp_path / REPORT_FILE).write_text(json.dumps(report))
+    (tmp_path / NOTES_FILE).write_text("notes")
+    written = Path.write_text
+
+    def half(path, text, *args, **kwargs):  # a disk that fills halfway through the file
+        written(path, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match=rf"{REPORT_FILE}: cannot be written \(No space left on device\)"):
+        write_report(tmp_path, {**report, "run": "s"})
+    assert json.loads((tmp_path / REPORT_FILE).read_text()) == report and (tmp_path / NOTES_FILE).read_text() == "notes"
+    monkeypatch.undo()
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    folder = save_head(random_head(model), tmp_path / "head")
+    files = {name: (folder / name).read_bytes() for name in ("model.safetensors", "config.json")}
+
+    def half_tensors(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a head")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_tensors)
+    with pytest.raises(OSError, match=r"model\.safetensors(\.partial)?: cannot be written"):
+        save_head(random_head(model, seed=1), folder)
+    assert {name: (folder / name).read_bytes() for name in files} == files
+    monkeypatch.undo()
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match=r"config\.json: cannot be written \(No space left on device\)"):
+        save_head(random_head(model, seed=1), folder)
+    monkeypatch.undo()
+    assert {name: (folder / name).read_bytes() for name in files} != files  # the weights were replaced whole
+    assert json.loads((folder / "config.json").read_bytes()) == json.loads(files["config.json"])
+    assert sorted(path.name for path in folder.iterdir()) == ["config.json", "model.safetensors"]
+    if not Path("/dev/full").exists():
+        return
+    cache = tmp_path / "work" / "answers.jsonl"
+    cache.parent.mkdir()
+    cache.symlink_to("/dev/full")  # every write fails as on a full disk
+    prompts = read_prompts(prompts_file, tiny_base.tokenizer)[:2]
+    with pytest.raises(OSError, match=rf"{cache}: cannot be written \(No space left on device\)"):
+        generate_answers(tiny_base, prompts, cache, ANSWERS, progress=False)
+
+
+def test_the_head_is_judged_under_a_progress_bar(tiny_base, prompts_file, tmp_path, capsys):
+    """The held-out judging after each epoch and of the written head showed
+    nothing while the training bar stood at its end."""
+    from dataclasses import replace
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    train_head(tiny_base, paths, replace(ANSWERS, samples_per_prompt=1), FEATURES, replace(TRAIN, epochs=2), draft_vocab=24)
+    err = capsys.readouterr().err
+    assert "epoch 1 held-out" in err and "epoch 2 held-out" in err and "judging the head (held-out)" in err

@@ -129,18 +129,22 @@ def generate_answers(
     cache.parent.mkdir(parents=True, exist_ok=True)
     total = sum(len(batch) for _, batch in planned)  # every planned answer; a resumed run starts at those it has
     bar = tqdm(total=total, initial=total - sum(len(batch) for _, batch in batches), unit="answer", desc="answers", disable=not progress)
-    with open(cache, "a", encoding="utf-8") as out:
-        for index, batch in batches:
-            if deadline is not None and time.time() > deadline:
-                break
-            answers = answer_batch(base, batch, params, stops, pad, seed=derived_seed(params.seed, index))
-            for answer in answers:
-                if (answer.id, answer.sample) not in done:
-                    out.write(json.dumps(answer.__dict__) + "\n")
-            out.flush()
-            bar.update(len(batch))
-            bar.set_postfix(tokens=sum(len(answer.answer_ids) for answer in answers))
-    bar.close()
+    try:
+        with open(cache, "a", encoding="utf-8") as out:
+            for index, batch in batches:
+                if deadline is not None and time.time() > deadline:
+                    break
+                answers = answer_batch(base, batch, params, stops, pad, seed=derived_seed(params.seed, index))
+                for answer in answers:
+                    if (answer.id, answer.sample) not in done:
+                        out.write(json.dumps(answer.__dict__) + "\n")
+                out.flush()
+                bar.update(len(batch))
+                bar.set_postfix(tokens=sum(len(answer.answer_ids) for answer in answers))
+    except OSError as error:  # a full disk: the file, which Python's own error leaves unnamed (a half line is cut at the next run)
+        raise OSError(f"{cache}: cannot be written ({error.strerror or error})") from error
+    finally:
+        bar.close()
     return read_answers(cache)
 
 

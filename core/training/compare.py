@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from core.training.features import read_shard
-from core.training.trainer import Totals, count_step, fed_back, frozen_of, make_batch, plan_epoch, unrolled_mask
+from core.training.trainer import Totals, count_step, fed_back, frozen_of, make_batch, plan_epoch, shard_lengths, unrolled_mask
 from models.eagle3 import Eagle3Head
 from models.head import HeadCache
 
@@ -59,15 +59,20 @@ def check_feature_shards(base, shards: list[Path]) -> None:
 
 
 @torch.no_grad()
-def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_tokens: int = 2048) -> dict:
+def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_tokens: int = 2048, progress: bool = False) -> dict:
     """{"positions", "accuracy": [step 1, 2, ...], "chain_accuracy": [...]} over
-    the answer positions of `shards` (EAGLE-3 shards hold both kinds of features)."""
+    the answer positions of `shards` (EAGLE-3 shards hold both kinds of features);
+    `progress`: a bar counting the sequences judged."""
+    from tqdm import tqdm
+
     frozen = frozen_of(base, bf16=False)
     head = head.place(frozen.embed.device, torch.float32).eval()
     third = isinstance(head, Eagle3Head)
     draft_ids = head.draft_token_ids
     rows = frozen.lm_head if draft_ids is None or third else frozen.lm_head[draft_ids]
     totals = Totals()
+    bar = tqdm(total=sum(len(shard_lengths(path)) for path in shards) if progress else 0, unit="seq",
+               desc="judging the head (held-out)", leave=False, disable=not progress)  # fmt: skip
     for path in shards:
         sequences = read_shard(path)
         if third and sequences[0].aux is None:
@@ -76,6 +81,8 @@ def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_token
         for _, indices in plan_epoch([path], lengths, batch_tokens, 0, 0):
             batch = make_batch([sequences[i] for i in indices], frozen)
             _judge(head, batch, frozen.lm_head, rows, draft_ids, third, steps, totals)
+            bar.update(len(indices))
+    bar.close()
     summary = totals.summary()
     return {key: summary[key] for key in ("positions", "accuracy", "chain_accuracy", "chain_positions")}
 

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.training.answers import Answer, AnswerParams, Prompt, generate_answers, read_prompts, training_ids
+from core.training.answers import Answer, AnswerParams, Prompt, generate_answers, plan_batches, read_prompts, training_ids
 
 SUMMARIES = (
     "Summarize the following text in a few sentences.\n\n{document}",
@@ -106,7 +106,11 @@ def long_prompts(base, prompts_path: Path, work: Path, documents: int, params: L
         prompt for prompt in read_prompts(prompts_path, base.tokenizer, answer_params.max_prompt_tokens)
         if not is_held_out(prompt.id, held_out)
     ][:documents]
-    answers = generate_answers(base, prompts, work / DOCUMENTS_FILE, answer_params, None, progress)
+    cached = generate_answers(base, prompts, work / DOCUMENTS_FILE, answer_params, None, progress)
+    made = {(answer.id, answer.sample): answer for answer in cached}
+    # the planned answers alone, in the order a new cache holds them: the cache may hold more (an earlier, larger
+    # --documents; another prompt file's ids), which stay there unused
+    answers = [made[prompt.id, sample] for batch in plan_batches(prompts, answer_params) for prompt, sample in batch]
     questions = {pid: row["turns"][0] for pid, row in training_ids(prompts_path).items()}
     passages = passages_of(answers, base.tokenizer, set(stop_token_ids(base.model, base.tokenizer)), params.min_passage)
     return build(passages, questions, base.tokenizer, params)

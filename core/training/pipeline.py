@@ -19,7 +19,7 @@ from core.training.compare import drafted_accuracy
 from core.training.features import MANIFEST, FeatureParams, extract_features, is_held_out
 from core.training.report import write_report
 from core.training.trainer import TrainParams, Trainer, frequent_tokens, head_config_for, initial_weights, new_head
-from core.training.work import BASE_FILE, holds_a_run
+from core.training.work import BASE_FILE, holds_a_run, start_run
 from models import eagle3
 from models.head import save_head, with_draft_vocabulary
 
@@ -200,6 +200,7 @@ def train_head(
         kept_vocabulary = initial_draft_ids(Path(train_params.init_head), draft_vocab)
     prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)  # first: a refusal leaves no record
     check_base_model(paths.work, base)
+    run = start_run(paths.work)  # recorded in the head's report too: a --resume replaces this run's head alone
     clock = PhaseClock(paths.work / PHASES_FILE)
     if not any(is_held_out(prompt.id, feature_params.eval_fraction) for prompt in prompts):
         print(
@@ -241,21 +242,18 @@ def train_head(
             raise TrainingStopped("before the first training step")
     head, training = trainer.head.eval(), trainer.summary()
     del trainer  # its copies of the embedding and lm_head go before the judging below makes its own
-    if third:
-        eagle3.save(head, paths.out)
-    else:
-        if draft_vocab:
-            vocab_size = base.model.get_output_embeddings().weight.shape[0]
-            chosen = kept_vocabulary if kept_vocabulary is not None else frequent_tokens(shards["train"], draft_vocab, vocab_size)
-            head = with_draft_vocabulary(head, chosen)
-        save_head(head, paths.out)
+    if draft_vocab and not third:
+        vocab_size = base.model.get_output_embeddings().weight.shape[0]
+        chosen = kept_vocabulary if kept_vocabulary is not None else frequent_tokens(shards["train"], draft_vocab, vocab_size)
+        head = with_draft_vocabulary(head, chosen)
     # the head as written, judged as eval-heads judges it (float32; its draft tokens against the base model's
     # greedy token over the whole vocabulary): training's own figures count its training vocabulary alone
     with clock.phase(f"training{suffix}"):
-        final = drafted_accuracy(base, head, shards["eval"], train_params.unroll_steps, train_params.batch_tokens)
+        final = drafted_accuracy(base, head, shards["eval"], train_params.unroll_steps, train_params.batch_tokens, progress)
     report = {
         "base_model": base.name,
         "arch": train_params.arch,
+        "run": run,
         "data": {**data_summary(paths, prompts, answers, shards, answer_params, feature_params),
                  "planned_answers": len(plan), "unanswered": len(plan - {(a.id, a.sample) for a in answers}),
                  "features_kept": taken},
@@ -266,7 +264,12 @@ def train_head(
         "phases": {name.removesuffix(suffix): round(seconds, 1) for name, seconds in clock.seconds.items()
                    if name in ("answers", f"features{suffix}", f"training{suffix}")},  # this head's phases alone
     }
+    # the report first: its run id is what lets a --resume stopped while the head was written replace that head
     write_report(paths.out, report)
+    if third:
+        eagle3.save(head, paths.out)
+    else:
+        save_head(head, paths.out)
     return report
 
 

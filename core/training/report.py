@@ -12,8 +12,21 @@ NOTES_FILE = "TRAINING.md"
 
 def write_report(folder: Path, report: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (folder / NOTES_FILE).write_text(render_markdown(report), encoding="utf-8")
+    write_whole(folder / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+    write_whole(folder / NOTES_FILE, render_markdown(report))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: a full disk leaves the file
+    there as it was (a report cut short would be JSON that no longer reads),
+    with an OSError naming `path`."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise OSError(f"{path}: cannot be written ({error.strerror or error})") from error
 
 
 def read_report(folder: Path) -> dict:

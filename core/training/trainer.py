@@ -424,13 +424,21 @@ def learning_rate(step: int, total: int, params: TrainParams) -> float:
 
 
 @torch.no_grad()
-def evaluate(head: DraftHead, shards: list[Path], frozen: Frozen, params: TrainParams) -> dict:
+def evaluate(head: DraftHead, shards: list[Path], frozen: Frozen, params: TrainParams, progress: bool = False,
+             desc: str = "held-out") -> dict:
+    """The metrics of `head` over `shards`; `progress`: a bar named `desc`, counting sequences."""
+    from tqdm import tqdm
+
     head.eval()
     totals = Totals()
+    bar = tqdm(total=sum(len(shard_lengths(path)) for path in shards) if progress else 0, unit="seq", desc=desc,
+               leave=False, disable=not progress)  # fmt: skip
     for path in shards:
         sequences = read_shard(path)
         for _, indices in plan_epoch([path], [[len(s.input_ids) for s in sequences]], params.batch_tokens, 0, 0):
             forward_losses(head, make_batch([sequences[i] for i in indices], frozen), frozen, params, None, totals)
+            bar.update(len(indices))
+    bar.close()
     head.train()
     return totals.summary()
 
@@ -484,7 +492,7 @@ class Trainer:
         started, failed = time.time(), True
         try:
             if self.step and self.step % self.steps_per_epoch == 0 and self._epoch_unevaluated():
-                self._end_epoch(self.step // self.steps_per_epoch - 1)  # killed between the last step and its eval
+                self._end_epoch(self.step // self.steps_per_epoch - 1, progress)  # killed between the last step and its eval
             while not self.finished:
                 epoch, offset = divmod(self.step, self.steps_per_epoch)
                 plan = plan_epoch(self.train_shards, self.lengths, self.params.batch_tokens, self.params.seed, epoch)
@@ -501,7 +509,7 @@ class Trainer:
                     if self.step % self.params.checkpoint_every == 0:
                         self._save(started)
                         started = time.time()
-                self._end_epoch(epoch)
+                self._end_epoch(epoch, progress)
             failed = False
             return True
         finally:  # every exit, Ctrl-C included, leaves a checkpoint
@@ -531,9 +539,10 @@ class Trainer:
     def _epoch_unevaluated(self) -> bool:
         return not self.history or self.history[-1]["step"] != self.step
 
-    def _end_epoch(self, epoch: int) -> None:
+    def _end_epoch(self, epoch: int, progress: bool = False) -> None:
         record = {"epoch": epoch + 1, "step": self.step, "train": self.train_totals.summary()}
-        record["eval"] = evaluate(self.head, self.eval_shards, self.eval_frozen, self.params)
+        record["eval"] = evaluate(self.head, self.eval_shards, self.eval_frozen, self.params, progress,
+                                  f"epoch {epoch + 1} held-out")  # while the training bar stands at the epoch's end
         self.history.append(record)
         self.train_totals = Totals()
 
