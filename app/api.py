@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +21,6 @@ from starlette.requests import ClientDisconnect
 from app.decoding import Decoding, ServerStopping
 from app.request import Generation, RequestError, model_defaults, parse_chat, parse_completion
 from app.runtime import ModelBusyError, ModelChangedError, ModelLoadingError, NoModelError, Runtime
-from app.store import well_formed
 from core.detokenize import Detokenizer
 from core.engine import Engine, Step
 from core.prompt import opened_thinking
@@ -534,12 +532,7 @@ def parse_json(raw: bytes) -> dict:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from error
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {json_kind(body)}")
-    if SURROGATE_ESCAPE.search(raw):  # half of a character (JSON's \ud83d alone): U+FFFD, as the page reads it
-        body = well_formed(body)
     return body
-
-
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a UTF-16 surrogate written as a JSON escape (alone, or one of a pair)
 
 
 def reject_constant(name: str):

@@ -1139,21 +1139,3 @@ def test_a_streamed_reply_inside_reasoning_the_template_opened_begins_with_its_t
     chunks = list(chat(client, engine.base.name, messages=REASONED, max_tokens=12, stream=True, extra_body={"chat_template_kwargs": off}))
     closed = engine_reply(engine, engine.encode(REASONED, off))[0]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == closed
-
-
-def test_half_a_character_in_a_request_reads_as_the_replacement_character(server, engine):
-    """JSON can hold half of a UTF-16 pair ("\\ud83d" alone): a chat request with
-    one was refused as refused by the chat template, and a completion's prompt
-    failed as an internal error; it reads as U+FFFD, as the page reads it."""
-    model = engine.base.name
-    chat_body = b'{"model": "%s", "max_tokens": 3, "messages": [{"role": "user", "content": "w1 \\ud83d w2"}]}' % model.encode()
-    answer = httpx.post(f"{server.url}v1/chat/completions", content=chat_body, headers={"Content-Type": "application/json"}, timeout=60)
-    assert answer.status_code == 200, answer.text
-    expected = engine.encode([{"role": "user", "content": "w1 \ufffd w2"}])
-    assert answer.json()["usage"]["prompt_tokens"] == len(expected)
-    prompt_body = b'{"model": "%s", "max_tokens": 3, "prompt": "w1 \\udc00"}' % model.encode()
-    answer = httpx.post(f"{server.url}v1/completions", content=prompt_body, headers={"Content-Type": "application/json"}, timeout=60)
-    assert answer.status_code == 200, answer.text
-    pair = b'{"model": "%s", "max_tokens": 3, "prompt": "w1 \\ud83d\\ude00"}' % model.encode()  # a whole pair: the emoji itself
-    answer = httpx.post(f"{server.url}v1/completions", content=pair, headers={"Content-Type": "application/json"}, timeout=60)
-    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == len(engine.base.tokenizer("w1 \U0001f600")["input_ids"])
