@@ -357,7 +357,7 @@ def check_keys(state: dict[str, torch.Tensor], shapes: dict, config: HeadConfig,
 def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = None) -> Path:
     """Write config.json + model.safetensors, the format other EAGLE tools
     read; extra_config overrides or adds config fields."""
-    from models.paths import save_tensors
+    from models.paths import save_tensors, write_whole
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -371,14 +371,7 @@ def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = N
     finally:
         partial.unlink(missing_ok=True)
     settings = {**head.config.to_dict(), **(extra_config or {})}
-    partial = folder / f"{CONFIG_FILE}.partial"
-    try:
-        partial.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-        partial.replace(folder / CONFIG_FILE)
-    except OSError as error:
-        raise OSError(f"{folder / CONFIG_FILE}: cannot be written ({error.strerror or error})") from error
-    finally:
-        partial.unlink(missing_ok=True)
+    write_whole(folder / CONFIG_FILE, json.dumps(settings, indent=2) + "\n")
     return folder
 
 

@@ -1,6 +1,7 @@
 """Paths as the user types them (`~` and `~user` expanded, or refused by
-name), tensors written there with the path named when the disk refuses, and
-files moved into place while another program holds them for a moment."""
+name), tensors and text written there with the path named when the disk
+refuses (text whole or not at all), and files moved into place while another
+program holds them for a moment."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> Non
         save_file(tensors, str(path), metadata=metadata)
     except (SafetensorError, OSError) as error:  # the file's writing, not the tensors (a ValueError names those)
         raise OSError(f"{path}: cannot be written ({error})") from error
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: a full disk leaves the file
+    there as it was (a report cut short would be JSON that no longer reads),
+    with an OSError naming `path`."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise OSError(f"{path}: cannot be written ({error.strerror or error})") from error

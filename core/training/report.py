@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from models.paths import write_whole
+
 REPORT_FILE = "training_report.json"
 NOTES_FILE = "TRAINING.md"
 
@@ -14,19 +16,6 @@ def write_report(folder: Path, report: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     write_whole(folder / REPORT_FILE, json.dumps(report, indent=2) + "\n")
     write_whole(folder / NOTES_FILE, render_markdown(report))
-
-
-def write_whole(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all: a full disk leaves the file
-    there as it was (a report cut short would be JSON that no longer reads),
-    with an OSError naming `path`."""
-    partial = path.with_name(path.name + ".partial")
-    try:
-        partial.write_text(text, encoding="utf-8")
-        partial.replace(path)
-    except OSError as error:
-        partial.unlink(missing_ok=True)
-        raise OSError(f"{path}: cannot be written ({error.strerror or error})") from error
 
 
 def read_report(folder: Path) -> dict:
