@@ -987,7 +987,7 @@ def run_eval_heads(args) -> int:
     try:
         for source in sources:
             head = load_draft_head(base, folders[source], torch.float32)
-            figures = drafted_accuracy(base, head, shards, args.steps)
+            figures = drafted_accuracy(base, head, shards, args.steps, progress=True, label=f"judging {source} ({args.split} split)")
             results[source] = figures
             chain = ", ".join(  # each step's share of the chains that reached it, with that count
                 f"{100 * a:.1f}% of {int(n)}" for a, n in zip(figures["chain_accuracy"], figures["chain_positions"])

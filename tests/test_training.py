@@ -519,8 +519,9 @@ def test_heads_are_judged_as_they_draft_on_the_same_positions(tiny_base, tiny_di
     assert main([*command, "--json", str(tmp_path / "figures.json"), str(tmp_path / "head")]) == 0
     figures = json.loads((tmp_path / "figures.json").read_text())[str(tmp_path / "head")]
     assert figures["accuracy"] == judged["accuracy"]
-    printed = capsys.readouterr().out
-    assert f"; chain {100 * figures['chain_accuracy'][0]:.1f}% of {int(figures['chain_positions'][0])}, " in printed  # with its count
+    printed = capsys.readouterr()
+    assert f"; chain {100 * figures['chain_accuracy'][0]:.1f}% of {int(figures['chain_positions'][0])}, " in printed.out  # with its count
+    assert f"judging {tmp_path / 'head'} (eval split)" in printed.err  # a progress bar while it judges
     assert main(command) == 2  # no head named
     other = tmp_path / "other"  # a head for another model: refused when it loads, after the first was judged
     shutil.copytree(tmp_path / "head", other)

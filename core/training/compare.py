@@ -59,10 +59,11 @@ def check_feature_shards(base, shards: list[Path]) -> None:
 
 
 @torch.no_grad()
-def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_tokens: int = 2048, progress: bool = False) -> dict:
+def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_tokens: int = 2048, progress: bool = False,
+                     label: str = "judging the head (held-out)") -> dict:
     """{"positions", "accuracy": [step 1, 2, ...], "chain_accuracy": [...]} over
     the answer positions of `shards` (EAGLE-3 shards hold both kinds of features);
-    `progress`: a bar counting the sequences judged."""
+    `progress`: a bar counting the sequences judged, described by `label`."""
     from tqdm import tqdm
 
     frozen = frozen_of(base, bf16=False)
@@ -72,7 +73,7 @@ def drafted_accuracy(base, head, shards: list[Path], steps: int = 3, batch_token
     rows = frozen.lm_head if draft_ids is None or third else frozen.lm_head[draft_ids]
     totals = Totals()
     bar = tqdm(total=sum(len(shard_lengths(path)) for path in shards) if progress else 0, unit="seq",
-               desc="judging the head (held-out)", leave=False, disable=not progress)  # fmt: skip
+               desc=label, leave=False, disable=not progress)  # fmt: skip
     for path in shards:
         sequences = read_shard(path)
         if third and sequences[0].aux is None:
