@@ -187,7 +187,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     info=library.heads_info, allow_custom_value=True,  # a page whose state the server let go still loads what it lists
                 )  # fmt: skip
                 with gr.Row():
-                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a 4-bit GGUF where Kestrel's kernel is built, else int8 where it is faster")
+                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a Q4_1 GGUF where Kestrel's kernel is built, else int8 where it is faster")
                     dtype = gr.Dropdown(list(DTYPE_CHOICES), value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")

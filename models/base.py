@@ -1,7 +1,7 @@
 """Base models: from a Hugging Face repo id, a local folder or a GGUF file,
 optionally quantized: to 8 or 4 bits with bitsandbytes (the GPU path), or on
 CPUs to int4 or int8 with torch's kernels (models/int4.py, models/int8.py),
-which `auto` picks on CPUs: int4 for a 4-bit GGUF (its own format), else int8
+which `auto` picks on CPUs: int4 for a Q4_1 GGUF (its own format), else int8
 where it is measured faster."""
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def load_base(
             location = str(path)
         else:
             location, revision = pinned_repo(source)
-    four_bit = quantization == "auto" and gguf is not None and _four_bit(gguf)
-    chosen = resolve_quantization(quantization, torch_device, torch_dtype, four_bit)
+    q4_1 = quantization == "auto" and gguf is not None and _q4_1(gguf)
+    chosen = resolve_quantization(quantization, torch_device, torch_dtype, q4_1)
     if torch_device.type == "cpu" and torch_dtype == torch.float16:  # only asked for by name: auto never picks it on CPUs
         log.warning("float16 on a CPU runs without Kestrel's int4 and int8 kernels (and uncompiled, unless --compile on), "
                     "several times slower than bfloat16 or float32 here (--dtype auto picks the faster of those)")  # fmt: skip
@@ -159,18 +159,18 @@ def pinned_repo(source: str) -> tuple[str, str | None]:
     return repo.id, repo.revision
 
 
-def _four_bit(locate) -> bool:
-    """Whether the GGUF file that locate() finds holds 4-bit weights; False when it cannot be found or read."""
+def _q4_1(locate) -> bool:
+    """Whether the GGUF file that locate() finds holds Q4_1 weights; False when it cannot be found or read."""
     from models import int4
 
     try:
-        return int4.gguf_is_4bit(locate())
+        return int4.gguf_is_q4_1(locate())
     except Exception:  # e.g. the bundled package is gone but its converted folder is cached
         return False
 
 
-def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype, four_bit_source: bool = False) -> str:
-    """auto on CPUs computing in float32 or bf16: int4 for a 4-bit GGUF where
+def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype, q4_1_source: bool = False) -> str:
+    """auto on CPUs computing in float32 or bf16: int4 for a Q4_1 GGUF where
     Kestrel's int4 kernel is built (it reads the GGUF's blocks exactly: the
     fastest kernel here), else int8 where the int8 kernel beats products in
     `dtype` (a probe of a few milliseconds), else none; on GPUs none. torch's
@@ -186,7 +186,7 @@ def resolve_quantization(quantization: str, device: torch.device, dtype: torch.d
     if quantization == "auto":
         if dtype not in (torch.float32, torch.bfloat16):
             return "none"
-        if four_bit_source and device.type == "cpu" and int4.own_kernel():
+        if q4_1_source and device.type == "cpu" and int4.own_kernel():
             return "int4"
         return "int8" if int8.kernel_available(device) and int8.pays(dtype) else "none"
     if quantization in ("int4", "int8"):

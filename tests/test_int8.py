@@ -261,10 +261,10 @@ def test_auto_takes_int4_for_a_4_bit_gguf_only_through_kestrel_s_own_kernel(monk
     still runs through torch's."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(int4, "own_kernel", lambda: True)
-    assert resolve_quantization("auto", cpu, torch.bfloat16, four_bit_source=True) == "int4"
+    assert resolve_quantization("auto", cpu, torch.bfloat16, q4_1_source=True) == "int4"
     monkeypatch.setattr(int4, "own_kernel", lambda: False)
-    other = resolve_quantization("auto", cpu, torch.bfloat16, four_bit_source=False)
-    assert resolve_quantization("auto", cpu, torch.bfloat16, four_bit_source=True) == other != "int4"
+    other = resolve_quantization("auto", cpu, torch.bfloat16, q4_1_source=False)
+    assert resolve_quantization("auto", cpu, torch.bfloat16, q4_1_source=True) == other != "int4"
     if int4.torch_kernel(cpu):
         assert resolve_quantization("int4", cpu, torch.bfloat16) == "int4"
 
@@ -499,3 +499,28 @@ def test_layers_the_int8_kernels_cannot_take_keep_plain_products(tmp_path):
         assert [token for step in steps for token in step.token_ids] == expected, mode
     with pytest.raises(QuantizationUnavailableError, match="int8 needs layer input sizes that are multiples of 16"):
         load_base(str(folder), dtype="float32", quantization="int8")
+
+
+@pytest.mark.parametrize("file_type, taken", [(3, True), (2, False), (15, False)])  # MOSTLY_Q4_1, MOSTLY_Q4_0, MOSTLY_Q4_K_M
+def test_auto_reads_only_a_q4_1_gguf_as_int4(tmp_path, file_type, taken):
+    """int4 finds each block's d and m again from its minimum and maximum: exact
+    for Q4_1's blocks, not for Q4_0's (d * (q - 8) seldom spans codes 0 to 15),
+    so auto takes int4 only for a GGUF whose file type says Q4_1."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    path = tmp_path / "model.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_file_type(file_type)
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((16, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert int4.gguf_is_q4_1(path) is taken
+
+    weights = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    kind = GGMLQuantizationType.Q4_1 if taken else GGMLQuantizationType.Q4_0
+    stored = torch.from_numpy(quants.dequantize(quants.quantize(weights, kind), kind).copy())
+    again = int4.dequantize_blocks(*int4.quantize_blocks(stored))
+    assert torch.equal(again, stored) is (kind == GGMLQuantizationType.Q4_1)
