@@ -291,7 +291,15 @@ class Api:
         if mode not in engine.modes:
             why = engine.speculation_problem() if engine.head is not None else "no draft head is loaded"
             raise ApiError(400, f"kestrel.mode {mode} is not available: {why}; available: {', '.join(engine.modes)}", "kestrel.mode")
+        unused = sorted(generation.tree_sent - {"lookup_tokens"}) if mode == "eagle" else []  # vanilla drafts no tree at all
+        if unused:
+            raise ApiError(
+                400, f"kestrel.{unused[0]} shapes eagle2's dynamic tree; kestrel.mode eagle drafts EAGLE-1's fixed tree, "
+                "which only kestrel.lookup_tokens changes", f"kestrel.{unused[0]}",
+            )  # fmt: skip
         prompt_ids = self._prompt_ids(engine, generation)
+        if not prompt_ids:
+            raise ApiError(400, "the prompt reads as no tokens at all; send some text", "messages" if generation.messages is not None else "prompt")
         opener = "" if generation.messages is None else opened_thinking(engine.base.tokenizer, generation.messages, generation.template_options)
         room = engine.context_limit - len(prompt_ids)
         if room < 1:

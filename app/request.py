@@ -78,6 +78,7 @@ class Generation:
     include_usage: bool
     max_tokens_sent: bool = True  # False where max_tokens is the endpoint's default (completions' 16), not the client's
     sampling_sent: frozenset[str] = frozenset(SAMPLING_FIELDS)  # of SAMPLING_FIELDS, those the client sent (model_defaults)
+    tree_sent: frozenset[str] = frozenset()  # the kestrel.<name> tree settings the client sent
     template_options: dict | None = None  # chat_template_kwargs: variables for the model's chat template
 
 
@@ -150,6 +151,7 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
         include_usage=_include_usage(body),
         max_tokens_sent=default_max_tokens is None or any(body.get(name) is not None for name in ("max_tokens", "max_completion_tokens")),
         sampling_sent=frozenset(name for name in SAMPLING_FIELDS if body.get(name) is not None or (name == "top_k" and kestrel.get(name) is not None)),
+        tree_sent=frozenset(name for name in (*TREE_RANGES, "min_path_prob") if kestrel.get(name) is not None),
     )  # fmt: skip
 
 

@@ -323,6 +323,9 @@ def access_from(args) -> Access:
     api_key = new_api_key() if args.api_key == "auto" else args.api_key
     if api_key is not None and len(api_key) < 8:
         raise ValueError("--api-key must be at least 8 characters (or auto to generate one)")
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
+        # an HTTP header carries ASCII only: clients cannot send such a key (the openai package fails on it)
+        raise ValueError("--api-key must be letters, digits and ASCII punctuation, without spaces (or auto to generate one)")
     if args.listen and (credentials is None or api_key is None):
         missing = [option for option, value in (("--auth USER:PASS", credentials), ("--api-key auto", api_key)) if value is None]
         raise ValueError(

@@ -300,6 +300,7 @@ def test_seeded_sampling_repeats(client, engine):
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
         ({"extra_body": {"kestrel": {"mode": "fast"}}}, "kestrel.mode"),
         ({"extra_body": {"kestrel": {"total_tokens": 1}}}, "kestrel.total_tokens"),
+        ({"extra_body": {"kestrel": {"mode": "eagle", "lookup_tokens": 0, "depth": 2}}}, "kestrel.depth"),  # EAGLE-1's fixed tree
         ({"extra_body": {"kestrel": {"colour": True}}}, "kestrel.colour"),
     ],
 )
@@ -620,6 +621,27 @@ def test_the_responses_api_and_a_doubled_v1_get_a_404_that_says_what_to_change(s
         chat(doubled, engine.base.name)
     assert error.value.code == "unknown_url"
     assert httpx.get(f"{server.url}v1/nope").json()["error"]["message"] == "no such API endpoint: GET /v1/nope"
+
+
+def test_tree_settings_a_mode_does_not_use_are_refused_only_where_they_would_be_expected_to_act(client, engine):
+    """eagle drafts EAGLE-1's fixed tree: of the tree settings only lookup_tokens
+    changes it, so the others are a 400 there; vanilla drafts no tree, and a
+    prompt of no tokens is a 400 naming it, not a failed decoding."""
+    assert chat(client, engine.base.name, extra_body={"kestrel": {"mode": "eagle", "lookup_tokens": 0}}).choices[0].message.content
+    assert chat(client, engine.base.name, extra_body={"kestrel": {"mode": "vanilla", "depth": 2}}).choices[0].message.content
+    assert not engine.base.tokenizer("   ", add_special_tokens=False)["input_ids"]  # the test tokenizer reads it as nothing
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=engine.base.name, prompt="   ", max_tokens=3)
+    assert error.value.param == "prompt" and "no tokens" in error.value.message
+
+
+def test_an_api_key_no_client_can_send_is_refused_at_start():
+    from app.cli import build_parser
+    from app.ui import access_from
+
+    for key in ("clé-secrète-123", "two words here"):  # an HTTP header carries ASCII only, and a Bearer token no spaces
+        with pytest.raises(ValueError, match="--api-key must be letters, digits and ASCII punctuation"):
+            access_from(build_parser().parse_args(["ui", "--api-key", key]))
 
 
 def test_api_key_is_required_when_set(engine, tmp_path_factory):
