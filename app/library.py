@@ -18,7 +18,7 @@ from app.runtime import Runtime
 from app.session import load_pair
 from core.engine import Engine
 from core.training.report import REPORT_FILE
-from models import catalog
+from models import bundled, catalog
 from models.base import DTYPES, QUANTIZATIONS
 from models.errors import HeadFormatError, KestrelError, OutOfMemoryError
 from models.paths import user_path
@@ -125,6 +125,12 @@ def same_base(trained_for: str, loaded: str) -> bool:
         return False
 
 
+def trained_base(folder: Path) -> str | None:
+    """The base model a head folder's training report says it was trained for; None without one."""
+    made_for = (read_json(folder / REPORT_FILE) or {}).get("base_model")
+    return made_for if isinstance(made_for, str) and made_for else None
+
+
 def read_json(path: Path) -> dict | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -226,12 +232,17 @@ class LibraryHandlers:
         """Outputs: status, notice, mode selector."""
         model, head = (model or "").strip() or None, (head or "").strip() or None
         loaded = self.runtime.engine
-        if trained and loaded is not None:  # the list is of heads for the loaded base: with an empty box, that base
-            model = model or loaded.base.name
-            if not same_base(model, loaded.base.name):  # a head for it would draft badly for another, or not load
+        loaded_name = loaded.base.name if loaded is not None else None
+        if trained:  # the list is of heads for the loaded base: with an empty box, that base
+            model = model or loaded_name
+            # the base its training report names, else the loaded one (listed for its sizes); the list may
+            # be older than the loaded base (another tab loaded one since, or unloaded it)
+            made_for = trained_base(Path(trained)) or loaded_name
+            if made_for is not None and not same_base(model or bundled.DEFAULT_NAME, made_for):  # it would draft badly, or not load
+                kept = "The previous model is still loaded." if loaded is not None else "No model is loaded."
                 return self.status(), render.escape(
-                    f"Loading failed: the head chosen under '{TRAINED_LABEL}' was made for {loaded.base.name}, not for "
-                    f"{model}; put {loaded.base.name} in the base model box, or clear that choice. The previous model is still loaded."
+                    f"Loading failed: the head chosen under '{TRAINED_LABEL}' was made for {made_for}, not for "
+                    f"{model or bundled.DEFAULT_NAME}; put {made_for} in the base model box, or clear that choice. {kept}"
                 ), gr.skip()  # fmt: skip
         head = trained or head
         try:

@@ -168,6 +168,8 @@ class Runtime:
         return engine.modes if engine is not None else ()
 
     def describe(self) -> str:
+        if self.loading is not None:  # the model loaded before serves nothing meanwhile (require)
+            return f"Loading {self.loading}..."
         engine = self.engine
         if engine is None:
             return "No model loaded."

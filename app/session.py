@@ -36,27 +36,47 @@ def load_pair(
     head_source = (head or default_head(model)) if with_head else None
     if head_source is not None:
         head_source = resolve_head_folder(str(head_source))
-        check_fits_sizes(head_source, *folder_sizes(model))  # its files read (head_files), and its sizes
+        check_fits_sizes(head_source, *folder_sizes(model))  # its files read (head_files), and its sizes and layers
     base = load_base(model, quantization, dtype, device)
     draft_head = None if head_source is None else load_draft_head(base, head_source)
     return Engine(base, draft_head, head or "bundled", compile)
 
 
-def folder_sizes(model: str | None) -> tuple[int | None, int | None]:
-    """(hidden size, vocabulary) from a local model folder's config.json, read
-    before its weights; None for what it does not say, or for a repo id or GGUF file."""
+SIZES = ("hidden_size", "vocab_size", "num_hidden_layers")  # what folder_sizes reads
+
+
+def folder_sizes(model: str | None) -> tuple[int | None, int | None, int | None]:
+    """(hidden size, vocabulary, decoder layers) from the base model's
+    config.json, read before its weights: a local folder's, or a repo id's
+    already in the Hugging Face cache (read there, without the network); None
+    for what it does not say, and for a GGUF file, the bundled model or a repo
+    id not in the cache."""
     import json
 
-    from models.paths import user_path
-
     try:
-        settings = json.loads((user_path(model) / "config.json").read_text(encoding="utf-8")) if model else None
+        file = config_file(model) if model else None
+        settings = json.loads(file.read_text(encoding="utf-8")) if file is not None else None
     except (OSError, ValueError):
-        return None, None
+        settings = None
     if not isinstance(settings, dict):
-        return None, None
-    sizes = [settings.get(name) for name in ("hidden_size", "vocab_size")]
+        return None, None, None
+    sizes = [settings.get(name) for name in SIZES]
     return tuple(size if isinstance(size, int) and not isinstance(size, bool) else None for size in sizes)
+
+
+def config_file(model: str) -> Path | None:
+    """A local folder's config.json, or a repo id's in the Hugging Face cache (at its @revision); None otherwise."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from models.paths import user_path
+    from models.repo import parse_repo
+
+    path = user_path(model)
+    if path.is_dir():
+        return path / "config.json"
+    repo = parse_repo(model)
+    cached = try_to_load_from_cache(repo.id, "config.json", revision=repo.revision) if repo is not None and not path.exists() else None
+    return Path(cached) if isinstance(cached, str) else None
 
 
 def load_draft_head(base, source, dtype=None):

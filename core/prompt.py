@@ -139,17 +139,35 @@ def chat_template(tokenizer) -> str | None:
     return VICUNA_TEMPLATE if "vicuna" in name.lower() else None
 
 
+def template_syntax_error(tokenizer) -> str | None:
+    """What jinja says is wrong with the chat template's text (one cut short:
+    "unexpected end of template"), which no conversation would render; None
+    where it reads (a template refusing a lone user message reads), or there is none."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        render_chat(tokenizer, [{"role": "user", "content": "x"}])
+    except ChatTemplateError as error:
+        if isinstance(error.__cause__, TemplateSyntaxError):
+            return str(error.__cause__)
+    except Exception:  # noqa: BLE001 (what else a template makes of a lone user message is for a chat to say)
+        pass
+    return None
+
+
 def render_chat(tokenizer, messages: list[dict], options: dict | None = None) -> str:
     """The chat template's text of `messages`, ending with the assistant's
     header; options: variables for the template (chat_template_kwargs)."""
     template = chat_template(tokenizer)
     if template:
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, TemplateSyntaxError
 
         # the tokenizer's own, as transformers picks it (a dict of named templates: the default one)
         given = {} if getattr(tokenizer, "chat_template", None) else {"chat_template": template}
         try:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **given, **(options or {}))
+        except TemplateSyntaxError as error:  # a template cut short or mistyped: no conversation is at fault
+            raise ChatTemplateError(f"the model's chat template is broken: {error}") from error
         except TemplateError as error:  # the template's raise_exception: what it refuses, in its words
             raise ChatTemplateError(f"the model's chat template refuses this conversation: {error}") from error
     # base models without a template: a plain transcript

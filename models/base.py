@@ -9,7 +9,10 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import pickle
 import shutil
+import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from models.errors import (
     CorruptedFileError,
     KestrelError,
     MissingWeightsError,
+    ModelLoadError,
     ModelNotFoundError,
     NetworkError,
     OutOfMemoryError,
@@ -116,7 +120,7 @@ def load_base(
         path = user_path(source)
         location, gguf_file, name = source, None, source
         if path.is_file():
-            if path.suffix != ".gguf":
+            if path.suffix.lower() != ".gguf":  # Model.GGUF too
                 raise ModelNotFoundError(f"{source}: a model file must be a .gguf file; otherwise give its folder")
             location, gguf_file, gguf = str(path.parent), path.name, lambda: path
         elif path.is_dir():
@@ -205,14 +209,11 @@ def resolve_quantization(quantization: str, device: torch.device, dtype: torch.d
 
 def check_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
+        ggufs = sorted(file for file in path.iterdir() if file.suffix.lower() == ".gguf")
         if ggufs:
             raise MissingWeightsError(f"{path}: no config.json in this folder; for a GGUF give the file itself, e.g. {ggufs[0]}")
         raise MissingWeightsError(f"{path}: no config.json in this folder; is it a Hugging Face model folder?")
-    try:
-        settings = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CorruptedFileError(f"{path / 'config.json'}: not valid JSON ({error})") from error
+    settings = parsed_json(path / "config.json")
     if not isinstance(settings, dict):
         raise CorruptedFileError(f"{path / 'config.json'}: must be a JSON object of settings, got {json_kind(settings)}")
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
@@ -223,6 +224,47 @@ def check_folder(path: Path) -> None:
         raise ModelNotFoundError(
             f"{path}: is an EAGLE draft head, not a base model; give it as the draft head, and the model it was made for as the base model"
         )
+
+
+def parsed_json(file: Path):
+    """A JSON file's value; CorruptedFileError naming the file where it is not JSON (cut short, say)."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CorruptedFileError(f"{file}: not valid JSON ({error}); copy or download it again") from error
+
+
+# the JSON files transformers reads from a model folder besides config.json (a generation_config.json
+# it cannot read is passed over with a warning, and the model loads)
+JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")
+
+
+def check_readable(folder: Path) -> None:
+    """Read a model folder's JSON files and its safetensors weights' headers
+    before transformers does, whose errors about one cut short (a download or
+    a copy stopped) do not say which file it is."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in JSON_FILES:
+        if (folder / name).is_file():
+            parsed_json(folder / name)
+    weights = [folder / "model.safetensors"]  # transformers' choice: the single file, else the shards an index names
+    index = folder / "model.safetensors.index.json"
+    if not weights[0].is_file() and index.is_file():
+        settings = parsed_json(index)
+        weight_map = settings.get("weight_map") if isinstance(settings, dict) else None
+        shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+        weights = [folder / str(shard) for shard in shards]
+        for shard in weights:
+            if not shard.is_file():
+                raise MissingWeightsError(f"{index}: names the shard {shard.name}, which is not in {folder}; the download may be incomplete")
+    for file in weights:
+        if file.is_file():
+            try:
+                with safe_open(str(file), framework="pt"):  # the header alone, which says where each tensor ends
+                    pass
+            except (SafetensorError, OSError) as error:
+                raise CorruptedFileError(f"{file}: cannot read the weights ({type(error).__name__}: {error}); copy or download it again") from error
 
 
 # Libraries' log lines that say nothing a user can act on: bitsandbytes' 8-bit product's cast,
@@ -297,6 +339,8 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     cache_only = not Path(location).is_dir() and not reachable()
     options["local_files_only"] = cache_only
     try:
+        if gguf_file is None and Path(location).is_dir():
+            check_readable(Path(location))  # the file at fault named, and within the try: the bundled copy is made again
         config = AutoConfig.from_pretrained(location, local_files_only=cache_only, trust_remote_code=False, **gguf, **pinned)
         check_generates(config, name)
         quantization, saved = saved_quantization(config, name, quantization, automatic)
@@ -321,9 +365,16 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     except Exception as error:  # translated into one specific, readable error
         raise _explain(error, name, quantization) from error
     check_complete(info, name)
-    from core.prompt import chat_template
+    from core.prompt import chat_template, template_syntax_error
 
-    if chat_template(tokenizer) is None:  # a base model: said once, here, rather than guessed at from its replies
+    broken = template_syntax_error(tokenizer)
+    if broken is not None:  # as a missing template: said once, here, and chats written as a plain transcript
+        source = Path(location) / "chat_template.jinja"
+        source = source if source.is_file() else "its chat_template.jinja or tokenizer_config.json"
+        log.warning(f"{name}: its chat template is broken ({broken.rstrip('.')}), so chats are written as a plain "
+                    f"'User: ... Assistant:' transcript, which the model may answer poorly; copy or download {source} again")  # fmt: skip
+        tokenizer.chat_template = None
+    elif chat_template(tokenizer) is None:  # a base model: said once, here, rather than guessed at from its replies
         log.warning(f"{name}: its tokenizer has no chat template, so chats are written as a plain 'User: ... Assistant:' "
                     "transcript, which a base model may continue past its answer (writing the user's next turn too)")  # fmt: skip
     if quantize is None:
@@ -496,7 +547,29 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
         return MissingWeightsError(f"{name}: {text.splitlines()[0]}")
     if "instantiate the backend tokenizer" in text:  # a folder without tokenizer.json / tokenizer.model
         return MissingWeightsError(f"{name}: no tokenizer files (tokenizer.json, or tokenizer.model with tokenizer_config.json)")
-    first_line = text.splitlines()[0] if text else type(error).__name__
-    if gguf:
-        return CorruptedFileError(f"{name}: cannot read the GGUF file, which may be incomplete or damaged ({type(error).__name__}: {first_line})")
-    return CorruptedFileError(f"{name}: cannot read the model files ({type(error).__name__}: {first_line})")
+    said = f"{type(error).__name__}: {text.splitlines()[0] if text else type(error).__name__}"
+    if gguf and (unreadable(error) or isinstance(error, GGUF_READ_ERRORS)):
+        return CorruptedFileError(f"{name}: cannot read the GGUF file, which may be incomplete or damaged ({said})")
+    if unreadable(error):
+        return CorruptedFileError(f"{name}: cannot read the model files ({said})")
+    # not the files' fault (a GPU's error, a library's): named as it is, and the bundled model's copy is not made again
+    return ModelLoadError(f"{name}: the model failed to load ({said})")
+
+
+# what numpy and the gguf reader raise on a GGUF file cut short or damaged (an array that cannot take its shape)
+GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, struct.error)
+
+
+def unreadable(error: BaseException) -> bool:
+    """Whether `error` says that a file could not be read or parsed (cut short,
+    damaged, not in its format): safetensors', json's, pickle's and torch's
+    readers' errors, anywhere in its chain, or an OSError of its own."""
+    from safetensors import SafetensorError
+
+    from models.hub import error_chain
+
+    parsing = (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile)
+    for link in error_chain(error):
+        if isinstance(link, parsing) or "PytorchStreamReader" in str(link):  # torch.load's for a zip cut short
+            return True
+    return isinstance(error, OSError)

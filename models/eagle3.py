@@ -228,10 +228,35 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) 
     check_d2t(state, config, file)
 
 
-def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_layers: int) -> Eagle3Head:
-    """An Eagle3Head from a checked state; aux layers from the config or the default."""
+def check_fits(config: HeadConfig, keys, file: Path, hidden_size: int | None, base_layers: int | None) -> None:
+    """What an EAGLE-3 head needs of its base model, from the head's config and
+    weight names (`keys`) alone, so that it is said before a large base model
+    loads as well as after: features as wide as the base's hidden states, an
+    embedding of its own where its layer is narrower, aux layers the base has.
+    A size not known (None) is not checked; norm_output heads are refused."""
     if config.extra.get("norm_output"):
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_output heads (an EAGLE-3.1 variant) are not supported")
+    target = target_hidden_size(config)
+    if hidden_size is not None and target != hidden_size:
+        raise HeadFormatError(
+            f"{file}: the head reads features {target} wide (target_hidden_size; fc.weight takes 3 x {target}), "
+            f"and the base model's hidden size is {hidden_size}"
+        )
+    if hidden_size is not None and config.hidden_size != hidden_size and "embed_tokens.weight" not in keys:
+        raise HeadFormatError(
+            f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}, and the head "
+            "has no embed_tokens of its own to embed tokens at its width"
+        )
+    configured = configured_layer_ids(config)  # the default layers are always the base's (default_layer_ids)
+    if base_layers is not None and configured is not None and max(configured) > base_layers:
+        raise HeadFormatError(
+            f"{file.parent / CONFIG_FILE}: aux layers {sorted(configured)} do not exist in a {base_layers}-layer base model"
+        )
+
+
+def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_layers: int) -> Eagle3Head:
+    """An Eagle3Head from a state checked by check_state and check_fits; aux
+    layers from the config or the default."""
     default, configured = default_layer_ids(base_layers), configured_layer_ids(config)
     if configured is not None and list(configured) != sorted(configured):
         # the features are fused low, mid, high, as vLLM captures them (in the order the layers run)
@@ -248,10 +273,6 @@ def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_l
             layer_ids = default
         else:
             log.info(f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} read as the inputs of those layers")
-    if max(layer_ids) > base_layers:
-        raise HeadFormatError(
-            f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} do not exist in a {base_layers}-layer base model"
-        )
     head = Eagle3Head(config, layer_ids, own_embedding="embed_tokens.weight" in state, fc_norms="fc_norm.0.weight" in state)
     state = dict(state, d2t=state["d2t"].long(), t2d=state["t2d"].bool())
     head.load_state_dict(state, strict=True)

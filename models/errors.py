@@ -25,6 +25,11 @@ class CorruptedFileError(KestrelError):
     """A weights or config file that cannot be parsed."""
 
 
+class ModelLoadError(KestrelError):
+    """A model whose files were read but that failed to load otherwise (a GPU's
+    error, a library's): a fresh copy of the files would not mend it."""
+
+
 class QuantizationUnavailableError(KestrelError):
     """bitsandbytes quantization asked for where it cannot run."""
 

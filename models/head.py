@@ -408,6 +408,8 @@ def head_files(folder: Path) -> tuple[HeadConfig, Path]:
         eagle3.target_hidden_size(config)
     except HeadFormatError as error:
         raise HeadFormatError(f"{config_file}: {error}") from error
+    if config.hidden_act != "silu":  # now, not after the base model has loaded
+        raise HeadFormatError(f"{config_file}: hidden_act {config.hidden_act!r} is not supported (only silu)")
     try:
         config.rotary_config()  # transformers' checks of rope_scaling now, not after the base model has loaded
     except Exception as error:  # KeyError, ValueError and transformers' own validation errors
@@ -450,16 +452,18 @@ def holds_a_head(folder: Path) -> bool:
     return not layered and ("fc.weight" in keys or any(key.startswith("midlayer.") for key in keys))
 
 
-def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | None) -> None:
-    """What load_head checks of a head against its base model's sizes, from the
-    head's config and keys alone: said before a large base model loads, not
-    after. EAGLE-3 heads, which may be narrower than their base, are left to
-    load_head; a size not known (None) is not checked."""
+def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | None, base_layers: int | None = None) -> None:
+    """What load_head checks of a head against its base model's sizes (hidden
+    size, vocabulary, decoder layers), from the head's config and keys alone:
+    said before a large base model loads, not after. A size not known (None)
+    is not checked."""
     from models import eagle3
 
     config, file = head_files(folder)
     keys = _readable_keys(file)  # a weights file cut short (a download stopped) is said now, as loading would say it
-    if hidden_size is not None and eagle3.MARKER not in keys and config.hidden_size != hidden_size:
+    if eagle3.MARKER in keys:  # it may be narrower than its base
+        eagle3.check_fits(config, keys, file, hidden_size, base_layers)
+    elif hidden_size is not None and config.hidden_size != hidden_size:
         raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if vocab_size is not None and config.vocab_size != vocab_size:
         raise HeadFormatError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
@@ -668,25 +672,13 @@ def load_head(
     check it against the base model's sizes; base_layers (the base model's
     decoder layers) places an EAGLE-3 head's default feature layers."""
     folder = resolve_head_folder(str(source))
-    config, state, file = read_checkpoint(folder)
-    if config.hidden_act != "silu":
-        raise HeadFormatError(f"{folder / CONFIG_FILE}: hidden_act {config.hidden_act!r} is not supported (only silu)")
+    config, state, file = read_checkpoint(folder)  # its hidden_act checked (head_files)
     from models import eagle3
 
     third = eagle3.is_eagle3(state)
     if third:  # the features it reads are the base's (target_hidden_size); its own layer may be narrower
         config, state = eagle3.completed(config, state, file)
-        target = eagle3.target_hidden_size(config)
-        if target != hidden_size:
-            raise HeadFormatError(
-                f"{file}: the head reads features {target} wide (target_hidden_size; fc.weight takes 3 x {target}), "
-                f"and the base model's hidden size is {hidden_size}"
-            )
-        if config.hidden_size != hidden_size and "embed_tokens.weight" not in state:
-            raise HeadFormatError(
-                f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}, and the head "
-                "has no embed_tokens of its own to embed tokens at its width"
-            )
+        eagle3.check_fits(config, state, file, hidden_size, base_layers)
     elif config.hidden_size != hidden_size:
         raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if config.vocab_size != vocab_size:

@@ -1028,3 +1028,173 @@ def test_a_revision_the_hub_lacks_is_named_as_such(monkeypatch):
     except OSError as wrapped:
         explained = _explain(wrapped, "owner/name@v9", "none")
     assert isinstance(explained, ModelNotFoundError) and "owner/name@v9: the repo on the Hugging Face hub has no such revision" in str(explained)
+
+
+def copied(tiny_dir: Path, folder: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(tiny_dir, folder))
+
+
+def test_a_chat_template_cut_short_is_said_at_load_and_chats_fall_back_to_a_transcript(tmp_path, tiny_dir, caplog):
+    """As for a model without a template: a warning at load naming the file,
+    and chats written as a plain transcript (every message failed with the
+    template's syntax error, said as a conversation the template refuses)."""
+    import logging
+
+    from core.prompt import encode_chat, render_chat
+    from models.errors import ChatTemplateError
+
+    folder = copied(tiny_dir, tmp_path / "model")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        loaded = load_base(str(folder), dtype="float32")
+    warned = " ".join(record.getMessage() for record in caplog.records)
+    assert "its chat template is broken (unexpected end of template" in warned
+    assert "plain 'User: ... Assistant:' transcript" in warned and str(folder / "chat_template.jinja") in warned
+    assert render_chat(loaded.tokenizer, [{"role": "user", "content": "w1 w2"}]).endswith("User: w1 w2\nAssistant:")
+    assert encode_chat(loaded.tokenizer, [{"role": "user", "content": "w1 w2"}])
+    loaded.tokenizer.chat_template = "{% for m in messages %}{{ m.content "  # broken after load: said as broken
+    with pytest.raises(ChatTemplateError, match="the model's chat template is broken: unexpected end of template"):
+        render_chat(loaded.tokenizer, [{"role": "user", "content": "hi"}])
+    loaded.tokenizer.chat_template = "{{ raise_exception('System role not supported') }}"  # its own refusal, in its words
+    with pytest.raises(ChatTemplateError, match="the model's chat template refuses this conversation: System role not supported"):
+        render_chat(loaded.tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_a_failure_not_about_the_files_keeps_its_kind_and_the_bundled_copy(tmp_path, monkeypatch, tiny_dir):
+    """A GPU's error while the bundled model loads is not a damaged converted
+    copy: named as it is, and the copy is not deleted and converted again (30 s)."""
+    import transformers
+
+    from models.errors import ModelLoadError
+
+    folder = copied(tiny_dir, tmp_path / "models" / bundled.DEFAULT_NAME)
+    monkeypatch.setattr(bundled, "converted_folder", lambda: folder)
+
+    def from_pretrained(*args, **kwargs):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device\nCUDA kernel errors might be reported later")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    message = f"{bundled.DEFAULT_NAME}: the model failed to load \\(RuntimeError: CUDA error: no kernel image is available for execution on the device\\)$"
+    with pytest.raises(ModelLoadError, match=message):
+        load_base(None, quantization="none", dtype="float32")
+    assert (folder / "model.safetensors").is_file()
+
+
+def test_json_files_and_shards_cut_short_are_named(tmp_path, tiny_dir):
+    """transformers' own errors name no file (JSONDecodeError: Expecting ','
+    delimiter: line 71 column 25): the file cut short is named, and so is a shard."""
+    from transformers import AutoModelForCausalLM
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        folder = copied(tiny_dir, tmp_path / name)
+        (folder / name).write_text((tiny_dir / name).read_text()[:60])
+        with pytest.raises(CorruptedFileError, match=f"{folder / name}: not valid JSON"):
+            load_base(str(folder), dtype="float32")
+    sharded = copied(tiny_dir, tmp_path / "sharded")
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(tiny_dir).save_pretrained(sharded, max_shard_size="100KB")
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    assert load_base(str(sharded), dtype="float32").model is not None
+    weights = shard.read_bytes()
+    shard.write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(CorruptedFileError, match=f"{shard}: cannot read the weights \\(SafetensorError"):
+        load_base(str(sharded), dtype="float32")
+    shard.unlink()
+    with pytest.raises(MissingWeightsError, match=f"model.safetensors.index.json: names the shard {shard.name}, which is not in"):
+        load_base(str(sharded), dtype="float32")
+    index = sharded / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:40])
+    with pytest.raises(CorruptedFileError, match=f"{index}: not valid JSON"):
+        load_base(str(sharded), dtype="float32")
+
+
+def test_a_gguf_file_s_suffix_may_be_in_capitals(tmp_path):
+    file = tmp_path / "Model.GGUF"
+    file.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 20)  # read as a GGUF: its metadata is found missing
+    with pytest.raises(CorruptedFileError, match="the GGUF file is incomplete or damaged"):
+        load_base(str(file), quantization="none", dtype="float32")
+    file.rename(tmp_path / "M.Gguf")
+    with pytest.raises(MissingWeightsError, match=f"give the file itself, e.g. {tmp_path / 'M.Gguf'}"):
+        load_base(str(tmp_path))
+
+
+def test_a_head_that_cannot_run_on_the_base_is_said_before_the_base_loads(tmp_path, monkeypatch, tiny_dir):
+    """What load_head checks against the base (an EAGLE-3 head's width and aux
+    layers, norm_output, hidden_act) is said before a local base folder loads,
+    and before a repo id's whose config.json is in the Hugging Face cache."""
+    import huggingface_hub
+    from transformers import AutoModelForCausalLM
+
+    from app import session
+    from models import eagle3
+    from models.errors import HeadFormatError
+    from models.head import save_head
+    from tests.factory import random_eagle3_head, random_head, tiny_config
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the base model must not load")
+
+    monkeypatch.setattr(session, "load_base", no_model)
+    model = AutoModelForCausalLM.from_config(tiny_config())  # the sizes of tiny_dir's: 64 wide, 2 layers
+    wide = eagle3.save(random_eagle3_head(AutoModelForCausalLM.from_config(tiny_config(hidden_size=96))), tmp_path / "wide")
+    cases = [(wide, r"the head reads features 96 wide \(target_hidden_size; fc.weight takes 3 x 96\), and the base model's hidden size is 64")]
+    for name, change, message in (
+        ("gelu", {"hidden_act": "gelu"}, "config.json: hidden_act 'gelu' is not supported"),
+        ("aux", {"eagle_aux_hidden_state_layer_ids": [0, 1, 9]}, r"config.json: aux layers \[0, 1, 9\] do not exist in a 2-layer base model"),
+        ("norm", {"norm_output": True}, "config.json: norm_output heads .* are not supported"),
+    ):
+        folder = (save_head(random_head(model), tmp_path / name) if name == "gelu" else eagle3.save(random_eagle3_head(model), tmp_path / name))
+        settings = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**settings, **change}))
+        cases.append((folder, message))
+    snapshot = tmp_path / "hub" / "models--owner--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (tmp_path / "hub" / "models--owner--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--owner--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for base in (str(tiny_dir), "owner/tiny"):
+        for head, message in cases:
+            with pytest.raises(HeadFormatError, match=message):
+                session.load_pair(base, str(head))
+
+
+def test_a_trained_head_loads_only_onto_the_base_its_report_names(tmp_path, monkeypatch, tiny_base):
+    """The Models tab's list of trained heads may be older than the loaded base
+    (another tab loaded one since): a head whose training report names another
+    base is refused by name, whatever is loaded."""
+    import app.library
+    from app.library import LibraryHandlers
+    from app.runtime import Runtime
+    from core.engine import Engine
+    from core.training.report import REPORT_FILE
+
+    head = tmp_path / "heads" / "mine"
+    head.mkdir(parents=True)
+    trained_for = tmp_path / "tiny"
+    (head / REPORT_FILE).write_text(json.dumps({"base_model": str(trained_for)}))
+    library = LibraryHandlers(Runtime(Engine(tiny_base)), tmp_path / "heads", "cpu", "off")
+    loads = []
+    monkeypatch.setattr(app.library, "load_pair", lambda *args: loads.append(args[:2]) or Engine(tiny_base))
+    monkeypatch.setattr(app.library, "prepared", lambda engine: engine)
+    for box in ("", tiny_base.name):  # the box empty: the loaded base, which the head was not trained for
+        _, notice, _ = library.load(box, "", str(head), "none", "float32")
+        assert f"was made for {trained_for}, not for {tiny_base.name}; put {trained_for} in the base model box" in notice
+    assert loads == []
+    library.load(str(trained_for), "", str(head), "none", "float32")
+    assert loads == [(str(trained_for), str(head))]
+
+
+def test_the_status_says_a_model_is_loading_while_it_loads(tiny_base):
+    """Other tabs' status said the previous model while a load ran, which serves nothing meanwhile."""
+    from app.runtime import Runtime
+    from core.engine import Engine
+
+    runtime = Runtime(Engine(tiny_base))
+    engine = Engine(tiny_base)
+    said = []
+    runtime.replace(lambda: said.append(runtime.describe()) or engine, "owner/big")
+    assert said == ["Loading owner/big..."]
+    assert runtime.describe().startswith(f"{tiny_base.name} (cpu, float64)")
