@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,14 +31,16 @@ PAGE_RATE = re.compile(r'id="stat-tps">([\d.]+)<')
 
 
 def run_app_bench(
-    prompt: str, modes: list[str], max_new_tokens: int, threads: int, port: int, root: Path, rounds: int, show
+    prompt: str, modes: list[str], max_new_tokens: int, threads: int, port: int, root: Path, rounds: int, show,
+    partial: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """One row per (way, mode, round): tokens, the tokens/s that way reports
     and its ratio to the chat command of the same round. Each round runs every
     way right after the chat command, so that the machine's drift over minutes
     touches the ratio little; the server idles while the chat command runs.
     The server's data folder (its chats and log) is removed after a run that
-    finished, and kept, with its log, after one that failed."""
+    finished, and kept, with its log, after one that failed. `partial`: called
+    with the rows so far after each one, so that a run cut short keeps them."""
     environment = {**os.environ, "KESTREL_DATA_DIR": tempfile.mkdtemp(prefix="kestrel-bench-app-")}
     log = Path(environment["KESTREL_DATA_DIR"]) / "server.log"
     with open(log, "w") as output:
@@ -52,24 +55,25 @@ def run_app_bench(
         model = api_model(url)
         for round_index in range(rounds):
             for mode in modes:
-                def measure(way: str, result: dict) -> dict:
+                def measure(way: str, result: dict, chat: dict | None = None) -> dict:
+                    """The row of `result`, its ratio to the `chat` command's row (None: it is that row)."""
                     row = {"way": way, "mode": mode, "round": round_index + 1, **result}
+                    row["vs_chat_command"] = round(row["tokens_per_s"] / (chat or row)["tokens_per_s"], 3)
                     rows.append(row)
+                    if partial is not None:
+                        partial(rows)
                     return row
 
                 show(f"round {round_index + 1}: chat command, {mode}")
                 cli = measure("chat command", chat_command(root, prompt, mode, max_new_tokens, threads, environment))
                 if model is not None:
                     show(f"round {round_index + 1}: API, {mode}")
-                    measure("API (openai client)", through_api(url, model, prompt, mode, max_new_tokens))
+                    measure("API (openai client)", through_api(url, model, prompt, mode, max_new_tokens), cli)
                 show(f"round {round_index + 1}: gradio_client, {mode}")
-                measure("page endpoint (gradio_client)", through_gradio_client(url, prompt, mode, max_new_tokens))
+                measure("page endpoint (gradio_client)", through_gradio_client(url, prompt, mode, max_new_tokens), cli)
                 if CHROMIUM.exists():
                     show(f"round {round_index + 1}: Chromium, {mode}")
-                    measure("page in Chromium", through_browser(url, prompt, mode, max_new_tokens, cli["tokens"]))
-                for row in rows:
-                    if row["mode"] == mode and row["round"] == round_index + 1:
-                        row["vs_chat_command"] = round(row["tokens_per_s"] / cli["tokens_per_s"], 3)
+                    measure("page in Chromium", through_browser(url, prompt, mode, max_new_tokens, cli["tokens"]), cli)
     except BaseException:  # an error, Ctrl-C or SIGTERM: the server's log is what tells why
         show(f"the server's log and data are kept in {environment['KESTREL_DATA_DIR']}")
         raise
@@ -93,9 +97,11 @@ def fresh_reads(root: Path) -> list[str]:
 
 
 def chat_command(root: Path, prompt: str, mode: str, max_new_tokens: int, threads: int, environment: dict) -> dict:
-    command = [sys.executable, str(root / "launch.py"), "chat", prompt, "--mode", mode,
-               "--max-new-tokens", str(max_new_tokens), "--threads", str(threads)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env=environment)
+    # the prompt after "--", where no text of it ("-v", "--help") is read as an option; "-" alone is
+    # standard input to the chat command, so it is given there
+    command = [sys.executable, str(root / "launch.py"), "chat", "--mode", mode,
+               "--max-new-tokens", str(max_new_tokens), "--threads", str(threads), "--", prompt]  # fmt: skip
+    done = subprocess.run(command, input=prompt if prompt == "-" else "", capture_output=True, text=True, env=environment)
     if done.returncode != 0:  # its own error line says why
         last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         raise KestrelError(f"the chat command ({mode}) failed: {last}")

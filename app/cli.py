@@ -425,17 +425,25 @@ def stop_on_interrupt():
             signal.signal(number, previous[number])
 
 
-def check_writable(path: str, option: str, reads: Path | None = None) -> Path:
-    """Refuse an output file that cannot be written, or that is the file the
-    command reads (`reads`), before any work is done (a long run would
-    otherwise end in a traceback and lose its results, or its input)."""
+def check_writable(path: str, option: str, reads: list[tuple[str, str | Path | None]] = ()) -> Path:
+    """Refuse an output file that cannot be written, or that is a file the
+    command reads or lies in a folder it reads (`reads`: (what, path) of its
+    inputs; a repo id, or None, is no local one), before any work is done (a
+    long run would otherwise end in a traceback and lose its results, or its input)."""
     import tempfile
 
     target = user_path(path)
     if target.is_dir():
         raise ValueError(f"{option} {path}: is a folder; name a file")
-    if reads is not None and target.exists() and target.resolve() == user_path(reads).resolve():
-        raise ValueError(f"{option} {path}: is the file this command reads; name another file for the results")
+    for what, source in reads:
+        read = user_path(source).resolve() if source is not None else None
+        if read is None or not read.exists():
+            continue
+        if target.resolve() == read:
+            raise ValueError(f"{option} {path}: is the file this command reads ({what}); name another file for the results")
+        if read in target.resolve().parents:  # a head's, a model's or the features' folder
+            raise ValueError(f"{option} {path}: is inside {source}, the {what} folder this command reads; "
+                             "name a file outside it for the results")  # fmt: skip
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", suffix=".check"):
@@ -747,6 +755,9 @@ def prompt_job_paths(args, written: str, cache: str, cached: str) -> tuple[Path,
         raise PromptFileError(f"{args.prompts}: no prompts")
     if out.resolve() == prompts.resolve():
         raise ValueError(f"--out {args.out}: is the --prompts file; write the {written} to another file")
+    if out.resolve() == work.resolve() or out.resolve() in work.resolve().parents:  # a folder, once --work is made
+        holds = "is the --work folder" if out.resolve() == work.resolve() else "is a folder that holds the --work folder"
+        raise ValueError(f"--out {args.out}: {holds} {args.work}; name a JSONL file for the {written}")
     if out.is_dir():
         raise ValueError(f"--out {args.out}: is a folder; name a JSONL file")
     if out.resolve() == (work / cache).resolve():
@@ -897,6 +908,7 @@ def train_in(args, out: Path, work: Path) -> int:
     from core.training.answers import AnswerParams
     from core.training.features import FeatureParams, FeaturesStopped
     from core.training.pipeline import Budget, RunPaths, TrainingStopped, train_head
+    from core.training.report import percent
     from core.training.trainer import TrainParams
     from models.base import load_base
 
@@ -923,7 +935,7 @@ def train_in(args, out: Path, work: Path) -> int:
     training, data, final = report["training"], report["data"], report["final_eval"]
     if final["accuracy"]:
         held_out = (
-            f"held-out top-1 {', '.join(f'{100 * a:.1f}%' for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])}, "
+            f"held-out top-1 {', '.join(percent(a) for a in final['accuracy'])} (draft steps 1..{len(final['accuracy'])}, "
             "the written head, judged as eval-heads judges it)"
         )  # fmt: skip
     elif data.get("eval_prompts"):  # held out, but the budget skipped their answers, or each is too short to judge
@@ -951,11 +963,12 @@ def run_eval_heads(args) -> int:
     from app.session import default_head, load_draft_head
     from app.store import write_atomic
     from core.training.compare import check_feature_shards, drafted_accuracy
+    from core.training.report import percent
+    from core.training.work import BASE_FILE
     from models.base import load_base
-    from models.head import head_files, resolve_head_folder
+    from models.head import CONFIG_FILE, head_files, resolve_head_folder
 
     set_threads(args.threads)
-    json_out = check_writable(args.json_out, "--json") if args.json_out else None
     sources = list(dict.fromkeys(([args.head] if args.head else []) + args.heads))  # a head named twice is judged once
     if not sources and default_head(args.model) is not None:
         sources = [str(default_head(args.model))]  # the bundled head, as --head's help says
@@ -965,15 +978,24 @@ def run_eval_heads(args) -> int:
     if not features.is_dir():
         raise ValueError(f"--features {args.features}: {'is a file' if features.exists() else 'no such folder'}; give the "
                          "features folder of a train-head run (OUT/work/features, or OUT/work/features-eagle3)")  # fmt: skip
+    work = features.resolve().parent  # its train-head run's, which records the base model (`--features .` has no parent of its own)
+    reads = [("--features", features), ("the record of the base model beside --features", work / BASE_FILE), ("--model", args.model),
+             *(("HEAD" if source in args.heads else "--head", source) for source in sources)]  # fmt: skip
+    json_out = check_writable(args.json_out, "--json", reads) if args.json_out else None
     by_split = {split: sorted((features / split).glob("shard-*.safetensors")) for split in ("train", "eval")}
     shards = by_split[args.split]
     if not shards:
         other = next((split for split, found in by_split.items() if found), None)
         inner = [name for name in ("features-eagle3", "features") if (features / name).is_dir()]  # a work folder given
         outer = [name for name in ("features-eagle3", "features") if (features / "work" / name).is_dir()]  # train-head's --out
+        split = next(features.glob("shard-*.safetensors"), None) is not None  # features/eval given
+        head = (features / CONFIG_FILE).is_file()  # a head's folder (or a model's) given
         hint = (f"; it has {other} shards (--split {other})" if other else
                 f"; it is a work folder: give --features {features / inner[0]}" if inner else
                 f"; it is a train-head --out folder: give --features {features / 'work' / outer[0]}" if outer else
+                f"; it holds the shards of one split: give the folder above it, --features {work}" if split else
+                f"; it holds {CONFIG_FILE}: a head's (or a model's) folder, not features; name heads with --head or HEAD, "
+                "and give --features the features folder of a train-head run (OUT/work/features)" if head else
                 " (run train-head first)")  # fmt: skip
         raise ValueError(f"{Path(args.features) / args.split}: no feature shards{hint}")
     # resolved and checked now, once (a repo id is looked up on the hub): a missing or wrong folder fails
@@ -981,7 +1003,7 @@ def run_eval_heads(args) -> int:
     folders = {source: resolve_head_folder(str(source)) for source in sources}
     for folder in folders.values():
         head_files(folder)
-    base = load_base(args.model, recorded_quantization(features.parent, args.quantization), args.dtype, args.device)
+    base = load_base(args.model, recorded_quantization(work, args.quantization), args.dtype, args.device)
     check_feature_shards(base, shards)  # before any head is judged: no figures are lost to a shard of another model
     results = {}
     try:
@@ -990,9 +1012,9 @@ def run_eval_heads(args) -> int:
             figures = drafted_accuracy(base, head, shards, args.steps, progress=True, label=f"judging {source} ({args.split} split)")
             results[source] = figures
             chain = ", ".join(  # each step's share of the chains that reached it, with that count
-                f"{100 * a:.1f}% of {int(n)}" for a, n in zip(figures["chain_accuracy"], figures["chain_positions"])
+                f"{percent(a)} of {int(n)}" for a, n in zip(figures["chain_accuracy"], figures["chain_positions"])
             )
-            print(f"{source}: top-1 {', '.join(f'{100 * a:.1f}%' for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
+            print(f"{source}: top-1 {', '.join(percent(a) for a in figures['accuracy'])}; chain {chain} ({int(figures['positions'])} positions)")
     finally:  # a head refused later (one that does not fit this model) keeps the figures of those judged before it
         if json_out and results:
             write_atomic(json_out, json.dumps(results, indent=1) + "\n", shared=True)
@@ -1038,7 +1060,9 @@ def run_bench_command(args) -> int:
         folder = local_head_folder(source)  # a missing folder fails now, not after the model has loaded
         if folder is not None:  # ... and one that holds no head, or unreadable weights, or a head for another model: as --head
             check_fits_sizes(folder, *folder_sizes(args.model))
-    json_out = check_writable(args.json_out, "--json", Path(args.prompts)) if args.json_out else None
+    reads = [("--prompts", args.prompts), ("--model", args.model), ("--head", args.head), ("--llama-python", args.llama_python),
+             *((f"--other-head {name}", source) for name, source in others.items())]  # fmt: skip
+    json_out = check_writable(args.json_out, "--json", reads) if args.json_out else None
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     check_distinct(modes, tree)
     if "llama.cpp" in modes and not args.llama_python:
@@ -1118,11 +1142,23 @@ def run_app_bench_command(args) -> int:
     check_text(args.prompt, "--prompt")
     if not args.prompt.strip():  # refused here, not by the chat command it starts a model for
         raise ValueError("--prompt is empty: give the user message to measure")
-    rows = run_app_bench(
-        args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root), args.rounds,
-        show=lambda what: print(f"measuring: {what}", flush=True),
-    )  # fmt: skip
+    written = []  # the rows the file holds
+
+    def write(rows: list[dict]) -> None:  # after each row, whole: a later way's failure or Ctrl+C keeps those measured
+        write_atomic(json_out, json.dumps(rows, indent=1), shared=True)
+        written[:] = rows
+
+    try:
+        rows = run_app_bench(
+            args.prompt, modes, args.max_new_tokens, args.threads, args.port, Path(args.root), args.rounds,
+            show=lambda what: print(f"measuring: {what}", flush=True), partial=write if json_out else None,
+        )  # fmt: skip
+    except BaseException:  # an error, Ctrl+C or SIGTERM: say what the file holds
+        if written:
+            print(f"wrote {args.json_out} with the {len(written)} rows measured before it stopped", file=sys.stderr, flush=True)
+        raise
     print(format_rows(rows))
     if json_out:
-        write_atomic(json_out, json.dumps(rows, indent=1), shared=True)
+        write(rows)
+        print(f"wrote {args.json_out}")
     return 0

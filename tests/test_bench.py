@@ -457,3 +457,59 @@ def test_a_kill_stops_a_bench_as_ctrl_c_does():
         assert signal.getsignal(signal.SIGTERM) is _interrupted
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_bench_app_keeps_the_rows_measured_before_a_way_fails(tmp_path, monkeypatch, capsys):
+    """--json was written only once every way had run: a page that failed in
+    the second round (or Ctrl+C) lost the rows of the first."""
+    from app import appbench
+    from app.cli import main
+    from models.errors import KestrelError
+
+    (tmp_path / "data").mkdir()
+    monkeypatch.setattr(appbench.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "data"))
+    monkeypatch.setattr(appbench.subprocess, "Popen", lambda *args, **kwargs: SimpleNamespace(terminate=lambda: None, wait=lambda timeout: 0))
+    monkeypatch.setattr(appbench, "wait_until_up", lambda log, server: "http://127.0.0.1:7877/")
+    monkeypatch.setattr(appbench, "api_model", lambda url: None)
+    monkeypatch.setattr(appbench, "CHROMIUM", tmp_path / "no-chromium")
+    monkeypatch.setattr(appbench, "chat_command", lambda *args: {"tokens": 10, "tokens_per_s": 10.0})
+    pages = []
+
+    def page(url, prompt, mode, max_new_tokens):
+        pages.append(mode)
+        if len(pages) > 2:  # round 2's first page
+            raise KestrelError("the page's reply did not finish in time")
+        return {"tokens": 10, "tokens_per_s": 5.0, "updates": 3}
+
+    monkeypatch.setattr(appbench, "through_gradio_client", page)
+    out = tmp_path / "rows.json"
+    assert main(["bench-app", "--threads", "1", "--rounds", "2", "--json", str(out)]) == 2
+    rows = json.loads(out.read_text())
+    assert [(row["round"], row["mode"], row["way"], row["vs_chat_command"]) for row in rows] == [
+        (1, "vanilla", "chat command", 1.0), (1, "vanilla", "page endpoint (gradio_client)", 0.5),
+        (1, "eagle2", "chat command", 1.0), (1, "eagle2", "page endpoint (gradio_client)", 0.5), (2, "vanilla", "chat command", 1.0),
+    ]  # fmt: skip
+    err = capsys.readouterr().err
+    assert f"wrote {out} with the 5 rows measured before it stopped" in err and "error: the page's reply did not finish in time" in err
+
+
+def test_bench_app_gives_the_chat_command_a_prompt_that_starts_with_a_dash_as_the_prompt(monkeypatch):
+    """`bench-app --prompt=-v` ran `chat -v ...`, which the chat command read
+    as an option; `--prompt=-` made it wait for standard input."""
+    from app import appbench
+    from app.cli import build_parser
+
+    ran = []
+
+    def run(command, input=None, **kwargs):
+        ran.append((command, input))
+        return SimpleNamespace(returncode=0, stdout="", stderr="[eagle2] 5 tokens in 1.00 s: 5.0 tokens/s, tau 1.00")
+
+    monkeypatch.setattr(appbench.subprocess, "run", run)
+    root = Path(__file__).resolve().parent.parent
+    for prompt in ("-v", "--help", "-", "- a list item"):
+        assert appbench.chat_command(root, prompt, "eagle2", 8, 1, {}) == {"tokens": 5, "tokens_per_s": 5.0}
+        command, given = ran[-1]
+        args = build_parser().parse_args(command[2:])
+        assert (args.command, args.prompt, args.mode) == ("chat", prompt, "eagle2")
+        assert given == ("-" if prompt == "-" else "")  # `chat -` reads the prompt from standard input

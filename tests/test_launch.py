@@ -852,3 +852,104 @@ def test_a_wrong_python_is_told_the_command_that_runs_another_on_its_system(caps
             launch.check_python((3, 15, 0), system)
         assert f"(e.g. {newer})" in capsys.readouterr().err
     assert launch.start_command("", "win32") == "py launch.py" and launch.start_command("", "darwin") == "python3 launch.py"
+
+
+def refusals(cli, cases, capsys) -> None:
+    """Each argv ends with exit code 2 and one line holding its message."""
+    for argv, message in cases:
+        code = cli.main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_results_file_is_never_a_file_the_command_reads(tmp_path, capsys, monkeypatch):
+    """--json naming a head's, the features' or the model's file (or any file in
+    their folders) is refused before any work: eval-heads and bench finished
+    and wrote their figures over the head's config.json or weights."""
+    import shutil
+
+    from app import cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("app.session.load_pair", no_model)
+    monkeypatch.setattr("models.base.load_base", no_model)
+    bundled_head = ROOT / "assets" / "heads" / "SmolLM2-135M-Instruct"
+    head, other, model = tmp_path / "head", tmp_path / "other", tmp_path / "model"
+    for folder in (head, other):
+        shutil.copytree(bundled_head, folder)
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    work = tmp_path / "work"
+    (work / "features" / "eval").mkdir(parents=True)
+    (work / "features" / "eval" / "shard-00000.safetensors").write_bytes(b"")
+    (work / "base-model.json").write_text("{}")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w1 w2"]}\n')
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    judge = ["eval-heads", "--features", str(work / "features"), "--head", str(head), str(other)]
+    bench = ["bench", "--prompts", str(prompts), "--head", str(head)]
+    refusals(cli, [
+        ([*judge, "--json", str(head / "config.json")], f"is inside {head}, the --head folder this command reads"),
+        ([*judge, "--json", str(other / "model.safetensors")], f"is inside {other}, the HEAD folder this command reads"),
+        ([*judge, "--json", str(work / "features" / "eval" / "figures.json")], "the --features folder this command reads"),
+        ([*judge, "--json", str(work / "base-model.json")], "is the file this command reads (the record of the base model beside --features)"),
+        ([*judge, "--model", str(model), "--json", str(model / "config.json")], f"is inside {model}, the --model folder"),
+        ([*bench, "--json", str(head / "model.safetensors")], f"is inside {head}, the --head folder this command reads"),
+        ([*bench, "--model", str(tmp_path / "model.gguf"), "--json", str(tmp_path / "model.gguf")], "is the file this command reads (--model)"),
+        ([*bench, "--other-head", f"x={other}", "--modes", "vanilla,eagle2@x", "--json", str(other / "config.json")],
+         f"is inside {other}, the --other-head x folder this command reads"),
+        ([*bench, "--json", str(prompts)], "is the file this command reads (--prompts)"),
+    ], capsys)  # fmt: skip
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+
+
+def test_prompt_commands_refuse_an_out_that_is_or_holds_their_work_folder(tmp_path, capsys, monkeypatch):
+    """self-prompts and long-prompts with --out the --work folder, or a folder
+    above it, ran the whole job, then failed to write: [Errno 21] Is a directory."""
+    from app import cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("models.base.load_base", no_model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["w1 w2"]}\n')
+    work = tmp_path / "w" / "cache"
+    for command in ("self-prompts", "long-prompts"):
+        for out, said in ((work, "is the --work folder"), (tmp_path / "w", "is a folder that holds the --work folder"),
+                          (tmp_path, "is a folder that holds the --work folder")):  # fmt: skip
+            argv = [command, "--prompts", str(prompts), "--out", str(out), "--work", str(work)]
+            refusals(cli, [(argv, f"--out {out}: {said} {work}; name a JSONL file for the")], capsys)
+    assert not (tmp_path / "w").exists()
+
+
+def test_eval_heads_finds_the_work_folder_of_features_given_as_a_relative_path(tmp_path, capsys, monkeypatch):
+    """`eval-heads --features .` inside the features folder read no record of
+    the model its work folder made them with (Path('.').parent is '.'), and a
+    split folder or a head folder given for --features was told to run train-head."""
+    from app import cli
+
+    loaded = []
+
+    def load_base(model, quantization, *args):
+        loaded.append(quantization)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr("models.base.load_base", load_base)
+    work = tmp_path / "work"
+    (work / "features" / "eval").mkdir(parents=True)
+    (work / "features" / "eval" / "shard-00000.safetensors").write_bytes(b"")
+    (work / "base-model.json").write_text(json.dumps({"name": "m", "quantization": "none", "sizes": [], "embedding": "x"}))
+    head = ROOT / "assets" / "heads" / "SmolLM2-135M-Instruct"
+    monkeypatch.chdir(work / "features")
+    assert cli.main(["eval-heads", "--features", ".", "--head", str(head)]) == 2
+    assert loaded == ["none"] and f"--quantization auto: none, as {work}'s answers and features were made" in capsys.readouterr().out
+    refusals(cli, [
+        (["eval-heads", "--features", "eval", "--head", str(head)],
+         f"eval/eval: no feature shards; it holds the shards of one split: give the folder above it, --features {work / 'features'}"),
+        (["eval-heads", "--features", str(head), "--head", str(head)], "it holds config.json: a head's (or a model's) folder, not features"),
+    ], capsys)  # fmt: skip
+    assert loaded == ["none"]

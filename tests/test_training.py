@@ -1262,3 +1262,160 @@ def test_the_head_is_judged_under_a_progress_bar(tiny_base, prompts_file, tmp_pa
     train_head(tiny_base, paths, replace(ANSWERS, samples_per_prompt=1), FEATURES, replace(TRAIN, epochs=2), draft_vocab=24)
     err = capsys.readouterr().err
     assert "epoch 1 held-out" in err and "epoch 2 held-out" in err and "judging the head (held-out)" in err
+
+
+def test_settings_hold_a_work_folder_only_once_something_was_made_with_them(tiny_base, prompts_file, tmp_path, monkeypatch, capsys):
+    """self-prompts whose model was missing recorded its --temperature before
+    failing, and the next run, with another, was refused ("its requests were
+    made with --temperature 0.5") although no request was made; the settings
+    file alone then held the folder to the model an earlier run had loaded."""
+    from app.cli import main
+    from core.training.answers import check_settings
+    from core.training.pipeline import BASE_FILE, check_base_model, recorded_base
+
+    def missing(*args, **kwargs):
+        raise ValueError("no such model here")
+
+    monkeypatch.setattr("models.base.load_base", missing)
+    work = tmp_path / "w"
+    options = ["self-prompts", "--prompts", str(prompts_file), "--out", str(tmp_path / "self.jsonl"), "--work", str(work), "--count", "4"]
+    for temperature in ("0.5", "1.0"):
+        assert main([*options, "--temperature", temperature]) == 2
+        assert capsys.readouterr().err == "error: no such model here\n"
+    (work / BASE_FILE).write_text(json.dumps({"name": "other", "quantization": "none", "sizes": [1], "embedding": "x"}))
+    check_base_model(work, tiny_base)  # no request was made by that model: the folder is this one's
+    assert recorded_base(work)["name"] == tiny_base.name
+    cache = work / "documents.jsonl"  # long-prompts' answers, shared with train-head: the same rule
+    cache.write_text("")  # opened for the first batch, which never came
+    check_settings(cache, {"max_new_tokens": 8}, {"max_new_tokens": "--max-new-tokens"}, "answers")
+    check_settings(cache, {"max_new_tokens": 9}, {"max_new_tokens": "--max-new-tokens"}, "answers")
+    cache.write_text('{"id": "p0"}\n')  # once an answer is there, its settings hold
+    with pytest.raises(ValueError, match="its answers were made with --max-new-tokens 9, and this run asks for 8"):
+        check_settings(cache, {"max_new_tokens": 8}, {"max_new_tokens": "--max-new-tokens"}, "answers")
+
+
+def test_a_damaged_settings_file_or_manifest_is_named_and_written_whole(tiny_base, features, prompts_file, tmp_path, monkeypatch, capsys):
+    """An emptied requests-settings.json stopped self-prompts with a bare
+    "Expecting value: line 1 column 1 (char 0)"; a full disk cut it, or the
+    features' manifest, or the record of the base model."""
+    from app.cli import main
+    from core.training.answers import check_settings
+    from core.training.pipeline import BASE_FILE, check_base_model
+
+    def missing(*args, **kwargs):
+        raise ValueError("no such model here")
+
+    monkeypatch.setattr("models.base.load_base", missing)
+    work = tmp_path / "w"
+    options = ["self-prompts", "--prompts", str(prompts_file), "--out", str(tmp_path / "self.jsonl"), "--work", str(work), "--count", "4"]
+    assert main(options) == 2 and capsys.readouterr().err == "error: no such model here\n"
+    (work / "requests.jsonl").write_text('{"id": "self-0-0"}\n')
+    (work / "requests-settings.json").write_text("")
+    assert main(options) == 2
+    assert capsys.readouterr().err == (
+        f"error: {work / 'requests-settings.json'}: cannot be read (Expecting value: line 1 column 1 (char 0)); it records the "
+        "settings requests.jsonl's requests were made with: delete it and give the settings they were made with, or give "
+        "another --work for new requests\n"
+    )
+    (work / "requests-settings.json").unlink()
+    answers, shards = features
+    folder = tmp_path / "features"
+    folder.mkdir()
+    (folder / "manifest.json").write_text('{"answers": 3')
+    with pytest.raises(ValueError, match=f"{folder / 'manifest.json'}: cannot be read .*; delete the folder {folder} to extract"):
+        extract_features(tiny_base, answers, folder, FEATURES, progress=False)
+
+    written = Path.write_text
+
+    def half(path, text, *args, **kwargs):  # a disk that fills halfway through the file
+        written(path, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    cache, settings = work / "answers.jsonl", {"max_new_tokens": 8, "temperature": 0.7}
+    check_settings(cache, settings, {}, "answers")
+    check_base_model(work, tiny_base)
+    extract_features(tiny_base, answers, tmp_path / "whole", FEATURES, progress=False)
+    kept = {path: path.read_bytes() for path in (work / "answers-settings.json", work / BASE_FILE, tmp_path / "whole" / "manifest.json")}
+    (work / BASE_FILE).write_text(json.dumps({"name": "other", "quantization": "none", "sizes": [1], "embedding": "x"}))
+    (work / "requests.jsonl").unlink()  # no work there: the record is written again
+    kept[work / BASE_FILE] = (work / BASE_FILE).read_bytes()
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match="answers-settings.json(.partial)?: cannot be written"):
+        check_settings(cache, {**settings, "max_new_tokens": 9}, {}, "answers")
+    with pytest.raises(OSError, match=f"{BASE_FILE}(.partial)?: cannot be written"):
+        check_base_model(work, tiny_base)
+    with pytest.raises(OSError, match="manifest.json(.partial)?: cannot be written"):
+        extract_features(tiny_base, answers, tmp_path / "whole", FEATURES, progress=False)  # its manifest written again
+    monkeypatch.undo()
+    assert {path: path.read_bytes() for path in kept} == kept
+
+
+def test_a_draft_step_no_position_reaches_has_no_figure(tiny_base, tiny_dir, features, tmp_path, capsys):
+    """eval-heads --steps deeper than every sequence printed top-1 0.0% for
+    the steps with no position to judge: they are n/a, and null in --json."""
+    from app.cli import main
+    from core.training.report import _percent
+    from core.training.trainer import Totals
+    from models.head import save_head
+
+    totals = Totals()
+    for step, (positions, correct) in enumerate([(4, 3), (0, 0)]):  # step 2 reached by no position
+        for name, value in (("positions", positions), ("correct", correct), ("chain_total", positions), ("chain_correct", correct),
+                            ("smooth_l1", 0.5), ("cross_entropy", 1.0)):  # fmt: skip
+            totals.add(step, name, value if positions else 0.0)
+    summary = totals.summary()
+    assert summary["accuracy"] == [0.75, None] and summary["chain_accuracy"] == [0.75, None] and summary["smooth_l1"] == [0.125, None]
+    assert _percent(summary["accuracy"]) == "75.0% / n/a"
+
+    _, shards = features
+    deepest = max(len(sequence.input_ids) for path in shards["eval"] for sequence in read_shard(path))
+    save_head(new_head(head_config_for(tiny_base.model.config), seed=0), tmp_path / "head")
+    command = ["eval-heads", "--features", str(shards["eval"][0].parent.parent), "--model", str(tiny_dir), "--dtype", "float64",
+               "--steps", str(deepest + 1), "--json", str(tmp_path / "figures.json"), str(tmp_path / "head")]  # fmt: skip
+    assert main(command) == 0
+    figures = json.loads((tmp_path / "figures.json").read_text())[str(tmp_path / "head")]
+    assert figures["accuracy"][0] is not None and figures["accuracy"][-1] is None and figures["chain_accuracy"][-1] is None
+    printed = capsys.readouterr().out
+    assert ", n/a; chain " in printed and f", n/a of 0 ({int(figures['positions'])} positions)" in printed  # the last step's
+    assert "0.0% of 0" not in printed
+
+
+def test_features_given_from_inside_their_folder_are_checked_against_their_work_folder_s_model(tiny_base, features, tmp_path, monkeypatch):
+    """Shards found from `eval-heads --features .` are eval/shard-*: three
+    parents up is '.', not the work folder whose record names the model."""
+    from core.training.compare import check_feature_shards
+    from core.training.pipeline import BASE_FILE
+
+    _, shards = features
+    work = tmp_path / "work"
+    (work / "features" / "eval").mkdir(parents=True)
+    shutil.copy(shards["eval"][0], work / "features" / "eval" / "shard-00000.safetensors")
+    (work / BASE_FILE).write_text(json.dumps({"name": "another", "quantization": "none", "sizes": [], "embedding": "x"}))
+    monkeypatch.chdir(work / "features")
+    with pytest.raises(ValueError, match=r"came from another base model \(another\)"):
+        check_feature_shards(tiny_base, [Path("eval/shard-00000.safetensors")])
+
+
+def test_long_prompts_say_what_gives_more_passages(tiny_base, tiny_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    """A file of 3 prompts was told to answer more prompts (--documents), which
+    cannot give more than the file has; answers shorter than
+    --min-passage-tokens are said as such."""
+    from app.cli import main
+    from core.training import documents
+    from core.training.answers import Answer
+
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(line + "\n" for line in prompts_file.read_text().splitlines()[:3]))  # p0..p2, none held out
+    options = ["long-prompts", "--prompts", str(few), "--out", str(tmp_path / "long.jsonl"), "--work", str(tmp_path / "w"),
+               "--model", str(tiny_dir), "--max-new-tokens", "8", "--min-passage-tokens", "8", "--threads", "1"]  # fmt: skip
+    assert main(options) == 2
+    err = capsys.readouterr().err
+    assert f"there are 3: {few} gives 3 prompts to answer (train-head's held-out ones are left out): give a file of more prompts" in err
+    assert "--documents" not in err
+
+    def short(base, prompts, cache, params, deadline, progress):  # answers that end after 2 tokens
+        return [Answer(prompt.id, 0, list(prompt.ids), [5, 6], True) for prompt in prompts]
+
+    monkeypatch.setattr(documents, "generate_answers", short)
+    with pytest.raises(ValueError, match=r"there are 0: 4 of the 4 answers are shorter: lower --min-passage-tokens; or answer more prompts \(--documents\)$"):
+        documents.long_prompts(tiny_base, prompts_file, tmp_path, 4, documents.LongParams(min_passage=8), AnswerParams(1, 24), progress=False)

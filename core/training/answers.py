@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from core.prompt import PromptFileError, encode_chat, prompt_rows, stop_token_ids
+from models.paths import write_whole
 
 
 @dataclass(frozen=True)
@@ -170,17 +171,41 @@ def check_settings(cache: Path, wanted: dict, options: dict[str, str], kind: str
     """Refuse to add to a cache of `kind` (answers, requests) made with other
     settings than `wanted` (those named in `options`, by their option), then
     record `wanted` beside it (CACHE-settings.json) for the next run to check."""
-    recorded = cache.with_name(f"{cache.stem}-settings.json")
-    if recorded.is_file():
-        saved = json.loads(recorded.read_text(encoding="utf-8"))
-        for key, option in options.items():
-            if key in saved and saved[key] != wanted[key]:
-                raise ValueError(
-                    f"{cache.parent}: its {kind} were made with {option} {saved[key]}, and this run asks for "
-                    f"{wanted[key]}; give {option} {saved[key]}, or another --work for new {kind}"
-                )
+    saved = recorded_settings(cache, kind)
+    for key, option in options.items():
+        if key in saved and saved[key] != wanted[key]:
+            raise ValueError(
+                f"{cache.parent}: its {kind} were made with {option} {saved[key]}, and this run asks for "
+                f"{wanted[key]}; give {option} {saved[key]}, or another --work for new {kind}"
+            )
     cache.parent.mkdir(parents=True, exist_ok=True)
-    recorded.write_text(json.dumps(wanted) + "\n", encoding="utf-8")
+    write_whole(settings_file(cache), json.dumps(wanted) + "\n")  # whole: a cut file would stop every later run
+
+
+def settings_file(cache: Path) -> Path:
+    """Where the settings of `cache`'s records are kept: CACHE-settings.json beside it."""
+    return cache.with_name(f"{cache.stem}-settings.json")
+
+
+def recorded_settings(cache: Path, kind: str) -> dict:
+    """The settings `cache`'s records of `kind` were made with; {} where it
+    holds none yet (a run that failed before its first batch, its model
+    missing say, recorded settings that nothing was made with). ValueError
+    naming the file where it cannot be read."""
+    recorded = settings_file(cache)
+    if not (cache.is_file() and cache.stat().st_size and recorded.is_file()):
+        return {}
+    try:
+        saved = json.loads(recorded.read_text(encoding="utf-8"))
+        problem = None if isinstance(saved, dict) else "not a JSON object"
+    except (OSError, ValueError) as error:  # cut short or emptied (a full disk, an editor)
+        problem = str(error)
+    if problem:
+        raise ValueError(
+            f"{recorded}: cannot be read ({problem}); it records the settings {cache.name}'s {kind} were made with: "
+            f"delete it and give the settings they were made with, or give another --work for new {kind}"
+        )
+    return saved
 
 
 def drop_partial_line(path: Path) -> None:

@@ -33,7 +33,8 @@ def check_feature_shards(base, shards: list[Path]) -> None:
 
     hidden = base.model.config.hidden_size
     vocabulary = base.model.get_input_embeddings().weight.shape[0]
-    problem = recorded_base_problem(shards[0].parent.parent.parent, base) if shards else None
+    # the work folder above features/SPLIT/shard: resolved, as shards found from `--features .` have no parents to go up
+    problem = recorded_base_problem(shards[0].resolve().parent.parent.parent, base) if shards else None
     if problem:
         raise ValueError(f"{shards[0].parent.parent}: {problem}")
     for path in shards:

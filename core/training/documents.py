@@ -35,6 +35,9 @@ QUESTIONS = (
 )
 
 
+MIN_PASSAGES = 4  # the fewest passages the documents are made of
+
+
 @dataclass(frozen=True)
 class LongParams:
     count: int = 300  # long prompts to write
@@ -55,14 +58,17 @@ def passages_of(answers: list[Answer], tokenizer, stops: set[int], shortest: int
     return texts
 
 
+def too_few_passages(count: int, params: LongParams) -> str:
+    """The start of the refusal of `count` passages, fewer than MIN_PASSAGES."""
+    return (f"long prompts need at least {MIN_PASSAGES} passages (answers of {params.min_passage} tokens or more); "
+            f"there are {count}")  # fmt: skip
+
+
 def build(passages: list[tuple[str, str]], questions: dict[str, str], tokenizer, params: LongParams) -> list[dict]:
     """The long prompts: documents of several passages, between about
     min_tokens and max_tokens, alternately summaries and questions."""
-    if len(passages) < 4:
-        raise ValueError(
-            f"long prompts need at least 4 passages (answers of {params.min_passage} tokens or more); there are "
-            f"{len(passages)}: answer more prompts (--documents)"
-        )
+    if len(passages) < MIN_PASSAGES:
+        raise ValueError(too_few_passages(len(passages), params) + ": answer more prompts (--documents)")
     rng = random.Random(params.seed)
     lengths = {pid: len(tokenizer.encode(text, add_special_tokens=False)) for pid, text in passages}
     rows, short = [], 0
@@ -113,4 +119,14 @@ def long_prompts(base, prompts_path: Path, work: Path, documents: int, params: L
     answers = [made[prompt.id, sample] for batch in plan_batches(prompts, answer_params) for prompt, sample in batch]
     questions = {pid: row["turns"][0] for pid, row in training_ids(prompts_path).items()}
     passages = passages_of(answers, base.tokenizer, set(stop_token_ids(base.model, base.tokenizer)), params.min_passage)
+    if len(passages) < MIN_PASSAGES:  # said with what would give more
+        ways = []
+        if len(passages) < len(answers):  # answers that ended sooner
+            ways.append(f"{len(answers) - len(passages)} of the {len(answers)} answers are shorter: lower --min-passage-tokens")
+        if len(prompts) < documents:  # every prompt the file lends was answered: a larger --documents adds none
+            ways.append(f"{prompts_path} gives {len(prompts)} prompts to answer (train-head's held-out ones are left out): "
+                        "give a file of more prompts")  # fmt: skip
+        else:
+            ways.append("answer more prompts (--documents)")
+        raise ValueError(f"{too_few_passages(len(passages), params)}: {'; or '.join(ways)}")
     return build(passages, questions, base.tokenizer, params)

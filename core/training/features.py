@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from core.training.answers import Answer
+from models.paths import write_whole
 
 MANIFEST = "manifest.json"
 
@@ -122,14 +123,17 @@ def _check_manifest(folder: Path, answers: list[Answer], params: FeatureParams) 
     manifest["layer_ids"] = list(params.layer_ids) if params.layer_ids else None  # as JSON reads it back
     path = folder / MANIFEST
     if path.is_file():
-        previous = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            previous = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:  # cut short or emptied (a full disk)
+            raise ValueError(f"{path}: cannot be read ({error}); delete the folder {folder} to extract the features again") from error
         if previous != manifest:
             raise ValueError(
                 f"{folder}: features were extracted from {previous.get('answers')} answers with other settings; "
                 f"now {len(answers)}; delete the folder to extract them again"
             )
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    write_whole(path, json.dumps(manifest, indent=2) + "\n")
 
 
 def _shard_path(folder: Path, split: str, index: int) -> Path:

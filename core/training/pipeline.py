@@ -22,6 +22,7 @@ from core.training.trainer import TrainParams, Trainer, frequent_tokens, head_co
 from core.training.work import BASE_FILE, holds_a_run, start_run
 from models import eagle3
 from models.head import save_head, with_draft_vocabulary
+from models.paths import write_whole
 
 ANSWERS_FILE = "answers.jsonl"
 PHASES_FILE = "phases.json"
@@ -157,7 +158,7 @@ def check_base_model(work: Path, base) -> None:
         recorded = None  # the record alone (a run refused after it loaded its model): no answers or features to keep apart
     if recorded is None:
         work.mkdir(parents=True, exist_ok=True)
-        (work / BASE_FILE).write_text(json.dumps(base_identity(base), indent=2) + "\n", encoding="utf-8")
+        write_whole(work / BASE_FILE, json.dumps(base_identity(base), indent=2) + "\n")
     elif problem := recorded_base_problem(work, base, recorded):
         raise ValueError(f"{work}: {problem}, or another --work")
 

@@ -29,12 +29,17 @@ def update_report(folder: Path, **fields) -> dict:
     return report
 
 
-def _percent(values: list[float]) -> str:
-    return " / ".join(f"{100 * value:.1f}%" for value in values)
+def percent(value: float | None) -> str:
+    """A share as a percentage; n/a for a draft step that no position reached (None)."""
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-def _numbers(values: list[float]) -> str:
-    return " / ".join(f"{value:.3f}" for value in values)
+def _percent(values: list[float | None]) -> str:
+    return " / ".join(percent(value) for value in values)
+
+
+def _numbers(values: list[float | None]) -> str:
+    return " / ".join("n/a" if value is None else f"{value:.3f}" for value in values)
 
 
 def _started_from(report: dict) -> list[str]:

@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 from core.prompt import control_texts, render_chat, stop_token_ids
-from core.training.answers import AnswerParams, Prompt, check_settings, derived_seed, drop_partial_line, generate_rows, training_ids
+from core.training.answers import (
+    AnswerParams, Prompt, check_settings, derived_seed, drop_partial_line, generate_rows, recorded_settings, training_ids,
+)
 from core.training.features import FeatureParams, is_held_out
 
 REQUESTS_FILE = "requests.jsonl"  # the generated requests, in --work
@@ -109,8 +111,7 @@ def check_request_cache(work: Path, opened: list[str], params: SelfParams, openi
     those before it): `openings_of(count)` checks the cached run's count."""
     cache = work / REQUESTS_FILE
     digest = opening_digest(opened)
-    recorded = cache.with_name(f"{cache.stem}-settings.json")
-    saved = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else {}
+    saved = recorded_settings(cache, "requests")  # none where no request is cached yet
     count = saved.get("count")
     recounted = isinstance(count, int) and count != len(opened) and openings_of is not None
     if saved.get("openings", digest) != digest and not (recounted and opening_digest(openings_of(count)) == saved["openings"]):

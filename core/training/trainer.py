@@ -116,8 +116,10 @@ class Totals:
                 self.add(step, name, value)
 
     def summary(self) -> dict:
+        """Means per step; None for a step with nothing to average (no position reaches a draft step deeper
+        than the longest sequence, no chain one whose earlier steps all missed): no figure, not 0%."""
         steps = len(self.positions)
-        per = lambda name, den: [getattr(self, name)[k] / max(den[k], 1) for k in range(steps)]  # noqa: E731
+        per = lambda name, den: [getattr(self, name)[k] / den[k] if den[k] else None for k in range(steps)]  # noqa: E731
         return {
             "positions": self.positions[0] if steps else 0,
             "smooth_l1": per("smooth_l1", self.positions),
@@ -505,7 +507,8 @@ class Trainer:
                         sequences, loaded = read_shard(self.train_shards[shard]), shard
                     self._train_step([sequences[i] for i in indices])
                     bar.update(1)
-                    bar.set_postfix(loss=f"{self.last_loss:.3f}", acc=f"{self.train_totals.summary()['accuracy'][0]:.2f}")
+                    accuracy = self.train_totals.summary()["accuracy"][0]  # None: no position counted yet
+                    bar.set_postfix(loss=f"{self.last_loss:.3f}", acc="n/a" if accuracy is None else f"{accuracy:.2f}")
                     if self.step % self.params.checkpoint_every == 0:
                         self._save(started)
                         started = time.time()

@@ -11,10 +11,14 @@ BASE_FILE = "base-model.json"  # which base model (and quantization) made the wo
 LOCK_FILE = "running.lock"  # held by the command working in the folder: a second one is refused
 RUN_FILE = "run.json"  # the run's id, also recorded in the report of each head it writes
 RECORDS = (BASE_FILE, LOCK_FILE, RUN_FILE)  # written before any work: no run to continue on their own
+CACHES = ("answers", "documents", "requests")  # train-head's answers, long-prompts' and self-prompts' caches
+# the settings each cache's records are made with (and the file each is written to first, whole or not at
+# all): written before the first batch, they are no work of their own
+SETTINGS_FILES = {f"{cache}-settings.json{end}" for cache in CACHES for end in ("", ".partial")}
 # what the training commands write into a work folder besides the records: train-head's answers, phase
 # times, features and checkpoints; long-prompts' and self-prompts' caches and their settings
 WORK_ENTRIES = {
-    *(f"{cache}{end}" for cache in ("answers", "documents", "requests") for end in (".jsonl", "-settings.json")),
+    *(f"{cache}.jsonl" for cache in CACHES), *SETTINGS_FILES,
     "phases.json", "phases.json.partial", "features", "features-eagle3", "train", "train-eagle3",
 }  # fmt: skip
 # a head's files (models.head, core.training.report), named here without importing torch
@@ -24,10 +28,10 @@ HEAD_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "training
 def holds_a_run(work: Path) -> bool:
     """Whether `work` holds an earlier run's work for --resume to continue:
     what a run writes there, more than the records of its model and id (a run
-    refused once it had loaded its model leaves those alone) and the lock a
-    run takes."""
+    refused once it had loaded its model leaves those alone), the settings of
+    its caches and the lock a run takes."""
     try:
-        return work.is_dir() and any(entry.name in WORK_ENTRIES for entry in work.iterdir())
+        return work.is_dir() and any(entry.name in WORK_ENTRIES - SETTINGS_FILES for entry in work.iterdir())
     except OSError:
         return False
 
