@@ -74,7 +74,7 @@ class LlamaStick:
             raise ValueError("mode llama.cpp is measured greedy only; use --temperature 0")
         name = engine.base.name
         gguf = bundled.gguf_path() if name == bundled.DEFAULT_NAME else Path(name)
-        if gguf.suffix != ".gguf" or not gguf.is_file():
+        if gguf.suffix.lower() != ".gguf" or not gguf.is_file():
             raise ValueError(f"mode llama.cpp needs a .gguf model file, and {name} is not one")
         script = Path(__file__).with_name("llama_stick.py")
         try:
