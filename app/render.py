@@ -10,7 +10,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pandas as pd
 
@@ -21,10 +21,15 @@ from core.stats import Snapshot
 DRAFT, BASE = "draft", "base"  # token origins: drafted-and-accepted, or sampled by the base model
 # Markdown code: fenced blocks (to the end while still streaming; ~~~ fences only
 # where a line starts, as markdown reads them) and inline spans.
-# A ``` fence opens only where a line starts (after indentation), as markdown
-# reads it; mid-line, backticks delimit inline code only when they close on the line.
+# A ``` fence opens only where a line starts (after indentation) and its info
+# string holds no backtick, as markdown reads it; mid-line, backticks delimit
+# inline code only when they close on the line. A fence ends with the first
+# line that begins with its opening run (so ```` holds ```): markdown's
+# readers end it there too where that line holds nothing else (surely_fenced).
 CODE = re.compile(
-    r"(?<![^\n])[ \t]*```.*?(?:\n[ \t]*```|\Z)|(?<![^\n]) {0,3}~~~.*?(?:\n {0,3}~~~|\Z)|(?<![\\`])(`{1,3})(?!`)[^\n]+?(?<!`)\1(?!`)",
+    r"(?<![^\n])[ \t]*(?P<fence>`{3,})[^`\n]*(?![^\n]).*?(?:\n[ \t]*(?P=fence)[^\n]*|\Z)"
+    r"|(?<![^\n]) {0,3}(?P<tildes>~{3,}).*?(?:\n {0,3}(?P=tildes)[^\n]*|\Z)"
+    r"|(?<![\\`])(?P<ticks>`{1,3})(?!`)[^\n]+?(?<!`)(?P=ticks)(?!`)",
     re.DOTALL,
 )
 # Gradio 6.31's chatbot loads Prism's C++ grammar without the C one it extends, and
@@ -40,6 +45,7 @@ UNCOLOURED_LINE = re.compile(r"[ \t]*[-=*_|:+ \t]*\n?$|(?: {4}|\t)")
 # Inline syntax that a highlight must neither cover nor split (backtick runs too,
 # so that COPY_JS finds the same code spans in the coloured text).
 INLINE_SYNTAX = re.compile(r"(?:https?|ftp)://\S*|(?<![\w.])www\.\S*|[\w.+-]+@[\w-]+(?:\.[\w-]+)+|\\.|!?\[|\]\([^)\n]*\)|\]|\||[*_~`]+")
+EMPHASIS_RUN = re.compile(r"[*_~]+")
 DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 # Copying a chat message (its copy button, or the chat's): the text as written,
 # not the markup above. Gradio copies a message's content: prose escaped by
@@ -48,12 +54,12 @@ DRAFT_STYLE = "background:rgba(46,160,67,0.28);border-radius:3px"
 # runs never hold a "<" (escaped), so the spans come off exactly. A code block's
 # own copy button (inside the message text) copies raw code and is left alone.
 COPY_JS = """() => {
-  const code = /(?<![^\\n])[ \\t]*```[\\s\\S]*?(?:\\n[ \\t]*```|$)|(?<![^\\n]) {0,3}~~~[\\s\\S]*?(?:\\n {0,3}~~~|$)|(?<![\\\\`])(`{1,3})(?!`)[^\\n]+?(?<!`)\\1(?!`)/g;
+  const code = /(?<![^\\n])[ \\t]*(?<fence>`{3,})[^`\\n]*(?![^\\n])[\\s\\S]*?(?:\\n[ \\t]*\\k<fence>[^\\n]*|$)|(?<![^\\n]) {0,3}(?<tildes>~{3,})[\\s\\S]*?(?:\\n {0,3}\\k<tildes>[^\\n]*|$)|(?<![\\\\`])(?<ticks>`{1,3})(?!`)[^\\n]+?(?<!`)\\k<ticks>(?!`)/g;
   const fence = /^([ \\t]*)```c (cpp|c\\+\\+|cxx|cc)(?=\\s)/i;
   const decode = (text) => text.replace(/&#(\\d+);/g, (entity, number) => String.fromCodePoint(+number));
   // code that render.code_element and render.text_block made HTML: the text as written, decoded
-  const escaped = /<code data-md="([^"]*)">[^<]*<\\/code>|<pre class="kestrel-text"><code>([^<]*)<\\/code><\\/pre>|&(amp|lt|gt);/g;
-  const named = {amp: "&", lt: "<", gt: ">"};
+  const escaped = /<code data-md="([^"]*)">[^<]*<\\/code>|<pre class="kestrel-text"><code>([^<]*)<\\/code><\\/pre>|&(amp|lt|gt|#96);/g;
+  const named = {amp: "&", lt: "<", gt: ">", "#96": "`"};  // &#96;: a backtick that render._line wrote so
   const prose = (text) => text
     .replace(/<span class="kd" style="[^"]*">([^<]*)<\\/span>/g, "$1")
     .replace(escaped, (found, span, block, name) =>
@@ -67,7 +73,7 @@ COPY_JS = """() => {
     return out + prose(text.slice(last));
   };
   // a reasoning model's reasoning block (render.message_html): its tags back around it
-  const think = /<details class="kestrel-think"(?: open)? data-open="([^"]*)" data-close="([^"]*)"(?: data-fence="(\\d+)")?><summary>[^<]*<\\/summary>\\n\\n([\\s\\S]*?)\\n\\n<\\/details>(?:\\n\\n|$)/g;
+  const think = /<details class="kestrel-think"(?: open| hidden)? data-open="([^"]*)" data-close="([^"]*)"(?: data-fence="(\\d+)")?><summary>[^<]*<\\/summary>\\n\\n([\\s\\S]*?)\\n\\n<\\/details>(?:\\n\\n|$)/g;
   const written = (text) => {
     let out = "", last = 0;
     for (const found of text.matchAll(think)) {
@@ -363,8 +369,9 @@ def attribute_text(text: str) -> str:
 def message_html(message: dict, colour: bool) -> str:
     """What the chatbot shows for one stored message (see body_html); a
     reasoning model's reply (marked "reasoning", chat.reasoning_mark) has its
-    reasoning in a block of its own, folded once the answer begins, the tags
-    around it kept in the block's attributes for COPY_JS to put back."""
+    reasoning in a block of its own, folded once the answer begins (hidden
+    where it is empty, as Qwen3's is with thinking off), the tags around it
+    kept in the block's attributes for COPY_JS to put back."""
     segments = message.get("segments") or [[message["content"], BASE]]
     text = "".join(piece for piece, _ in segments)
     spans = reasoning_spans(text) if message.get("reasoning") is True else None
@@ -377,25 +384,27 @@ def message_html(message: dict, colour: bool) -> str:
     closing = f'\n{fence}' if fence else ""
     marked = f' data-fence="{len(closing)}"' if fence else ""  # what COPY_JS leaves out
     opened, closed = attribute_text(text[:inner]), attribute_text(text[end:answer])
-    title = "Reasoning" if finished else "Reasoning..."
-    return (f'<details class="kestrel-think"{"" if finished else " open"} data-open="{opened}" data-close="{closed}"{marked}>'
+    if not finished:  # open, with no answer to fold it under; a saved reply (its stats stored) is written no more
+        state, title = " open", ("Reasoning (unfinished)" if isinstance(message.get("stats"), dict) else "Reasoning...")
+    else:  # an empty one (Qwen3's with thinking off) is not shown
+        state, title = ("" if text[inner:end].strip() else " hidden"), "Reasoning"
+    return (f'<details class="kestrel-think"{state} data-open="{opened}" data-close="{closed}"{marked}>'
             f"<summary>{title}</summary>\n\n{reasoning}{closing}\n\n</details>\n\n"
             f"{body_html(cut_segments(segments, answer, len(text)), colour)}")  # fmt: skip
 
 
-FENCE_LINE = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})(.*)$", re.MULTILINE)
-
-
 def open_fence(text: str) -> str:
-    """The line that closes a code block `text` leaves open, "" where it leaves none."""
-    opened = ""
-    for match in FENCE_LINE.finditer(text):
-        marker, rest = match.groups()
-        if not opened:
-            opened = marker
-        elif marker[0] == opened[0] and len(marker) >= len(opened) and not rest.strip():  # a closing line holds no info
-            opened = ""
-    return opened
+    """The line that closes the code block body_html(text) leaves open (a fence
+    it keeps raw that runs to the end unclosed), "" where it leaves none: the
+    fence's run, indented as its opening line (a list item's fence closes only
+    inside the item)."""
+    kept = list(page_code(text))
+    if not kept:
+        return ""
+    match, raw = kept[-1]
+    if not raw or match["ticks"] or match.end() < len(text) or _closing(match.group()) is not None:
+        return ""
+    return FENCE_RUN.match(match.group()).group()
 
 
 def body_html(segments: list[list[str]], colour: bool) -> str:
@@ -403,37 +412,76 @@ def body_html(segments: list[list[str]], colour: bool) -> str:
     HTML-escaped (drafted runs highlighted when `colour`). Code spans and fences
     stay raw: the markdown renderer already shows their content as text, and
     escaping there would show the entities themselves. Raw text holding a "<"
-    is kept only where the renderer surely reads code (a fence it opens and
-    closes as found here), else it could open a tag: an inline span holding
-    one becomes an HTML <code> element, a fence that the renderer may read
-    otherwise an HTML <pre> block, both with their text escaped (and the
-    text as written beside it, for COPY_JS)."""
+    is kept only where it cannot open a tag (page_code), else it could: an
+    inline span holding one becomes an HTML <code> element, a fence that the
+    renderer may read otherwise an HTML <pre> block, both with their text
+    escaped (and the text as written beside it, for COPY_JS)."""
     text = "".join(piece for piece, _ in segments)
     origins = [origin if colour else BASE for piece, origin in segments for _ in piece]
     parts, position = [], 0
-    # a fence opened after a list or quote marker ("- ```") is one CODE does not see: from there on,
-    # it cannot tell which fence lines open and which close, and checks none as sure
-    marked = MARKED_FENCE.search(text)
-    unsure_from = marked.start() if marked else len(text) + 1
-    # where Gradio's chatbot or marked may read a fence line as something else ($$ math, which Gradio
-    # takes out first; a link definition's target or title; a lone \r as a line break), a fence
-    # holding a "<" is never raw
-    hidden = "$$" in text or "\r" in text or LINK_DEFINITION.search(text) is not None
-    for match in CODE.finditer(text):
-        if match.start() < position:  # in the rest of a line that a text block took
-            continue
-        code, end = match.group(), match.end()
-        if match.group(1) is not None:  # an inline span: raw unless it holds a "<"
-            shown = code_element(code, len(match.group(1))) if "<" in code else code
-        elif match.start() < unsure_from and surely_fenced(text, match.start(), end) and raw_fence(code, hidden):
-            shown = CPP_FENCE.sub(r"\1```c \2", code)
+    for match, raw in page_code(text):
+        code = match.group()
+        if match["ticks"]:
+            shown = code if raw else code_element(code, len(match["ticks"]))
         else:  # every fence is checked: one that markdown closed elsewhere would shift the ones after it
-            end = _line_end(text, end)
-            shown = text_block(text[match.start() : end])
+            shown = CPP_FENCE.sub(r"\1```c \2", code) if raw else text_block(code)
         parts += [_prose(text, origins, position, match.start()), shown]
-        position = end
+        position = match.end()
     parts.append(_prose(text, origins, position, len(text)))
     return "".join(parts)
+
+
+def page_code(text: str) -> Iterator[tuple[re.Match, bool]]:
+    """CODE's matches in `text`, each with whether body_html keeps it raw: a
+    fence that markdown surely reads as one (readings), as raw_fence allows;
+    an inline span holding no "<", or one that markdown may pair otherwise
+    and whose "<" can open no tag (an HTML <code> element could then land
+    inside another span, which shows its markup: raw, it reads as markdown
+    reads it)."""
+    hidden = hidden_from(text, math=True)
+    for match, sure in readings(text):
+        code = match.group()
+        if match["ticks"]:
+            yield match, "<" not in code or not (sure or TAG_START.search(code))
+        else:
+            yield match, sure and raw_fence(code, match.end() > hidden)
+
+
+def readings(text: str) -> Iterator[tuple[re.Match, bool]]:
+    """CODE's matches in `text`, each with whether markdown surely reads it as
+    found here. A fence: as surely_fenced says, but none after a fence opened
+    behind a list or quote marker ("- ```"), which CODE does not see: from
+    there on it cannot tell which fence lines open and which close. An inline
+    span: where nothing before it in its paragraph (since a blank line or a
+    sure fence) can have paired backticks otherwise (a backtick CODE left
+    alone, as markdown pairs them across lines; a span or fence not sure), it
+    holds no carriage return (a line break to markdown, where a block can
+    begin) nor "|" (a GFM table's cell border), and no "~" is right before it
+    (marked, Gradio's reader, takes a backtick after tildes as text)."""
+    marked = MARKED_FENCE.search(text)
+    unsure_from = marked.start() if marked else len(text) + 1
+    clean, position = True, 0
+    for match in CODE.finditer(text):
+        paragraphs = BLANK_LINE.split(text[position : match.start()])
+        clean = (clean or len(paragraphs) > 1) and "`" not in paragraphs[-1]
+        code = match.group()
+        if match["ticks"]:
+            sure = clean and not ("\r" in code or "|" in code or text[match.start() - 1 : match.start()] == "~")
+        else:
+            sure = match.start() < unsure_from and surely_fenced(text, match.start(), match.end())
+        yield match, sure
+        clean, position = sure, match.end()
+
+
+def hidden_from(text: str, math: bool) -> int:
+    """Where Gradio's chatbot or a markdown reader may first read a fence line
+    as something else ($$ math, which Gradio takes out first, where `math`; a
+    link definition's target or title; a lone carriage return, a line break),
+    len(text) where nowhere: the lines before it read as CODE reads them,
+    and a fence reaching past it and holding a "<" is never raw."""
+    definition = LINK_DEFINITION.search(text)
+    found = [text.find("\r"), text.find("$$") if math else -1, definition.start() if definition else -1]
+    return min((at for at in found if at >= 0), default=len(text))
 
 
 # a "<" that opens an HTML tag, comment, declaration or processing instruction; not one opening
@@ -451,25 +499,21 @@ def inert_markdown(text: str) -> str:
     in prose written as &lt;, so that a viewer rendering the Markdown export
     shows such text as the page does (as text) rather than running it (a
     <style> rule there can hide the whole document). Code stays as written
-    where markdown surely reads it as code (message_html's rule: a fence it
-    opens and closes as found here, an inline span holding no comment);
-    elsewhere a fence's tags are made text too."""
-    marked = MARKED_FENCE.search(text)
-    unsure_from = marked.start() if marked else len(text) + 1
-    hidden = "\r" in text or LINK_DEFINITION.search(text) is not None
+    where markdown surely reads it as code (readings: a fence it opens and
+    closes as found here, before anything that may hide its lines, and an
+    inline span it pairs so, holding no comment); elsewhere its tags are made
+    text too."""
+    hidden = hidden_from(text, math=False)
     parts, position = [], 0
-    for match in CODE.finditer(text):
-        if match.start() < position:
-            continue
+    for match, sure in readings(text):
         code = match.group()
-        if match.group(1) is not None:  # an inline span: markdown shows it as text; a comment in one could be prose's
-            shown = COMMENT_START.sub("&lt;", code)
-        elif match.start() < unsure_from and surely_fenced(text, match.start(), match.end()) and (
-            "<" not in code or (not hidden and "<" not in code.partition("\n")[0])
-        ):
-            shown = code
+        if match["ticks"]:  # markdown shows a span as text; a comment in one could be prose's
+            shown = (COMMENT_START if sure else TAG_START).sub("&lt;", code)
         else:
-            shown = TAG_START.sub("&lt;", code)
+            if not sure:  # markdown may pair the fences after it otherwise too
+                hidden = min(hidden, match.start())
+            raw = sure and ("<" not in code or (match.end() <= hidden and "<" not in code.partition("\n")[0]))
+            shown = code if raw else TAG_START.sub("&lt;", code)
         parts += [TAG_START.sub("&lt;", text[position : match.start()]), shown]
         position = match.end()
     parts.append(TAG_START.sub("&lt;", text[position:]))
@@ -503,10 +547,10 @@ def code_element(span: str, ticks: int) -> str:
 
 
 def text_block(code: str) -> str:
-    """A fence that markdown may not read as one (to the end of its closing
-    line), as an HTML <pre> block of its text as written, fence lines
-    included, escaped: markdown reads no code, tag or syntax in it, and
-    reads what follows from the next line on, as it would after a fence."""
+    """A fence that markdown may not read as one, as an HTML <pre> block of
+    its text as written, fence lines included, escaped: markdown reads no
+    code, tag or syntax in it, and reads what follows from the next line on,
+    as it would after a fence."""
     return '<pre class="kestrel-text"><code>' + entities(code, " \n") + "</code></pre>"
 
 
@@ -515,41 +559,38 @@ FENCE_RUN = re.compile(r"[ \t]*(`{3,}|~{3,})")
 MERMAID = re.compile(r"(?:`{3,}|~{3,})[ \t]*mermaid", re.IGNORECASE)
 LINK_DEFINITION = re.compile(r"^ {0,3}\[[^\]\n]*\]:", re.MULTILINE)
 MARKED_FENCE = re.compile(r"^[ \t]*(?:(?:[-*+]|\d{1,9}[.)])[ \t]+|>[ \t]?)+(?:`{3,}|~{3,})", re.MULTILINE)
-
-
-def _line_end(text: str, position: int) -> int:
-    """Where the line holding `position` ends (its newline, or the text's end)."""
-    newline = text.find("\n", position)
-    return len(text) if newline < 0 else newline
+BLANK_LINE = re.compile(r"\n[ \t]*\n")
+TICK_OPENING = re.compile(r"([ \t]*(?:(?:[-*+]|\d{1,9}[.)])[ \t]+|>[ \t]?)*)(`{3,})")
 
 
 def _indent(line: str) -> int:
     return len(line.expandtabs(4)) - len(line.expandtabs(4).lstrip(" "))
 
 
+def _closing(code: str) -> str | None:
+    """The line that ends a fence CODE matched (its last), None where it runs unclosed to the end."""
+    run = FENCE_RUN.match(code).group(1)
+    last = code.rpartition("\n")[2]
+    return last if "\n" in code and last.lstrip(" \t").startswith(run) else None
+
+
 def surely_fenced(text: str, start: int, end: int) -> bool:
     """Whether markdown surely reads `code` (a fence matched by CODE at
-    `start`) as one code block: its opening line is a fence (a ``` info
-    string holds no backtick; indented 4 or more, only as a list item's
-    fence); no line in it is indented less than that line, so none can end a
-    list item it belongs to (and the code block with it); and its closing
-    line, if any, closes it for markdown too (CODE ends a fence at any line
-    starting with three of its characters: markdown reads the first of those
-    that closes it, so where that one does, both end there)."""
+    `start`) as one code block: its opening line indented 4 or more only as
+    a list item's fence; no line in it is indented less than that line, so
+    none can end a list item it belongs to (and the code block with it); and
+    its closing line, if any, closes it for markdown too: indented as that
+    line, with spaces, and holding only the fence's character and spaces
+    after (CODE ends a fence at any line beginning with its run, however
+    indented; CommonMark's readers and marked, the page's, agree on these)."""
     lines = text[start:end].split("\n")
-    lines[-1] += text[end : _line_end(text, end)]  # the rest of the line CODE ended on
-    opening, indent = lines[0], _indent(lines[0])
-    run = FENCE_RUN.match(opening).group(1)
-    if run[0] == "`" and "`" in opening.lstrip(" \t")[len(run) :]:
-        return False
+    indent = _indent(lines[0])
     if any(line.strip() and _indent(line) < indent for line in lines[1:]):
         return False
-    closing = lines[-1] if len(lines) > 1 and lines[-1].lstrip(" \t").startswith(run[0] * 3) else None
-    if closing is not None:
-        if "\t" in closing[: len(closing) - len(closing.lstrip(" \t"))] or _indent(closing) != indent:
-            return False
-        if not re.fullmatch(re.escape(run[0]) + "{%d,}[ \t]*" % len(run), closing.strip(" ")):
-            return False
+    character = FENCE_RUN.match(lines[0]).group(1)[0]
+    closing = _closing(text[start:end])
+    if closing is not None and (_indent(closing) != indent or not re.fullmatch(f" *{character}+ *", closing)):
+        return False
     if indent <= 3:
         return True
     between = indent  # the least indentation of the lines between the list item and the fence
@@ -574,30 +615,52 @@ def _prose(text: str, origins: list[str], start: int, end: int) -> str:
     while position < end:
         newline = text.find("\n", position, end)
         stop = end if newline < 0 else newline + 1
-        parts.append(_line(text[position:stop], origins[position:stop]))
+        piece = text[position:stop]
+        spanned = stop < len(text) and not piece.endswith("\n")  # an inline span follows on its line
+        parts.append(_line(piece, origins[position:stop], spanned))
         position = stop
     return "".join(parts)
 
 
-def _line(line: str, origins: list[str]) -> str:
+def _line(line: str, origins: list[str], spanned: bool = False) -> str:
     """One line of prose. Its block syntax (indentation, quote and list
     markers, heading hashes) stays raw so that markdown sees it; rules, table
     delimiter rows and indented lines are not highlighted; within the rest,
     highlights never cover a newline, a table pipe, an escape, link brackets
     or emphasis markers, whose meaning depends on their neighbours, nor a bare
     address (http://, https://, ftp://, www., an e-mail address), which a
-    highlight would cut out of its link."""
+    highlight would cut out of its link. A backtick run beginning a line that
+    an inline span goes on to (`spanned`) is no fence (its info string holds a
+    backtick), but would open one if the span became an HTML <code> element:
+    its backticks are written as entities, which COPY_JS turns back."""
+    opening = TICK_OPENING.match(line) if spanned else None
+    if opening is not None:
+        markers, run = opening.groups()
+        return markers + "&#96;" * len(run) + _line(line[opening.end() :], origins[opening.end() :])
     if UNCOLOURED_LINE.match(line):
         return escape_prose(line)
     prefix = BLOCK_PREFIX.match(line).end()
     marks = [origin == DRAFT and char != "\n" for char, origin in zip(line, origins)]
     for syntax in INLINE_SYNTAX.finditer(line, prefix):
         marks[syntax.start() : syntax.end()] = [False] * (syntax.end() - syntax.start())
+    # a highlight beside an emphasis run inside a word ("这是**重要**的", "foo**bar**baz") would stand for
+    # punctuation there (its tag), and the run would then open or close nothing: the drafted text beside it stays plain
+    for run in EMPHASIS_RUN.finditer(line, prefix):
+        if line[run.start() - 1 : run.start()].isalnum() and line[run.end() : run.end() + 1].isalnum():
+            _unmark(marks, run.start() - 1, -1)
+            _unmark(marks, run.end(), 1)
     runs = []
     for mark, indices in itertools.groupby(range(prefix, len(line)), key=marks.__getitem__):
         indices = list(indices)
         runs.append([line[indices[0] : indices[-1] + 1], DRAFT if mark else BASE])
     return line[:prefix] + coloured(runs, escape_prose)
+
+
+def _unmark(marks: list[bool], index: int, step: int) -> None:
+    """Clear the run of marks from `index` on, going by `step`."""
+    while 0 <= index < len(marks) and marks[index]:
+        marks[index] = False
+        index += step
 
 
 def pane_html(segments: list[list[str]], elem_class: str = "kestrel-pane") -> str:

@@ -419,8 +419,8 @@ def to_markdown(chat: dict) -> str:
     for message in chat["messages"]:
         lines += [f"**{message['role'].capitalize()}:**", "", quoted(inert_markdown(message["content"])), ""]
         made = made_with(message.get("stats"))
-        if made:
-            lines += [f"_{made}_", ""]
+        if made:  # its names are the file's as written (an imported chat's): on one line, and inert as a message is
+            lines += [f"_{inert_markdown(' '.join(made.split()))}_", ""]
         if earlier := earlier_replies(message):
             lines += [f"_Earlier replies kept for this message: {len(earlier)} (the JSON export holds them)._", ""]
     return "\n".join(lines)

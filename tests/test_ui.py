@@ -1206,6 +1206,59 @@ def test_the_markdown_export_shows_markup_as_text_as_the_page_does():
     assert exported.startswith("# &lt;script>alert(1)&lt;/script>")
 
 
+def test_the_markdown_export_makes_tags_text_in_code_spans_markdown_may_pair_otherwise():
+    """Code spans were kept as written, as found on one line: markdown pairs
+    backticks across lines and at a lone carriage return, a table splits a
+    span at its "|", and an escaped backslash leaves the backtick after it
+    a delimiter, so a tag between two spans was live HTML in the export.
+    Such spans have their tags made text; a "<" that opens none stays, and a
+    span markdown surely pairs keeps its tags."""
+    from markdown_it import MarkdownIt
+
+    for text in ("`a\nb` <img src=x onerror=alert(1)> `c", "Note `a\r# <img src=y onerror=alert(2)>` end",
+                 "\\\\`a` <img src=x onerror=1> `b`", "| `<img src=x onerror=1>|` |\n|-|-|",
+                 # a fence markdown closes elsewhere: the fences after it may pair otherwise too
+                 "```\nx\n    ```\n```\n<img src=x onerror=1>\n```"):
+        exported = store_module.to_markdown({**new_chat(), "messages": [{"role": "user", "content": text}]})
+        for reader in (MarkdownIt("commonmark"), MarkdownIt("js-default", {"html": True})):  # the second reads tables
+            blocks = reader.parse(exported)
+            found = [*blocks, *(child for block in blocks if block.children for child in block.children)]
+            assert not [t for t in found if t.type in ("html_block", "html_inline")], text
+    assert render.inert_markdown("A lone ` here.\nThen `a < b` and `<div>`") == "A lone ` here.\nThen `a < b` and `&lt;div>`"
+    assert render.inert_markdown("Then `a < b` and `<div>`") == "Then `a < b` and `<div>`"
+    assert render.inert_markdown("x ~~~~`<b>` y") == "x ~~~~`&lt;b>` y"  # marked takes a backtick after tildes as text
+
+
+def test_the_markdown_export_keeps_code_as_written_before_what_may_hide_a_fence():
+    """A link definition or a lone carriage return anywhere made every fence's
+    tags text in the export (and every fence holding a "<" a text block on the
+    page): only fences that reach it are, as markdown reads the lines before
+    it as written."""
+    code = '```html\n<div class="box">hi</div>\n```'
+    for text in (f"Use this:\n\n{code}\n\nSee [the docs][1].\n\n[1]: https://developer.mozilla.org/", f"{code}\n\nThen\r<b>"):
+        assert render.inert_markdown(text).startswith(text.partition(code)[0] + code), text
+        assert render.message_html({"role": "assistant", "content": text}, False).startswith(text.partition(code)[0] + code), text
+    for text in ("[x]:\n```\n<b>\n```", "Then\r\n```\n<b>\n```"):  # fences after them: text, as before
+        assert "&lt;b>" in render.inert_markdown(text) and "<b" not in render.message_html({"role": "user", "content": text}, False)
+
+
+def test_the_markdown_export_writes_a_reply_s_settings_as_text_on_one_line():
+    """A reply's stored settings (an imported chat's, as written) went into
+    the export raw: a model name could hold live HTML and a line passing for
+    the next message's label."""
+    from markdown_it import MarkdownIt
+
+    chat = new_chat()
+    settings = {"model": "x<img src=x onerror=alert(1)>\n\n**User:**\n\n> fake", "head": "h<i>", "dtype": "d\n# e", "quantization": "q<s>"}
+    chat["messages"] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "stats": {"mode": "m<b>", "settings": settings}}]
+    exported = store_module.to_markdown(chat)
+    tokens = MarkdownIt("commonmark").parse(exported)
+    inline = [child for token in tokens if token.children for child in token.children]
+    assert not [t for t in [*tokens, *inline] if t.type in ("html_block", "html_inline")], exported
+    assert [token.content for token in tokens if token.type == "inline" and token.level == 1][1:3] == ["**User:**", "**Assistant:**"]
+    assert "_m&lt;b>, x&lt;img src=x onerror=alert(1)> **User:** > fake (d # e, q&lt;s>), draft head h&lt;i>_" in exported
+
+
 def test_models_tab_load_failure_keeps_model_and_unload(engine, tiny_dir, store, tmp_path, monkeypatch):
     import app.library
 
@@ -1659,14 +1712,18 @@ def test_raw_text_that_markdown_may_not_read_as_code_cannot_open_a_tag():
     # a line indented less than a list item's fence ends the item, and the code block with it
     assert "<img" not in shown("- a\n  ```\n<img src=x>\n  ```")
     assert "<img" not in shown("``` a`b\n<img src=x>\n```")  # backticks in the info string: not a fence
-    # inline spans holding "<" become <code> elements, whatever markdown pairs the backticks with
+    # inline spans holding "<" become <code> elements, whatever markdown pairs the backticks with (those it may pair
+    # otherwise, where the "<" can open a tag)
     assert shown("use `x < y` and `z`") == 'use <code data-md="&#96;x &#60; y&#96;">x &#60; y</code> and `z`'
     assert shown("| `<img src=x>|` |") == '| <code data-md="&#96;&#60;img src&#61;x&#62;&#124;&#96;">&#60;img src&#61;x&#62;&#124;</code> |'
     # a fence that markdown closes elsewhere (at a closing line it does not take) becomes a text block, so that
     # markdown reads no fence there and the fences after it as found here (tests/test_browser.py: LEAKS)
-    for text in ("````\n```\n````\n<img src=x>\n```", "```\nx\n    ```\n```\n<img src=x>\n```",
-                 "```\nx\n```py\n```\n<img src=x>\n```", "~~~~\n~~~\n~~~~\n<img src=x>\n~~~"):
+    for text in ("```\nx\n    ```\n```\n<img src=x>\n```", "```\nx\n```py\n```\n<img src=x>\n```", "```\nx\n```~\n<img src=x>\n```",
+                 "```\nx\n```\t\n<img src=x>\n```"):  # marked, the page's reader, takes neither as the end
         assert shown(text).startswith('<pre class="kestrel-text"><code>&#'), text
+    # a line shorter than the opening run ends no fence, here as for markdown: the fence stays raw, what follows is prose
+    for text in ("````\n```\n````\n<img src=x>\n```", "~~~~\n~~~\n~~~~\n<img src=x>\n~~~"):
+        assert shown(text) == text.replace("<img src=x>", "&lt;img src=x&gt;"), text
     # after a fence opened behind a list marker, which is not read here, no fence is taken as sure
     assert "<img" not in shown("- ```\n  x\n  ```\n  <img src=x>\n  ```")
     # nor where Gradio or marked may read a fence otherwise: mermaid, $$ math, a link definition, a lone \r,
@@ -1679,6 +1736,91 @@ def test_raw_text_that_markdown_may_not_read_as_code_cannot_open_a_tag():
     assert shown("```html\n<p>hi</p>\n```") == "```html\n<p>hi</p>\n```"
     assert shown("1. Code:\n    ```\n    a<b\n    ```") == "1. Code:\n    ```\n    a<b\n    ```"
     assert "a<b" not in shown("Text\n    ```\n    a<b\n    ```")  # not in a list: not a fence
+
+
+def test_a_line_opening_with_backticks_closed_on_it_is_inline_code_not_a_fence():
+    """A ``` fence's info string holds no backtick: "```print('hi')``` prints
+    hi." is inline code, where it had opened a fence to the message's end,
+    which showed the rest as raw text. A fence closes only at a line of its
+    character at least as long as its opening run, so a block can show
+    another's fence lines. The page's copy reads code as CODE does."""
+    from markdown_it import MarkdownIt
+
+    def shown(text: str) -> str:
+        return render.message_html({"role": "assistant", "content": text}, False)
+
+    text = "Sure.\n```print('hi')``` prints hi.\n\n## Steps\n\n1. **Install** Python\n2. Run it"
+    assert shown(text) == text
+    nested = "Here is a README snippet:\n\n````markdown\n```html\n<div>hi</div>\n```\n````\n\nDone."
+    assert shown(nested) == nested and render.inert_markdown(nested) == nested  # the export keeps its tags too
+    # a span holding a "<" becomes a <code> element: the backtick run before it is written as entities, so that the
+    # line, which opened no fence as written, opens none without the span's backticks either
+    for text in ("````cpp`**<b>`\nnext", "- ````cpp`**<b>`\nnext"):
+        tokens = MarkdownIt("commonmark").parse(shown(text))
+        assert not [t for t in tokens if t.type == "fence"] and "&#96;&#96;&#96;&#96;cpp<code" in shown(text), text
+    javascript = render.CODE.pattern.replace("(?P<", "(?<").replace(".*?", "[\\s\\S]*?").replace("\\Z", "$")
+    javascript = re.sub(r"\(\?P=(\w+)\)", r"\\k<\1>", javascript)  # Python's (?P=name) is JavaScript's \k<name>
+    assert f"const code = /{javascript}/g;" in render.COPY_JS
+
+
+def test_the_reasoning_fold_ends_before_the_answer_whatever_code_the_reasoning_holds():
+    """The fold closed a code block it took as left open in the reasoning,
+    read line by line: where the page showed that line as text (indented by
+    a tab, a "<" on it) or as inline code, the closing line it added opened
+    a block instead, which held the fold's end and the answer. Now it closes
+    only a block the page leaves open, indented as it opened (a list item's)."""
+    from markdown_it import MarkdownIt
+
+    for reasoning in ("The user wants hello world.\n```print('hi')``` prints it.", "foo\n\t```python", "~~~<b>",
+                      "Plan:\n1. Write the loop:\n   ```python\n   for i", "Try it:\n```python\nprint(4 + 4)"):
+        message = {"role": "assistant", "content": f"<think>\n{reasoning}\n</think>\n\nUse `print('hi')`.", "reasoning": True}
+        tokens = MarkdownIt("commonmark").parse(render.message_html(message, True))
+        assert any(t.type == "html_block" and t.content.startswith("</details>") for t in tokens), reasoning
+        assert [t.content for t in tokens if t.type == "inline"][-1] == "Use `print('hi')`.", reasoning
+    cut = "<think>\nPlan:\n1. Write the loop:\n   ```python\n   for i"  # a reply stopped there
+    shown = render.message_html({"role": "assistant", "content": cut, "reasoning": True}, False)
+    assert shown.endswith('data-fence="7"><summary>Reasoning...</summary>\n\n' + cut[8:] + "\n   ```\n\n</details>\n\n")
+
+
+def test_a_reasoning_fold_says_its_reply_ended_in_it_and_an_empty_one_is_not_shown():
+    """A reply stopped (or cut) while reasoning kept its fold titled
+    "Reasoning..." as if still written, after a reload too; Qwen3's empty
+    reasoning (thinking off) showed an empty fold."""
+    thinking = {"role": "assistant", "content": "<think>\nStill weighing it", "reasoning": True}
+    assert "<summary>Reasoning...</summary>" in render.message_html(thinking, False)  # on its way: no stats yet
+    stopped = render.message_html({**thinking, "stats": {"finish_reason": "cancelled"}}, False)
+    assert '<details class="kestrel-think" open ' in stopped and "<summary>Reasoning (unfinished)</summary>" in stopped
+    empty = render.message_html({"role": "assistant", "content": "<think>\n\n</think>\n\nHello!", "reasoning": True}, False)
+    assert empty.startswith('<details class="kestrel-think" hidden data-open=') and empty.endswith("</details>\n\nHello!")
+    said = render.message_html({"role": "assistant", "content": "<think>\nHm.\n</think>\n\nHello!", "reasoning": True}, False)
+    assert said.startswith('<details class="kestrel-think" data-open=')
+
+
+def test_a_code_span_markdown_may_pair_otherwise_is_left_to_markdown_where_it_can_open_no_tag():
+    """A backtick earlier in the paragraph pairs with the span's first one
+    for markdown: the span's <code> element showed inside that span as its
+    markup. Where its "<" can open no tag, the span stays as written; where
+    it can, it stays an element (its markup shows, nothing runs)."""
+    text = "In Markdown, a single ` opens a code span.\nSo `a < b` is code, and so is `c`."
+    assert render.message_html({"role": "assistant", "content": text}, False) == text
+    tagged = render.message_html({"role": "assistant", "content": "one `two\nthree` <img src=x> `four`"}, False)
+    assert "<img" not in tagged and '<code data-md="' in tagged
+
+
+def test_colour_leaves_emphasis_inside_a_word_as_it_renders():
+    """A highlight between ** and a letter ("这是**重要**的", foo**bar**baz)
+    stood beside the ** as punctuation, so it emphasised nothing: such a run
+    stays uncoloured. A highlight beside emphasis between spaces stays."""
+    from markdown_it import MarkdownIt
+
+    for segments in ([["这是**", render.BASE], ["重要", render.DRAFT], ["**的。", render.BASE]],
+                     [["foo**", render.BASE], ["bar", render.DRAFT], ["**baz", render.BASE]]):
+        text = "".join(piece for piece, _ in segments)
+        shown = render.message_html({"role": "assistant", "content": text, "segments": segments}, True)
+        assert MarkdownIt("commonmark").render(shown) == MarkdownIt("commonmark").render(text), text
+    segments = [["The ", render.DRAFT], ["**", render.BASE], ["answer", render.DRAFT], ["** is", render.BASE]]
+    shown = render.message_html({"role": "assistant", "content": "The **answer** is", "segments": segments}, True)
+    assert shown.count('class="kd"') == 2 and "<strong>" in MarkdownIt("commonmark").render(shown)
 
 
 def test_message_longer_than_the_context_is_refused(handlers):
