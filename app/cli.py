@@ -441,9 +441,9 @@ def check_writable(path: str, option: str, reads: list[tuple[str, str | Path | N
             continue
         if target.resolve() == read:
             raise ValueError(f"{option} {path}: is the file this command reads ({what}); name another file for the results")
-        if read in target.resolve().parents:  # a head's, a model's or the features' folder
-            raise ValueError(f"{option} {path}: is inside {source}, the {what} folder this command reads; "
-                             "name a file outside it for the results")  # fmt: skip
+        if target.exists() and read in target.resolve().parents:  # a file of a head's, a model's or the features' folder
+            raise ValueError(f"{option} {path}: would write over a file inside {source}, the {what} folder this command "
+                             "reads; name a new file, or one outside it, for the results")  # fmt: skip
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", suffix=".check"):

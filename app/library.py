@@ -237,7 +237,7 @@ class LibraryHandlers:
             model = model or loaded_name
             # the base its training report names, else the loaded one (listed for its sizes); the list may
             # be older than the loaded base (another tab loaded one since, or unloaded it)
-            made_for = trained_base(Path(trained)) or loaded_name
+            made_for = trained_base(user_path(trained)) or loaded_name
             if made_for is not None and not same_base(model or bundled.DEFAULT_NAME, made_for):  # it would draft badly, or not load
                 kept = "The previous model is still loaded." if loaded is not None else "No model is loaded."
                 return self.status(), render.escape(

@@ -140,11 +140,13 @@ def load_base(
         )
     try:
         return _load(location, gguf_file, name, chosen, torch_dtype, torch_device, quantization == "auto", revision=revision)
-    except (CorruptedFileError, MissingWeightsError) as error:
+    except (CorruptedFileError, MissingWeightsError, ModelLoadError) as error:
         if name != bundled.DEFAULT_NAME or gguf_file is not None:
             raise
-        # Kestrel's own converted copy (a power cut after the conversion, a disk error): made again from the GGUF
-        log.warning(f"The converted copy of the bundled model in {location} cannot be read ({error}); converting it again")
+        # Kestrel's own converted copy (a power cut after the conversion, a disk error; or files that parse
+        # but that the libraries installed since refuse): made again from the GGUF
+        why = "cannot be read" if not isinstance(error, ModelLoadError) else "did not load"
+        log.warning(f"The converted copy of the bundled model in {location} {why} ({error}); converting it again")
         shutil.rmtree(location, ignore_errors=True)
         return _load(str(bundled.converted_folder()), None, name, chosen, torch_dtype, torch_device, quantization == "auto")
 
@@ -241,8 +243,8 @@ JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "model.safetensors.inde
 
 def check_readable(folder: Path) -> None:
     """Read a model folder's JSON files and its safetensors weights' headers
-    before transformers does, whose errors about one cut short (a download or
-    a copy stopped) do not say which file it is."""
+    once transformers failed to load it, whose errors about one cut short (a
+    download or a copy stopped) do not say which file it is."""
     from safetensors import SafetensorError, safe_open
 
     for name in JSON_FILES:
@@ -257,7 +259,9 @@ def check_readable(folder: Path) -> None:
         weights = [folder / str(shard) for shard in shards]
         for shard in weights:
             if not shard.is_file():
-                raise MissingWeightsError(f"{index}: names the shard {shard.name}, which is not in {folder}; the download may be incomplete")
+                raise MissingWeightsError(
+                    f"{index}: names the shard {shard.relative_to(folder)}, which is not in {folder}; the download may be incomplete"
+                )
     for file in weights:
         if file.is_file():
             try:
@@ -339,8 +343,6 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     cache_only = not Path(location).is_dir() and not reachable()
     options["local_files_only"] = cache_only
     try:
-        if gguf_file is None and Path(location).is_dir():
-            check_readable(Path(location))  # the file at fault named, and within the try: the bundled copy is made again
         config = AutoConfig.from_pretrained(location, local_files_only=cache_only, trust_remote_code=False, **gguf, **pinned)
         check_generates(config, name)
         quantization, saved = saved_quantization(config, name, quantization, automatic)
@@ -363,6 +365,8 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     except KestrelError:  # the checks above, already specific
         raise
     except Exception as error:  # translated into one specific, readable error
+        if gguf_file is None and Path(location).is_dir():
+            check_readable(Path(location))  # a file cut short named, where transformers' error names none
         raise _explain(error, name, quantization) from error
     check_complete(info, name)
     from core.prompt import chat_template, template_syntax_error

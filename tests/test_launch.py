@@ -892,18 +892,20 @@ def test_a_results_file_is_never_a_file_the_command_reads(tmp_path, capsys, monk
     judge = ["eval-heads", "--features", str(work / "features"), "--head", str(head), str(other)]
     bench = ["bench", "--prompts", str(prompts), "--head", str(head)]
     refusals(cli, [
-        ([*judge, "--json", str(head / "config.json")], f"is inside {head}, the --head folder this command reads"),
-        ([*judge, "--json", str(other / "model.safetensors")], f"is inside {other}, the HEAD folder this command reads"),
-        ([*judge, "--json", str(work / "features" / "eval" / "figures.json")], "the --features folder this command reads"),
+        ([*judge, "--json", str(head / "config.json")], f"would write over a file inside {head}, the --head folder this command reads"),
+        ([*judge, "--json", str(other / "model.safetensors")], f"would write over a file inside {other}, the HEAD folder this command reads"),
+        ([*judge, "--json", str(work / "features" / "eval" / "shard-00000.safetensors")], "the --features folder this command reads"),
         ([*judge, "--json", str(work / "base-model.json")], "is the file this command reads (the record of the base model beside --features)"),
-        ([*judge, "--model", str(model), "--json", str(model / "config.json")], f"is inside {model}, the --model folder"),
-        ([*bench, "--json", str(head / "model.safetensors")], f"is inside {head}, the --head folder this command reads"),
+        ([*judge, "--model", str(model), "--json", str(model / "config.json")], f"would write over a file inside {model}, the --model folder"),
+        ([*bench, "--json", str(head / "model.safetensors")], f"would write over a file inside {head}, the --head folder this command reads"),
         ([*bench, "--model", str(tmp_path / "model.gguf"), "--json", str(tmp_path / "model.gguf")], "is the file this command reads (--model)"),
         ([*bench, "--other-head", f"x={other}", "--modes", "vanilla,eagle2@x", "--json", str(other / "config.json")],
-         f"is inside {other}, the --other-head x folder this command reads"),
+         f"would write over a file inside {other}, the --other-head x folder this command reads"),
         ([*bench, "--json", str(prompts)], "is the file this command reads (--prompts)"),
     ], capsys)  # fmt: skip
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    # a new file beside a head's files overwrites nothing it reads
+    assert cli.check_writable(str(head / "figures.json"), "--json", [("--head", head)]) == head / "figures.json"
 
 
 def test_prompt_commands_refuse_an_out_that_is_or_holds_their_work_folder(tmp_path, capsys, monkeypatch):

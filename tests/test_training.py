@@ -1196,6 +1196,13 @@ def test_a_folder_that_is_no_work_folder_is_refused_as_what_it_looks_like(tmp_pa
     (notes / "todo.txt").write_text("")
     assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "new"), "--work", str(notes), "--resume"]) == 2
     assert "holds todo.txt, which no training run writes: it looks like a folder of other files" in capsys.readouterr().err
+    from core.training.work import not_a_work_folder
+
+    killed = tmp_path / "killed"  # a run killed while it wrote a file whole leaves NAME.partial: still its work folder
+    killed.mkdir()
+    for name in ("base-model.json.partial", "run.json", "answers.jsonl", "phases.json.partial"):
+        (killed / name).write_text("")
+    assert not_a_work_folder(killed) is None
 
 
 def test_a_full_disk_leaves_the_report_and_head_whole_and_names_the_file(tiny_base, prompts_file, tmp_path, monkeypatch):

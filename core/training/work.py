@@ -45,7 +45,8 @@ def not_a_work_folder(work: Path) -> str | None:
         names = sorted(entry.name for entry in work.iterdir() if not entry.name.startswith("."))
     except OSError:  # no folder yet (or not one to read): said where it is written
         return None
-    names = [name for name in names if name not in (*RECORDS, *WORK_ENTRIES)]
+    # a file a run writes whole goes by NAME.partial first (models.paths.write_whole): a kill can leave one
+    names = [name for name in names if name.removesuffix(".partial") not in (*RECORDS, *WORK_ENTRIES)]
     if not names:
         return None
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
