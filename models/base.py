@@ -374,9 +374,10 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     broken = template_syntax_error(tokenizer)
     if broken is not None:  # as a missing template: said once, here, and chats written as a plain transcript
         source = Path(location) / "chat_template.jinja"
-        source = source if source.is_file() else "its chat_template.jinja or tokenizer_config.json"
-        log.warning(f"{name}: its chat template is broken ({broken.rstrip('.')}), so chats are written as a plain "
-                    f"'User: ... Assistant:' transcript, which the model may answer poorly; copy or download {source} again")  # fmt: skip
+        source = (f"the GGUF file ({gguf_file}) holds it" if gguf_file is not None else
+                  f"it is {source}" if source.is_file() else "it is in chat_template.jinja or tokenizer_config.json")  # fmt: skip
+        log.warning(f"{name}: its chat template does not read ({broken.rstrip('.')}; {source}), so chats are written "
+                    "without it, which the model may answer poorly")  # fmt: skip
         tokenizer.chat_template = None
     elif chat_template(tokenizer) is None:  # a base model: said once, here, rather than guessed at from its replies
         log.warning(f"{name}: its tokenizer has no chat template, so chats are written as a plain 'User: ... Assistant:' "

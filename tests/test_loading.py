@@ -1050,8 +1050,8 @@ def test_a_chat_template_cut_short_is_said_at_load_and_chats_fall_back_to_a_tran
     with caplog.at_level(logging.WARNING, logger="kestrel"):
         loaded = load_base(str(folder), dtype="float32")
     warned = " ".join(record.getMessage() for record in caplog.records)
-    assert "its chat template is broken (unexpected end of template" in warned
-    assert "plain 'User: ... Assistant:' transcript" in warned and str(folder / "chat_template.jinja") in warned
+    assert "its chat template does not read (unexpected end of template" in warned
+    assert "chats are written without it" in warned and f"it is {folder / 'chat_template.jinja'}" in warned
     assert render_chat(loaded.tokenizer, [{"role": "user", "content": "w1 w2"}]).endswith("User: w1 w2\nAssistant:")
     assert encode_chat(loaded.tokenizer, [{"role": "user", "content": "w1 w2"}])
     loaded.tokenizer.chat_template = "{% for m in messages %}{{ m.content "  # broken after load: said as broken
