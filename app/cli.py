@@ -666,10 +666,19 @@ def check_text(text: str | None, what: str) -> None:
         raise ValueError(f"{what} is not UTF-8 text ({byte} at character {error.start}): save it as UTF-8") from error
 
 
+def read_stdin() -> str:
+    """Standard input's text, its bytes read as UTF-8 whatever the locale says
+    (one that is not becomes what check_text names, not a codec's error)."""
+    if sys.stdin is None:  # closed (`<&-`), or none given to the process
+        raise ValueError("the prompt is - (standard input), and there is none: give the message as an argument, or pipe it in")
+    raw = getattr(sys.stdin, "buffer", None)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+
+
 def run_chat(args) -> int:
     sampling, tree = sampling_from(args), tree_from(args)  # a bad value fails before the model loads
     if args.prompt == "-":
-        args.prompt = sys.stdin.read()
+        args.prompt = read_stdin()
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the message to answer")
     for text, what in ((args.prompt, "the prompt"), (args.system, "--system")):

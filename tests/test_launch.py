@@ -378,6 +378,19 @@ def test_chat_writes_the_reply_to_stdout_and_progress_to_stderr(tiny_dir, capsys
     assert "a progress message" in captured.err and "a progress message" not in captured.out
 
 
+def test_chat_from_stdin_names_bytes_that_are_not_utf_8_and_a_closed_stdin(capsys, monkeypatch):
+    """A strict UTF-8 locale's stdin raised the codec's own error, and a closed
+    stdin a traceback: both are said as check_text says a prompt's problem."""
+    import io
+
+    from app import cli
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"w1 \xe9 w2"), encoding="utf-8", errors="strict"))
+    refusals(cli, [(["chat", "-"], "the prompt is not UTF-8 text (byte 0xe9 at character 3)")], capsys)
+    monkeypatch.setattr("sys.stdin", None)
+    refusals(cli, [(["chat", "-"], "the prompt is - (standard input), and there is none")], capsys)
+
+
 def test_chat_reads_the_prompt_from_stdin_and_names_the_seed_it_drew(tiny_dir, capsys, monkeypatch):
     """`chat -` takes the message from standard input; a sampled reply without
     --seed names the seed it drew, and --seed with it writes the same reply."""
