@@ -26,7 +26,7 @@ from app.store import (
     oldest_messages, to_json, to_markdown, well_formed,
 )  # fmt: skip
 from app.store import made_with as made_with_line
-from core.config import SamplingParams, TreeParams
+from core.config import TOP_K_LIMIT, SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine, check_prompt
 from core.prompt import UNFINISHED
 from models.errors import ChatTemplateError, KestrelError
@@ -47,7 +47,7 @@ SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
 # Qwen3 are recommended); a value typed into a number box outside them
 # is refused by name (a slider's box brings its value back into range itself when left).
 RANGES = {
-    "temperature": (0, 2), "top_p": (0.05, 1), "top_k": (0, 1_000_000), "max_new_tokens": (1, 32768), "seed": (-1, 2**32 - 1),
+    "temperature": (0, 2), "top_p": (0.05, 1), "top_k": (0, TOP_K_LIMIT), "max_new_tokens": (1, 32768), "seed": (-1, 2**32 - 1),
     "total_tokens": (0, 128), "depth": (1, 12), "tree_top_k": (1, 16),
 }  # fmt: skip
 # the settings the page shows as sliders: a value typed past a slider's range settles, in the

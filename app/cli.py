@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from core.config import SEEDS
+from core.config import SEEDS, TOP_K_LIMIT
 from models.paths import user_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -
     group = parser.add_argument_group("sampling")
     group.add_argument("--temperature", type=number(0.0, 2.0), default=0.0, help="0 = greedy (default); higher = more random (at most 2, as on the page and in the API)")
     group.add_argument("--top-p", type=number(0.0, 1.0), default=1.0, help="nucleus sampling mass (default 1.0 = off; 0 keeps the most likely token)")
-    group.add_argument("--top-k", type=integer(0), default=0, help="sample among the k most likely tokens (default 0 = off)")
+    group.add_argument("--top-k", type=integer(0, TOP_K_LIMIT), default=0, help=f"sample among the k most likely tokens (default 0 = off; at most {TOP_K_LIMIT:,})")
     group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
     group.add_argument("--seed", type=integer(*SEEDS), help="random seed for sampling, a signed 64-bit integer (default, or -1: for a sampled reply, one drawn each run, and shown)")
 

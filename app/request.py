@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from core.config import MODES, SEEDS, TREE_LIMITS, SamplingParams, TreeParams
+from core.config import MODES, SEEDS, TOP_K_LIMIT, TREE_LIMITS, SamplingParams, TreeParams
 from models.errors import json_kind
 
 MAX_MESSAGES = 1024  # messages in one chat request
@@ -58,7 +58,7 @@ class RequestError(ValueError):
 
 # the sampling settings a request may send, with the ranges it may send them in (top_k also -1, for off),
 # and that a model's generation_config.json may recommend for the requests that leave them out
-SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1_000_000)}
+SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, TOP_K_LIMIT)}
 SAMPLING_FIELDS = tuple(SAMPLING_RANGES)
 
 

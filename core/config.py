@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 MODES = ("vanilla", "eagle", "eagle2")
 
 SEED_LIMIT = 2**32  # seeds drawn for sampling settings without one are below this
+TOP_K_LIMIT = 1_000_000  # the largest top-k the page, the API and the commands take (past any vocabulary: off)
 SEEDS = (-(2**63), 2**63 - 1)  # the seeds the API and the commands take (any 64-bit integer, as OpenAI's; there -1 draws a fresh one)
 
 

@@ -305,6 +305,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["ui", "--port", "70000"], "--port: must be from 1 to 65535"),
         (["ui", "--max-queue", "0"], "--max-queue: must be at least 1"),
         (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be from 1 to 32, got 0"),
+        (["chat", "hi", "--top-k", "1000001"], "--top-k: must be from 0 to 1000000, got 1000001"),  # the API's and the page's range
         (["chat", "hi", "--total-tokens", "300"], "--total-tokens: must be from 0 to 256, got 300"),  # the API's range
         (["bench", "--prompts", str(prompts), "--modes", "eagle2:300/4/2"], "its total_tokens must be from 0 to 256, got 300"),
         (["chat", "hi", "--total-tokens", "1"], "--total-tokens: must be 0 (sized by the planner) or from 2 to 256, got 1"),
