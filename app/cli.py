@@ -671,6 +671,9 @@ def read_stdin() -> str:
     (one that is not becomes what check_text names, not a codec's error)."""
     if sys.stdin is None:  # closed (`<&-`), or none given to the process
         raise ValueError("the prompt is - (standard input), and there is none: give the message as an argument, or pipe it in")
+    if sys.stdin.isatty():  # typed: say how it ends, which a terminal does not
+        end = "Ctrl+Z, then Enter" if os.name == "nt" else "Ctrl+D"
+        print(f"type the message, then end it with {end} on a line of its own", file=sys.stderr, flush=True)
     raw = getattr(sys.stdin, "buffer", None)
     return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
 

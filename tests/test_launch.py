@@ -391,6 +391,16 @@ def test_chat_from_stdin_names_bytes_that_are_not_utf_8_and_a_closed_stdin(capsy
     monkeypatch.setattr("sys.stdin", None)
     refusals(cli, [(["chat", "-"], "the prompt is - (standard input), and there is none")], capsys)
 
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal(" "))  # typed at a terminal: how to end it is said first
+    refusals(cli, [(["chat", "-"], "the prompt is empty")], capsys)
+    monkeypatch.setattr("sys.stdin", Terminal(" "))
+    cli.main(["chat", "-"])
+    assert "then end it with Ctrl+" in capsys.readouterr().err
+
 
 def test_chat_reads_the_prompt_from_stdin_and_names_the_seed_it_drew(tiny_dir, capsys, monkeypatch):
     """`chat -` takes the message from standard input; a sampled reply without
