@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,7 @@ CONTROL_C_EXIT = 0xC000013A
 LOCK_HELD = (errno.EACCES, errno.EDEADLK) if os.name == "nt" else (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
-def fail(cause: str, fix: str) -> None:
+def fail(cause: str, fix: str) -> None:  # Python 2 stops here: Kestrel needs Python 3.11 to 3.14
     """Say why setup stopped and exit; main waits for Enter where the window
     would close, once the setup lock is let go (a next start must not wait
     for this window)."""
@@ -73,6 +74,12 @@ def venv_python() -> Path:
 
 def in_venv() -> bool:
     return Path(sys.prefix).resolve() == VENV.resolve()
+
+
+def runs_venv_python() -> bool:
+    """Whether this process was started as one of .venv's Pythons, in .venv or not: without
+    its pyvenv.cfg, .venv's Python runs as the Python it links to, outside .venv."""
+    return Path(os.path.abspath(sys.executable)).parent.resolve() == venv_python().parent.resolve()
 
 
 def wanted_stamp() -> str:
@@ -195,22 +202,58 @@ def check_platform() -> None:
         fail(problem, "run Kestrel on a machine PyTorch supports (see README.md, Start)")
 
 
+def python_changed(config: str, python_name: str) -> "str | None":
+    """How .venv's Python differs in version from the one that made it (None: it does not, or
+    cannot be told). Its python links to the one that made it by the name that was run, often
+    the unversioned /usr/bin/python3, which a system upgrade points at a newer Python: that one
+    finds none of the packages installed for the old one (lib/python3.X/site-packages). The file
+    the link ends at is named with its version (python3.12) on Linux and macOS, so no Python has
+    to run to tell; on Windows .venv holds a copy, and each version has a folder of its own.
+    `config`: pyvenv.cfg's text (`version = 3.11.7` from venv, `version_info` from virtualenv or uv)."""
+    running = re.match(r"python(\d+)\.(\d+)", python_name)
+    made = re.search(r"^version(?:_info)?\s*=\s*(\d+)\.(\d+)", config, re.MULTILINE)
+    if running and made and running.groups() != made.groups():
+        return f"its Python is now {'.'.join(running.groups())}, not the {'.'.join(made.groups())} that made it"
+    return None
+
+
+def venv_fault() -> "str | None":
+    """What makes .venv unusable that shows without running its Python (None: nothing)."""
+    python = venv_python()
+    if VENV.is_symlink() and not VENV.exists():
+        return f"it is a link to {VENV.resolve()}, which does not exist"
+    if not VENV.exists():
+        return "missing"
+    if not VENV.is_dir():
+        return "it is a file, not a folder"
+    if not python.exists():  # also a link to a Python that is gone
+        return "its Python is gone"
+    try:  # without it .venv's Python runs outside .venv
+        config = (VENV / "pyvenv.cfg").read_text(errors="replace")
+    except OSError as error:
+        return f"its pyvenv.cfg cannot be read: {error.strerror or error}"
+    return python_changed(config, python.resolve().name)
+
+
 def venv_problem() -> "str | None":
     """Why .venv cannot install and run Kestrel (None: it can): never made,
-    its Python removed, no pip (a first run cut short, or made without
-    ensurepip), or made by a Python the pinned packages do not install on."""
-    python = venv_python()
-    if not python.exists():  # also a link to a Python that is gone
-        return "its Python is gone" if VENV.exists() else "missing"
+    its Python removed or changed, no working pip (a first run cut short, or made
+    without ensurepip), or made by a Python the pinned packages do not install on."""
+    fault = venv_fault()
+    if fault is not None:
+        return fault
+
+    def run(*args: str) -> str:
+        return subprocess.run([str(venv_python()), *args], check=True, capture_output=True, text=True, timeout=120).stdout
+
     try:
-        probe = "import sys, pip; print(*sys.version_info[:2])"
-        found = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True, timeout=120)
+        version = tuple(int(part) for part in run("-c", "import sys; print(*sys.version_info[:2])").split()[:2])
+        if not MIN_PYTHON <= version <= MAX_PYTHON:  # pip or not
+            oldest, newest = (".".join(map(str, v)) for v in (MIN_PYTHON, MAX_PYTHON))
+            return f"it was made with Python {'.'.join(map(str, version))}; the pinned packages need {oldest} to {newest}"
+        run("-m", "pip", "--version")  # not only `import pip`, which a pip half installed passes
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
         return "it has no working pip"
-    version = tuple(int(part) for part in found.stdout.split()[:2])
-    if not MIN_PYTHON <= version <= MAX_PYTHON:
-        oldest, newest = (".".join(map(str, v)) for v in (MIN_PYTHON, MAX_PYTHON))
-        return f"it was made with Python {'.'.join(map(str, version))}; the pinned packages need {oldest} to {newest}"
     return None
 
 
@@ -265,7 +308,7 @@ def stamp_stale() -> bool:
 
 
 def setup_needed() -> bool:
-    return stamp_stale() or not venv_python().exists()
+    return stamp_stale() or venv_fault() is not None
 
 
 def bootstrap() -> None:
@@ -306,6 +349,11 @@ def remove_venv() -> None:
     folder it points to once that is empty: what a link points to is not Kestrel's to delete."""
     if VENV.is_symlink():
         target = VENV.resolve()
+        if not target.exists():
+            fail(
+                f".venv is a link to {target}, which does not exist (a disk that is not connected or mounted?)",
+                f"connect the disk that holds {target}, or delete the link .venv; then run launch.py again",
+            )
         if target.is_dir() and not any(target.iterdir()):
             return
         fail(
@@ -313,6 +361,8 @@ def remove_venv() -> None:
             f"empty the folder {target} (Kestrel makes the environment again inside it), or delete the link .venv; "
             "then run launch.py again",
         )
+    if not VENV.is_dir():
+        fail(f"{VENV} is a file, not the folder of a virtual environment", "move or delete that file, then run launch.py again")
     try:
         shutil.rmtree(VENV)
     except OSError as error:  # on Windows, a file that a running program holds (a Kestrel still running, an editor)
@@ -330,9 +380,9 @@ def failed_marker() -> Path:
 def set_up() -> None:
     installed = STAMP.exists()  # a finished install, before .venv is made again (which removes it)
     stale, made = stamp_stale(), False
-    problem = venv_problem() if stale or not venv_python().exists() else None
+    problem = venv_problem() if stale else venv_fault()
     if problem is not None:
-        if in_venv():  # it cannot remake the Python running it
+        if in_venv() or runs_venv_python():  # it cannot remake the Python running it
             fail(f".venv is incomplete ({problem})", f"run launch.py with your system Python (e.g. {start_command('')})")
         check_python(sys.version_info)
         check_platform()
@@ -376,9 +426,16 @@ def set_up() -> None:
         try:
             STAMP.write_text(wanted_stamp())
         except OSError as error:
-            fail(
-                f"the packages are installed, but {STAMP} cannot be written ({error})",
-                "free some disk space and run launch.py again",
+            if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                fail(
+                    f"the packages are installed, but {STAMP} cannot be written ({error})",
+                    "free some disk space and run launch.py again",
+                )
+            print(  # the packages are installed all the same: Kestrel starts
+                f"Note: the packages are installed, but {STAMP} cannot be written ({error.strerror or error}): "
+                f"{STAMP.parent} is read-only, so each start checks them again; make it writable to start at once.",
+                file=sys.stderr,
+                flush=True,
             )
 
 
@@ -412,6 +469,11 @@ def main() -> None:
             hold_window("Press Enter to close.")
         raise
     if not in_venv():
+        if runs_venv_python():  # exec'd again, it would be outside .venv again, and again
+            fail(
+                f"{venv_python()} runs outside .venv (in {sys.prefix})",
+                f"delete {VENV} and run launch.py with your system Python (e.g. {start_command('')})",
+            )
         command = [str(venv_python()), str(Path(__file__).resolve()), *sys.argv[1:]]
         if window_closes():  # execv on Windows detaches from the console; a shortcut's window waits after an error
             sys.exit(run_in_console(command))

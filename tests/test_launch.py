@@ -1,5 +1,7 @@
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -49,6 +51,7 @@ def test_an_incomplete_venv_is_made_again(monkeypatch, tmp_path, capsys):
     assert launch.venv_problem() == "its Python is gone"
     python.unlink()
     python.symlink_to(Path(sys.executable).resolve())
+    (venv / "pyvenv.cfg").touch()  # venv writes one: without it .venv's Python runs outside .venv
     assert launch.venv_problem() is None  # this Python has pip
     python.unlink()
     python.write_text("#!/bin/sh\nexit 1\n")
@@ -65,6 +68,7 @@ def test_an_incomplete_venv_is_made_again(monkeypatch, tmp_path, capsys):
             return real_run(command, **kwargs)
         python.parent.mkdir(parents=True)
         python.symlink_to(Path(sys.executable).resolve())
+        (venv / "pyvenv.cfg").touch()
 
     monkeypatch.setattr(launch.subprocess, "run", fake_venv)
     monkeypatch.setattr(launch, "run_pip", lambda args, step: installed.append(step))
@@ -836,6 +840,7 @@ def test_a_venv_that_is_a_link_or_cannot_be_removed_or_stamped_is_said_without_a
             return real_run(command, **kwargs)
         launch.venv_python().parent.mkdir(parents=True)
         launch.venv_python().symlink_to(Path(sys.executable).resolve())
+        (launch.VENV / "pyvenv.cfg").touch()
 
     monkeypatch.setattr(launch.subprocess, "run", fake_venv)
     with pytest.raises(SystemExit):
@@ -864,6 +869,168 @@ def test_a_venv_that_is_a_link_or_cannot_be_removed_or_stamped_is_said_without_a
     with pytest.raises(SystemExit):
         launch.set_up()
     assert f".venv cannot be removed to be made again ([Errno 13] Access is denied: '{venv}')" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a link needs administrator rights or developer mode on Windows")
+def test_a_venv_whose_python_a_system_upgrade_changed_is_made_again(monkeypatch, tmp_path, capsys):
+    """.venv's python links to the unversioned /usr/bin/python3, which an OS upgrade
+    points at a newer Python: that one found none of the packages (installed for the
+    old one), and every start stopped with "No module named 'platformdirs'" instead
+    of making .venv again, for its stamp was up to date."""
+    system = tmp_path / "usr" / "bin"
+    system.mkdir(parents=True)
+    (system / "python3.12").write_text("#!/bin/sh\nexit 1\n")
+    (system / "python3").symlink_to("python3.12")  # was python3.11 until the upgrade
+    venv = tmp_path / ".venv"
+    monkeypatch.setattr(launch, "VENV", venv)
+    monkeypatch.setattr(launch, "STAMP", venv / "kestrel-requirements.sha256")
+    monkeypatch.setattr(launch, "in_venv", lambda: False)
+    monkeypatch.setattr(launch, "run_pip", lambda args, step: None)
+
+    def made_by(version):  # what `python3 -m venv .venv` leaves
+        launch.venv_python().parent.mkdir(parents=True)
+        launch.venv_python().symlink_to(system / "python3")
+        (venv / "pyvenv.cfg").write_text(f"home = {system}\nversion = {version}\n")
+        launch.STAMP.write_text(launch.wanted_stamp())
+
+    made_by("3.11.7")
+    assert launch.setup_needed()
+    real_run = subprocess.run
+
+    def fake_venv(command, **kwargs):
+        if command[1:3] != ["-m", "venv"]:
+            return real_run(command, **kwargs)
+        made_by("3.12.1")
+
+    monkeypatch.setattr(launch.subprocess, "run", fake_venv)
+    launch.bootstrap()
+    out = capsys.readouterr().out
+    assert "cannot be used (its Python is now 3.12, not the 3.11 that made it): making it again" in out
+    assert not launch.setup_needed()
+    # virtualenv and uv write version_info; a Python whose file name holds no version (Windows' copy) is not judged
+    assert launch.python_changed("home = /usr/bin\nversion_info = 3.11.7.final.0\n", "python3.12") is not None
+    assert launch.python_changed("version = 3.12.1\n", "python3.12") is None
+    assert launch.python_changed("version = 3.11.7\n", "python.exe") is None
+
+
+def test_a_read_only_folder_whose_packages_are_installed_starts_with_a_note(monkeypatch, tmp_path, capsys):
+    """A read-only Kestrel folder and a changed requirements.txt: pip found every
+    package installed, then the stamp could not be written, and Kestrel refused
+    to start, told to free some disk space."""
+    venv = tmp_path / ".venv"
+    monkeypatch.setattr(launch, "VENV", venv)
+    monkeypatch.setattr(launch, "STAMP", venv / "kestrel-requirements.sha256")
+    monkeypatch.setattr(launch, "in_venv", lambda: False)
+    monkeypatch.setattr(launch, "venv_problem", lambda: None)  # a working .venv
+    monkeypatch.setattr(launch, "run_pip", lambda args, step: None)
+    real_write = Path.write_text
+    for code, said in ((errno.EROFS, "Read-only file system"), (errno.EACCES, "Permission denied")):
+
+        def read_only(path, *args, **kwargs):
+            if path == launch.STAMP:
+                raise OSError(code, said, str(path))
+            return real_write(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", read_only)
+        launch.set_up()
+        err = capsys.readouterr().err
+        assert f"the packages are installed, but {launch.STAMP} cannot be written ({said}): {venv} is read-only" in err
+        assert "could not start" not in err and "disk space" not in err
+
+
+def test_a_venv_without_pyvenv_cfg_is_not_run_again_and_again(monkeypatch, tmp_path, capsys):
+    """Without pyvenv.cfg .venv's Python runs outside .venv: launch.py found .venv
+    complete, exec'd itself with that Python, found itself outside .venv, and
+    exec'd again, forever."""
+    venv = tmp_path / ".venv"
+    monkeypatch.setattr(launch, "VENV", venv)
+    monkeypatch.setattr(launch, "STAMP", venv / "kestrel-requirements.sha256")
+    monkeypatch.setattr(launch, "LOCK", tmp_path / "setup.lock")
+    monkeypatch.setattr(sys, "stdin", None)
+    monkeypatch.delenv(launch.SHORTCUT, raising=False)
+    launch.venv_python().parent.mkdir(parents=True)
+    launch.venv_python().symlink_to(Path(sys.executable).resolve())
+    launch.STAMP.write_text(launch.wanted_stamp())
+    assert launch.setup_needed() and launch.venv_problem() == "its pyvenv.cfg cannot be read: No such file or directory"
+
+    def execv(*args):
+        raise AssertionError("launch.py exec'd itself again")
+
+    monkeypatch.setattr(launch.os, "execv", execv)
+    monkeypatch.setattr(sys, "argv", ["launch.py", "--help"])
+    monkeypatch.setattr(sys, "executable", str(launch.venv_python()))  # the start that the first one exec'd
+    with pytest.raises(SystemExit):
+        launch.main()
+    assert "Kestrel could not start: .venv is incomplete (its pyvenv.cfg cannot be read" in capsys.readouterr().err
+    monkeypatch.setattr(launch, "bootstrap", lambda: None)  # whatever else keeps .venv's Python outside .venv
+    with pytest.raises(SystemExit):
+        launch.main()
+    assert f"Kestrel could not start: {launch.venv_python()} runs outside .venv" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands for .venv's Python")
+def test_a_half_installed_pip_is_no_working_pip(monkeypatch, tmp_path):
+    """A pip cut short while it was installed (its package there, most of its
+    modules not) passed the probe, `import pip`, and was never repaired: every
+    install failed in it."""
+    venv = tmp_path / ".venv"
+    monkeypatch.setattr(launch, "VENV", venv)
+    half = tmp_path / "half" / "pip"
+    half.mkdir(parents=True)
+    (half / "__init__.py").write_text("")
+    python = launch.venv_python()
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{half.parent}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    (venv / "pyvenv.cfg").touch()
+    assert launch.venv_problem() == "it has no working pip"
+    (half / "__init__.py").unlink()
+    half.rmdir()
+    assert launch.venv_problem() is None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a link needs administrator rights or developer mode on Windows")
+def test_a_venv_linked_to_a_missing_disk_or_that_is_a_file_is_said_so(monkeypatch, tmp_path, capsys):
+    """.venv linked to a disk that is not mounted was told "[Errno 17] File exists"
+    and to install the venv module; a .venv that is a file, that its Python is gone
+    and to close the programs that use it."""
+    target = tmp_path / "unmounted" / "venv"
+    venv = tmp_path / ".venv"
+    venv.symlink_to(target)
+    monkeypatch.setattr(launch, "VENV", venv)
+    monkeypatch.setattr(launch, "STAMP", venv / "kestrel-requirements.sha256")
+    monkeypatch.setattr(launch, "in_venv", lambda: False)
+    monkeypatch.setattr(sys, "stdin", None)
+    made = []
+
+    def venv_on_a_link_to_nothing(command, **kwargs):  # what `python -m venv .venv` says there
+        made.append(command)
+        raise subprocess.CalledProcessError(1, command, output="", stderr=f"Error: [Errno 17] File exists: '{venv}'")
+
+    monkeypatch.setattr(launch.subprocess, "run", venv_on_a_link_to_nothing)
+    with pytest.raises(SystemExit):
+        launch.set_up()
+    err = capsys.readouterr().err
+    assert f"Kestrel could not start: .venv is a link to {target}, which does not exist" in err
+    assert f"connect the disk that holds {target}, or delete the link .venv" in err and "venv module" not in err
+    assert made == [] and venv.is_symlink() and not target.parent.exists()
+    venv.unlink()
+    venv.write_text("notes")
+    with pytest.raises(SystemExit):
+        launch.set_up()
+    err = capsys.readouterr().err
+    assert f"Kestrel could not start: {venv} is a file, not the folder of a virtual environment" in err
+    assert "close the programs" not in err and venv.read_text() == "notes" and made == []
+
+
+def test_python_2_is_told_the_python_kestrel_needs():
+    """Python 2 reads the whole file before it runs a line of it, so its
+    SyntaxError shows the line it stops at: that line says what to run instead."""
+    python2 = shutil.which("python2")
+    if python2 is None or subprocess.run([python2, "--version"], capture_output=True).returncode != 0:
+        pytest.skip("no Python 2 here")
+    result = subprocess.run([python2, str(ROOT / "launch.py")], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Kestrel needs Python 3.11 to 3.14" in result.stderr
 
 
 def test_a_wrong_python_is_told_the_command_that_runs_another_on_its_system(capsys):
