@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -191,6 +192,7 @@ class LibraryHandlers:
         self.heads_dir = heads_dir
         self.device, self.compile = device, compile
         self.remember = remember
+        self.loaded = None  # (weak reference to the engine, the load's settings) of the model loaded here last
 
     def status(self) -> str:
         return render.escape(self.runtime.describe())
@@ -245,15 +247,22 @@ class LibraryHandlers:
                     f"{model or bundled.DEFAULT_NAME}; put {made_for} in the base model box, or clear that choice. {kept}"
                 ), gr.skip()  # fmt: skip
         head = trained or head
+        asked = (model, head, quantization, dtype)
         try:
             with self.runtime.queue.turn():  # after the requests already waiting, before later ones
-                engine = self.runtime.replace(lambda: prepared(load_pair(model, head, quantization, dtype, self.device, self.compile)),
-                                              model or "the bundled model")  # fmt: skip
+                engine, before = self.runtime.engine, self.loaded
+                # another tab loaded the same while this one waited: not loaded twice (two copies in memory meanwhile)
+                same = engine is not None and engine is not loaded and before is not None and before[0]() is engine and before[1] == asked
+                if not same:
+                    engine = self.runtime.replace(
+                        lambda: prepared(load_pair(model, head, quantization, dtype, self.device, self.compile)), model or "the bundled model"
+                    )
+                    self.loaded = (weakref.ref(engine), asked)  # weak: an unloaded model's memory is freed
         except Exception as error:  # KestrelError and ValueError name what is wrong; any other is said as it is
             if not isinstance(error, (KestrelError, ValueError)):
                 log.exception("Loading a model in the Models tab failed")
             return self.status(), self.failed(error), gr.skip()
-        notice = LOADED + recommended_sampling(engine)
+        notice = LOADED + (" (Another tab loaded the same model a moment ago.)" if same else "") + recommended_sampling(engine)
         if self.remember is not None:
             try:
                 self.remember({"model": absolute(model), "head": absolute(head), "quantization": quantization, "dtype": dtype})
@@ -273,10 +282,14 @@ class LibraryHandlers:
         which = " (the draft head)" if isinstance(error, HeadFormatError) else ""  # a base and a head may both be folders
         return f"Loading failed{which}: {render.escape(text)} {kept}"
 
-    def load_here(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
+    def load_here(self, model: str, head: str, trained: str | None, quantization: str, dtype: str,
+                  progress=gr.Progress(track_tqdm=True)) -> tuple:  # fmt: skip
         """load, and this tab's wanted mode: a model loaded here sets the mode
         itself, so a mode wanted from before (one saved, or a model's without a
-        head) is no longer given back. Outputs: status, notice, mode selector, wanted mode."""
+        head) is no longer given back. `progress`: the download's and the load's
+        bars (huggingface_hub's and transformers' tqdm), shown on the page, not
+        only in a terminal a desktop start has none of. Outputs: status, notice,
+        mode selector, wanted mode."""
         status, notice, mode_update = self.load(model, head, trained, quantization, dtype)
         return status, notice, mode_update, None if notice.startswith(LOADED) else gr.skip()
 

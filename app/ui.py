@@ -290,7 +290,8 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         entry.input(library.pick, entry, [model_box, head_box])
         for box in (model_box, head_box):  # typed over: the boxes no longer hold the entry shown
             box.input(lambda: None, None, entry, show_progress="hidden", api_name=False)
-        load.click(library.load_here, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode, wanted_mode], **MODEL).then(
+        load.click(library.load_here, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode, wanted_mode],
+                   show_progress_on=load_notice, **MODEL).then(  # a download's bars there, not on the Chat tab's mode
             library.heads, None, trained
         )  # fmt: skip
         unload.click(library.unload, None, [status, load_notice, mode], **MODEL).then(library.heads, None, trained)

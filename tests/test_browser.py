@@ -831,6 +831,33 @@ def test_load_in_the_models_tab_sets_the_chat_mode(page, served, tiny_dir, data_
         runtime.replace(lambda: previous, "the test model")
 
 
+def test_a_load_shows_its_download_s_progress_on_the_page(page, served, monkeypatch):
+    """A model downloading for minutes showed only a clock on the page: its
+    bars (huggingface_hub's tqdm) went to a terminal that a desktop start has
+    none of. They show on the page now, with the file's name."""
+    import app.library
+    from tqdm.auto import tqdm
+
+    _, runtime = served
+    previous = runtime.engine
+
+    def load_pair(*args):
+        for _ in tqdm(range(60), desc="model-00001-of-00004.safetensors"):  # as huggingface_hub names a file's bar
+            time.sleep(0.1)
+        return previous
+
+    monkeypatch.setattr(app.library, "load_pair", load_pair)
+    monkeypatch.setattr(app.library, "prepared", lambda engine: engine)
+    try:
+        page.get_by_role("tab", name="Models").click()
+        page.locator("#model-box textarea").fill("owner/big-model")
+        page.get_by_role("button", name="Load", exact=True).click()
+        page.locator("#load-notice").get_by_text("model-00001-of-00004.safetensors").wait_for(timeout=30_000)
+        page.get_by_text("Loaded.", exact=True).wait_for(timeout=60_000)
+    finally:
+        runtime.replace(lambda: previous, "the test model")
+
+
 def test_models_tab(page):
     page.get_by_role("tab", name="Models").click()
     page.get_by_text("Vicuna-13B v1.3").first.wait_for(timeout=10_000)

@@ -1206,3 +1206,44 @@ def test_the_status_says_a_model_is_loading_while_it_loads(tiny_base):
     runtime.replace(lambda: said.append(runtime.describe()) or engine, "owner/big")
     assert said == ["Loading owner/big..."]
     assert runtime.describe().startswith(f"{tiny_base.name} (cpu, float64)")
+
+
+def test_two_tabs_loading_the_same_model_load_it_once(monkeypatch, tiny_base):
+    """Two tabs pressing Load on the same model each loaded it, the second while
+    the first's copy was still in memory: now the second, having waited for the
+    first, finds it loaded. A Load pressed once it is loaded loads it again."""
+    import threading
+    import time
+
+    import app.library
+    from app.library import LibraryHandlers
+    from app.runtime import Runtime
+    from core.engine import Engine
+
+    runtime = Runtime(Engine(tiny_base))
+    library = LibraryHandlers(runtime, Path("unused"), "cpu", "off")
+    loading, go, loads = threading.Event(), threading.Event(), []
+
+    def load_pair(*args):
+        loads.append(args[:2])
+        loading.set()
+        go.wait(timeout=30)
+        return Engine(tiny_base)
+
+    monkeypatch.setattr(app.library, "load_pair", load_pair)
+    monkeypatch.setattr(app.library, "prepared", lambda engine: engine)
+    first = threading.Thread(target=library.load, args=("owner/model", "", None, "none", "float32"))
+    first.start()
+    assert loading.wait(timeout=30)
+    said = []
+    second = threading.Thread(target=lambda: said.append(library.load("owner/model", "", None, "none", "float32")))
+    second.start()
+    deadline = time.monotonic() + 30
+    while runtime.queue.waiting < 1 and time.monotonic() < deadline:  # the second tab waits for its turn
+        time.sleep(0.01)
+    go.set()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert len(loads) == 1 and "Another tab loaded the same model a moment ago" in said[0][1]
+    library.load("owner/model", "", None, "none", "float32")  # pressed again: loaded again (its files may have changed)
+    assert len(loads) == 2
