@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from models.errors import (
+    CacheWriteError,
     CorruptedFileError,
     KestrelError,
     MissingWeightsError,
@@ -330,7 +331,7 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     (config, tokenizer, weights, generation config) is read from; None = its default branch."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from models.hub import reachable
+    from models.hub import bound_requests, reachable
 
     # sdpa honours the boolean 4D tree masks of speculative decoding; a repo's own
     # Python code is never run (transformers would otherwise ask on the terminal)
@@ -339,6 +340,7 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     options.update(gguf)
     pinned = {"revision": revision} if revision is not None else {}  # transformers passes it on to the generation config
     options.update(pinned)
+    bound_requests()  # a hub that stops answering mid-load: an error in time, not a wait for good
     # a repo id without a network: the cache at once, not after the hub's retries
     cache_only = not Path(location).is_dir() and not reachable()
     options["local_files_only"] = cache_only
@@ -367,6 +369,8 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
     except Exception as error:  # translated into one specific, readable error
         if gguf_file is None and Path(location).is_dir():
             check_readable(Path(location))  # a file cut short named, where transformers' error names none
+        elif not cache_only and "Should have a `model_type` key" in str(error):  # transformers' word for no config.json
+            check_not_gguf_only(location, revision, name)
         raise _explain(error, name, quantization) from error
     check_complete(info, name)
     from core.prompt import chat_template, template_syntax_error
@@ -413,6 +417,27 @@ def _load(location, gguf_file, name, quantization, dtype, device, automatic: boo
         if quantization != "none":
             (int4 if quantization == "int4" else int8).quantize_decoder(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, quantization=quantization)
+
+
+def check_not_gguf_only(repo: str, revision: str | None, name: str) -> None:
+    """Refuse a hub repo that holds GGUF files without a config.json (which
+    transformers reads as a config that names no model type), naming its GGUF
+    files: a GGUF loads as a file, one of the several sizes such a repo holds."""
+    import httpx2
+    from huggingface_hub import HfApi
+
+    try:
+        files = HfApi().list_repo_files(repo, revision=revision)  # one request, bounded as all are (models/hub.py)
+    except (OSError, httpx2.HTTPError):  # the load's own error is said instead
+        return
+    ggufs = sorted(file for file in files if file.lower().endswith(".gguf"))
+    if "config.json" in files or not ggufs:
+        return
+    shown = ", ".join(ggufs[:4]) + (f" and {len(ggufs) - 4} more" if len(ggufs) > 4 else "")
+    raise MissingWeightsError(
+        f"{name}: the repo holds GGUF files only ({shown}), no config.json; download the .gguf file you want "
+        f"(hf download {repo} {ggufs[0]} --local-dir FOLDER) and give its path (--model path/to/file.gguf)"
+    )
 
 
 # methods whose saved weights need kernels (and packages) Kestrel does not install
@@ -508,17 +533,29 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
     """Map the many ways loading fails onto Kestrel's errors."""
     from huggingface_hub import errors as hub
 
-    from models.hub import answered_message, error_chain, network_cause, no_folder, unreachable_message
+    from models.hub import (
+        answered_message,
+        disk_full_message,
+        error_chain,
+        gated_message,
+        missing_message,
+        network_cause,
+        no_folder,
+        unreachable_message,
+    )
 
     text = str(error)
     if out_of_memory(error):
         smaller = " or 4-bit weights" if quantization not in ("4bit", "int4") else ""
         return OutOfMemoryError(f"{name}: not enough memory to load the model; free some (close other programs) or choose a smaller model{smaller}")
+    full = disk_full_message(name, error)  # a download into the cache cut short: not files to read again
+    if full is not None:
+        return CacheWriteError(full)
     chain = error_chain(error)  # transformers wraps the hub's errors in an OSError of its own
     if any(isinstance(link, hub.GatedRepoError) for link in chain):
-        return NetworkError(f"{name}: this repo is gated; accept its licence on huggingface.co and log in (hf auth login)")
+        return NetworkError(gated_message(name))
     if any(isinstance(link, hub.RepositoryNotFoundError) for link in chain):
-        return ModelNotFoundError(f"{name}: no such repo on the Hugging Face hub (or it is private){no_folder(name)}")
+        return ModelNotFoundError(missing_message(name))
     if any(isinstance(link, hub.RevisionNotFoundError) for link in chain):  # the hub's 404 for a pinned @REV
         return ModelNotFoundError(f"{name}: the repo on the Hugging Face hub has no such revision (branch, tag or commit hash)")
     answered = answered_message(name, error)  # a login refused (a revoked token), the hub's own error

@@ -51,6 +51,10 @@ class NetworkError(KestrelError):
     """The Hugging Face hub could not be reached or refused access."""
 
 
+class CacheWriteError(KestrelError):
+    """A download the Hugging Face cache could not take: its disk is full, or its folder is not the user's."""
+
+
 def json_kind(value) -> str:
     """What a parsed JSON value is, in JSON's words (for messages about a file or request body)."""
     if value is None:

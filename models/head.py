@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.errors import HeadFormatError, KestrelError, ModelNotFoundError, NetworkError, json_kind
+from models.errors import CacheWriteError, HeadFormatError, KestrelError, ModelNotFoundError, NetworkError, json_kind
 from models.paths import user_path
 from models.repo import Repo, parse_repo
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+SHARD_INDEX = "model.safetensors.index.json"  # a large head's, naming its shards
 
 
 COUNTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
@@ -603,8 +604,9 @@ def resolve_head_folder(source: str) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub
 
-    from models.hub import answered_message, network_cause, no_folder, reachable, unreachable_message
+    from models.hub import bound_requests, no_folder, reachable
 
+    bound_requests()  # a hub that stops answering mid-download: an error in time, not a wait for good
     cache_only = not reachable()  # without a network: the cache at once, not after the hub's retries
     try:
         try:
@@ -624,32 +626,58 @@ def resolve_head_folder(source: str) -> Path:
                 patterns = [CONFIG_FILE, "*.safetensors", "*.safetensors.index.json"]
                 return Path(snapshot_download(repo.id, revision=repo.revision, allow_patterns=patterns))
         missing = hub.LocalEntryNotFoundError if cache_only else hub.RemoteEntryNotFoundError
-        for name in WEIGHT_FILES:
+        # offline, the cache may hold the other weights file, or a sharded head's index with its shards beside it
+        for name in (*WEIGHT_FILES, SHARD_INDEX) if cache_only else WEIGHT_FILES:
             try:
                 return Path(hf_hub_download(repo.id, name, revision=repo.revision, local_files_only=cache_only)).parent
-            except missing:  # offline, the cache may hold the other weights file
+            except missing:
                 continue
         if cache_only:
             raise NetworkError(f"{source}: its weights are not in the local cache and the Hugging Face hub cannot be reached{no_folder(source)}")
-    except hub.GatedRepoError as error:
-        raise NetworkError(f"{source}: this repo is gated; accept its licence on huggingface.co and log in") from error
-    except hub.RepositoryNotFoundError as error:
-        raise ModelNotFoundError(f"{source}: no such repo on the Hugging Face hub{no_folder(source)}") from error
-    except hub.RevisionNotFoundError as error:  # the hub's 404 for a pinned @REV
-        raise ModelNotFoundError(f"{source}: the repo {repo.id} has no revision {repo.revision!r} on the Hugging Face hub "
-                                 "(no such branch, tag or commit hash)") from error  # fmt: skip
-    except hub.HfHubHTTPError as error:  # an answer, not a network to check: a login refused, the hub's own error
-        raise NetworkError(answered_message(source, error) or str(error)) from error
-    except (hub.LocalEntryNotFoundError, OSError) as error:
-        raise NetworkError(f"{source}: not in the local cache and the Hugging Face hub cannot be reached{no_folder(source)}") from error
     except KestrelError:  # said above already (a repo without config.json is no head)
         raise
-    except Exception as error:  # huggingface_hub lets a proxy's refusal through as the HTTP client's error
-        cause = network_cause(error)
-        if cause is None:
+    except Exception as error:
+        said = _download_error(source, repo, error)
+        if said is None:
             raise
-        raise NetworkError(unreachable_message(source, cause)) from error
+        raise said from error
     raise HeadFormatError(f"{source}: the repo has no {' or '.join(WEIGHT_FILES)}")
+
+
+def _download_error(source: str, repo: Repo, error: Exception) -> KestrelError | None:
+    """Kestrel's error for a head's failed download: what the hub answered, what
+    kept the files out of the cache, or the network that failed; None where it
+    is none of those."""
+    from huggingface_hub import errors as hub
+
+    from models.hub import (
+        answered_message,
+        cache_write_message,
+        gated_message,
+        missing_message,
+        network_cause,
+        no_folder,
+        unreachable_message,
+    )
+
+    if isinstance(error, hub.GatedRepoError):
+        return NetworkError(gated_message(source))
+    if isinstance(error, hub.RepositoryNotFoundError):
+        return ModelNotFoundError(missing_message(source))
+    if isinstance(error, hub.RevisionNotFoundError):  # the hub's 404 for a pinned @REV
+        return ModelNotFoundError(f"{source}: the repo {repo.id} has no revision {repo.revision!r} on the Hugging Face hub "
+                                  "(no such branch, tag or commit hash)")  # fmt: skip
+    if isinstance(error, hub.HfHubHTTPError):  # an answer, not a network to check: a login refused, the hub's own error
+        return NetworkError(answered_message(source, error) or str(error))
+    stored = cache_write_message(source, error)  # a full disk, a cache folder not the user's
+    if stored is not None:
+        return CacheWriteError(stored)
+    cause = network_cause(error)  # a proxy's refusal, a TLS failure, a timeout: the HTTP client's own error
+    if cause is not None:
+        return NetworkError(unreachable_message(source, cause))
+    if isinstance(error, OSError):  # LocalEntryNotFoundError among them
+        return NetworkError(f"{source}: not in the local cache and the Hugging Face hub cannot be reached{no_folder(source)}")
+    return None
 
 
 def published_safetensors(repo: Repo):
