@@ -675,7 +675,8 @@ def read_stdin() -> str:
         end = "Ctrl+Z, then Enter" if os.name == "nt" else "Ctrl+D"
         print(f"type the message, then end it with {end} on a line of its own", file=sys.stderr, flush=True)
     raw = getattr(sys.stdin, "buffer", None)
-    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+    # line ends as sys.stdin.read() gives them (on Windows it turns \r\n into \n)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape").replace("\r\n", "\n")
 
 
 def run_chat(args) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -192,7 +191,6 @@ class LibraryHandlers:
         self.heads_dir = heads_dir
         self.device, self.compile = device, compile
         self.remember = remember
-        self.loaded = None  # (weak reference to the engine, the load's settings) of the model loaded here last
 
     def status(self) -> str:
         return render.escape(self.runtime.describe())
@@ -247,22 +245,15 @@ class LibraryHandlers:
                     f"{model or bundled.DEFAULT_NAME}; put {made_for} in the base model box, or clear that choice. {kept}"
                 ), gr.skip()  # fmt: skip
         head = trained or head
-        asked = (model, head, quantization, dtype)
         try:
             with self.runtime.queue.turn():  # after the requests already waiting, before later ones
-                engine, before = self.runtime.engine, self.loaded
-                # another tab loaded the same while this one waited: not loaded twice (two copies in memory meanwhile)
-                same = engine is not None and engine is not loaded and before is not None and before[0]() is engine and before[1] == asked
-                if not same:
-                    engine = self.runtime.replace(
-                        lambda: prepared(load_pair(model, head, quantization, dtype, self.device, self.compile)), model or "the bundled model"
-                    )
-                    self.loaded = (weakref.ref(engine), asked)  # weak: an unloaded model's memory is freed
+                engine = self.runtime.replace(lambda: prepared(load_pair(model, head, quantization, dtype, self.device, self.compile)),
+                                              model or "the bundled model")  # fmt: skip
         except Exception as error:  # KestrelError and ValueError name what is wrong; any other is said as it is
             if not isinstance(error, (KestrelError, ValueError)):
                 log.exception("Loading a model in the Models tab failed")
             return self.status(), self.failed(error), gr.skip()
-        notice = LOADED + (" (Another tab loaded the same model a moment ago.)" if same else "") + recommended_sampling(engine)
+        notice = LOADED + recommended_sampling(engine)
         if self.remember is not None:
             try:
                 self.remember({"model": absolute(model), "head": absolute(head), "quantization": quantization, "dtype": dtype})

@@ -87,14 +87,14 @@ def _bounded_client():
 
 
 def _bound_timeouts(request) -> None:
-    """Cap each of the request's timeouts (None: no timeout at all) at CONNECT_S to
-    connect and READ_S to read, write or wait for a pooled connection. httpx's read
-    timeout is per read, so a large download streams for as long as it moves."""
+    """Give each of the request's phases that has no timeout (None: it would wait
+    for good) CONNECT_S to connect and READ_S to read, write or wait for a pooled
+    connection; a timeout asked for (HF_HUB_DOWNLOAD_TIMEOUT, huggingface_hub's
+    own longer wait for a file's metadata) is kept. httpx's read timeout is per
+    read, so a large download streams for as long as it moves."""
     bounds = {"connect": CONNECT_S, "read": READ_S, "write": READ_S, "pool": READ_S}
     given = request.extensions.get("timeout", {})
-    request.extensions["timeout"] = {
-        phase: bound if given.get(phase) is None else min(given[phase], bound) for phase, bound in bounds.items()
-    }
+    request.extensions["timeout"] = {phase: bound if given.get(phase) is None else given[phase] for phase, bound in bounds.items()}
 
 
 HTTP_CLIENTS = ("httpx", "httpx2", "requests", "urllib3")  # the packages whose errors mean the request itself failed

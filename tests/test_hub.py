@@ -222,6 +222,10 @@ def test_every_hub_request_times_out_where_the_hub_stops_answering_after_the_pro
     hub.bound_requests()
     with pytest.raises(httpx2.ReadTimeout):
         finishes_within(10, lambda: HfApi(endpoint=endpoint).model_info("someone/tiny-base", timeout=None))
+    # a timeout asked for (HF_HUB_DOWNLOAD_TIMEOUT, huggingface_hub's longer wait for metadata) is kept, not cut
+    request = httpx2.Request("GET", endpoint, extensions={"timeout": {"connect": 60.0, "read": 60.0, "write": None, "pool": None}})
+    hub._bound_timeouts(request)
+    assert request.extensions["timeout"] == {"connect": 60.0, "read": 60.0, "write": 0.3, "pool": 0.3}
 
 
 @pytest.fixture

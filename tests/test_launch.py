@@ -392,6 +392,8 @@ def test_chat_from_stdin_names_bytes_that_are_not_utf_8_and_a_closed_stdin(capsy
 
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"w1 \xe9 w2"), encoding="utf-8", errors="strict"))
     refusals(cli, [(["chat", "-"], "the prompt is not UTF-8 text (byte 0xe9 at character 3)")], capsys)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"w1\r\nw2\r\n")))
+    assert cli.read_stdin() == "w1\nw2\n"  # line ends as Windows' sys.stdin.read() gave them
     monkeypatch.setattr("sys.stdin", None)
     refusals(cli, [(["chat", "-"], "the prompt is - (standard input), and there is none")], capsys)
 
