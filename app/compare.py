@@ -12,9 +12,9 @@ import gradio as gr
 import pandas as pd
 
 from app import render
-from app.chat import MODE_LABELS, Options, with_seed
+from app.chat import MODE_LABELS, WAITING_TEXT, Options, with_seed
 from app.reply import Reply, follow_reply
-from app.runtime import Runtime, TurnCancelled
+from app.runtime import ModelChangedError, Runtime, TurnCancelled
 from core.stats import SHORT_REPLY
 from models import int8
 from models.errors import KestrelError
@@ -41,16 +41,24 @@ NEAR_TIE = {"float64": 1e-6, "float32": 0.01, "bfloat16": 1.0, "float16": 0.5}
 @dataclass(frozen=True)
 class Divergence:
     index: int  # first generated token where the replies differ
-    vanilla: str  # vanilla's token there, as text
-    other: str  # the speculative mode's token there
-    margin: float  # vanilla's top-2 logit margin at that position
+    vanilla: str | None  # vanilla's token there, as text; None where vanilla's reply ended before it
+    other: str | None  # the speculative mode's token there; None where its reply ended before it
+    margin: float | None  # vanilla's top-2 logit margin at that position; None where not measured
     dtype: str  # the model's compute dtype
     exact: bool = False  # whether tree passes were checked bit for bit against one-token steps at load
+    unmeasured: str = ""  # why the margin could not be measured, where it could not
 
     def explain(self, label: str) -> str:
         tie = NEAR_TIE.get(self.dtype, 0.01)
-        where = (f"{label} output differs from vanilla from token {self.index}: vanilla wrote {self.vanilla!r}, "
-                 f"{label} wrote {self.other!r}; vanilla's top-2 logit margin there is {self.margin:.4g}.")  # fmt: skip
+        where = f"{label} output differs from vanilla from token {self.index}: "
+        if self.vanilla is None or self.other is None:  # one reply is the start of the other
+            shorter, longer, wrote = ("vanilla", label, self.other) if self.vanilla is None else (label, "vanilla", self.vanilla)
+            return render.escape(f"{where}{shorter}'s reply ends there, {longer}'s is longer and wrote {wrote!r} there.")
+        where += f"vanilla wrote {self.vanilla!r}, {label} wrote {self.other!r}"
+        if self.margin is None:
+            return render.escape(f"{where}; vanilla's top-2 logit margin there could not be measured ({self.unmeasured}), "
+                                 "so whether that is a rounding near-tie is not known.")  # fmt: skip
+        where += f"; vanilla's top-2 logit margin there is {self.margin:.4g}."
         if self.exact:
             why = (" This engine computes every tree node bit for bit as a one-token step would (checked when the "
                    "model loaded), so the outputs should have been identical: please report it with the prompt and settings.")  # fmt: skip
@@ -81,7 +89,7 @@ def verdict_html(
     rows = []
     for mode, reply in replies.items():
         s = reply.snapshot
-        speedup = f"{s.tokens_per_s / base:.2f}x" if base else "-"
+        speedup = speedup_text(s.tokens_per_s / base) if base else "-"
         rows.append(
             f'<tr><td>{MODE_LABELS[mode]}</td><td class="value" id="verdict-{mode}-tps">{s.tokens_per_s:.1f}</td>'
             f'<td class="value" id="verdict-{mode}-tau">{s.mean_accepted_length:.2f}</td>'
@@ -90,7 +98,7 @@ def verdict_html(
     header = "<tr><td>mode</td><td>tokens/s</td><td>tau</td><td>tokens</td><td>speedup</td></tr>"
     lines = []
     if "eagle2" in replies and base:
-        lines.append(f"EAGLE-2 speedup: <b id='verdict-speedup'>{replies['eagle2'].snapshot.tokens_per_s / base:.2f}x</b>")
+        lines.append(f"EAGLE-2 speedup: <b id='verdict-speedup'>{speedup_text(replies['eagle2'].snapshot.tokens_per_s / base)}</b>")
     shortest = min(replies.values(), key=lambda reply: reply.snapshot.tokens)
     if shortest.snapshot.tokens < SHORT_REPLY:
         longer = {"length": "let the replies run longer (Max new tokens)",
@@ -117,6 +125,17 @@ def verdict_html(
     return f'<div class="kestrel-stats" id="verdict"><table>{header}{"".join(rows)}</table><p>{"<br>".join(lines)}</p></div>'
 
 
+def rounded_speedup(ratio: float) -> float:
+    """To 2 decimals; a slowdown that would round up to 1.00 to 3 instead, and at most 0.999 (0.996)."""
+    return min(round(ratio, 3), 0.999) if ratio < 1 <= round(ratio, 2) else round(ratio, 2)
+
+
+def speedup_text(ratio: float) -> str:
+    """As rounded_speedup, with 2 decimals where it has no third: "1.50x", "0.996x"."""
+    shown = rounded_speedup(ratio)
+    return f"{shown:.2f}x" if shown == round(shown, 2) else f"{shown:.3f}x"
+
+
 def sampled_difference(exact: bool) -> str:
     """Why a sampled reply may part from vanilla's with the same seed."""
     if exact:
@@ -126,16 +145,27 @@ def sampled_difference(exact: bool) -> str:
             "close; from there on the two replies are different samples, each one the model could write.")  # fmt: skip
 
 
-def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply) -> Divergence | None:
-    """Where two greedy replies part, and how close vanilla's choice was there."""
+def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply, unmeasured: str = "") -> Divergence | None:
+    """Where two greedy replies part, what each wrote there, and (in the model's
+    turn) how close vanilla's choice was; `unmeasured`: why that cannot be measured."""
     index = first_difference(vanilla.token_ids, other.token_ids)
-    if index is None or index >= min(len(vanilla.token_ids), len(other.token_ids)):
-        return None  # identical, or one reply is a prefix of the other (a length limit)
-    ours, theirs = vanilla.token_ids[index], other.token_ids[index]
-    margin = engine.next_token_margin(prompt_ids + vanilla.token_ids[:index])
+    if index is None:
+        return None
     decode = engine.base.tokenizer.decode
+    ours, theirs = (decode(reply.token_ids[index : index + 1]) if index < len(reply.token_ids) else None for reply in (vanilla, other))
+    parted = ours is not None and theirs is not None  # else one reply is the start of the other (it ended there)
+    margin = engine.next_token_margin(prompt_ids + vanilla.token_ids[:index]) if parted and not unmeasured else None
     dtype = str(int8.compute_dtype(engine.model)).removeprefix("torch.")
-    return Divergence(index, decode([ours]), decode([theirs]), margin, dtype, engine.exact)
+    return Divergence(index, ours, theirs, margin, dtype, engine.exact, unmeasured)
+
+
+def check_model(runtime: Runtime, engine) -> None:
+    """ModelChangedError where the Models tab unloaded or replaced `engine` (in a
+    turn of its own, which may come between a comparison's turns), as the API checks."""
+    current = runtime.engine
+    if current is not engine:
+        now = "unloaded" if current is None else f"replaced by {current.base.name}"
+        raise ModelChangedError(f"the model ({engine.base.name}) was {now} during the comparison; press Compare again")
 
 
 def speculation_refused(engine, what: str) -> str | None:
@@ -150,7 +180,8 @@ def speculation_refused(engine, what: str) -> str | None:
 class CompareHandlers:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
-        self.pending: dict[str, str] = {}  # a run's cancel key -> "compare" or "benchmark", from the click to the run's end
+        # a run's cancel key -> "compare" or "benchmark", from the click to the run's end ("ended" as its last update goes out)
+        self.pending: dict[str, str] = {}
         runtime.on_stop.append(self._stop_all)  # Ctrl+C on the server: a benchmark would run on past the server's wait
 
     def _stop_all(self) -> None:
@@ -164,7 +195,7 @@ class CompareHandlers:
         refused (a hidden box that `compare` reads: its value travels with this press's run)."""
         if not self._armed(request, "compare"):
             return gr.skip(), gr.skip(), gr.skip(), ALREADY_TEXT.format(what="comparison"), True
-        return "", "", "", "Waiting for the model...", False
+        return "", "", "", WAITING_TEXT, False
 
     def arm_benchmark(self, request: gr.Request = None) -> tuple:
         """As arm, for the benchmark. Outputs: summary table, bar chart, full result, notice, refused."""
@@ -202,12 +233,17 @@ class CompareHandlers:
         if refused:
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
             return
+        key = compare_key(request, "compare")
+        panes = {mode: "" for mode in ("vanilla", "eagle", "eagle2")}
         try:
-            yield from self._compare(prompt, with_eagle, request, values)
+            verdict = yield from self._compare(prompt, with_eagle, request, values, panes)
+            self.pending[key] = "ended"  # a Stop pressed as the verdict goes out leaves it (stop)
+            yield *panes.values(), verdict
         finally:
-            self.pending.pop(compare_key(request, "compare"), None)
+            self.pending.pop(key, None)
 
-    def _compare(self, prompt: str, with_eagle: bool, request, values) -> Iterator[tuple]:
+    def _compare(self, prompt: str, with_eagle: bool, request, values, panes: dict[str, str]) -> Iterator[tuple]:
+        """Yields the updates while the modes run, filling `panes`; returns the verdict."""
         prompt = (prompt or "").strip()
         try:
             if not prompt:
@@ -217,48 +253,67 @@ class CompareHandlers:
             if refused := speculation_refused(engine, "Comparing"):
                 raise ValueError(refused)
         except (KestrelError, ValueError) as error:
-            yield "", "", "", render.escape(render.sentence(str(error)))
-            return
+            return render.escape(render.sentence(str(error)))
         modes = ("vanilla", "eagle", "eagle2") if with_eagle else ("vanilla", "eagle2")
-        panes = {mode: "" for mode in ("vanilla", "eagle", "eagle2")}
         replies: dict[str, Reply] = {}
         cancel = self.runtime.cancel_event(compare_key(request, "compare"))
         messages = [{"role": "user", "content": prompt}]
-        yield *panes.values(), "Running vanilla..."
         for mode in modes:
             reply = None
+            running = f"Running {MODE_LABELS[mode]}..."
+            yield *panes.values(), self._before_turn(running)
             try:
-                updates = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, PANE_INTERVAL)
+                updates = follow_reply(
+                    self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, PANE_INTERVAL,
+                    check=lambda: check_model(self.runtime, engine),  # in each mode's turn: the Models tab may have had one between
+                )  # fmt: skip
                 for reply in updates:
                     panes[mode] = render.pane_html(reply.segments)
-                    yield *panes.values(), f"Running {MODE_LABELS[mode]}... {reply.reading_text}".strip()
-            except (KestrelError, ValueError) as error:
-                yield *panes.values(), render.escape(render.sentence(str(error)))
-                return
+                    yield *panes.values(), f"{running} {reply.reading_text}".strip()
+            except (KestrelError, ValueError) as error:  # ModelChangedError included
+                return render.escape(render.sentence(str(error)))
             if reply is None or reply.finish_reason == "cancelled":  # stopped, perhaps before its turn came
-                yield *panes.values(), "Stopped."
-                return
+                return "Stopped."
             replies[mode] = reply
         greedy = options.sampling.greedy
-        divergences = self._divergences(engine, messages, replies, cancel) if greedy else {}
-        yield *panes.values(), verdict_html(replies, greedy, divergences, options.sampling.seed, engine.exact)
+        divergences = {}
+        if greedy and (differing := [m for m in replies if m != "vanilla" and replies[m].token_ids != replies["vanilla"].token_ids]):
+            yield *panes.values(), self._before_turn("Measuring where the replies part...")
+            try:
+                divergences = self._divergences(engine, messages, replies, differing, cancel)
+            except ModelChangedError as error:
+                return render.escape(render.sentence(str(error)))
+        return verdict_html(replies, greedy, divergences, options.sampling.seed, engine.exact)
 
-    def _divergences(self, engine, messages: list[dict], replies: dict[str, Reply], cancel: threading.Event | None = None) -> dict[str, Divergence | None]:
-        """Where each speculative reply parts from vanilla's (one forward each,
-        in the model's queue), for greedy replies that differ."""
-        differing = [m for m in replies if m != "vanilla" and replies[m].token_ids != replies["vanilla"].token_ids]
-        if not differing or not replies["vanilla"].snapshot or replies["vanilla"].finish_reason == "cancelled":
-            return {}
-        try:  # a Stop (or the tab closed) while this waits for its turn: the verdict without the margin too
+    def _before_turn(self, running: str) -> str:
+        """What the verdict says as a turn is asked for: the wait where another
+        request holds the model or waits for it (as the Chat tab says), else `running`."""
+        return WAITING_TEXT if self.runtime.queue.busy else running
+
+    def _divergences(
+        self, engine, messages: list[dict], replies: dict[str, Reply], differing: list[str], cancel: threading.Event | None = None
+    ) -> dict[str, Divergence | None]:
+        """Where each of the `differing` greedy replies parts from vanilla's, and
+        vanilla's margin there (one forward each, in the model's queue).
+        ModelChangedError where the model was unloaded or replaced meanwhile."""
+        vanilla = replies["vanilla"]
+        try:
             with self.runtime.queue.turn(cancel):
+                check_model(self.runtime, engine)
                 prompt_ids = engine.encode(messages)
-                return {mode: divergence(engine, prompt_ids, replies["vanilla"], replies[mode]) for mode in differing}
-        except (KestrelError, TurnCancelled):  # the queue is full: the verdict names the token without the margin
-            return {}
+                return {mode: divergence(engine, prompt_ids, vanilla, replies[mode]) for mode in differing}
+        except TurnCancelled:  # a Stop, or the tab closed, while this waited for its turn
+            unmeasured = "the comparison was stopped before it could be"
+        except ModelChangedError:
+            raise
+        except KestrelError as error:  # the queue is full
+            unmeasured = str(error)
+        return {mode: divergence(engine, [], vanilla, replies[mode], unmeasured) for mode in differing}
 
     def stop(self, request: gr.Request = None) -> tuple:
         """Compare's Stop: this tab's comparison or benchmark, never its chat reply nor another tab's run.
-        Outputs: verdict, benchmark notice ("Stopping..." at once where a run is on or waits for the model)."""
+        Outputs: verdict, benchmark notice ("Stopping..." at once where a run is on or waits for the model,
+        not where a comparison's verdict is final)."""
         keys = {kind: compare_key(request, kind) for kind in ("compare", "benchmark")}
         for key in keys.values():
             self.runtime.cancel(key)
@@ -336,7 +391,7 @@ def summary_frame(result: dict) -> pd.DataFrame:
         tau = totals.get("mean_accepted_length")
         rows.append((
             MODE_LABELS.get(mode, mode), totals["tokens"], round(totals["seconds"], 2), round(totals["tokens_per_s"], 1),
-            None if tau is None else round(tau, 2), round(totals["tokens_per_s"] / base, 2) if base else None,
+            None if tau is None else round(tau, 2), rounded_speedup(totals["tokens_per_s"] / base) if base else None,
         ))  # fmt: skip
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
 

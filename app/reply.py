@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from app.decoding import Decoding
@@ -82,6 +82,7 @@ def follow_reply(
     cancel: threading.Event | None,
     interval: float = 0.0,
     reuse: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> Iterator[Reply]:
     """The reply as it grows (the same object, updated in place), at most
     every `interval` seconds and always at the end. The decoding runs on its
@@ -89,9 +90,17 @@ def follow_reply(
     page renders one update, the steps of the next accumulate. Closing the
     generator cancels the decoding. `reuse`: continue the caches of the last
     reply made with it where this conversation starts as that one did
-    (Engine.stream), as a chat's next turn does."""
+    (Engine.stream), as a chat's next turn does. `check`: called once the
+    turn has come, before decoding; what it raises ends the reply (that the
+    engine is still the one loaded, say)."""
     reply = Reply(reasoning=thinks(engine.base.tokenizer))
-    decoding = Decoding(queue, lambda stop: engine.chat(messages, mode, sampling, tree, stop, reading=True, reuse=reuse), cancel)
+
+    def decode(stop: threading.Event):
+        if check is not None:
+            check()
+        return engine.chat(messages, mode, sampling, tree, stop, reading=True, reuse=reuse)
+
+    decoding = Decoding(queue, decode, cancel)
     cursor = 0
     try:
         while True:

@@ -1004,9 +1004,9 @@ def test_compare_with_sampling_uses_one_seed_for_every_mode(engine, monkeypatch)
 
     seeds = []
 
-    def follow(queue, engine, messages, mode, sampling, *rest):
+    def follow(queue, engine, messages, mode, sampling, *rest, **options):
         seeds.append(sampling.seed)
-        yield from app.reply.follow_reply(queue, engine, messages, mode, sampling, *rest)
+        yield from app.reply.follow_reply(queue, engine, messages, mode, sampling, *rest, **options)
 
     monkeypatch.setattr(compare_module, "follow_reply", follow)
     compare = CompareHandlers(Runtime(engine))
@@ -1029,6 +1029,129 @@ def test_compare_names_why_speculation_is_off(engine, tiny_base, monkeypatch):
     monkeypatch.undo()
     compare = CompareHandlers(Runtime(Engine(tiny_base)))
     assert list(compare.compare("w3 w4", False, False, None, *values()))[-1][3] == "Comparing needs a draft head; load a model with one in the Models tab."
+
+
+def vanilla_held_after_its_first_step(engine, monkeypatch, go_on: threading.Event) -> list[str]:
+    """engine.chat, with vanilla holding the model after its first step until
+    `go_on` is set; returns the modes it is asked for, as they are."""
+    chat_steps, modes = engine.chat, []
+
+    def held(messages, mode, *args, **kwargs):
+        modes.append(mode)
+        for step in chat_steps(messages, mode, *args, **kwargs):
+            yield step
+            if mode == "vanilla":
+                go_on.wait(10)
+
+    monkeypatch.setattr(engine, "chat", held)
+    return modes
+
+
+def in_queue_after(runtime: Runtime, action) -> threading.Event:
+    """Run `action` on a thread in a turn of the model's own, as the Models tab
+    runs Unload and Load; returns once it waits in the queue, with the event it sets when done."""
+    entered, done = threading.Event(), threading.Event()
+
+    def run():
+        ticket = runtime.queue.enter()
+        entered.set()
+        runtime.queue.wait(ticket)
+        try:
+            action()
+        finally:
+            runtime.queue.leave()
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    entered.wait(10)
+    return done
+
+
+def test_compare_stops_where_the_model_was_unloaded_or_replaced_meanwhile(engine, tiny_base, monkeypatch):
+    """Each mode, and the margin pass, waits for a turn of its own, and the Models
+    tab's Unload or Load can take one in between: the comparison stops there and
+    says so, with the panes so far, as a Stop does; it runs nothing more on the
+    model it started with, and gives no verdict for a model no longer loaded."""
+    import app.reply
+
+    monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
+    runtime = Runtime(engine)
+    go_on = threading.Event()
+    modes = vanilla_held_after_its_first_step(engine, monkeypatch, go_on)
+    runs = CompareHandlers(runtime).compare("w3 w4", False, False, None, *values(max_new_tokens=20))
+    next(runs), next(runs)  # vanilla runs
+    in_queue_after(runtime, runtime.unload)  # Unload pressed
+    go_on.set()
+    vanilla, eagle, eagle2, verdict = list(runs)[-1]
+    assert runtime.engine is None and modes == ["vanilla"]  # EAGLE-2 never ran on the unloaded model
+    assert vanilla and not eagle2 and verdict.startswith("The model (") and verdict.endswith(
+        " was unloaded during the comparison; press Compare again."
+    )  # fmt: skip
+    # replaced (another model loaded) as EAGLE-2 ends, with greedy replies that part: no margin pass on the old one
+    monkeypatch.undo()
+    monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
+    runtime = Runtime(engine)
+    other = Engine(tiny_base)
+
+    def follow(queue, engine, messages, mode, *rest, **options):
+        for reply in app.reply.follow_reply(queue, engine, messages, mode, *rest, **options):
+            if mode == "eagle2" and reply.finish_reason is not None:
+                reply.token_ids[2] = (reply.token_ids[2] + 1) % 60 + 8
+                in_queue_after(runtime, lambda: runtime.replace(lambda: other)).wait(10)
+            yield reply
+
+    monkeypatch.setattr(compare_module, "follow_reply", follow)
+    margins = []
+    monkeypatch.setattr(type(engine), "next_token_margin", lambda self, ids: margins.append(ids) or 0.0)
+    vanilla, eagle, eagle2, verdict = list(CompareHandlers(runtime).compare("w3 w4", False, False, None, *values(max_new_tokens=8)))[-1]
+    assert runtime.engine is other and not margins
+    assert vanilla and eagle2 and "was replaced by " in verdict and verdict.endswith(" during the comparison; press Compare again.")
+
+
+def test_compare_says_it_waits_for_the_model_until_each_turn_comes(engine, monkeypatch):
+    """Another tab's reply or an API request holding the model, or waiting for it
+    first: the verdict line says so until the mode's (or the margin pass's) turn
+    comes, as the Chat tab and the benchmark say, then what runs."""
+    import app.reply
+
+    monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
+    runtime = Runtime(engine)
+    release = threading.Event()
+
+    def follow(queue, engine, messages, mode, *rest, **options):  # another request comes in as each mode ends
+        for reply in app.reply.follow_reply(queue, engine, messages, mode, *rest, **options):
+            if reply.finish_reason is not None:
+                if mode == "eagle2":
+                    reply.token_ids[2] = (reply.token_ids[2] + 1) % 60 + 8  # greedy replies that part: the margin pass follows
+                release.clear()
+                in_queue_after(runtime, lambda: release.wait(10))
+            yield reply
+
+    monkeypatch.setattr(compare_module, "follow_reply", follow)
+    runs = CompareHandlers(runtime).compare("w3 w4", False, False, None, *values(max_new_tokens=8))
+    with runtime.queue.turn():  # another request holds the model
+        statuses = [next(runs)[3]]
+    for *panes, status in runs:
+        statuses.append(status)
+        if status == "Waiting for the model...":
+            release.set()  # the other request ends
+    said = [status for at, status in enumerate(statuses) if at == 0 or status != statuses[at - 1]]
+    waiting = "Waiting for the model..."
+    assert said[:-1] == [waiting, "Running vanilla...", waiting, "Running EAGLE-2...", waiting], said
+    assert "margin there is" in said[-1]  # measured once its turn came
+
+
+def test_stop_as_the_verdict_goes_out_leaves_it(engine, monkeypatch):
+    """Stop pressed after the comparison's last update was sent, before its run
+    has ended here: nothing is left to stop, and the verdict stays (no "Stopping..."
+    over it for good)."""
+    monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
+    compare, mine = CompareHandlers(Runtime(engine)), tab("mine")
+    compare.arm(mine)
+    runs = compare.compare("w3 w4", False, False, mine, *values(max_new_tokens=8))
+    verdict = next(update for update in runs if "verdict-eagle2-tps" in update[3])[3]
+    assert all(is_skip(update) for update in compare.stop(mine))
+    assert list(runs) == [] and not compare.pending and "identical to vanilla" in verdict
 
 
 def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypatch):
@@ -1932,6 +2055,69 @@ def test_verdict_compares_sampled_replies_made_with_one_seed(engine):
     parted = verdict_html({"vanilla": replies["vanilla"], "eagle2": other}, False, seed=11, exact=False)
     assert "differs from vanilla from token 3" in parted and "different samples" in parted
     assert "please report" in verdict_html({"vanilla": replies["vanilla"], "eagle2": other}, False, seed=11, exact=True)
+
+
+def test_verdict_names_the_differing_tokens_where_the_margin_cannot_be_measured(engine, monkeypatch):
+    """Greedy replies that part, where the margin pass cannot run (Stop after
+    EAGLE-2 ended, the queue full): the verdict still names what each mode wrote
+    there, and why the margin is missing; where one reply is the start of the
+    other, which is longer and what it wrote there."""
+    import app.reply
+
+    monkeypatch.setattr(compare_module, "PANE_INTERVAL", 0.0)
+    compare, mine = CompareHandlers(Runtime(engine)), tab("mine")
+    change = {}
+
+    def follow(queue, engine, messages, mode, *rest, **options):
+        for reply in app.reply.follow_reply(queue, engine, messages, mode, *rest, **options):
+            if reply.finish_reason is not None and mode == "vanilla":
+                change["vanilla"] = reply.token_ids
+            if reply.finish_reason is not None and mode == "eagle2":
+                change["edit"](reply.token_ids)
+                compare.stop(mine)  # pressed as EAGLE-2 ends: the margin pass never gets its turn
+            yield reply
+
+    monkeypatch.setattr(compare_module, "follow_reply", follow)
+    decode = engine.base.tokenizer.decode
+
+    def compared(edit) -> str:
+        change["edit"] = edit
+        compare.arm(mine)
+        return list(compare.compare("w3 w4", False, False, mine, *values(max_new_tokens=8)))[-1][3]
+
+    verdict = compared(lambda ids: ids.__setitem__(2, (ids[2] + 1) % 60 + 8))
+    ours = change["vanilla"][2]
+    theirs = (ours + 1) % 60 + 8
+    assert "EAGLE-2 output differs from vanilla from token 2: " in verdict
+    assert html.escape(f"vanilla wrote {decode([ours])!r}, EAGLE-2 wrote {decode([theirs])!r}") in verdict
+    assert "margin there could not be measured (the comparison was stopped before it could be)" in verdict
+    verdict = compared(lambda ids: ids.__delitem__(slice(5, None)))  # EAGLE-2's reply is the start of vanilla's
+    assert html.escape(f"from token 5: EAGLE-2's reply ends there, vanilla's is longer and wrote {decode(change['vanilla'][5:6])!r} there") in verdict
+    # the queue full: the margin pass is refused, saying why
+    from app.compare import verdict_html
+
+    runtime = Runtime(engine, max_waiting=1)
+    runtime.queue.enter()  # a request waiting
+    vanilla = Reply(token_ids=[20, 21, 22], snapshot=Snapshot(3, 3, 0.1, 0.01, 30.0, 1.0, 0.0, 0.0, ()), finish_reason="length")
+    other = replace(vanilla, token_ids=[20, 23, 22])
+    found = CompareHandlers(runtime)._divergences(engine, [{"role": "user", "content": "w3"}], {"vanilla": vanilla, "eagle2": other}, ["eagle2"])
+    verdict = verdict_html({"vanilla": vanilla, "eagle2": other}, True, found)
+    assert html.escape(f"vanilla wrote {decode([21])!r}, EAGLE-2 wrote {decode([23])!r}") in verdict
+    assert "could not be measured (the model is busy: 1 request is already waiting" in verdict
+
+
+def test_speedup_never_shows_a_slowdown_as_1x():
+    from app.compare import summary_frame, verdict_html
+
+    def reply(tokens_per_s: float) -> Reply:
+        return Reply(snapshot=Snapshot(100, 100, 100 / tokens_per_s, 0.01, tokens_per_s, 1.5, 0.0, 0.0, ()), finish_reason="length")
+
+    for eagle2, shown in ((99.6, "0.996x"), (99.98, "0.999x"), (99.4, "0.99x"), (100.0, "1.00x"), (100.4, "1.00x"), (152.0, "1.52x")):
+        verdict = verdict_html({"vanilla": reply(100.0), "eagle2": reply(eagle2)}, True)
+        assert f"<b id='verdict-speedup'>{shown}</b>" in verdict and f'id="verdict-eagle2-speedup">{shown}<' in verdict
+        result = {"modes": {"vanilla": {"tokens": 100, "seconds": 1.0, "tokens_per_s": 100.0},
+                            "eagle2": {"tokens": 100, "seconds": 1.0, "tokens_per_s": eagle2}}}  # fmt: skip
+        assert summary_frame(result)["speedup"].tolist() == [1.0, float(shown.removesuffix("x"))]
 
 
 def test_stop_while_waiting_for_the_model_gives_the_message_back(handlers):
