@@ -58,17 +58,10 @@ def passages_of(answers: list[Answer], tokenizer, stops: set[int], shortest: int
     return texts
 
 
-def too_few_passages(count: int, params: LongParams) -> str:
-    """The start of the refusal of `count` passages, fewer than MIN_PASSAGES."""
-    return (f"long prompts need at least {MIN_PASSAGES} passages (answers of {params.min_passage} tokens or more); "
-            f"there are {count}")  # fmt: skip
-
-
 def build(passages: list[tuple[str, str]], questions: dict[str, str], tokenizer, params: LongParams) -> list[dict]:
     """The long prompts: documents of several passages, between about
-    min_tokens and max_tokens, alternately summaries and questions."""
-    if len(passages) < MIN_PASSAGES:
-        raise ValueError(too_few_passages(len(passages), params) + ": answer more prompts (--documents)")
+    min_tokens and max_tokens, alternately summaries and questions; at least
+    MIN_PASSAGES passages (long_prompts refuses fewer)."""
     rng = random.Random(params.seed)
     lengths = {pid: len(tokenizer.encode(text, add_special_tokens=False)) for pid, text in passages}
     rows, short = [], 0
@@ -128,5 +121,6 @@ def long_prompts(base, prompts_path: Path, work: Path, documents: int, params: L
                         "give a file of more prompts")  # fmt: skip
         else:
             ways.append("answer more prompts (--documents)")
-        raise ValueError(f"{too_few_passages(len(passages), params)}: {'; or '.join(ways)}")
+        raise ValueError(f"long prompts need at least {MIN_PASSAGES} passages (answers of {params.min_passage} tokens "
+                         f"or more); there are {len(passages)}: {'; or '.join(ways)}")  # fmt: skip
     return build(passages, questions, base.tokenizer, params)

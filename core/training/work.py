@@ -12,9 +12,8 @@ LOCK_FILE = "running.lock"  # held by the command working in the folder: a secon
 RUN_FILE = "run.json"  # the run's id, also recorded in the report of each head it writes
 RECORDS = (BASE_FILE, LOCK_FILE, RUN_FILE)  # written before any work: no run to continue on their own
 CACHES = ("answers", "documents", "requests")  # train-head's answers, long-prompts' and self-prompts' caches
-# the settings each cache's records are made with (and the file each is written to first, whole or not at
-# all): written before the first batch, they are no work of their own
-SETTINGS_FILES = {f"{cache}-settings.json{end}" for cache in CACHES for end in ("", ".partial")}
+# the settings each cache's records are made with: written before the first batch, they are no work of their own
+SETTINGS_FILES = {f"{cache}-settings.json" for cache in CACHES}
 # what the training commands write into a work folder besides the records: train-head's answers, phase
 # times, features and checkpoints; long-prompts' and self-prompts' caches and their settings
 WORK_ENTRIES = {
