@@ -692,6 +692,8 @@ def run_chat(args) -> int:
 
         if default_head(args.model) is None:  # said before a model loads for minutes
             raise ValueError(f"--mode {args.mode} needs a draft head: give --head HEAD (a head trained for this model), or --mode vanilla")
+    if args.mode == "vanilla" and args.head:  # not loaded, so not checked either: say so rather than seem to use it
+        print(f"note: --mode vanilla decodes without a draft head; --head {args.head} is not loaded", file=sys.stderr, flush=True)
     engine = load_engine(args, with_head=args.mode != "vanilla")  # vanilla needs no head: not loaded, not compiled
     from core.engine import Reading
 

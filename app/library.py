@@ -95,6 +95,22 @@ def catalog_frame(available_gb: float | None, load_bytes: int | None = None) -> 
     return pd.DataFrame(rows)
 
 
+def fit_warning(entry: catalog.CatalogEntry, memory: tuple[float | None, str], load_bytes: int | None) -> str:
+    """What the catalog's verdict for `entry` means before a load of minutes
+    (memory: detected_memory()); "" where its smallest size fits or memory is unknown."""
+    available_gb, kind = memory
+    needed = catalog.estimated_gb(entry, 4)
+    peak = catalog.cpu_load_gb(entry, load_bytes) if load_bytes else 0.0
+    verdict = catalog.fit(max(needed, peak), available_gb)
+    if verdict in ("fits", "unknown"):
+        return ""
+    how = (f"about {needed:.1f} GB at 4 bits" + (f", and loading on this CPU peaks at about {peak:.1f} GB" if peak > needed else ""))
+    if verdict == "tight":
+        return f"{entry.name} needs {how}: it fits the {available_gb:.1f} GB of {kind} only just; close other programs before Load."
+    return (f"{entry.name} needs {how}, more than the {available_gb:.1f} GB of {kind}: loading it would run out of memory. "
+            "Pick a smaller entry, or load it on a machine where the catalog says it fits.")  # fmt: skip
+
+
 def trained_heads(heads_dir: Path, base_name: str, base_config) -> list[str]:
     """Head folders (config.json + model.safetensors) under `heads_dir` made
     for this base: its name in the training report, or, without
@@ -222,11 +238,12 @@ class LibraryHandlers:
         return f"head folders in {self.heads_dir} made for the loaded base model (train-head --out there)"
 
     def pick(self, name: str) -> tuple:
-        """A catalog row fills the model and head boxes. Outputs: model, head."""
+        """A catalog row fills the model and head boxes, and the notice warns where
+        it does not fit this machine. Outputs: model, head, notice."""
         entry = catalog.find(name)
         if entry is None:
-            return gr.skip(), gr.skip()
-        return entry.base or "", entry.head or ""
+            return gr.skip(), gr.skip(), gr.skip()
+        return entry.base or "", entry.head or "", render.escape(fit_warning(entry, detected_memory(), cpu_weight_bytes()))
 
     def load(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
         """Outputs: status, notice, mode selector."""

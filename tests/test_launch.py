@@ -459,6 +459,10 @@ def test_chat_in_vanilla_mode_loads_no_head(tiny_dir, capsys, monkeypatch):
     assert cli.main(["chat", "w1 w2", *options, "--mode", "vanilla"]) == 0
     assert "[vanilla] 3 tokens" in capsys.readouterr().err
     assert loaded == []
+    # a --head given with it is not loaded, so not checked: said, rather than seeming to be used
+    assert cli.main(["chat", "w1 w2", *options, "--mode", "vanilla", "--head", "/no/such/head"]) == 0
+    assert "--head /no/such/head is not loaded" in capsys.readouterr().err
+    assert loaded == []
 
 
 def test_chat_says_what_to_shorten_and_when_the_window_cuts_the_reply(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -2842,6 +2842,27 @@ def test_the_colour_box_of_another_tab_showing_the_chat_leaves_its_reply_alone(h
     assert updates[-1][1] == chat_module.display(final, True)  # still coloured, as tab A's box says
 
 
+def test_a_catalog_entry_that_does_not_fit_warns_when_picked(monkeypatch):
+    """Picking a catalog row said nothing about its "does not fit here" before
+    a download and load of minutes that ends out of memory."""
+    from app import library
+
+    llama = catalog.find("Llama-3.1-8B-Instruct (EAGLE-3)")
+    # this machine: 24 GB of RAM, a CPU without native bf16 (the 8B model is read in float32 first, about 35 GB)
+    warning = library.fit_warning(llama, (24.0, "system RAM"), 4)
+    assert "loading on this CPU peaks at about 34.8 GB" in warning and "more than the 24.0 GB of system RAM" in warning
+    assert library.fit_warning(llama, (5.0, "GPU X"), None).startswith("Llama-3.1-8B-Instruct (EAGLE-3) needs about 7.4 GB at 4 bits, more")
+    assert "only just" in library.fit_warning(llama, (8.0, "GPU X"), None)  # 7.4 GB of 8: tight
+    assert library.fit_warning(llama, (12.0, "GPU X"), None) == ""
+    assert library.fit_warning(llama, (None, "unknown memory"), 4) == ""  # nothing to say
+    monkeypatch.setattr(library, "detected_memory", lambda: (24.0, "system RAM"))
+    monkeypatch.setattr(library, "cpu_weight_bytes", lambda: 4)
+    handlers = LibraryHandlers(None, Path("heads"))
+    model, head, notice = handlers.pick(llama.name)
+    assert (model, head) == (llama.base, llama.head) and "run out of memory" in notice
+    assert handlers.pick(catalog.CATALOG[0].name)[2] == ""  # the bundled model fits: the notice is cleared
+
+
 def test_catalog_estimates_keep_the_embedding_at_16_bits():
     """Quantization (bitsandbytes, and the CPU kernels) leaves the embedding and
     an untied lm_head at 16 bits: an 8B model with a 128k vocabulary needs about
