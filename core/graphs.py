@@ -205,7 +205,7 @@ class Graphed:
         layers = cache.layers
         if layers and all(type(layer) is kv_cache.GrowingLayer and layer.is_initialized for layer in layers):
             end, capacity = layers[0].length + rows, layers[0].key_buffer.shape[-2]
-            if end > capacity or capacity % CAPACITY_STEP:
+            if end > capacity or (capacity % CAPACITY_STEP and capacity < (layers[0].limit or capacity + 1)):  # at the limit: no more moves
                 wanted = max(end, 2 * capacity) if end > capacity else capacity
                 aligned = -(-wanted // CAPACITY_STEP) * CAPACITY_STEP
                 for layer in layers:

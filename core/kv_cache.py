@@ -21,6 +21,9 @@ class GrowingLayer(DynamicLayer):
     key_buffer: torch.Tensor | None = None  # (1, H_kv, capacity, D)
     value_buffer: torch.Tensor | None = None
     key_length = value_length = 0  # positions held (apart only between two assignments, as in a crop)
+    # the most positions a conversation can need (the context window, and a tree pass's rows past it): growth stops
+    # there, so that doubling does not hold up to twice the memory the window can use; None: no bound known
+    limit: int | None = None
 
     @property
     def length(self) -> int:
@@ -66,7 +69,8 @@ class GrowingLayer(DynamicLayer):
         """The buffers, with room for positions up to `end` (they move when
         they grow, to `capacity` positions where given)."""
         if end > self.key_buffer.shape[-2] or end > self.value_buffer.shape[-2]:
-            capacity = max(end, capacity or max(end + GROWTH, 2 * self.key_buffer.shape[-2]))
+            capacity = capacity or max(end + GROWTH, 2 * self.key_buffer.shape[-2])
+            capacity = max(end, min(capacity, self.limit or capacity))
             keys, values = self.keys, self.values
             self.key_buffer, self.value_buffer = _larger(keys, capacity), _larger(values, capacity)
         return self.key_buffer, self.value_buffer
@@ -105,7 +109,11 @@ def new_cache(model) -> DynamicCache:
     window, and the masks made from it no longer fitted the keys."""
     cache = DynamicCache(config=model.config)
     if all(type(layer) is DynamicLayer for layer in cache.layers) or not has_sliding_window(model.config):
+        window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        limit = window + GROWTH if isinstance(window, int) and window > 0 else None  # GROWTH: room for a tree pass at the window's end
         cache.layers = [GrowingLayer() for _ in cache.layers]
+        for layer in cache.layers:
+            layer.limit = limit
     return cache
 
 

@@ -97,6 +97,30 @@ def test_context_full_ends_the_reply(tiny_base):
     assert 250 + len(tokens_of(steps)) <= 256
 
 
+def test_cache_buffers_grow_no_further_than_the_context_window_needs(tiny_base):
+    """Doubling a full buffer held up to twice the memory the window can ever
+    use (a 32k-window model's kept conversation in 49k positions' buffers)."""
+    from core import kv_cache
+
+    window = tiny_base.model.config.max_position_embeddings  # 256
+    layer = kv_cache.new_cache(tiny_base.model).layers[0]
+    generator = torch.Generator().manual_seed(0)
+    held = []
+    for rows in (200, 300, 20):
+        keys, values = torch.randn(2, 1, 2, rows, 4, generator=generator, dtype=torch.float64)
+        layer.update(keys, values)
+        held.append(keys)
+    # 200 -> 500 positions: doubling would make 912 where the window and a tree pass's rows past it need 256 + 256;
+    # past that limit (which decoding never reaches) a buffer is made exactly as long as asked
+    assert layer.limit == window + kv_cache.GROWTH
+    assert layer.key_buffer.shape[-2] == 520
+    assert torch.equal(layer.keys, torch.cat(held, dim=-2))
+    second = kv_cache.new_cache(tiny_base.model).layers[0]
+    second.update(*torch.randn(2, 1, 2, 200, 4, generator=generator, dtype=torch.float64))
+    second.update(*torch.randn(2, 1, 2, 300, 4, generator=generator, dtype=torch.float64))
+    assert second.key_buffer.shape[-2] == window + kv_cache.GROWTH  # not 912
+
+
 def test_detokenizer_never_splits_a_character(default_base):
     tokenizer = default_base.tokenizer
     text = "Café 東京 🦅 done"
