@@ -252,7 +252,9 @@ class Api:
         pieces = texts(decoding, changed, request, generation, outcome, prepared.engine.base.tokenizer, prepared.prompt_ids)
         pieces = opened(pieces, prepared.opener)
         reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        shape = Shape(reply_id, int(time.time()), prepared.engine.base.name, chat, prepared.clipped_from)
+        sampling = prepared.generation.sampling
+        shape = Shape(reply_id, int(time.time()), prepared.engine.base.name, chat, prepared.clipped_from,
+                      None if sampling.greedy else sampling.seed)  # fmt: skip
         if generation.stream:
             return StreamingResponse(
                 stream_events(pieces, shape, outcome, generation.include_usage),
@@ -311,7 +313,8 @@ class Api:
         asked = generation.max_tokens
         limit = room if asked is None else min(asked, room)
         defaults = {name: value for name, value in model_defaults(engine.model).items() if name not in generation.sampling_sent}
-        sampling = replace(generation.sampling, max_new_tokens=limit, **defaults)
+        # a sampled reply without a seed draws one, which the response names (Shape.seed), as the page and chat do
+        sampling = replace(generation.sampling, max_new_tokens=limit, **defaults).seeded()
         clipped_from = asked if asked is not None and asked > room and generation.max_tokens_sent else None  # a default is not "requested"
         return Prepared(engine, replace(generation, sampling=sampling), prompt_ids, mode, clipped_from, opener)
 
@@ -443,12 +446,18 @@ class Shape:
     model: str
     chat: bool
     clipped_from: int | None
+    seed: int | None = None  # the seed a sampled reply was made with (drawn where none was sent); None when greedy
 
     def _base(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         body = {"id": self.reply_id, "object": kind, "created": self.created, "model": self.model}
+        extra = {}
         if self.clipped_from is not None:
-            body["kestrel"] = {"max_tokens_clipped": {"requested": self.clipped_from, "reason": "the context window"}}
+            extra["max_tokens_clipped"] = {"requested": self.clipped_from, "reason": "the context window"}
+        if self.seed is not None:  # sent back as `seed`, it makes the same reply again
+            extra["seed"] = self.seed
+        if extra:
+            body["kestrel"] = extra
         return body
 
     def whole(self, text: str, outcome: Outcome) -> dict:

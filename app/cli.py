@@ -90,11 +90,17 @@ def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) ->
     return group
 
 
+def sampling_top_k(text: str) -> int:
+    """An argparse type for --top-k: 0 to TOP_K_LIMIT, or -1, which the API takes for off (as vLLM does): 0."""
+    return max(0, integer(-1, TOP_K_LIMIT)(text))
+
+
 def add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--temperature", type=number(0.0, 2.0), default=0.0, help="0 = greedy (default); higher = more random (at most 2, as on the page and in the API)")
+    # default None, read as 0: chat names a model's recommended settings where --temperature is not given (recommended_note)
+    group.add_argument("--temperature", type=number(0.0, 2.0), default=None, help="0 = greedy (default); higher = more random (at most 2, as on the page and in the API)")
     group.add_argument("--top-p", type=number(0.0, 1.0), default=1.0, help="nucleus sampling mass (default 1.0 = off; 0 keeps the most likely token)")
-    group.add_argument("--top-k", type=integer(0, TOP_K_LIMIT), default=0, help=f"sample among the k most likely tokens (default 0 = off; at most {TOP_K_LIMIT:,})")
+    group.add_argument("--top-k", type=sampling_top_k, default=0, help=f"sample among the k most likely tokens (default 0 = off, as -1 is, which the API takes too; at most {TOP_K_LIMIT:,})")
     group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, help=f"most tokens to generate (default {max_new_tokens})")
     group.add_argument("--seed", type=integer(*SEEDS), help="random seed for sampling, a signed 64-bit integer (default, or -1: for a sampled reply, one drawn each run, and shown)")
 
@@ -636,7 +642,8 @@ def sampling_from(args):
     from core.config import SamplingParams
 
     seed = None if args.seed == -1 else args.seed  # -1 draws one, as in the API
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, seed)
+    temperature = 0.0 if args.temperature is None else args.temperature  # greedy unless --temperature is given
+    sampling = SamplingParams(temperature, args.top_p, args.top_k, args.max_new_tokens, seed)
     return sampling.seeded()  # drawn here, so that the output can name it
 
 
@@ -697,6 +704,8 @@ def run_chat(args) -> int:
     engine = load_engine(args, with_head=args.mode != "vanilla")  # vanilla needs no head: not loaded, not compiled
     from core.engine import Reading
 
+    if args.temperature is None and (note := recommended_note(engine)):
+        print(note, file=sys.stderr, flush=True)
     mode = args.mode or ("eagle2" if "eagle2" in engine.modes else "vanilla")
     if args.mode is None and engine.head is not None and mode == "vanilla":  # as the page and the API do
         print(f"note: answering with vanilla decoding: {engine.speculation_problem()}", file=sys.stderr, flush=True)
@@ -737,6 +746,23 @@ def run_chat(args) -> int:
 
 
 ENDINGS = {"context": " (the reply reached the model's context window)"}  # said after the finish reason
+
+
+def recommended_note(engine) -> str:
+    """Where the model's generation_config.json recommends sampling settings
+    (Qwen3's temperature 0.6: greedy decoding can make its reasoning repeat
+    itself), a note naming them and the options that set them; "" otherwise.
+    chat stays greedy without --temperature, as documented: the note says so
+    rather than take them silently as the API does (app/request.model_defaults)."""
+    from app.request import model_defaults
+
+    recommended = model_defaults(engine.model)
+    if not recommended:
+        return ""
+    listed = ", ".join(f"{name} {value:g}" for name, value in recommended.items())
+    options = " ".join(f"--{name.replace('_', '-')} {value:g}" for name, value in recommended.items())
+    return (f"note: the model recommends sampling with {listed} (its generation_config.json); this reply is greedy "
+            f"(--temperature 0, the default): add {options} to sample as it recommends")  # fmt: skip
 
 
 def check_room(engine, messages: list[dict], max_new_tokens: int) -> None:

@@ -133,8 +133,9 @@ def _generation(body: dict, messages, prompt, default_max_tokens: int | None = N
             f"kestrel.{unknown[0]} is not a Kestrel setting; known: {', '.join(sorted(KESTREL_FIELDS))}", f"kestrel.{unknown[0]}"
         )
     max_tokens = _max_tokens(body, default_max_tokens)
-    top_k_source = kestrel if "top_k" in kestrel else body
-    top_k_name = "kestrel.top_k" if "top_k" in kestrel else "top_k"
+    in_kestrel = kestrel.get("top_k") is not None  # null is left out, as for every kestrel setting: the top level's then holds
+    top_k_source = kestrel if in_kestrel else body
+    top_k_name = "kestrel.top_k" if in_kestrel else "top_k"
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, *SAMPLING_RANGES["temperature"]),
         top_p=_number(body, "top_p", 1.0, *SAMPLING_RANGES["top_p"]),  # as OpenAI's: 0 keeps the most likely token alone
@@ -315,7 +316,8 @@ def _number(body: dict, name: str, default, low: float, high: float, param: str 
     if isinstance(value, bool) or not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
         raise RequestError(f"{param} must be a number {interval}, got {value!r}", param)
     if not low <= value <= high:  # compared exactly: an integer past float's range has no float to convert to
-        shown = f"{value:g}" if isinstance(value, float) or abs(value) < 10**16 else f"an integer of {len(str(abs(value)))} digits"
+        # as sent: a float's repr keeps the digits that set it apart from the bound (2.0000001, which :g showed as 2)
+        shown = repr(value) if isinstance(value, float) or abs(value) < 10**16 else f"an integer of {len(str(abs(value)))} digits"
         raise RequestError(f"{param} must be a number {interval}, got {shown}", param)
     return float(value)
 
@@ -325,10 +327,11 @@ def _integer(body: dict, name: str, default, low: int, high: int, param: str | N
     if value is None:
         return default
     param = param or name
+    sent = value  # named as sent: 1e30 converted is 1000000000000000019884624838656, which no client wrote
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if type(value) is not int or not low <= value <= high:
-        raise RequestError(f"{param} must be an integer from {low} to {high}, got {value!r}", param)
+        raise RequestError(f"{param} must be an integer from {low} to {high}, got {sent!r}", param)
     return value
 
 

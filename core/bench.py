@@ -9,7 +9,8 @@ import json
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -193,25 +194,48 @@ def _run_generate(engine: Engine, prompt_ids: list[int], mode: str, sampling: Sa
         def __call__(self, input_ids, scores, **kwargs):
             return torch.full((input_ids.shape[0],), cancel is not None and cancel.is_set(), dtype=torch.bool, device=input_ids.device)
 
-    room = engine.context_limit - len(prompt_ids)  # where Kestrel's modes stop too (finish_reason "context")
-    options = dict(max_new_tokens=min(sampling.max_new_tokens, room), eos_token_id=sorted(engine.stop_ids), pad_token_id=0,
-                   stopping_criteria=StoppingCriteriaList([Cancelled()]))  # fmt: skip
+    config = baseline_config(engine, len(prompt_ids), mode, sampling)
+    inputs = torch.tensor([prompt_ids], device=engine.base.device)
+    if not sampling.greedy and sampling.seed is not None:
+        torch.manual_seed(sampling.seed)  # generate draws from torch's global generator: the seed repeats its sample
+    started = time.perf_counter()
+    with torch.inference_mode(), compiled.eager(engine.model), _model_config(engine.model, config):  # transformers' own code, as its users run it
+        output = engine.model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=config,
+                                       stopping_criteria=StoppingCriteriaList([Cancelled()]))  # fmt: skip
+    seconds = time.perf_counter() - started
+    ids = output[0, len(prompt_ids) :].tolist()
+    return {"tokens": len(ids), "seconds": seconds, "forwards": None, "draft_seconds": None, "verify_seconds": None,
+            "accepted_lengths": None, "tree_nodes": None, "tree_depths": None, "output_ids": ids}  # fmt: skip
+
+
+def baseline_config(engine: Engine, prompt_tokens: int, mode: str, sampling: SamplingParams):
+    """Kestrel's settings alone, for transformers' generate: nothing from the
+    model's generation_config.json (a Qwen2.5's repetition_penalty 1.05, a
+    no_repeat_ngram_size, suppress_tokens), which Kestrel's modes never apply."""
+    from transformers import GenerationConfig
+
+    room = engine.context_limit - prompt_tokens  # where Kestrel's modes stop too (finish_reason "context")
+    options = dict(max_new_tokens=min(sampling.max_new_tokens, room), eos_token_id=sorted(engine.stop_ids), pad_token_id=0)
     if sampling.greedy:
         options["do_sample"] = False
     else:
         options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     if mode == "prompt-lookup":
         options["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
-    inputs = torch.tensor([prompt_ids], device=engine.base.device)
-    if not sampling.greedy and sampling.seed is not None:
-        torch.manual_seed(sampling.seed)  # generate draws from torch's global generator: the seed repeats its sample
-    started = time.perf_counter()
-    with torch.inference_mode(), compiled.eager(engine.model):  # transformers' own code, as its users run it
-        output = engine.model.generate(inputs, attention_mask=torch.ones_like(inputs), **options)
-    seconds = time.perf_counter() - started
-    ids = output[0, len(prompt_ids) :].tolist()
-    return {"tokens": len(ids), "seconds": seconds, "forwards": None, "draft_seconds": None, "verify_seconds": None,
-            "accepted_lengths": None, "tree_nodes": None, "tree_depths": None, "output_ids": ids}  # fmt: skip
+    return GenerationConfig(**options)
+
+
+@contextmanager
+def _model_config(model, config) -> Iterator[None]:
+    """Within the block `config` is also the model's own generation config:
+    generate fills what a config passed to it leaves unset (None) from the
+    model's, so passing it alone would still bring the model's penalties in."""
+    saved = model.generation_config
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 def check_turn_names(prompts: list[BenchPrompt], turns: int) -> None:

@@ -263,6 +263,30 @@ def test_seeded_sampling_repeats(client, engine):
     assert len(fresh) > 1  # -1, as some front-ends send it: a fresh seed each time
 
 
+def test_a_sampled_reply_names_its_seed_so_that_it_can_be_made_again(client, engine):
+    """The page and chat name the seed they drew for an unseeded sampled reply;
+    the API drew one too and never said which, so no reply could be made again.
+    `kestrel.seed` names it, streamed (in every chunk) or not, for chat and
+    completions; a greedy reply has none."""
+    name = engine.base.name
+    for seed in (None, -1):
+        reply = chat(client, name, temperature=1.0, seed=seed).model_dump()
+        drawn = reply["kestrel"]["seed"]
+        assert 0 <= drawn < 2**32
+        again = chat(client, name, temperature=1.0, seed=drawn)
+        assert again.choices[0].message.content == reply["choices"][0]["message"]["content"]
+        assert again.model_dump()["kestrel"]["seed"] == drawn  # a seed sent is named too
+    chunks = list(chat(client, name, temperature=1.0, stream=True, stream_options={"include_usage": True}))
+    seeds = {chunk.model_dump()["kestrel"]["seed"] for chunk in chunks}
+    assert len(seeds) == 1
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chat(client, name, temperature=1.0, seed=seeds.pop()).choices[0].message.content == streamed
+    raw = client.completions.create(model=name, prompt="w5 w6 w1", max_tokens=12, temperature=1.0).model_dump()
+    repeated = client.completions.create(model=name, prompt="w5 w6 w1", max_tokens=12, temperature=1.0, seed=raw["kestrel"]["seed"])
+    assert repeated.choices[0].text == raw["choices"][0]["text"]
+    assert "kestrel" not in chat(client, name, seed=5).model_dump()  # greedy: no seed acts
+
+
 @pytest.mark.parametrize(
     "changes, param",
     [
@@ -309,6 +333,23 @@ def test_bad_values_are_400_naming_the_parameter(client, engine, changes, param)
         chat(client, engine.base.name, **changes)
     assert error.value.status_code == 400 and error.value.param == param
     assert param.split("[")[0].split(".")[-1] in error.value.message
+
+
+@pytest.mark.parametrize(
+    "changes, shown",
+    [
+        ({"temperature": 2.0000001}, "temperature must be a number from 0 to 2, got 2.0000001"),  # :g showed 2
+        ({"top_p": 1.0000000001}, "top_p must be a number from 0 to 1, got 1.0000000001"),  # and 1
+        ({"seed": 1e30}, "got 1e+30"),  # not the integer it converts to, 1000000000000000019884624838656
+        ({"extra_body": {"top_k": 2e6}}, "top_k must be an integer from -1 to 1000000, got 2000000.0"),
+    ],
+)
+def test_a_value_out_of_range_is_named_as_sent(client, engine, changes, shown):
+    """A range error showed the value rounded or converted, so that it read as
+    within the range it was refused for."""
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(client, engine.base.name, **changes)
+    assert error.value.message.endswith(shown)
 
 
 def test_ignored_fields_do_not_matter(client, engine):
@@ -406,6 +447,20 @@ def test_values_other_servers_take_for_off_mean_off(client, engine):
     stops = [f"zz{n}" for n in range(19)] + [whole.choices[0].message.content.split()[3]]  # the last one meets the reply
     cut = chat(client, engine.base.name, max_tokens=None, stop=stops)
     assert cut.choices[0].finish_reason == "stop" and len(cut.choices[0].message.content) < len(whole.choices[0].message.content)
+
+
+def test_a_null_kestrel_top_k_leaves_the_top_level_one_in_force(client, engine):
+    """kestrel.top_k null is left out, as every kestrel setting's null is: the
+    top-level top_k holds (it was replaced by 0, keeping every token)."""
+    name = engine.base.name
+    greedy = chat(client, name).choices[0].message.content
+
+    def sampled(**extra_body):
+        return chat(client, name, temperature=2.0, seed=4, extra_body=extra_body).choices[0].message.content
+
+    assert sampled(top_k=0) != greedy  # every token kept: another reply
+    assert sampled(top_k=1, kestrel={"top_k": None}) == sampled(top_k=1) == greedy
+    assert sampled(top_k=0, kestrel={"top_k": 1}) == greedy  # a kestrel.top_k sent still wins
 
 
 def test_a_stop_token_ends_with_stop_and_the_context_window_with_length(client, engine, monkeypatch):

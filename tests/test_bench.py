@@ -85,6 +85,29 @@ def test_bench_in_float64_is_identical_and_complete(tiny_base, tmp_path):
     assert rows[0].split()[4] == f"{result['modes']['vanilla']['decoding_tokens_per_s']:.2f}"
 
 
+def test_generate_decodes_with_kestrels_settings_alone(tmp_path, monkeypatch):
+    """transformers' generate merged the rest of the model's generation_config
+    (a Qwen2.5's repetition_penalty 1.05, ...) into the baseline, which then
+    timed other text than Kestrel's vanilla."""
+    from transformers import GenerationConfig
+
+    from core.bench import run_once
+    from models.base import load_base
+    from tests.factory import save_tiny_model
+
+    base = load_base(str(save_tiny_model(tmp_path / "spread", sharpness=2.0)), dtype="float64")
+    recommended = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
+                                   no_repeat_ngram_size=8, suppress_tokens=[60], bos_token_id=1, eos_token_id=4, pad_token_id=2)  # fmt: skip
+    monkeypatch.setattr(base.model, "generation_config", recommended)
+    engine = Engine(base)
+    sampling = SamplingParams(max_new_tokens=30)
+    for prompt in ([5, 9, 10, 11, 12, 13], [5, 20, 21, 22]):
+        vanilla = run_once(engine, prompt, "vanilla", sampling, TreeParams())["output_ids"]
+        for mode in ("generate", "prompt-lookup"):
+            assert run_once(engine, prompt, mode, sampling, TreeParams())["output_ids"] == vanilla, (mode, prompt)
+    assert base.model.generation_config is recommended  # the model's own is back after each run
+
+
 def test_bench_turns_run_conversations_that_continue_their_caches(tiny_base, tmp_path):
     """--turns: each mode answers a prompt's turns with its own replies; later
     turns continue the last turn's caches, are timed read afresh too, and give

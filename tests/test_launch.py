@@ -309,7 +309,8 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["ui", "--port", "70000"], "--port: must be from 1 to 65535"),
         (["ui", "--max-queue", "0"], "--max-queue: must be at least 1"),
         (["chat", "hi", "--tree-top-k", "0"], "--tree-top-k: must be from 1 to 32, got 0"),
-        (["chat", "hi", "--top-k", "1000001"], "--top-k: must be from 0 to 1000000, got 1000001"),  # the API's and the page's range
+        (["chat", "hi", "--top-k", "1000001"], "--top-k: must be from -1 to 1000000, got 1000001"),  # the API's range (-1: off)
+        (["chat", "hi", "--top-k", "-2"], "--top-k: must be from -1 to 1000000, got -2"),
         (["chat", "hi", "--total-tokens", "300"], "--total-tokens: must be from 0 to 256, got 300"),  # the API's range
         (["bench", "--prompts", str(prompts), "--modes", "eagle2:300/4/2"], "its total_tokens must be from 0 to 256, got 300"),
         (["chat", "hi", "--total-tokens", "1"], "--total-tokens: must be 0 (sized by the planner) or from 2 to 256, got 1"),
@@ -429,6 +430,43 @@ def test_chat_reads_the_prompt_from_stdin_and_names_the_seed_it_drew(tiny_dir, c
     assert cli.main(["chat", "w1 w2", *options, "--temperature", "1", "--seed", "-1"]) == 0
     drawn = capsys.readouterr().err
     assert ", seed -1," not in drawn and int(drawn.split(", seed ")[1].split(",")[0]) >= 0  # -1 draws one, as in the API
+
+
+def test_chat_takes_top_k_minus_one_as_the_api_does(tiny_dir, capsys):
+    """The README says chat takes the API's settings with the same ranges; the
+    API takes top_k -1 (vLLM's off) and chat refused it."""
+    from app import cli
+
+    options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "6",
+               "--temperature", "1", "--seed", "3"]  # fmt: skip
+    assert cli.build_parser().parse_args(["chat", "hi", "--top-k", "-1"]).top_k == 0
+    assert cli_reply(cli, ["chat", "w1 w2", *options, "--top-k", "-1"], capsys) == cli_reply(cli, ["chat", "w1 w2", *options, "--top-k", "0"], capsys)
+    with pytest.raises(SystemExit):
+        cli.main(["chat", "--help"])
+    assert "(default 0 = off, as -1 is, which the API takes too;" in " ".join(capsys.readouterr().out.split())
+
+
+def test_chat_names_the_sampling_settings_the_model_recommends(tiny_dir, tmp_path, capsys):
+    """chat stays greedy without --temperature, but it said nothing of a
+    model's recommended settings (Qwen3's temperature 0.6), which the API
+    takes and the page names: a note on stderr names them and the options."""
+    from app import cli
+
+    folder = tmp_path / "recommends"
+    shutil.copytree(tiny_dir, folder)
+    written = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "eos_token_id": 4}
+    (folder / "generation_config.json").write_text(json.dumps(written))
+    options = ["--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "4"]
+    greedy = cli_reply(cli, ["chat", "w1 w2", "--model", str(tiny_dir), *options], capsys)
+    assert cli.main(["chat", "w1 w2", "--model", str(folder), *options]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == greedy  # not taken silently: still greedy
+    assert ("note: the model recommends sampling with temperature 0.6, top_p 0.95, top_k 20 (its generation_config.json); this reply "
+            "is greedy (--temperature 0, the default): add --temperature 0.6 --top-p 0.95 --top-k 20") in captured.err  # fmt: skip
+    assert cli.main(["chat", "w1 w2", "--model", str(folder), *options, "--temperature", "0"]) == 0
+    assert "recommends" not in capsys.readouterr().err  # asked for by name
+    assert cli.main(["chat", "w1 w2", "--model", str(tiny_dir), *options]) == 0
+    assert "recommends" not in capsys.readouterr().err  # the tiny model recommends nothing
 
 
 def test_chat_into_a_closed_pipe_ends_quietly(tiny_dir):
