@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import math
 import tempfile
 import threading
@@ -41,6 +42,8 @@ PLOT_INTERVAL = 2.0  # seconds between plot updates while streaming (plots cost 
 FINISHING_WAIT_S = 5.0  # the longest a click on a chat whose reply is ending waits for its last update to reach the page
 SAVE_INTERVAL = 1.0  # seconds between saves of a new reply as it grows: a crash loses at most this much of it
 SKIP_PANEL = (gr.skip(),) * 4  # stats and the three plots left as they are
+
+log = logging.getLogger("kestrel")
 
 
 # The settings' ranges (-1 = a random seed; up to 32768 new tokens, which reasoning models such as
@@ -306,7 +309,7 @@ def run_settings(engine: Engine, mode: str, options: Options) -> dict:
         settings["head"] = engine.head_name
     if mode == "eagle2":  # EAGLE drafts its fixed tree: the Tree settings do not apply to it
         settings["tree"] = {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k}
-    return settings
+    return well_formed(settings)  # a folder's name that is not UTF-8 reads with lone surrogates: as the file keeps it
 
 
 def with_seed(options: Options) -> Options:
@@ -467,6 +470,11 @@ def shown(message: dict, colour: bool) -> dict:
     return {"role": message["role"], "content": render.message_html(message, colour)}
 
 
+def fault_text(error: Exception) -> str:
+    """An unexpected error named as the log names it: "RuntimeError: what it says"."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
 def notice_html(text: str) -> str:
     return f'<div class="kestrel-notice">{render.escape(text)}</div>' if text else ""
 
@@ -562,7 +570,9 @@ class ChatHandlers:
         self.reply_owner: dict[str, str | None] = {}  # of those, the browser tab (session) whose Send or Regenerate began it
         # of those, the ones whose decoding has ended, until their last update has gone to the page: set then
         self.finishing: dict[str, threading.Event] = {}
-        self.forked: dict[str, str] = {}  # ids of copies made by accept -> why, until their first reply's notice
+        # ids of copies made by accept -> why, until their first send ends: its reply's notice says why again, and a
+        # send that fails removes the copy (it holds nothing new)
+        self.forked: dict[str, str] = {}
         self.unsaved: set[str] = set()  # ids of chats whose latest save failed: their disk copy is older, not another tab's
         # ids of chats whose accepted message (or regeneration) waits for the model, not yet started -> the
         # browser tab's session: a tab closed meanwhile never starts it, and its unload forgets the mark
@@ -712,7 +722,7 @@ class ChatHandlers:
         if mode == "eagle2" and (short := options.tree.shortfall(tuple(f'"{LABELS[name]}"' for name in TREE_SETTINGS))):
             note = f"{note} {short}".strip()
         made_with = run_settings(engine, mode, options)
-        if forked := self.forked.pop(chat["id"], None):
+        if forked := self.forked.get(chat["id"]):
             note = f"{forked} {note}".strip()
         messages, dropped = fit_context(engine, engine_messages(chat), room=reply_room(engine, options.sampling.max_new_tokens))
         if dropped:
@@ -733,7 +743,7 @@ class ChatHandlers:
             return
         stats_throttle, plot_throttle = Throttle(PANEL_INTERVAL), Throttle(PLOT_INTERVAL)
         history = display(chat, colour)  # rendered once (and again if the colouring changes); each update renders only the growing reply
-        reply = None
+        reply, failure = None, None  # failure: why the decoding failed, as the notice says it
         self.replying[chat["id"]] = colour
         self.reply_owner[chat["id"]] = owner
         try:  # this chat counts as being replied to until its last update has reached the page: a New chat
@@ -790,25 +800,34 @@ class ChatHandlers:
                 return
             except (KestrelError, ValueError) as error:  # ContextOverflowError included
                 self._ending(chat["id"])
-                if isinstance(error, ContextOverflowError):
-                    error = overflow_text(engine, messages, error)
-                yield from self._failed(chat, message, colour, str(error), kept, sent_panel)
-                return
+                failure = render.sentence(overflow_text(engine, messages, error) if isinstance(error, ContextOverflowError) else str(error))
+            except Exception as error:  # a fault of the engine or the model: a notice, not the page's raw error box
+                log.exception("The reply to chat %s failed", chat["id"])
+                self._ending(chat["id"])
+                failure = f"The reply failed ({fault_text(error)})."
             finally:
                 colour = self.replying[chat["id"]]
                 self.live.pop(chat["id"], None)
                 self._ending(chat["id"])
+            written = reply is not None and reply.snapshot is not None and bool(reply.token_ids)
+            if failure is not None and not written:  # as a send refused: the message goes back into the box
+                yield from self._failed(chat, message, colour, failure, kept, sent_panel)
+                return
             if not live.claim():  # the server's stop saved it already
                 yield gr.skip(), gr.skip(), gr.skip(), notice_html("The server is stopping."), *sent_panel
                 return
             if reply is None or (reply.finish_reason == "cancelled" and not reply.token_ids):  # stopped before its first token
                 yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept, sent_panel)
                 return
-            note = self._finish(chat, reply, mode, note, made_with, kept)
+            if failure is not None:  # the reply so far is kept (shown and saved as it grew), cut short as Stop keeps one
+                note = self._cut_short(chat, reply, mode, f"{note} {failure} What was written is kept.", made_with, kept)
+            else:
+                note = self._finish(chat, reply, mode, note, made_with, kept)
             panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
             colour = self.replying[chat["id"]]  # ticked or unticked until now
             yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
         finally:
+            self.forked.pop(chat["id"], None)
             self.replying.pop(chat["id"], None)
             self.reply_owner.pop(chat["id"], None)
             finished = self.finishing.pop(chat["id"], None)
@@ -822,6 +841,26 @@ class ChatHandlers:
     def _finish(self, chat: dict, reply: Reply, mode: str, note: str, settings: dict, kept: dict | None = None) -> str:
         """Add the reply to the chat and save it; returns the note to show.
         `kept`: the reply a regeneration replaces, kept with the new one as an earlier reply."""
+        self._add_reply(chat, reply, mode, settings, kept)
+        endings = {"cancelled": "Stopped.", "length": "The reply reached the token limit.",
+                   "context": "The reply reached the context window."}  # fmt: skip
+        ending = endings.get(reply.finish_reason, "")
+        if reply.finish_reason == "stop" and not reply.text.strip():  # an empty bubble would look like a fault of the page
+            ending = EMPTY_REPLY_TEXT
+        note = f"{note} {ending}".strip()
+        return f"{note} {self._save(chat)}".strip()
+
+    def _cut_short(self, chat: dict, reply: Reply, mode: str, note: str, settings: dict, kept: dict | None = None) -> str:
+        """_finish for a reply whose decoding failed after its first tokens: kept
+        as a stopped one, so that the chat shown is the one saved (its progress
+        saves hold it already) and the next message continues it; `note` says why."""
+        reply.finish_reason = "cancelled"
+        self._add_reply(chat, reply, mode, settings, kept)
+        return f"{note} {self._save(chat)}".strip()
+
+    @staticmethod
+    def _add_reply(chat: dict, reply: Reply, mode: str, settings: dict, kept: dict | None) -> None:
+        """Append the reply, with its stats (and `kept` among its earlier replies), to the chat and its session totals."""
         stats = reply_summary(reply, mode, settings)
         chat.pop(TAKEN_BACK, None)  # the reply is saved in place of the exchange Edit took back
         message = {"role": "assistant", "content": reply.text, "segments": reply.segments, "stats": stats, **reasoning_mark(reply)}
@@ -830,13 +869,6 @@ class ChatHandlers:
         chat["messages"].append(message)
         chat["session"]["tokens"] += reply.snapshot.tokens
         chat["session"]["forwards"] += reply.snapshot.forwards
-        endings = {"cancelled": "Stopped.", "length": "The reply reached the token limit.",
-                   "context": "The reply reached the context window."}  # fmt: skip
-        ending = endings.get(reply.finish_reason, "")
-        if reply.finish_reason == "stop" and not reply.text.strip():  # an empty bubble would look like a fault of the page
-            ending = EMPTY_REPLY_TEXT
-        note = f"{note} {ending}".strip()
-        return f"{note} {self._save(chat)}".strip()
 
     def _save(self, chat: dict) -> str:
         """Save the chat; "" or why it could not be saved (its disk copy is then
@@ -889,15 +921,17 @@ class ChatHandlers:
         self, chat: dict, message: str | None, colour: bool, error: str, kept: dict | None = None, panel: tuple = SKIP_PANEL
     ) -> Iterator[tuple]:
         """Show the error; a just-sent message goes back into the message box,
-        and the reply that a regeneration replaced (`kept`) back into the chat.
+        and the reply that a regeneration replaced (`kept`) back into the chat;
+        a copy that the message began (another tab had changed the chat) is removed again.
         `panel`: the stats and plots as the run last sent them (or skipped)."""
         if kept is not None:
             chat["messages"].append(kept)
+        copied = self.forked.pop(chat["id"], None) is not None  # a copy that this send made: nothing of it was saved before
         if message is not None:
             chat["messages"].pop()
             restored = {**stored(chat), "messages": chat["messages"] + chat.get(TAKEN_BACK, [])}
             try:  # as saved before it was sent (accept saved it), with what Edit took back
-                self.store.save_chat(restored) if restored["messages"] else self.store.delete_chat(chat["id"])
+                self.store.save_chat(restored) if restored["messages"] and not copied else self.store.delete_chat(chat["id"])
             except OSError:
                 pass
         box = message if message is not None else gr.skip()  # a regeneration leaves what is typed in the box alone
@@ -1198,8 +1232,9 @@ class ChatHandlers:
                 self.exports = tempfile.TemporaryDirectory(prefix="kestrel-export-")
             folder = Path(self.exports.name)
             markdown, data = folder / f"chat-{chat['id']}.md", folder / f"chat-{chat['id']}.json"
-            markdown.write_text(to_markdown(chat), encoding="utf-8")
-            data.write_text(to_json(self._as_saved(chat)), encoding="utf-8")
+            exported = self._as_saved(chat)  # both files from it: the Markdown's heading is the JSON's name
+            markdown.write_text(to_markdown(exported), encoding="utf-8")
+            data.write_text(to_json(exported), encoding="utf-8")
         except OSError as error:  # a full or read-only temporary folder: the chat itself stays saved
             return gr.skip(), notice_html(f"The chat could not be exported ({error}); it is still saved.")
         return [str(markdown), str(data)], ""
@@ -1207,11 +1242,13 @@ class ChatHandlers:
     def _as_saved(self, chat: dict) -> dict:
         """The chat as its saved file has it: the title and time of the last
         change are set when it is saved (the page's copy lacks them), and are
-        now's where the page holds what is not saved yet."""
+        now's where the page holds what is not saved yet; its name is the
+        file's (a rename in another tab leaves this tab's view without it)."""
         exported = stored(chat)
         saved = self.store.load_chat(chat["id"])
         if saved is not None and saved["messages"] == exported["messages"]:
-            return {**exported, "title": saved.get("title", ""), "updated": saved.get("updated", exported.get("updated"))}
+            named = {**without(exported, "name"), **({"name": saved["name"]} if "name" in saved else {})}
+            return {**named, "title": saved.get("title", ""), "updated": saved.get("updated", exported.get("updated"))}
         return {**exported, "title": chat_title(exported), "updated": time.time()}
 
     def exports_of(self, files: list[str] | None, chat: dict | None):

@@ -27,6 +27,10 @@ LARGEST_COUNT = 2**53  # a chat's token and forward counts, at most (a float hol
 LATEST_TIME = 32503680000.0  # 3000-01-01: Windows' localtime fails past 3000 (and NaN is no date anywhere)
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair, which UTF-8 cannot encode
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how JSON text read as UTF-8 can hold one (or a pair)
+# levels of lists and objects in a file read, at most: Kestrel's own files have fewer than 10, and a chat
+# with a value nested some hundreds deep (valid JSON, which Python reads) fails every Send (copy.deepcopy
+# exceeds Python's recursion limit)
+NESTING_LIMIT = 64
 # On Windows a file that another program holds open (a virus scanner or the
 # search indexer reading the file just written) cannot be replaced for a moment.
 REPLACE_TRIES = 6 if os.name == "nt" else 1
@@ -54,6 +58,26 @@ def write_atomic(path: Path, text: str, shared: bool = False) -> None:
         if isinstance(error, OSError) and error.errno is not None:
             raise OSError(error.errno, error.strerror, str(path)) from error
         raise
+    sync_folder(path.parent)
+
+
+def sync_folder(folder: Path) -> None:
+    """Sync `folder` after a file in it was replaced (POSIX): write_atomic syncs
+    the file's data, but its new name is the folder's, which a power cut could
+    lose otherwise. Where a folder cannot be opened or synced (Windows, some
+    file systems), the name is written when the system writes it."""
+    if os.name == "nt":
+        return
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def well_formed(value):
@@ -237,7 +261,10 @@ class Store:
                 chat["name"] = name
         chat["updated"] = time.time()
         chat["title"] = chat_title(chat)
-        write_atomic(path, json.dumps(chat, indent=1, ensure_ascii=False))
+        text = json.dumps(chat, indent=1, ensure_ascii=False)
+        if LONE_SURROGATE.search(text):  # rare (a model's folder name that is not UTF-8): its texts are gone through only then
+            text = json.dumps(well_formed(chat), indent=1, ensure_ascii=False)
+        write_atomic(path, text)
 
     def load_chat(self, chat_id: str) -> dict | None:
         return as_chat(self.read_object(self.chat_path(chat_id)), chat_id)
@@ -256,13 +283,14 @@ class Store:
 
     def scan_chats(self) -> tuple[list[dict], list[str]]:
         """list_chats, and the names of the chat files that cannot be read
-        (left as they are on disk). Names starting with a dot are not chats
-        (write_atomic's temporary files among them)."""
+        (left as they are on disk), or not opened by their names (chat_path's
+        refusals). Names starting with a dot are not chats (write_atomic's
+        temporary files among them)."""
         chats, unreadable = [], []
         for path in (self.folder / CHATS_FOLDER).glob("*.json"):
             if path.name.startswith("."):
                 continue
-            chat = as_chat(self.read_object(path), path.stem)
+            chat = as_chat(self.read_object(path), path.stem) if self.openable(path.stem) else None
             if chat is None:
                 unreadable.append(path.name)
                 continue
@@ -271,7 +299,18 @@ class Store:
 
     def why_unreadable(self, name: str) -> str:
         """What is wrong with the chat file `name` (one scan_chats found unreadable), in a few words."""
+        if not self.openable(name.removesuffix(".json")):
+            return "not a name Kestrel can open"
         return chat_file_problem(self.folder / CHATS_FOLDER / name)
+
+    def openable(self, chat_id: str) -> bool:
+        """Whether chat_path takes `chat_id`: a file copied in from elsewhere may be
+        named what it refuses (a backslash, on Windows a device name)."""
+        try:
+            self.chat_path(chat_id)
+        except ValueError:
+            return False
+        return True
 
     def add_chat(self, chat: dict, in_use: Collection[str] = ()) -> dict:
         """A chat from elsewhere (an export) saved as a chat of its own: under its
@@ -298,15 +337,25 @@ class Store:
     def _parse(path: Path) -> dict | None:
         """The JSON object in `path` (a UTF-8 byte order mark, as some editors
         write, allowed; lone surrogates read as U+FFFD: well_formed); None where
-        it holds none; OSError where it cannot be read."""
+        it holds none, or one nested deeper than NESTING_LIMIT; OSError where it cannot be read."""
         try:
             text = path.read_text(encoding="utf-8-sig")
             value = json.loads(text)
-            if SURROGATE_ESCAPE.search(text):  # rare: its texts are gone through only then
-                value = well_formed(value)
-        except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
+        except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep for Python's reader
             return None
-        return value if isinstance(value, dict) else None
+        if not isinstance(value, dict) or nested_deeper(value, NESTING_LIMIT):
+            return None
+        return well_formed(value) if SURROGATE_ESCAPE.search(text) else value  # rare: its texts are gone through only then
+
+
+def nested_deeper(value, limit: int) -> bool:
+    """Whether `value` holds lists or objects more than `limit` levels deep (itself the first), gone through level by level."""
+    level = [value] if isinstance(value, (list, dict)) else []
+    for _ in range(limit):
+        level = [item for held in level for item in (held.values() if isinstance(held, dict) else held) if isinstance(item, (list, dict))]
+        if not level:
+            return False
+    return True
 
 
 def chat_file_problem(path: Path) -> str:
@@ -327,6 +376,8 @@ def chat_file_problem(path: Path) -> str:
         return "not valid JSON: nested too deep"
     if not isinstance(value, dict):
         return "not a chat: a JSON object is expected"
+    if nested_deeper(value, NESTING_LIMIT):
+        return f"not a chat: it holds values nested more than {NESTING_LIMIT} levels deep"
     messages = value.get("messages")
     if not isinstance(messages, list):
         return "not a chat: its messages are not a list"

@@ -2358,6 +2358,36 @@ def test_unreadable_chats_and_settings_are_named_at_load_and_kept(handlers, stor
     assert "settings" not in handlers.restore()[-1]  # said once
 
 
+def test_a_chat_file_nested_too_deep_to_copy_is_refused_at_import_and_named_at_load(handlers, store, tmp_path):
+    """Valid JSON that Python reads, with a value nested some hundreds deep,
+    would fail every Send (copying it exceeds Python's recursion limit): refused
+    as a chat, named with the reason; a file nested as deep as Kestrel's own is not."""
+    export = tmp_path / "deep.json"
+    text = '{"messages": [{"role": "user", "content": "w1", "extra": %s}]}'
+    export.write_text(text % ("[" * 500 + "]" * 500))
+    notice = handlers.import_chat(str(export), new_chat(), True)[-1]
+    assert "deep.json is not a chat" in notice and "nested more than 64 levels deep; nothing was imported" in notice
+    assert store.list_chats() == []
+    store.chat_path("x").parent.mkdir(parents=True)
+    store.chat_path("20250101-000000-abcdef").write_text(export.read_text())
+    assert "20250101-000000-abcdef.json (not a chat: it holds values nested more than 64 levels deep)" in handlers.restore()[-1]
+    export.write_text(text % ("[" * 20 + "]" * 20))
+    _, imported, *_, notice = handlers.import_chat(str(export), new_chat(), True)
+    assert "Imported deep.json" in notice and handlers.accept("w2", imported, True)[3]["id"] == imported["id"]
+
+
+@pytest.mark.skipif(os.name == "nt", reason="Windows keeps a backslash out of file names")
+def test_a_chat_file_named_as_no_chat_can_be_is_named_at_load_not_a_failed_page(handlers, store):
+    """A file copied into the chats folder under a name that the store refuses
+    as a chat's id (here a backslash, as a Windows path copied by hand leaves
+    it): the page loads, naming it as a file it cannot open."""
+    folder = store.chat_path("x").parent
+    folder.mkdir(parents=True)
+    (folder / "my\\chat.json").write_text(json.dumps({**new_chat(), "messages": [{"role": "user", "content": "w1"}]}))
+    restored = handlers.restore()
+    assert restored[-3]["choices"] == [] and "my\\chat.json (not a name Kestrel can open)" in restored[-1]
+
+
 def test_a_settings_file_is_set_aside_only_when_damaged_and_never_replaced(handlers, store, monkeypatch):
     path = store.folder / "settings.json"
     store.folder.mkdir(parents=True, exist_ok=True)
@@ -2753,6 +2783,90 @@ def test_a_failed_regeneration_keeps_the_reply_it_would_replace(handlers, store)
     assert handlers.accept("w2", final[2], True)[3]["id"] == chat["id"]  # the view matches the disk: no copy
 
 
+def failing_after(engine, monkeypatch, steps: int, error: Exception) -> None:
+    """The engine's decoding raises `error` after `steps` steps (0: before its first token)."""
+    chat_steps = engine.chat
+
+    def failing(*args, **kwargs):
+        for count, step in enumerate(chat_steps(*args, **kwargs)):
+            if count == steps:
+                raise error
+            yield step
+
+    monkeypatch.setattr(engine, "chat", failing)
+
+
+def test_a_reply_that_fails_unexpectedly_keeps_what_was_written_and_the_chat_goes_on(handlers, engine, store, monkeypatch, caplog):
+    """An error no handler expects (a fault of the model's code) part-way through
+    a reply: logged, named in the notice, and the reply so far kept as Stop keeps
+    it, so that the chat shown is the one saved and the next message continues it
+    (not a copy, as for a chat another tab changed)."""
+    first = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    real = engine.chat
+    failing_after(engine, monkeypatch, 5, RuntimeError("w9 broke"))
+    _, pending, _, chat, _ = handlers.accept("w2", first, True)
+    box, _, chat, notice = list(handlers.send(pending, chat, "", *values(max_new_tokens=40, mode="vanilla")))[-1][:4]
+    assert is_skip(box) and "The reply failed (RuntimeError: w9 broke). What was written is kept." in notice
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant"] * 2 and chat["messages"][2]["content"] == "w2"
+    assert chat["messages"][3]["content"] and chat["messages"][3]["stats"]["finish_reason"] == "cancelled"
+    assert store.load_chat(chat["id"])["messages"] == chat["messages"]
+    assert any(record.exc_info and record.exc_info[0] is RuntimeError for record in caplog.records)
+    failing_after(engine, monkeypatch, 0, RuntimeError("w8 broke"))  # before its first token: the message goes back to the box
+    _, pending, _, shown, _ = handlers.accept("w3", chat, True)
+    box, _, back, notice = list(handlers.send(pending, shown, "", *values(max_new_tokens=40, mode="vanilla")))[-1][:4]
+    assert box == "w3" and "The reply failed (RuntimeError: w8 broke)." in notice
+    assert back["messages"] == chat["messages"] and store.load_chat(chat["id"])["messages"] == chat["messages"]
+    monkeypatch.setattr(engine, "chat", real)
+    _, pending, _, same, notice = handlers.accept("w4", back, True)
+    assert same["id"] == first["id"] and "another tab" not in notice
+    final = list(handlers.send(pending, same, "", *values(max_new_tokens=4)))[-1][2]
+    assert [m["content"] for m in store.load_chat(first["id"])["messages"] if m["role"] == "user"] == ["w1", "w2", "w4"]
+    assert final["messages"] == store.load_chat(first["id"])["messages"]
+
+
+def test_a_model_error_after_the_first_tokens_keeps_the_reply_so_far(handlers, engine, store, monkeypatch):
+    """Out of memory part-way through a reply: what was shown (and saved as it
+    grew) stays, cut short as Stop leaves it, with the error as the notice; a
+    regeneration keeps the reply it replaces among the earlier ones. Before the
+    first token the message goes back into the box, as for any refused send."""
+    from models.errors import OutOfMemoryError
+
+    first = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    failing_after(engine, monkeypatch, 5, OutOfMemoryError("out of memory while decoding"))
+    _, pending, _, chat, _ = handlers.accept("w2", first, True)
+    box, _, chat, notice = list(handlers.send(pending, chat, "", *values(max_new_tokens=40, mode="vanilla")))[-1][:4]
+    assert is_skip(box) and "Out of memory while decoding. What was written is kept." in notice
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant"] * 2 and chat["messages"][2]["content"] == "w2"
+    assert chat["messages"][3]["content"] and chat["messages"][3]["stats"]["finish_reason"] == "cancelled"
+    assert store.load_chat(chat["id"])["messages"] == chat["messages"]
+    replaced = chat["messages"][3]
+    chat = list(handlers.regenerate(chat, False, "", *values(max_new_tokens=40, mode="vanilla")))[-1][2]  # greedy: no end before the error
+    assert chat["messages"][3]["stats"]["finish_reason"] == "cancelled" and chat["messages"][3]["earlier"] == [replaced]
+    assert store.load_chat(chat["id"])["messages"] == chat["messages"]
+    failing_after(engine, monkeypatch, 0, OutOfMemoryError("out of memory while reading"))
+    _, pending, _, shown, _ = handlers.accept("w3", chat, True)
+    box, _, back, notice = list(handlers.send(pending, shown, "", *values(max_new_tokens=40, mode="vanilla")))[-1][:4]
+    assert box == "w3" and "Out of memory while reading." in notice
+    assert back["messages"] == chat["messages"] and store.load_chat(chat["id"])["messages"] == chat["messages"]
+
+
+def test_a_send_that_fails_in_the_copy_it_began_leaves_no_copy(handlers, store):
+    """A tab behind another sends with a setting that is refused: the copy its
+    message began holds nothing new, so it goes again; a copy that has replies stays."""
+    first = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    list(handlers.send("w2", first, "", *values(max_new_tokens=4)))  # another tab goes on: this one still shows `first`
+    _, pending, _, copied, notice = handlers.accept("w3", first, True)
+    assert copied["id"] != first["id"] and "changed in another tab" in notice
+    box, _, _, notice = list(handlers.send(pending, copied, "", *values(top_k="abc")))[-1][:4]
+    assert box == "w3" and "Top-k: enter a number" in notice
+    assert [chat["id"] for chat in store.list_chats()] == [first["id"]] and not handlers.forked
+    _, pending, _, copied, _ = handlers.accept("w3", first, True)
+    copied = list(handlers.send(pending, copied, "", *values(max_new_tokens=4)))[-1][2]
+    _, pending, _, same, _ = handlers.accept("w4", copied, True)
+    assert list(handlers.send(pending, same, "", *values(top_k="abc")))[-1][0] == "w4"
+    assert store.load_chat(copied["id"])["messages"] == copied["messages"] and len(store.list_chats()) == 2
+
+
 def test_a_long_conversation_shows_how_far_it_is_read_and_stop_gives_it_back(handlers, monkeypatch):
     import core.engine
 
@@ -2947,6 +3061,19 @@ def test_a_name_given_in_one_tab_stays_when_another_tab_or_a_reply_begun_before_
     assert handlers.rename("Mine", new_chat())[2] == gr.skip()  # refused: the name typed stays in the box
 
 
+def test_an_export_from_a_tab_that_has_not_seen_a_rename_has_the_saved_name(handlers, store):
+    """Another tab named the chat (or took its name away): the export names it
+    as Saved chats does, the Markdown's heading as the JSON's name."""
+    chat = list(handlers.send("w1 w2", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    renamed = handlers.rename("Trip plans", json.loads(json.dumps(chat)))[0]  # in another tab: this one still shows `chat`
+    (markdown, data), notice = handlers.export(chat)
+    assert notice == "" and Path(markdown).read_text().startswith("# Trip plans\n")
+    assert json.loads(Path(data).read_text())["name"] == "Trip plans"
+    handlers.rename("", json.loads(json.dumps(renamed)))  # the name taken away in the other tab
+    (markdown, data), _ = handlers.export(renamed)
+    assert Path(markdown).read_text().startswith("# w1 w2\n") and "name" not in json.loads(Path(data).read_text())
+
+
 def test_free_port_names_a_port_below_1024_instead_of_calling_it_in_use(monkeypatch):
     """As a user, binding a port below 1024 is refused (EACCES): `--port 80`
     said "no free port in 80-179; pass --port" and `--port 1000` "Port 1000 is
@@ -3093,6 +3220,49 @@ def test_a_lone_surrogate_typed_or_read_from_a_file_is_saved_as_the_replacement_
     export.write_text(json.dumps({"messages": [{"role": "user", "content": "w7 \udc00"}]}))
     _, imported, *_, notice = handlers.import_chat(str(export), new_chat(), True)
     assert "Imported export.json" in notice and store.load_chat(imported["id"])["messages"][0]["content"] == "w7 \ufffd"
+
+
+def test_a_lone_surrogate_in_a_reply_s_settings_is_saved_as_the_replacement_character(handlers, engine, store, monkeypatch):
+    """A model's folder named in another encoding than UTF-8 reads with lone
+    surrogates: its replies are saved (and shown) with U+FFFD, and the chat
+    shown stays the one saved (no copy at the next message)."""
+    chat = new_chat()
+    reply = {"role": "assistant", "content": "w2", "stats": {"settings": {"model": "w\udcff"}}}
+    chat["messages"] = [{"role": "user", "content": "w1"}, reply]
+    store.save_chat(chat)
+    assert store.load_chat(chat["id"])["messages"][1]["stats"]["settings"]["model"] == "w\ufffd"
+    monkeypatch.setattr(engine.base, "name", "models/w\udcff")
+    chat = list(handlers.send("w3", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    assert chat["messages"][1]["stats"]["settings"]["model"] == "models/w\ufffd"
+    assert store.load_chat(chat["id"])["messages"] == chat["messages"] and handlers.accept("w4", chat, True)[3]["id"] == chat["id"]
+
+
+@pytest.mark.skipif(os.name == "nt", reason="Windows cannot open a folder to sync it")
+def test_a_save_syncs_the_folder_that_holds_the_file(store, monkeypatch):
+    """The file's new name is the folder's: synced after the replace, so that a
+    power cut cannot lose it; a file system that cannot sync a folder still saves."""
+    import errno
+
+    real, synced = os.fsync, []
+
+    def recording(fd):
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    chat = {**new_chat(), "messages": [{"role": "user", "content": "w1"}]}
+    store.save_chat(chat)
+    assert synced == [False, True]
+
+    def no_folders(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", no_folders)
+    chat["messages"].append({"role": "assistant", "content": "w2"})
+    store.save_chat(chat)
+    assert store.load_chat(chat["id"])["messages"] == chat["messages"]
 
 
 def test_a_saved_chat_without_messages_can_be_deleted_and_cleared(handlers, store):
