@@ -6,11 +6,13 @@ overhead. How the tree pass grows with its node count is what differs most
 between devices: on a 2-core CPU 16 nodes cost about twice one node, on a
 GPU 60 nodes cost hardly more than one. The planner (core/planner.py) sizes
 each tree from these measurements, so they are taken on the device in use,
-once, and cached on disk per device, model, head, dtype, quantization and
-thread count."""
+once, and cached on disk per device, model, head (and what their files
+hold), dtype, quantization and thread count."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -19,8 +21,10 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -145,17 +149,57 @@ def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+CPUINFO = Path("/proc/cpuinfo")  # Linux's description of the processor
+# what tells a processor's generation from another's of the same name: a VM's "AMD EPYC" is any of
+# five generations (x86: vendor, family, model, stepping); an Arm Linux's cpuinfo names no model at
+# all (its implementer, variant and part do); (field, as the name writes it)
+CPU_IDS = (("vendor_id", ""), ("cpu family", "family "), ("model", "model "), ("stepping", "stepping "),
+           ("CPU implementer", "implementer "), ("CPU variant", "variant "), ("CPU part", "part "))  # fmt: skip
+CPU_FLAGS = ("flags", "Features")  # x86's and Arm's instruction set extensions
+
+
 def device_name(device: torch.device) -> str:
-    """What the timings depend on: the processor's model (and the GPU's)."""
+    """What the timings depend on: the processor's model (and the GPU's). A
+    CPU's name with what tells its generation apart where the system says
+    it (Linux: "AMD EPYC (AuthenticAMD family 25 model 1 stepping 1)"; a
+    Mac: its brand string; else a digest of its instruction set extensions)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    fields = _cpu_fields()
+    name = fields.get("model name") or _mac_brand() or platform.processor() or platform.machine()
+    ids = [f"{label}{fields[field]}" for field, label in CPU_IDS if fields.get(field)]
+    flags = next((fields[field] for field in CPU_FLAGS if fields.get(field)), None)
+    if not ids and flags:
+        ids = [f"flags {hashlib.sha256(flags.encode()).hexdigest()[:8]}"]
+    return f"{name} ({' '.join(ids)})" if ids else name
+
+
+def _cpu_fields() -> dict[str, str]:
+    """The first processor's fields in CPUINFO ({} where there is none)."""
+    fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
+        lines = CPUINFO.read_text(errors="replace").splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return fields
+    for line in lines:
+        if not line.strip():
+            if fields:
+                break  # the next processor's (the same model; big.LITTLE's first core names the system)
+            continue
+        field, _, value = line.partition(":")
+        fields.setdefault(field.strip(), value.strip())
+    return fields
+
+
+def _mac_brand() -> str | None:
+    """macOS's name of the processor ("Apple M2 Pro"); None elsewhere."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        answer = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return answer.stdout.strip() or None
 
 
 def where(name: str | None) -> str | None:
@@ -168,17 +212,74 @@ def where(name: str | None) -> str | None:
     return str(path.resolve()) if path.exists() else name
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")  # a model's or head's weights (and shard indexes)
+
+
+def contents(name: str | None) -> str | None:
+    """What the model or head `name` holds, as far as a stat tells: a digest
+    of its config.json and its weight files' names, sizes and modification
+    times (never their bytes: they may be gigabytes), so that another model
+    or head saved at the same path (a head trained again into its folder) is
+    measured again. A file (GGUF) by its own size and time; a hub repo id by
+    the snapshot of it in the Hugging Face cache (the commit's folder); None
+    where no such files are found."""
+    folder = _files_folder(name)
+    if folder is None:
+        return None
+    digest = hashlib.sha256(str(folder).encode())
+    try:
+        if folder.is_file():
+            files = [folder]
+        else:
+            if (folder / "config.json").is_file():
+                digest.update((folder / "config.json").read_bytes())
+            files = sorted(path for path in folder.iterdir() if path.name.endswith(WEIGHT_SUFFIXES))
+        for file in files:
+            stat = file.stat()  # a hub snapshot's links: their blobs'
+            digest.update(f"\n{file.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+    except OSError:
+        return None
+    return digest.hexdigest()[:16]
+
+
+def _files_folder(name: str | None) -> Path | None:
+    """The local folder or file `name` names, or for a hub repo id its snapshot folder in the Hugging Face cache."""
+    if name is None:
+        return None
+    path = Path(name).expanduser()
+    if path.exists():
+        return path.resolve()
+    from models.errors import KestrelError
+    from models.repo import parse_repo
+
+    try:
+        repo = parse_repo(name)
+    except KestrelError:  # no repo id either
+        return None
+    if repo is None:
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo.id, "config.json", revision=repo.revision)
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
 def cache_key(
     device: torch.device, model: str, head: str | None, dtype: torch.dtype, quantization: str,
     compiled: bool = False, row_kernel: str | None = None, int4_kernel: str | None = None, draft_kernel: str | None = None,
-    graphs: bool = False, screen: str | None = None,
+    graphs: bool = False, screen: str | None = None, model_contents: str | None = None, head_contents: str | None = None,
 ) -> dict:  # fmt: skip
+    """model_contents, head_contents: `contents` of the model and the head."""
+    import transformers
+
     return {
         "version": VERSION,
         "device": device_name(device),
         "device_type": device.type,
         "model": model,
         "head": head,
+        "model_contents": model_contents,
+        "head_contents": head_contents,
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": quantization,
         "compiled": compiled,
@@ -189,6 +290,7 @@ def cache_key(
         "screen": screen,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,  # its attention and cache code runs in every pass
         "kernels": kernel_sources(),
     }
 
@@ -209,14 +311,85 @@ def cache_file(folder: Path, key: dict) -> Path:
     return folder / f"costs-{digest}.json"
 
 
-def load_cached(folder: Path, key: dict) -> Costs | None:
-    """The cached measurement for exactly this key, or None."""
+def load_cached(folder: Path, key: dict, warn: bool = True) -> Costs | None:
+    """The cached measurement for exactly this key, or None. A file that
+    cannot be read or is damaged is measured again, with a warning naming it
+    (`warn`: a second look at the same file says nothing)."""
     path = cache_file(folder, key)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return Costs.from_dict(data["costs"]) if isinstance(data, dict) and data.get("key") == key else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable or damaged: measured again
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        return Costs.from_dict(data["costs"]) if data.get("key") == key else None
+    except (FileNotFoundError, NotADirectoryError):  # not measured yet (or no folder there to hold it)
         return None
+    # RecursionError: JSON nested deeper than the parser goes ("[" * 200000)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+        if warn:
+            log.warning(f"{path}: the cached step costs cannot be read ({type(error).__name__}: {error}); measuring them again")
+        return None
+
+
+LOCK_FILE = "measuring.lock"
+LOCK_WAIT = 600  # seconds to wait for another process's measurement before measuring alongside it
+LOCK_POLL = 0.1  # seconds between looks at the lock
+# another process holds the lock: flock's EWOULDBLOCK (EAGAIN, or EACCES where it is made of fcntl
+# locks), msvcrt.locking's EACCES (EDEADLK once it gives up); any other: the file system takes none
+LOCK_HELD = (errno.EACCES, errno.EDEADLK) if os.name == "nt" else (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+@contextlib.contextmanager
+def measuring(folder: Path) -> Iterator[None]:
+    """Held while this process measures, one process at a time per cache
+    folder: two measuring at once (two starts, the app and a bench) slow
+    each other's passes, and each would cache its slowed times. An OS file
+    lock in `folder`, which ends with its process however that ends; where
+    none can be taken (a read-only folder, a file system without locks), or
+    another process holds it past LOCK_WAIT, measured without it."""
+    handle = _lock(folder)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            if os.name == "nt":
+                import msvcrt
+
+                with contextlib.suppress(OSError):
+                    handle.seek(0)
+                    msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)  # at once: a closed file's wait for the system
+            handle.close()  # closing the file releases the lock
+
+
+def _lock(folder: Path):
+    """The open lock file, locked; None where no lock was taken."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK_FILE, "a+b")  # noqa: SIM115 (held open while the lock is held)
+    except OSError:
+        return None
+    deadline, said = time.monotonic() + LOCK_WAIT, False
+    while True:
+        try:
+            if os.name == "nt":
+                import msvcrt
+
+                handle.seek(0)
+                msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except OSError as error:
+            if error.errno not in LOCK_HELD or time.monotonic() > deadline:
+                if error.errno in LOCK_HELD:
+                    log.warning(f"{folder / LOCK_FILE}: another process has measured step costs for {LOCK_WAIT} s; measuring alongside it")
+                handle.close()
+                return None
+        if not said:
+            log.info("Another process is measuring step costs; waiting for it")
+            said = True
+        time.sleep(LOCK_POLL)
 
 
 STALE_SECONDS = 3600  # a temporary cost file this old was left by a killed process

@@ -31,7 +31,7 @@ from core.tree_check import rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logit_form, logits_of, next_logits, verify_tree
 from models import int4, int8
 from models.base import LoadedModel
-from models.bundled import cache_root
+from models.bundled import DEFAULT_NAME, cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead, HeadCache
 
@@ -51,6 +51,8 @@ KEPT_CONVERSATIONS = 4
 KEPT_BYTES = 1 << 30
 
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "tasks.jsonl"  # ordinary text for measuring costs
+# the files of the head Kestrel ships, which app/session.py names "bundled" (the engine's head_name)
+BUNDLED_HEAD = Path(__file__).resolve().parent.parent / "assets" / "heads" / DEFAULT_NAME
 
 
 def costs_folder() -> Path:
@@ -295,29 +297,36 @@ class Engine:
 
     def prepare_costs(self, progress: costs.Progress | None = None, remeasure: bool = False) -> costs.Costs | None:
         """The step costs the planner sizes trees by: read from the cache for
-        this device, model, head, dtype, quantization and thread count, else
-        measured (a few seconds) and cached. None without a head."""
+        this device, model, head (and their files' contents), dtype,
+        quantization and thread count, else measured (a few seconds) and
+        cached; while another process measures, its table is waited for and
+        read. None without a head."""
         if self.head is None or self.speculation_problem() is not None:
             return None
         if self.costs is not None and not remeasure:
             return self.costs
         base = self.base
+        head = str(BUNDLED_HEAD) if self.head_name == "bundled" else self.head_name
         key = costs.cache_key(
             base.device, costs.where(base.name), costs.where(self.head_name), base.dtype, base.quantization,
             compiled=self.compiled is not None, graphs=self.graphed is not None and self.graphed.problem is None, row_kernel=self._row_kernel(),
             int4_kernel=int4.kernel_of(self.model), draft_kernel=self._draft_kernel(), screen=self._screen_route(),
+            model_contents=costs.contents(base.name), head_contents=costs.contents(head),
         )  # fmt: skip
         folder = costs_folder()
         found = None if remeasure else costs.load_cached(folder, key)
         if found is None:
-            self.calibrations.timing = DraftTiming()  # relative to the table about to be measured
-            found = costs.measure(
-                self.model, self.argmax, lambda: self._drafter("eagle2", TreeParams(16)), self.context_limit, progress, self._sample_text()
-            )
-            try:
-                costs.save_cached(folder, key, found)
-            except OSError as error:  # a read-only cache: measured again next start
-                log.warning(f"The measured step costs could not be cached ({error})")
+            with costs.measuring(folder):  # one process measures at a time
+                found = None if remeasure else costs.load_cached(folder, key, warn=False)  # measured by the one waited for
+                if found is None:
+                    self.calibrations.timing = DraftTiming()  # relative to the table about to be measured
+                    found = costs.measure(
+                        self.model, self.argmax, lambda: self._drafter("eagle2", TreeParams(16)), self.context_limit, progress, self._sample_text()
+                    )
+                    try:
+                        costs.save_cached(folder, key, found)
+                    except OSError as error:  # a read-only cache: measured again next start
+                        log.warning(f"The measured step costs could not be cached ({error})")
         self.costs = found
         return found
 
@@ -428,14 +437,19 @@ class Engine:
 
         With `continues`, the reply's text continues the prompt's (a
         completion, not a chat reply): a space the tokenizer writes before
-        the reply's first word is kept (core/detokenize.Detokenizer)."""
+        the reply's first word is kept (core/detokenize.Detokenizer).
+
+        The steps' figures (time to first token, tokens/s) count from this
+        call's start: kept caches copied, a head's costs measured on first
+        need, all are part of the wait."""
+        started = time.perf_counter()
         drafter = self._drafter(mode, tree, sampling)
         check_prompt(self, prompt_ids)  # a refused prompt takes no kept caches
         kept, first = self._take_kept(prompt_ids, drafter is not None) if reuse else (None, 0)
         passive = drafter is None and reuse and self._drafting_ready(kept, first)
         if passive:  # vanilla keeps the head's pairs for the next turn (it never drafts): a drafting turn after it reads only what is new
             drafter = Drafter(self.draft_head, self.model, tree, None, self.vocabulary)
-        run = _Run(self, list(prompt_ids), drafter, sampling, kept, first, passive, continues)
+        run = _Run(self, list(prompt_ids), drafter, sampling, kept, first, passive, continues, started)
         whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
             yield from _steps(run, cancel, reading)
@@ -516,11 +530,13 @@ class _Run:
     def __init__(
         self, engine: Engine, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingParams,
         kept: _Kept | None = None, first: int = 0, passive: bool = False, continues: bool = False,
+        started: float | None = None,
     ):  # fmt: skip
         """kept, first: caches to continue and how many of their positions this
         prompt keeps (Engine._take_kept); continues: the reply's text continues
         the prompt's (Engine.stream); passive: `drafter` only gathers the
-        head's pairs, for a later request, and drafts nothing (vanilla)."""
+        head's pairs, for a later request, and drafts nothing (vanilla);
+        started: the perf_counter time the request's figures count from (default: now)."""
         self.engine, self.model, self.drafter, self.sampling = engine, engine.model, drafter, sampling
         self.passive = passive
         self.prompt_ids = prompt_ids
@@ -547,7 +563,7 @@ class _Run:
         else:
             self.cache = kv_cache.new_cache(self.model)
         self.cached_ids = prompt_ids[: self.first]  # the tokens in the base cache, in order
-        self.recorder = Recorder(reused=self.first)
+        self.recorder = Recorder(started=time.perf_counter() if started is None else started, reused=self.first)
         self.detokenizer = Detokenizer(engine.base.tokenizer, prompt_ids if continues else ())
         self.started = time.perf_counter()  # the prefill's time runs from here
         self.committed = self.first  # tokens in the base cache
@@ -699,9 +715,10 @@ class _Run:
             self.finish_reason = "length"
         if self.finish_reason is None and self.committed + 1 >= self.engine.context_limit:
             self.finish_reason = "context"
-        accepted = min(accepted, len(tokens))
         draft_seconds, verify_seconds = times
+        # the depth chart takes what the verifier accepted, the rest what the reply got
         self.recorder.record(len(tokens), accepted, tree_size, tree_depth, draft_seconds, verify_seconds)
+        accepted = min(accepted, len(tokens))
         accepted_text = self.detokenizer.push(tokens[:accepted]) if accepted else ""
         text = accepted_text + self.detokenizer.push(tokens[accepted:])
         if self.finish_reason is not None:

@@ -63,6 +63,9 @@ class Recorder:
     def record(
         self, tokens: int, accepted: int, tree_size: int, tree_depth: int, draft_seconds: float, verify_seconds: float
     ) -> None:
+        """One forward's step: `tokens` the reply got from it, `accepted` the
+        drafted tokens the verifier accepted (for the depth chart: more than
+        the reply got where the token budget or a stop token cut the step)."""
         now = time.perf_counter()
         if self.forwards:  # the prefill is not a tree
             self.tree_nodes += tree_size

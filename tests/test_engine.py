@@ -477,3 +477,43 @@ def test_a_draft_vocabulary_narrower_than_top_k_drafts_what_it_has(tmp_path):
     for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(10, 3, 6)), ("eagle2", TreeParams(depth=3, top_k=6))):
         steps = list(engine.stream([5, 6, 7], mode, SamplingParams(max_new_tokens=8), tree))
         assert [t for step in steps for t in step.token_ids] == vanilla, (mode, tree)
+
+
+def test_the_depth_chart_counts_what_the_verifier_accepted_in_a_step_the_budget_cut(engine64):
+    """A last step whose accepted tokens run past the token budget: the reply
+    (and tokens, tau) get what fits, the depth chart what the verifier accepted
+    (it showed the deepest accepted depths as rejected)."""
+    from core.engine import _Run
+
+    run = _Run(engine64, [8, 9, 10], None, SamplingParams(max_new_tokens=3))
+    run._emit([20], accepted=0, tree_size=1, tree_depth=0, times=(0.0, 0.0))  # the prefill's token
+    step = run._emit([21, 22, 23, 24], accepted=3, tree_size=6, tree_depth=3, times=(0.0, 0.0))
+    assert step.token_ids == (21, 22) and step.accepted == 2 and step.finish_reason == "length"
+    assert step.stats.acceptance_by_depth == (1.0, 1.0, 1.0)
+    assert step.stats.tokens == 3 and step.stats.mean_accepted_length == 1.5  # 3 tokens the reply got, in 2 forwards
+
+
+def test_the_time_to_first_token_counts_copying_the_kept_caches(tiny_base, monkeypatch):
+    """A request continuing part of another's caches copies them before its
+    prompt is read; that wait is the user's too, so the time to first token
+    and tokens/s count it (they started after it)."""
+    import time
+
+    from core import engine as engine_module
+
+    engine = Engine(tiny_base)
+    prompt = list(range(8, 40))
+    list(engine.stream(prompt, "vanilla", SamplingParams(max_new_tokens=2), reuse=True))
+    copy, copies = engine_module._Kept.prefix_copy, []
+
+    def slow_copy(self, model, length):
+        copies.append(length)
+        time.sleep(0.3)  # a long conversation's caches on a slow machine
+        return copy(self, model, length)
+
+    monkeypatch.setattr(engine_module._Kept, "prefix_copy", slow_copy)
+    edited = prompt[:-4] + [9, 10, 11]  # a message edited before the end: the shared start is copied
+    steps = list(engine.stream(edited, "vanilla", SamplingParams(max_new_tokens=4), reuse=True))
+    assert copies and steps[0].stats.reused_tokens == len(prompt) - 5
+    assert steps[0].stats.time_to_first_token >= 0.3 and steps[-1].stats.seconds >= 0.3
+    assert steps[-1].stats.tokens_per_s <= 4 / 0.3

@@ -4,6 +4,7 @@ functions on synthetic tables, then the engine with the planner on."""
 import json
 import math
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -429,3 +430,156 @@ def test_rests_grow_past_max_rest_only_where_drafts_cost_many_steps():
     longest = math.ceil(0.027 / (EXPLORING * 0.004))
     assert rests(0.027, 9) == [1, 2, 4, 8, 16, 32, 64, longest, longest]
     assert rests(10.0, 10)[-1] == LONGEST_REST
+
+
+def counted_measure(monkeypatch, measured: list) -> None:
+    """costs.measure counted, giving a fixed table at once (what is measured does not matter here)."""
+    monkeypatch.setattr(costs_module, "measure", lambda *args, **kwargs: measured.append(1) or GPU_LIKE)
+
+
+def test_a_model_or_head_saved_over_the_same_path_is_measured_again(tmp_path, monkeypatch):
+    """The cache key named a local model or head by its path alone, so another
+    model saved into the same folder (or a head trained again into its own)
+    planned its trees with the old one's table."""
+    from models.head import save_head
+
+    monkeypatch.setenv("KESTREL_COSTS_DIR", str(tmp_path / "costs"))
+    measured = []
+    counted_measure(monkeypatch, measured)
+    folder, head_folder = tmp_path / "model", tmp_path / "head"
+    save_tiny_model(folder)
+    base = load_base(str(folder), dtype="float64")
+    save_head(random_head(base.model), head_folder)
+    Engine(base, random_head(base.model), str(head_folder)).prepare_costs()
+    Engine(base, random_head(base.model), str(head_folder)).prepare_costs()  # nothing changed: read from the cache
+    assert len(measured) == 1
+    save_head(random_head(base.model, seed=5), head_folder)  # trained again: the same sizes, new weights
+    weights = head_folder / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # later, even on coarse clocks
+    Engine(base, random_head(base.model), str(head_folder)).prepare_costs()
+    assert len(measured) == 2
+    save_tiny_model(folder, hidden_size=128, intermediate_size=256)  # a bigger model in the same folder
+    bigger = load_base(str(folder), dtype="float64")
+    Engine(bigger, random_head(bigger.model), str(head_folder)).prepare_costs()
+    assert len(measured) == 3
+    from core import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BUNDLED_HEAD", head_folder)  # the head Kestrel ships, named "bundled"
+    Engine(bigger, random_head(bigger.model), "bundled").prepare_costs()
+    save_head(random_head(bigger.model, seed=6), head_folder, {"intermediate_size": 64})  # an update ships another
+    Engine(bigger, random_head(bigger.model), "bundled").prepare_costs()
+    assert len(measured) == 5
+    gguf = tmp_path / "model.gguf"  # a model file: by its size and time
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    first = costs_module.contents(str(gguf))
+    gguf.write_bytes(b"GGUF" + bytes(128))
+    assert first is not None and costs_module.contents(str(gguf)) not in (None, first)
+
+
+def test_a_hub_model_is_keyed_by_the_snapshot_the_cache_holds(tmp_path, monkeypatch):
+    """A repo id names whatever its branch points to: the commit's snapshot in
+    the Hugging Face cache (read there, without the network) tells them apart."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--owner--name"
+    for commit, hidden in (("a" * 40, 64), ("b" * 40, 128)):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+        (repo / "snapshots" / commit / "model.safetensors").write_bytes(bytes(hidden))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    old = costs_module.contents("owner/name")
+    (repo / "refs" / "main").write_text("b" * 40)  # the branch moved on, and the new commit was downloaded
+    assert old is not None and costs_module.contents("owner/name") not in (None, old)
+    assert costs_module.contents("owner/name@" + "a" * 40) == old
+    assert costs_module.contents("other/missing") is None and costs_module.contents(None) is None
+
+
+def test_a_second_process_waits_for_the_first_s_measurement_and_reads_it(tiny_dir, tmp_path, monkeypatch):
+    """Two starts measuring at once slowed each other's passes and both cached
+    what they measured. A lock in the cache folder makes the second wait; it
+    then reads the first's table instead of measuring its own. (flock's locks
+    belong to an open file, so two engines of one process stand in for two processes.)"""
+    import threading
+
+    monkeypatch.setenv("KESTREL_COSTS_DIR", str(tmp_path))
+    base = load_base(str(tiny_dir), dtype="float64")
+    first, second = Engine(base, random_head(base.model)), Engine(base, random_head(base.model))
+    found, measured, looked = [], [], threading.Event()
+    other = threading.Thread(target=lambda: found.append(second.prepare_costs()))
+    load_cached = costs_module.load_cached
+
+    def watched(folder, key, warn=True):
+        result = load_cached(folder, key, warn)
+        if threading.current_thread() is other:
+            looked.set()
+        return result
+
+    def slow_measure(*args, **kwargs):
+        measured.append(1)
+        if threading.current_thread() is not other:  # the first, measuring: the second starts, finds nothing cached
+            other.start()
+            assert looked.wait(30)
+        return CPU_LIKE if len(measured) == 1 else GPU_LIKE
+
+    monkeypatch.setattr(costs_module, "load_cached", watched)
+    monkeypatch.setattr(costs_module, "measure", slow_measure)
+    first.prepare_costs()
+    other.join(30)
+    assert len(measured) == 1 and first.costs == CPU_LIKE and found == [CPU_LIKE]
+    assert (tmp_path / costs_module.LOCK_FILE).exists()
+    monkeypatch.setattr(costs_module, "LOCK_FILE", "missing-folder/lock")  # a lock that cannot be taken: measured all the same
+    monkeypatch.setattr(costs_module, "measure", lambda *args, **kwargs: measured.append(1) or GPU_LIKE)
+    assert Engine(base, random_head(base.model)).prepare_costs(remeasure=True) == GPU_LIKE and len(measured) == 2
+
+
+def test_cpus_of_one_name_but_another_generation_are_measured_apart(tmp_path, monkeypatch):
+    """A VM's /proc/cpuinfo may name its processor "AMD EPYC" whatever the
+    generation, and an Arm Linux's names none: family, model and stepping (Arm:
+    implementer, variant and part) tell them apart; the transformers version too
+    (its attention and cache code runs in every pass)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(costs_module, "CPUINFO", cpuinfo)
+    cpu = torch.device("cpu")
+    block = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name\t: AMD EPYC\nstepping\t: 1\n"
+    names = []
+    for family, model in ((23, 49), (25, 1), (25, 17)):  # Rome, Milan, Genoa
+        cpuinfo.write_text("\n".join(block.format(n=n, family=family, model=model) for n in range(2)))
+        names.append(costs_module.device_name(cpu))
+    assert len(set(names)) == 3 and all(name.startswith("AMD EPYC (") for name in names), names
+    assert names[1] == "AMD EPYC (AuthenticAMD family 25 model 1 stepping 1)"
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\nCPU variant\t: 0x{v}\nCPU part\t: 0x{part}\n"
+    cpuinfo.write_text(arm.format(v=3, part="d0c"))  # Neoverse N1 (Graviton2)
+    graviton2 = costs_module.device_name(cpu)
+    cpuinfo.write_text(arm.format(v=1, part="d40"))  # Neoverse V1 (Graviton3)
+    graviton3 = costs_module.device_name(cpu)
+    assert graviton2 != graviton3 and "part 0xd40" in graviton3
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2\n")  # nothing else said: its extensions
+    plain = costs_module.device_name(cpu)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx512f\n")
+    assert plain != costs_module.device_name(cpu) and "flags" in plain
+    import transformers
+
+    key = costs_module.cache_key(cpu, "m", None, torch.float32, "none")
+    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    assert costs_module.cache_key(cpu, "m", None, torch.float32, "none") != key
+
+
+def test_a_cost_file_nested_past_the_parser_s_depth_is_named_and_measured_again(tiny_dir, tmp_path, monkeypatch, caplog):
+    """A file of 200,000 '[' raised RecursionError out of the start; a damaged
+    file is now measured again with one warning that names it."""
+    monkeypatch.setenv("KESTREL_COSTS_DIR", str(tmp_path))
+    measured = []
+    counted_measure(monkeypatch, measured)
+    base = load_base(str(tiny_dir), dtype="float64")
+    Engine(base, random_head(base.model)).prepare_costs()
+    (path,) = tmp_path.glob("costs-*.json")
+    path.write_text("[" * 200000 + "]" * 200000)
+    with caplog.at_level("WARNING", logger="kestrel"):
+        assert Engine(base, random_head(base.model)).prepare_costs() == GPU_LIKE
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(measured) == 2 and len(warnings) == 1 and str(path) in warnings[0] and "RecursionError" in warnings[0], warnings
+    caplog.clear()
+    Engine(base, random_head(base.model)).prepare_costs()  # measured again and saved: read back silently
+    assert len(measured) == 2 and not caplog.records
