@@ -551,9 +551,10 @@ class _Run:
         self.screen_temperature = sampling.temperature / scale
         whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary and softcap is None
         self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and self.screen_temperature >= FLOAT32_TEMPERATURE
-        # prompt tokens per prefill forward; one forward where a sliding window's cache
-        # keeps fewer keys than an explicit mask over the whole prompt would cover
-        self.chunk = len(prompt_ids) if kv_cache.has_sliding_window(self.model.config) else PREFILL_CHUNK
+        self.chunk = PREFILL_CHUNK  # prompt tokens per prefill forward
+        # a sliding window's cache keeps fewer keys than an explicit mask over the whole prompt would cover:
+        # its chunks go without one, and transformers masks each from the cache it holds
+        self.sliding = kv_cache.has_sliding_window(self.model.config)
         self.first = first  # the positions kept from an earlier request (0 without kept caches)
         if self.first:
             self.cache = kept.cache
@@ -576,7 +577,7 @@ class _Run:
         with the pairs it has not read yet (read when the next request drafts,
         so a Stop while a long prompt is read costs no head forward over it)."""
         following = self.root if self.root >= 0 else self.prompt_ids[self.committed] if self.committed < len(self.prompt_ids) else None
-        if not self.committed or kv_cache.has_sliding_window(self.model.config):  # a window's cache is never continued
+        if not self.committed or self.sliding:  # a window's cache is never continued
             return None
         head_cache, pending = None, None
         if self.drafter is not None:
@@ -628,7 +629,7 @@ class _Run:
         tokens = torch.tensor(self.prompt_ids[start:end], device=self.device)
         positions = torch.arange(start, end, device=self.device)
         mask = None  # causal; after the first chunk spelt out: each row sees what is read and its own prefix
-        if start:
+        if start and not self.sliding:
             mask = torch.ones(end - start, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         features = self._forward(lambda: base_forward(self.model, tokens, positions, mask, self.cache))
         self.committed = end

@@ -10,7 +10,7 @@ import torch
 
 from core import kv_cache
 from core.config import SamplingParams, TreeParams
-from core.engine import Engine
+from core.engine import Engine, Reading
 from core.tree import ancestor_mask
 from core.verify import NodeLogits, accept, base_forward, verify_tree
 from models import int8
@@ -377,18 +377,31 @@ def test_a_mistral_sliding_window_shorter_than_the_context_turns_speculation_off
     assert "note: answering with vanilla decoding: speculative decoding does not support sliding-window" in capsys.readouterr().err
 
 
-def test_a_sliding_window_model_reads_a_long_prompt_in_one_forward(tmp_path, monkeypatch):
-    """Its cache keeps only the window's keys, which a chunk's mask over the whole prompt would not match."""
+@pytest.mark.parametrize("architecture", ["mistral", "qwen3"])
+def test_a_sliding_window_model_reads_a_long_prompt_in_chunks(tmp_path, monkeypatch, architecture):
+    """Its cache keeps only the window's keys, which a chunk's mask over the
+    whole prompt would not match: its chunks go without one, and transformers
+    masks each from its cache. Read in one forward instead, a 16k-token prompt
+    took 1.3 GB more (a mask of the prompt's length squared), and no progress.
+    Mistral's window on every layer; Qwen3's on some (layer types)."""
     import core.engine
 
-    folder = save_tiny_model(tmp_path / "m", "mistral", vocab_size=48, sliding_window=16)
-    engine = Engine(load_base(str(folder), dtype="float64"))
-    prompt = torch.randint(8, 48, (60,), generator=torch.Generator().manual_seed(2)).tolist()
-    params = SamplingParams(max_new_tokens=6)
+    window = {"mistral": dict(sliding_window=16), "qwen3": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)}
+    folder = save_tiny_model(tmp_path / "m", architecture, vocab_size=48, max_position_embeddings=512, **window[architecture])
+    base = load_base(str(folder), dtype="float64")
+    engine = Engine(base)
+    assert kv_cache.has_sliding_window(base.model.config)
+    prompt = torch.randint(8, 48, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_new_tokens=12)
     whole = tokens_of(engine.stream(prompt, mode="vanilla", sampling=params))
-    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 8)
-    events = list(engine.stream(prompt, mode="vanilla", sampling=params, reading=True))
-    assert tokens_of(events) == whole and events[0].stats.forwards == 1  # no Reading: one forward
+    ids = torch.tensor([prompt])
+    reference = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[0, 300:].tolist()
+    assert reference[: len(whole)] == whole  # transformers' own reading of it
+    for chunk in (8, 13, 64):  # chunks shorter and longer than the window
+        monkeypatch.setattr(core.engine, "PREFILL_CHUNK", chunk)
+        events = list(engine.stream(prompt, mode="vanilla", sampling=params, reading=True))
+        assert tokens_of(event for event in events if not isinstance(event, Reading)) == whole
+        assert sum(isinstance(event, Reading) for event in events) == -(-300 // chunk) - 1  # the progress of reading it
 
 
 def test_the_decoding_rate_leaves_out_the_time_spent_reading_the_prompt(monkeypatch):
