@@ -192,6 +192,10 @@ def absolute(source: str | None) -> str | None:
     return str(path.resolve()) if path is not None and path.exists() else source
 
 
+def base_name(engine: Engine | None) -> str | None:
+    return engine.base.name if engine is not None else None
+
+
 def error_text(error: Exception) -> str:
     """A failed load as the user reads it: Kestrel's errors (and bad values) name what is wrong
     themselves; any other is said with its kind."""
@@ -248,15 +252,16 @@ class LibraryHandlers:
     def load(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
         """Outputs: status, notice, mode selector."""
         model, head = (model or "").strip() or None, (head or "").strip() or None
-        loaded = self.runtime.engine
-        loaded_name = loaded.base.name if loaded is not None else None
+        # its name only: a reference to the loaded engine held while it is replaced kept its memory (a compiled
+        # model is a reference cycle) past the collection that replace runs, to some later one
+        loaded_name = base_name(self.runtime.engine)
         if trained:  # the list is of heads for the loaded base: with an empty box, that base
             model = model or loaded_name
             # the base its training report names, else the loaded one (listed for its sizes); the list may
             # be older than the loaded base (another tab loaded one since, or unloaded it)
             made_for = trained_base(user_path(trained)) or loaded_name
             if made_for is not None and not same_base(model or bundled.DEFAULT_NAME, made_for):  # it would draft badly, or not load
-                kept = "The previous model is still loaded." if loaded is not None else "No model is loaded."
+                kept = "The previous model is still loaded." if loaded_name is not None else "No model is loaded."
                 return self.status(), render.escape(
                     f"Loading failed: the head chosen under '{TRAINED_LABEL}' was made for {made_for}, not for "
                     f"{model or bundled.DEFAULT_NAME}; put {made_for} in the base model box, or clear that choice. {kept}"

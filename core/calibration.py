@@ -125,8 +125,9 @@ class Continuation:
 
 
 def setting_of(sampling: SamplingParams) -> tuple:
-    """The sampling settings acceptance depends on: greedy, or temperature, top-p and top-k."""
-    return ("greedy",) if sampling.greedy else (round(sampling.temperature, 2), sampling.top_p, sampling.top_k)
+    """The sampling settings acceptance depends on: greedy, or temperature, top-p and top-k
+    (rounded: API clients may send any top_p, and settings a hundredth apart accept alike)."""
+    return ("greedy",) if sampling.greedy else (round(sampling.temperature, 2), round(sampling.top_p, 2), sampling.top_k)
 
 
 class DraftTiming:
@@ -192,12 +193,20 @@ class Calibrations:
         self.timing = DraftTiming()
 
     def get(self, kind: str, setting: tuple) -> Calibration:
-        key = (kind, setting)
-        if key not in self.tables:
-            self.tables[key] = Calibration()
-        return self.tables[key]
+        return _recent(self.tables, (kind, setting), Calibration)
 
     def continuation(self, setting: tuple) -> Continuation:
-        if setting not in self.continuations:
-            self.continuations[setting] = Continuation()
-        return self.continuations[setting]
+        return _recent(self.continuations, setting, Continuation)
+
+
+SETTINGS_KEPT = 32  # calibrations kept per kind of node, the most recently used: every setting an API client sends makes one
+
+
+def _recent(tables: dict, key, make):
+    """tables[key] (made where missing), moved to the end: the dict keeps the SETTINGS_KEPT * 2 most recently used."""
+    table = tables.pop(key, None)
+    table = make() if table is None else table
+    tables[key] = table
+    while len(tables) > 2 * SETTINGS_KEPT:  # two kinds of node per setting in `tables`
+        del tables[next(iter(tables))]
+    return table

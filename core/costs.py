@@ -405,8 +405,12 @@ def save_cached(folder: Path, key: dict, costs: Costs) -> Path:
             pass
     path = cache_file(folder, key)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")  # per process: two starts may measure at once
-    temporary.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1), encoding="utf-8")
-    temporary.replace(path)
+    try:
+        temporary.write_text(json.dumps({"key": key, "costs": costs.to_dict()}, indent=1), encoding="utf-8")
+        temporary.replace(path)
+    except OSError:  # a full disk: no half-written file left behind (the measurement is kept in memory)
+        temporary.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -1207,3 +1207,27 @@ def test_the_status_says_a_model_is_loading_while_it_loads(tiny_base):
     assert said == ["Loading owner/big..."]
     assert runtime.describe().startswith(f"{tiny_base.name} (cpu, float64)")
 
+
+
+def test_a_model_replaced_in_the_models_tab_is_freed_by_the_replace_itself(tiny_dir, tmp_path):
+    """The Models tab's Load held the loaded engine in a local while replacing
+    it: the collection that replace runs found it still referenced, and a
+    compiled model (a reference cycle: model._kestrel_compiled <-> its
+    Compiled) stayed in memory, beside the new one, until some later one."""
+    import gc
+    import weakref
+
+    from app.library import LibraryHandlers
+    from app.runtime import Runtime
+
+    runtime = Runtime(None)
+    library = LibraryHandlers(runtime, tmp_path / "heads", "cpu", "off")
+    assert library.load(str(tiny_dir), "", None, "none", "float32")[1] == "Loaded."
+    first = weakref.ref(runtime.engine.model)
+    runtime.engine.model.held_by = [runtime.engine.model]  # a cycle, as compiling makes one
+    gc.disable()  # only the collection replace runs itself
+    try:
+        assert library.load(str(tiny_dir), "", None, "none", "float32")[1] == "Loaded."
+        assert first() is None
+    finally:
+        gc.enable()

@@ -376,6 +376,40 @@ def test_a_damaged_cost_file_is_measured_again(tmp_path):
         assert costs_module.load_cached(tmp_path, key) is None, damaged
 
 
+def test_a_cost_file_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A full disk while the table is written: the half-written temporary file
+    stayed in the costs folder, removed only by a later save an hour on."""
+    costs = costs_module.Costs(sizes=(1, 2), contexts=(64,), verify=((1.0, 1.2),), widths=(1,), expand=(0.1,), overhead=0.05)
+    written = []
+
+    def full(self, text, encoding=None):
+        written.append(self)
+        with open(self, "w", encoding=encoding) as file:
+            file.write(text[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(costs_module.Path, "write_text", full)
+    with pytest.raises(OSError, match="No space"):
+        costs_module.save_cached(tmp_path, {"model": "m"}, costs)
+    assert written and list(tmp_path.iterdir()) == []
+
+
+def test_calibrations_keep_the_settings_used_last_and_round_top_p():
+    """Every sampling setting an API client sends made a calibration table of
+    its own, kept for the whole run (300 top_p values: 600 tables)."""
+    from core import calibration
+
+    calibrations = Calibrations()
+    first = calibrations.get("head", calibration.setting_of(SamplingParams(temperature=0.7, top_p=0.9)))
+    assert calibrations.get("head", calibration.setting_of(SamplingParams(temperature=0.7, top_p=0.90001))) is first
+    for index in range(300):
+        setting = calibration.setting_of(SamplingParams(temperature=0.5 + 0.005 * index, top_p=0.001 * index + 0.5))
+        calibrations.get("head", setting), calibrations.get("context", setting), calibrations.continuation(setting)
+        calibrations.get("head", ("greedy",))  # used all along: kept
+    assert len(calibrations.tables) == 2 * calibration.SETTINGS_KEPT and len(calibrations.continuations) <= 2 * calibration.SETTINGS_KEPT
+    assert ("head", ("greedy",)) in calibrations.tables and ("head", (0.7, 0.9, 0)) not in calibrations.tables
+
+
 def test_a_slow_moment_on_a_small_tree_does_not_make_it_dearer_than_bigger_ones():
     """A pass over more nodes does the same work and more: a smaller tree
     measured dearer (the machine slowed while it ran) takes the bigger one's time."""
