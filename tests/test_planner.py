@@ -4,7 +4,6 @@ functions on synthetic tables, then the engine with the planner on."""
 import json
 import math
 import os
-import time
 from types import SimpleNamespace
 
 import pytest
