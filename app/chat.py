@@ -579,7 +579,7 @@ class ChatHandlers:
         self.sent: dict[str, str | None] = {}
         self.accepting = threading.Lock()  # one accept at a time: a second press of Send checks what the first marked
         self.pressed: dict[str | None, tuple[str | None, str, float]] = {}  # per tab: the last Send's chat id, text and time
-        self.unsent: set[str] = set()  # tokens of messages accepted whose send has not begun
+        self.unsent: dict[str, str | None] = {}  # tokens of messages accepted whose send has not begun -> the tab's session
 
     @staticmethod
     def shown_id(chat: dict | None) -> str:
@@ -649,7 +649,7 @@ class ChatHandlers:
             pass  # saved with the reply, or reported then
         shown_chat = [*display(sent, colour), shown({"role": "assistant", "content": ""}, colour)]
         token = uuid.uuid4().hex
-        self.unsent.add(token)
+        self.unsent[token] = session
         return "", f"{SENT_MARK}{token}:{text}", shown_chat, chat, notice_html(" ".join(notes))
 
     def send(self, message: str, chat: dict, system: str, *values) -> Iterator[tuple]:
@@ -660,7 +660,7 @@ class ChatHandlers:
             if token not in self.unsent:  # sent already: the send of a second press of the same Send
                 yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
                 return
-            self.unsent.discard(token)
+            self.unsent.pop(token, None)
         message = message.strip()
         if not message:  # accept refused it and said why (or a caller of /send sent nothing)
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), *SKIP_PANEL
@@ -710,6 +710,14 @@ class ChatHandlers:
     def _respond(self, chat: dict, values: Sequence, message: str | None, kept: dict | None = None, owner: str | None = None) -> Iterator[tuple]:
         """Stream the assistant's reply to the chat's last user message. `owner`:
         the browser tab that asked for it, whose colour box its updates follow."""
+        cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
+        try:
+            yield from self._reply(chat, values, message, cancel, kept, owner)
+        finally:  # let go once the reply has ended: a signal kept for every chat ever sent adds up
+            self.runtime.drop_cancel(chat["id"], cancel)
+
+    def _reply(self, chat: dict, values: Sequence, message: str | None, cancel: threading.Event, kept: dict | None, owner: str | None) -> Iterator[tuple]:
+        """_respond's reply, stopped by `cancel`."""
         colour = bool(dict(zip(SETTINGS, values)).get("colour", True))
         try:
             options = with_seed(Options.from_values(values))
@@ -737,7 +745,6 @@ class ChatHandlers:
         except ChatTemplateError as error:  # e.g. a System prompt for a model whose template takes none
             yield from self._failed(chat, message, colour, str(error), kept)
             return
-        cancel = self.runtime.cancel_event(chat["id"])  # reset on Send (accept), or by regenerate
         if cancel.is_set():  # Stop was pressed while this waited for its turn in the page's queue
             yield from self._failed(chat, message, colour, "Stopped before the reply started.", kept)
             return
@@ -764,7 +771,12 @@ class ChatHandlers:
                 # the message box is left alone: accept emptied it, and what is typed there now is the next message
                 yield gr.skip(), [*history, shown({"role": "assistant", "content": ""}, colour)], chat, notice_html(waiting), *empty_panel
                 sent_panel = gr.skip(), *empty_panel[1:]
-                replies = follow_reply(self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=self.runtime.reuse)
+                again = "send it again" if message is not None else "press Regenerate again"
+                replies = follow_reply(
+                    self.runtime.queue, engine, messages, mode, options.sampling, options.tree, cancel, TEXT_INTERVAL, reuse=self.runtime.reuse,
+                    # in its turn: the Models tab's Unload or Load may have had one before it (as Compare and the API check)
+                    check=lambda: self.runtime.check_loaded(engine, f"while the reply waited for its turn; {again}"),
+                )  # fmt: skip
                 for reply in replies:
                     if reply.finish_reason is not None:
                         continue
@@ -951,7 +963,7 @@ class ChatHandlers:
         """Stop this chat's reply, or the one waiting for the model. Output: the
         notice, said at once (a waiting reply ends only when its turn would come)."""
         busy = self._busy(chat)
-        self.runtime.cancel(chat["id"] if chat else None)
+        self.runtime.cancel_kept(chat["id"] if chat else None)  # a chat that began nothing keeps no signal
         return notice_html(STOPPING_TEXT) if busy else gr.skip()
 
     def forget_session(self, request: gr.Request = None) -> None:
@@ -961,7 +973,11 @@ class ChatHandlers:
         if session is not None:
             for chat_id in [chat_id for chat_id, owner in self.sent.items() if owner == session]:
                 self.sent.pop(chat_id, None)
+                if chat_id not in self.replying:  # nor its Stop signal, which only that request would have let go
+                    self.runtime.drop_cancel(chat_id)
             self.pressed.pop(session, None)
+            for token in [token for token, owner in self.unsent.items() if owner == session]:  # its send will never come
+                self.unsent.pop(token, None)
 
     def _busy(self, chat: dict | None, wait: bool = False) -> bool:
         """Whether this chat's reply is being written, or its sent message waits

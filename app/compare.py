@@ -162,10 +162,7 @@ def divergence(engine, prompt_ids: list[int], vanilla: Reply, other: Reply, unme
 def check_model(runtime: Runtime, engine) -> None:
     """ModelChangedError where the Models tab unloaded or replaced `engine` (in a
     turn of its own, which may come between a comparison's turns), as the API checks."""
-    current = runtime.engine
-    if current is not engine:
-        now = "unloaded" if current is None else f"replaced by {current.base.name}"
-        raise ModelChangedError(f"the model ({engine.base.name}) was {now} during the comparison; press Compare again")
+    runtime.check_loaded(engine, "during the comparison; press Compare again")
 
 
 def speculation_refused(engine, what: str) -> str | None:
@@ -223,8 +220,9 @@ class CompareHandlers:
         waiting), rather than hold the model for a page no one reads."""
         for kind in ("compare", "benchmark"):
             key = compare_key(request, kind)  # a run Gradio dropped with the tab never clears its mark
-            self.pending.pop(key, None)
             self.runtime.cancel_kept(key)  # a signal for every closed tab, where it began nothing, added up
+            if self.pending.pop(key, None) is None:  # else its run, still to come or to end, reads the signal and lets it go
+                self.runtime.drop_cancel(key)
 
     def compare(self, prompt: str, with_eagle: bool, refused: bool, request: gr.Request, *values) -> Iterator[tuple]:
         """Outputs: vanilla pane, EAGLE pane, EAGLE-2 pane, verdict. The tab's
@@ -240,7 +238,7 @@ class CompareHandlers:
             self.pending[key] = "ended"  # a Stop pressed as the verdict goes out leaves it (stop)
             yield *panes.values(), verdict
         finally:
-            self.pending.pop(key, None)
+            self._ended(key)
 
     def _compare(self, prompt: str, with_eagle: bool, request, values, panes: dict[str, str]) -> Iterator[tuple]:
         """Yields the updates while the modes run, filling `panes`; returns the verdict."""
@@ -328,7 +326,12 @@ class CompareHandlers:
         try:
             return self._benchmark(upload, limit, request, values, progress)
         finally:
-            self.pending.pop(compare_key(request, "benchmark"), None)
+            self._ended(compare_key(request, "benchmark"))
+
+    def _ended(self, key: str) -> None:
+        """A run has ended: its mark goes, and its signal too where its tab closed meanwhile (forget took the mark)."""
+        if self.pending.pop(key, None) is None:
+            self.runtime.drop_cancel(key)
 
     def _benchmark(self, upload, limit: int, request, values, progress) -> tuple:
         cancel = self.runtime.cancel_event(compare_key(request, "benchmark"))

@@ -205,6 +205,14 @@ class Runtime:
         free_memory()
         return held
 
+    def check_loaded(self, engine: Engine, during: str) -> None:
+        """ModelChangedError where the Models tab unloaded or replaced `engine` (in a
+        turn of its own) since a request was prepared for it; `during` ends the message."""
+        current = self.engine
+        if current is not engine:
+            now = "unloaded" if current is None else f"replaced by {current.base.name}"
+            raise ModelChangedError(f"the model ({engine.base.name}) was {now} {during}")
+
     def cancel(self, key: str | None) -> None:
         """Stop the request of one browser session, running or waiting."""
         self.cancel_event(key).set()
@@ -230,6 +238,14 @@ class Runtime:
         with self._lock:
             self._cancels[key or "local"] = event = threading.Event()
             return event
+
+    def drop_cancel(self, key: str | None, event: threading.Event | None = None) -> None:
+        """Let go of `key`'s cancel signal once its request has ended (where it is
+        still `event`: a later request's own is kept), so that the signals kept do
+        not grow with every chat sent and every tab opened."""
+        with self._lock:
+            if event is None or self._cancels.get(key or "local") is event:
+                self._cancels.pop(key or "local", None)
 
 
 def free_memory() -> None:

@@ -1108,6 +1108,79 @@ def test_compare_stops_where_the_model_was_unloaded_or_replaced_meanwhile(engine
     assert vanilla and eagle2 and "was replaced by " in verdict and verdict.endswith(" during the comparison; press Compare again.")
 
 
+def test_a_chat_reply_waiting_behind_unload_or_load_never_runs_on_the_model_they_let_go(engine, tiny_base, store, monkeypatch):
+    """Send or Regenerate pressed while another reply holds the model and the
+    Models tab's Unload or Load waits for its turn before it: the reply's turn
+    comes after theirs, and it must not decode on the model unloaded (keeping it
+    in memory) or replaced (two models held); it is refused as a Send that
+    cannot run is, its message back in the box, and says why."""
+    monkeypatch.setattr(chat_module, "TEXT_INTERVAL", 0.0)
+    decoded = []
+    chat_steps = engine.chat
+    monkeypatch.setattr(engine, "chat", lambda *args, **kwargs: decoded.append(args) or chat_steps(*args, **kwargs))
+    runtime = Runtime(engine)
+    handlers = ChatHandlers(runtime, store)
+    _, pending, _, chat, _ = handlers.accept("w1 w2", new_chat(), True)
+    with runtime.queue.turn():  # tab 1's reply
+        unloaded = in_queue_after(runtime, runtime.unload)  # Unload pressed
+        updates = handlers.send(pending, chat, "", *values(max_new_tokens=8))  # tab 2's Send
+        next(updates)
+    final = list(updates)[-1]
+    assert unloaded.wait(10) and runtime.engine is None and not decoded
+    assert final[0] == "w1 w2" and final[2]["messages"] == [] and store.load_chat(chat["id"]) is None
+    assert final[3] == chat_module.notice_html(f"The model ({engine.base.name}) was unloaded while the reply waited for its turn; send it again.")
+    # another model loaded while a regeneration waits: the reply it would replace stays
+    runtime = Runtime(engine)
+    handlers = ChatHandlers(runtime, store)
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    decoded.clear()
+    assert handlers.check_idle(chat)[1] is False
+    with runtime.queue.turn():
+        loaded = in_queue_after(runtime, lambda: runtime.replace(lambda: Engine(tiny_base), "another model"))
+        updates = handlers.regenerate(chat, False, "", *values(max_new_tokens=8))
+        next(updates)
+    final = list(updates)[-1]
+    assert loaded.wait(10) and runtime.engine is not engine and not decoded
+    assert final[2]["messages"] == chat["messages"] and store.load_chat(chat["id"])["messages"] == chat["messages"]
+    name = engine.base.name  # the other model is the same one, loaded again
+    assert final[3] == chat_module.notice_html(f"The model ({name}) was replaced by {name} while the reply waited for its turn; press Regenerate again.")
+
+
+def test_stop_signals_are_let_go_as_replies_end_and_tabs_close(handlers):
+    """One Stop signal per chat ever sent and per tab that compared, kept for
+    good, added up: each goes as its reply or run ends, or as its tab closes
+    (with the token of a message accepted whose send never came)."""
+    runtime = handlers.runtime
+    compare = CompareHandlers(runtime)
+
+    def one_tab(name: str) -> None:
+        _, pending, _, chat, _ = handlers.accept("w1 w2", None, True, "", tab(name))
+        chat = list(handlers.send(pending, chat, "", *values(max_new_tokens=2)))[-1][2]
+        handlers.stop(chat)  # nothing running: nothing kept
+        handlers.check_idle(chat, tab(name))
+        list(handlers.regenerate(chat, False, "", *values(max_new_tokens=2)))
+        handlers.accept("w3", chat, True, "", tab(name))  # closed before its send came
+        compare.arm(tab(name))
+        list(compare.compare("w3 w4", False, False, tab(name), *values(max_new_tokens=2)))
+        compare.stop(tab(name))
+        compare.arm_benchmark(tab(name))  # closed while its run waits: the run still comes, stopped, and lets go
+        compare.forget(tab(name))
+        handlers.forget_session(tab(name))
+        assert compare.benchmark(None, 1, False, tab(name), *values(max_new_tokens=2), progress=no_progress)[3] == (
+            "Stopped before the benchmark started."
+        )  # fmt: skip
+
+    for name in ("tab-1", "tab-2", "tab-3"):
+        one_tab(name)
+    assert runtime._cancels == {} and handlers.unsent == {} and not compare.pending
+    # a Stop during a reply still ends it
+    stream = handlers.send("w1", new_chat(), "", *values(max_new_tokens=200, mode="vanilla"))
+    writing = next(stream)[2]
+    next(stream)
+    assert "Stopping..." in handlers.stop(writing)
+    assert list(stream)[-1][2]["messages"][-1]["stats"]["finish_reason"] == "cancelled" and runtime._cancels == {}
+
+
 def test_compare_says_it_waits_for_the_model_until_each_turn_comes(engine, monkeypatch):
     """Another tab's reply or an API request holding the model, or waiting for it
     first: the verdict line says so until the mode's (or the margin pass's) turn
