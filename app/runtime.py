@@ -193,7 +193,10 @@ class Runtime:
         finally:
             self.loading = None
         with self._lock:
-            self._engine, self._loader = engine, None
+            replaced, self._engine, self._loader = self._engine, engine, None
+        if replaced is not None and replaced.model is not engine.model:  # a new engine on the same model keeps its compiled code
+            replaced.close()
+        replaced = None  # before the collection: nothing here holds it
         free_memory()
         return engine
 
@@ -201,7 +204,10 @@ class Runtime:
         """Drop the model (or the one waiting to load); whether there was one."""
         with self._lock:
             held = self._engine is not None or self._loader is not None
-            self._engine, self._loader = None, None
+            unloaded, self._engine, self._loader = self._engine, None, None
+        if unloaded is not None:
+            unloaded.close()
+        unloaded = None  # before the collection: nothing here holds it
         free_memory()
         return held
 

@@ -540,6 +540,22 @@ def loop_difference(hidden: torch.Tensor, reference: torch.Tensor, what: str) ->
     return None
 
 
+def forget(runners) -> None:
+    """Drop what Dynamo compiled for these runners (a Compiled's, a
+    CompiledHead's; None skipped) once their model is let go: it keeps a code
+    object's variants, and their functions in this module's globals, for as
+    long as the process runs, whatever became of the model (some 10 MB per
+    load and unload). A runner called again after this compiles again."""
+    try:
+        from torch._dynamo.eval_frame import reset_code  # not public: where a torch lacks it, nothing is dropped
+    except ImportError:
+        return
+    for runner in runners:
+        code = getattr(getattr(runner, "_torchdynamo_orig_callable", None), "__code__", None)
+        if code is not None:
+            reset_code(code)
+
+
 def uncompile(compiled: Compiled) -> None:
     compiled.model.__dict__.pop(ATTRIBUTE, None)
     for module in compiled.modules:

@@ -295,6 +295,12 @@ class Engine:
             return None
         return "tiles" if self.argmax.rows.one_row_tiles else "vector"
 
+    def close(self) -> None:
+        """Let go of what outlives the engine otherwise: the code torch.compile
+        made for its model and head (core/compiled.forget). For an engine that
+        will not decode again (unloaded, replaced)."""
+        compiled.forget([getattr(self.compiled, "runner", None), getattr(self.draft_head, "runner", None)])
+
     def prepare_costs(self, progress: costs.Progress | None = None, remeasure: bool = False) -> costs.Costs | None:
         """The step costs the planner sizes trees by: read from the cache for
         this device, model, head (and their files' contents), dtype,

@@ -346,3 +346,25 @@ def test_a_failed_forward_leaves_no_pass_state_behind(tiny_folder):
         torch.ops.kestrel_rows.end_pass()
     assert tokens_of(engine.stream([9, 10, 11], "eagle2", SamplingParams(max_new_tokens=8))) == reference
     assert kv_cache.buffers(kv_cache.new_cache(base.model), 1) is None  # nothing held: the Python op appends
+
+
+@needs_compiler
+def test_an_unloaded_compiled_model_leaves_no_compiled_code_behind(tiny_folder):
+    """Dynamo keeps what it compiled per code object, its functions in
+    core/compiled's globals, for the process's life: every load and unload
+    with compiling on left some 10 MB behind. Unload and replace drop them."""
+    from app.runtime import Runtime
+
+    def made() -> set[str]:
+        return {name for name in vars(compiled) if name.startswith("__compiled_fn")}
+
+    before = made()
+    runtime = Runtime(None)
+    for _ in range(2):
+        base = load_base(str(tiny_folder), dtype="float32")
+        engine = runtime.replace(lambda: Engine(base, random_head(base.model, seed=1), compile="on"))
+        assert len(tokens_of(engine.stream([5, 6, 7], mode="eagle2", sampling=SamplingParams(max_new_tokens=6)))) == 6
+        assert made() - before  # the model's and the head's
+        engine = base = None
+        runtime.unload()
+        assert made() == before
