@@ -975,6 +975,9 @@ class ChatHandlers:
                 self.sent.pop(chat_id, None)
                 if chat_id not in self.replying:  # nor its Stop signal, which only that request would have let go
                     self.runtime.drop_cancel(chat_id)
+                    # nor the mark of a copy its message began: saved with that message, the copy is a chat like any
+                    # other now, which a later send's failure must not take for an empty copy and delete
+                    self.forked.pop(chat_id, None)
             self.pressed.pop(session, None)
             for token in [token for token, owner in self.unsent.items() if owner == session]:  # its send will never come
                 self.unsent.pop(token, None)

@@ -348,7 +348,9 @@ def model_defaults(model) -> dict:
         return {}
     if written.get("do_sample") is not True:
         return {}
-    found = {}
+    # a temperature not written is transformers' default, 1 (Gemma 3 recommends top_k 64 and top_p 0.95 alone):
+    # named, so that what the page and chat say to set samples, where their own default, 0, is greedy
+    found = {} if "temperature" in written else {"temperature": 1.0}
     for name, (low, high) in SAMPLING_RANGES.items():
         value = written.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high:

@@ -248,8 +248,8 @@ class Store:
         if not chat["messages"]:
             return
         path = self.chat_path(chat["id"])
-        try:
-            saved = self._parse(path)
+        try:  # (its depth unchecked: read again at every save of a growing reply, read only for its name here)
+            saved = self._parse(path, nesting=False)
         except OSError:  # none, or held a moment by another program (Windows): written as before
             saved = None
         else:
@@ -334,16 +334,16 @@ class Store:
             return None
 
     @staticmethod
-    def _parse(path: Path) -> dict | None:
+    def _parse(path: Path, nesting: bool = True) -> dict | None:
         """The JSON object in `path` (a UTF-8 byte order mark, as some editors
         write, allowed; lone surrogates read as U+FFFD: well_formed); None where
-        it holds none, or one nested deeper than NESTING_LIMIT; OSError where it cannot be read."""
+        it holds none, or (`nesting`) one nested deeper than NESTING_LIMIT; OSError where it cannot be read."""
         try:
             text = path.read_text(encoding="utf-8-sig")
             value = json.loads(text)
         except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep for Python's reader
             return None
-        if not isinstance(value, dict) or nested_deeper(value, NESTING_LIMIT):
+        if not isinstance(value, dict) or (nesting and nested_deeper(value, NESTING_LIMIT)):
             return None
         return well_formed(value) if SURROGATE_ESCAPE.search(text) else value  # rare: its texts are gone through only then
 

@@ -21,8 +21,9 @@ class GrowingLayer(DynamicLayer):
     key_buffer: torch.Tensor | None = None  # (1, H_kv, capacity, D)
     value_buffer: torch.Tensor | None = None
     key_length = value_length = 0  # positions held (apart only between two assignments, as in a crop)
-    # the most positions a conversation can need (the context window, and a tree pass's rows past it): growth stops
-    # there, so that doubling does not hold up to twice the memory the window can use; None: no bound known
+    # the positions a conversation needs (the context window, and room for a tree pass's rows past it): growth
+    # stops there, so that doubling does not hold up to twice the memory the window can use (a tree bigger than
+    # that room, at the window's end, grows it once more); None: no bound known
     limit: int | None = None
 
     @property
@@ -70,7 +71,8 @@ class GrowingLayer(DynamicLayer):
         they grow, to `capacity` positions where given)."""
         if end > self.key_buffer.shape[-2] or end > self.value_buffer.shape[-2]:
             capacity = capacity or max(end + GROWTH, 2 * self.key_buffer.shape[-2])
-            capacity = max(end, min(capacity, self.limit or capacity))
+            if self.limit is not None:  # up to the limit; past it (a big tree at the window's end), room for the next steps' too
+                capacity = max(end, min(capacity, self.limit)) if end <= self.limit else end + GROWTH
             keys, values = self.keys, self.values
             self.key_buffer, self.value_buffer = _larger(keys, capacity), _larger(values, capacity)
         return self.key_buffer, self.value_buffer

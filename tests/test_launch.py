@@ -467,6 +467,10 @@ def test_chat_names_the_sampling_settings_the_model_recommends(tiny_dir, tmp_pat
     assert "recommends" not in capsys.readouterr().err  # asked for by name
     assert cli.main(["chat", "w1 w2", "--model", str(tiny_dir), *options]) == 0
     assert "recommends" not in capsys.readouterr().err  # the tiny model recommends nothing
+    # Gemma 3's: sampling with top_k and top_p, the temperature left at transformers' default (1), so not written
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 0.95, "top_k": 64, "eos_token_id": 4}))
+    assert cli.main(["chat", "w1 w2", "--model", str(folder), *options]) == 0
+    assert "add --temperature 1 --top-p 0.95 --top-k 64 to sample" in capsys.readouterr().err  # without it, still greedy
 
 
 def test_chat_into_a_closed_pipe_ends_quietly(tiny_dir):

@@ -2938,6 +2938,15 @@ def test_a_send_that_fails_in_the_copy_it_began_leaves_no_copy(handlers, store):
     _, pending, _, same, _ = handlers.accept("w4", copied, True)
     assert list(handlers.send(pending, same, "", *values(top_k="abc")))[-1][0] == "w4"
     assert store.load_chat(copied["id"])["messages"] == copied["messages"] and len(store.list_chats()) == 2
+    # a tab that began a copy and closed before its send came: the copy, saved with its message, is then a chat
+    # like any other, which a failed send from another tab must not delete as the empty copy it began
+    _, _, _, orphan, _ = handlers.accept("w5", first, True, request=SimpleNamespace(session_hash="closed-tab"))
+    assert orphan["id"] in handlers.forked
+    handlers.forget_session(SimpleNamespace(session_hash="closed-tab"))
+    opened = store.load_chat(orphan["id"])
+    assert opened["messages"][-1]["content"] == "w5"
+    assert list(handlers.send("w6", opened, "", *values(top_k="abc")))[-1][0] == "w6"
+    assert store.load_chat(orphan["id"])["messages"] == opened["messages"]
 
 
 def test_a_long_conversation_shows_how_far_it_is_read_and_stop_gives_it_back(handlers, monkeypatch):
