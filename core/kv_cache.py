@@ -70,9 +70,13 @@ class GrowingLayer(DynamicLayer):
         """The buffers, with room for positions up to `end` (they move when
         they grow, to `capacity` positions where given)."""
         if end > self.key_buffer.shape[-2] or end > self.value_buffer.shape[-2]:
-            capacity = capacity or max(end + GROWTH, 2 * self.key_buffer.shape[-2])
-            if self.limit is not None:  # up to the limit; past it (a big tree at the window's end), room for the next steps' too
-                capacity = max(end, min(capacity, self.limit)) if end <= self.limit else end + GROWTH
+            if capacity is not None:  # asked for (core/graphs.py: sizes its graphs are recorded for)
+                capacity = max(end, capacity)
+            elif self.limit is None or end <= self.limit:  # doubling, up to the limit
+                capacity = max(end + GROWTH, 2 * self.key_buffer.shape[-2])
+                capacity = capacity if self.limit is None else max(end, min(capacity, self.limit))
+            else:  # past it (a big tree at the window's end): room for the next steps' too
+                capacity = end + GROWTH
             keys, values = self.keys, self.values
             self.key_buffer, self.value_buffer = _larger(keys, capacity), _larger(values, capacity)
         return self.key_buffer, self.value_buffer
