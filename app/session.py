@@ -10,7 +10,7 @@ from models import bundled
 from models.base import load_base
 from models.head import load_head
 
-BUNDLED_HEAD = Path(__file__).resolve().parent.parent / "assets" / "heads" / bundled.DEFAULT_NAME
+BUNDLED_HEAD = bundled.BUNDLED_HEAD
 
 
 def default_head(model: str | None) -> Path | None:

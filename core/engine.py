@@ -31,7 +31,7 @@ from core.tree_check import rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logit_form, logits_of, next_logits, verify_tree
 from models import int4, int8
 from models.base import LoadedModel
-from models.bundled import DEFAULT_NAME, cache_root
+from models.bundled import BUNDLED_HEAD, cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead, HeadCache
 
@@ -51,8 +51,6 @@ KEPT_CONVERSATIONS = 4
 KEPT_BYTES = 1 << 30
 
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "prompts" / "tasks.jsonl"  # ordinary text for measuring costs
-# the files of the head Kestrel ships, which app/session.py names "bundled" (the engine's head_name)
-BUNDLED_HEAD = Path(__file__).resolve().parent.parent / "assets" / "heads" / DEFAULT_NAME
 
 
 def costs_folder() -> Path:

