@@ -5,7 +5,6 @@ start (a double-click twice) answers at once instead of after the imports."""
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 import webbrowser
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import platformdirs
 
+from core.file_lock import lock_now, unlock
 from models.errors import KestrelError
 
 
@@ -37,11 +37,6 @@ def code_stamp(root: Path = ROOT) -> str:
 
 LOCK_FILE = "kestrel.lock"
 LOCKED_BYTE = 1 << 16  # where Windows locks the file: past the address it holds
-# The errors that mean another process holds the lock: flock's EWOULDBLOCK (EAGAIN, or EACCES
-# where it is made of fcntl locks) and msvcrt.locking's EACCES (EDEADLK once it gives up). Any
-# other means that the file system takes no locks (NFS without its lock service: ENOLCK; some
-# shared and FUSE folders: EOPNOTSUPP, EINVAL): no process holds the folder, nor can one.
-LOCK_HELD = (errno.EACCES, errno.EDEADLK) if os.name == "nt" else (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
 class FolderLockError(KestrelError):
@@ -69,25 +64,18 @@ class DataLock:
         except OSError:  # a read-only folder, or a file where the folder belongs
             return True
         try:
-            if os.name == "nt":
-                import msvcrt
-
-                file.seek(LOCKED_BYTE)  # a byte past the address, so that a second start can read that
-                msvcrt.locking(file.fileno(), msvcrt.LK_NBLCK, 1)
-            else:
-                import fcntl
-
-                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
+            locked = lock_now(file, LOCKED_BYTE)  # on Windows a byte past the address, so that a second start can read that
+        except OSError as error:  # no process holds the folder, nor can one
             file.close()
-            if error.errno in LOCK_HELD:
-                return False
             # the data folder is chosen by KESTREL_DATA_DIR; a command's work folder by its options
             choose = "set KESTREL_DATA_DIR to" if self.path.name == LOCK_FILE else "use"
             raise FolderLockError(
                 f"{self.path.parent}: files there cannot be locked ({error.strerror or error}), and without a lock a second "
                 f"Kestrel could write over this one's files there; {choose} a folder on a local disk"
             ) from error
+        if not locked:
+            file.close()
+            return False
         self._file = file
         file.truncate(0)  # a previous holder's address is no longer served
         file.flush()
@@ -119,7 +107,7 @@ class DataLock:
 
     def release(self) -> None:
         if self._file is not None:
-            self._file.close()  # closing the file releases the lock
+            unlock(self._file, LOCKED_BYTE)
             self._file = None
 
 

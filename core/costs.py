@@ -12,7 +12,6 @@ hold), dtype, quantization and thread count."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import hashlib
 import json
@@ -32,6 +31,7 @@ import torch
 
 from core import kv_cache
 from core.drafter import Expander
+from core.file_lock import lock_now, unlock
 from core.tree import make_tree
 from core.verify import NodeArgmax, base_forward, verify_tree
 
@@ -333,9 +333,6 @@ def load_cached(folder: Path, key: dict, warn: bool = True) -> Costs | None:
 LOCK_FILE = "measuring.lock"
 LOCK_WAIT = 600  # seconds to wait for another process's measurement before measuring alongside it
 LOCK_POLL = 0.1  # seconds between looks at the lock
-# another process holds the lock: flock's EWOULDBLOCK (EAGAIN, or EACCES where it is made of fcntl
-# locks), msvcrt.locking's EACCES (EDEADLK once it gives up); any other: the file system takes none
-LOCK_HELD = (errno.EACCES, errno.EDEADLK) if os.name == "nt" else (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
 @contextlib.contextmanager
@@ -351,13 +348,7 @@ def measuring(folder: Path) -> Iterator[None]:
         yield
     finally:
         if handle is not None:
-            if os.name == "nt":
-                import msvcrt
-
-                with contextlib.suppress(OSError):
-                    handle.seek(0)
-                    msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)  # at once: a closed file's wait for the system
-            handle.close()  # closing the file releases the lock
+            unlock(handle)
 
 
 def _lock(folder: Path):
@@ -370,22 +361,15 @@ def _lock(folder: Path):
     deadline, said = time.monotonic() + LOCK_WAIT, False
     while True:
         try:
-            if os.name == "nt":
-                import msvcrt
-
-                handle.seek(0)
-                msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
-            else:
-                import fcntl
-
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return handle
-        except OSError as error:
-            if error.errno not in LOCK_HELD or time.monotonic() > deadline:
-                if error.errno in LOCK_HELD:
-                    log.warning(f"{folder / LOCK_FILE}: another process has measured step costs for {LOCK_WAIT} s; measuring alongside it")
+            if lock_now(handle):
+                return handle
+            if time.monotonic() > deadline:
+                log.warning(f"{folder / LOCK_FILE}: another process has measured step costs for {LOCK_WAIT} s; measuring alongside it")
                 handle.close()
                 return None
+        except OSError:  # the file system takes no locks
+            handle.close()
+            return None
         if not said:
             log.info("Another process is measuring step costs; waiting for it")
             said = True

@@ -567,6 +567,29 @@ def test_a_second_process_waits_for_the_first_s_measurement_and_reads_it(tiny_di
     assert Engine(base, random_head(base.model)).prepare_costs(remeasure=True) == GPU_LIKE and len(measured) == 2
 
 
+@pytest.mark.skipif(os.name == "nt", reason="flock is POSIX's")
+def test_the_measuring_lock_is_skipped_where_none_can_be_taken_and_waited_for_at_most_lock_wait(tmp_path, monkeypatch, caplog):
+    """A file system that takes no locks (ENOLCK) measures at once, without a
+    wait or a warning; a lock another process holds past LOCK_WAIT is said
+    and measured alongside."""
+    import errno
+    import fcntl
+
+    def flock(fd, operation, error):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(fcntl, "flock", lambda fd, operation: flock(fd, operation, errno.ENOLCK))
+    with caplog.at_level("INFO", logger="kestrel"), costs_module.measuring(tmp_path):
+        pass
+    assert caplog.text == ""
+    monkeypatch.setattr(fcntl, "flock", lambda fd, operation: flock(fd, operation, errno.EWOULDBLOCK))
+    monkeypatch.setattr(costs_module, "LOCK_WAIT", 0.2)
+    with caplog.at_level("INFO", logger="kestrel"), costs_module.measuring(tmp_path):
+        pass
+    assert "Another process is measuring step costs; waiting for it" in caplog.text
+    assert "another process has measured step costs for 0.2 s; measuring alongside it" in caplog.text
+
+
 def test_cpus_of_one_name_but_another_generation_are_measured_apart(tmp_path, monkeypatch):
     """A VM's /proc/cpuinfo may name its processor "AMD EPYC" whatever the
     generation, and an Arm Linux's names none: family, model and stepping (Arm:
