@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Collection
 from pathlib import Path
 
-from app.render import BASE, DRAFT, inert_markdown, is_number
+from app.render import inert_markdown, is_number
 from models.paths import while_held
 
 SETTINGS_FILE = "settings.json"
@@ -431,12 +431,14 @@ def as_chat(value: dict | None, chat_id: str) -> dict | None:
 
 def as_message(message: dict) -> dict:
     """A stored message; its coloured segments are dropped (the text shows
-    uncoloured) unless they are [text, origin] pairs that make up its content."""
+    uncoloured) unless they are [text, origin] pairs that make up its content.
+    An origin other than "draft" and "base" (a later version's) shows as "base" and is
+    kept, so that a save here does not drop what that version wrote."""
     segments = message.get("segments")
     if segments is None:
         return message
     valid = isinstance(segments, list) and all(
-        isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and s[1] in (DRAFT, BASE) for s in segments
+        isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and isinstance(s[1], str) for s in segments
     )
     if valid and "".join(s[0] for s in segments) == message["content"]:
         return message

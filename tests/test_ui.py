@@ -2504,9 +2504,16 @@ def test_a_damaged_message_or_time_in_a_chat_file_does_not_break_the_page(handle
     good = {"role": "assistant", "content": "ab", "segments": [["a", "draft"], ["b", "base"]]}
     (folder / "good.json").write_text(json.dumps({"messages": [good], "updated": 5.0}))
     assert store.load_chat("good")["messages"][0]["segments"] == good["segments"]
+    later = {"role": "assistant", "content": "abc", "segments": [["a", "draft"], ["b", "lookup"], ["c", "base"]]}
+    (folder / "later.json").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, later], "updated": 6.0}))
+    opened = store.load_chat("later")
+    assert opened["messages"][1]["segments"] == later["segments"]  # a later version's origin: kept, and shown uncoloured
+    assert 'class="kd"' in render.message_html(opened["messages"][1], True) and "b</span>" not in render.message_html(opened["messages"][1], True)
+    store.save_chat(opened)
+    assert store.load_chat("later")["messages"][1]["segments"] == later["segments"]
     assert store.load_chat("nan")["updated"] == 0.0 and store.load_chat("huge")["updated"] == 0.0
     restored = handlers.restore()
-    assert len(restored[-3]["choices"]) == 4 and restored[-4]["messages"]  # the page loads, with every chat listed
+    assert len(restored[-3]["choices"]) == 5 and restored[-4]["messages"]  # the page loads, with every chat listed
     for name in ("segments", "huge", "nan"):
         assert "a" in str(handlers.open(name, new_chat(), True)[0])
 
