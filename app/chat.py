@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -424,6 +425,34 @@ def stored(chat: dict) -> dict:
     return without(chat, TAKEN_BACK)
 
 
+def taken_mark(chat: dict | None) -> str:
+    """What the page keeps of the messages Edit took back from the chat shown:
+    their count and digest ("" where none). The chat state goes with a server
+    restart; the page's mark still names them in the saved chat (taken_back_again)."""
+    taken = (chat or {}).get(TAKEN_BACK)
+    return f"{len(taken)} {messages_digest(taken)}" if taken else ""
+
+
+def messages_digest(messages: list[dict]) -> str:
+    """A digest of messages as they are stored."""
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False, allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def taken_back_again(chat: dict, mark: str) -> dict:
+    """The saved chat as the page showed it after Edit, where `mark`
+    (taken_mark) names its last messages: those are taken back again, so that
+    the edited message is sent in their place. As it is where they are not its
+    last messages (changed since, from another tab)."""
+    count, _, digest = (mark or "").partition(" ")
+    if not count.isdigit() or not 0 < int(count) <= len(chat["messages"]):
+        return chat
+    taken = chat["messages"][-int(count) :]
+    if taken[0].get("role") != "user" or messages_digest(taken) != digest:
+        return chat
+    return {**chat, "messages": chat["messages"][: -int(count)], TAKEN_BACK: taken}
+
+
 EMPTY_REPLY_TEXT = "The model ended its reply without writing anything (at a temperature above 0, Regenerate may get one)."
 TYPED_TEXT = "The message box holds text that Edit would replace: send it, or empty the box, first."
 EDIT_PENDING_TEXT = ("An edit is pending: send the edited message first, or open the chat again from Saved chats "
@@ -582,22 +611,28 @@ class ChatHandlers:
         self.unsent: dict[str, str | None] = {}  # tokens of messages accepted whose send has not begun -> the tab's session
 
     @staticmethod
-    def shown_id(chat: dict | None) -> str:
-        """The id the page keeps of the chat it shows (app/ui.py's shown_id)."""
-        return chat["id"] if chat else ""
+    def shown_marks(chat: dict | None) -> tuple[str, str]:
+        """What the page keeps of the chat it shows (app/ui.py's shown_id and
+        taken): its id, and the mark of what Edit took back from it (taken_mark)."""
+        return (chat["id"] if chat else ""), taken_mark(chat)
 
-    def recover(self, chat: dict | None, shown: str):
+    def recover(self, chat: dict | None, shown: str, taken: str = ""):
         """Before a button acts on the chat shown: where the server restarted
         since the page showed it (the chat state went with the server), the saved
-        chat that the page's `shown` id names; else the state as it is."""
-        restored = self._restored(chat, shown)
+        chat that the page's `shown` id names, less what Edit took back (`taken`);
+        else the state as it is."""
+        restored = self._restored(chat, shown, taken)
         return restored if restored is not chat else gr.skip()
 
-    def _restored(self, chat: dict | None, shown: str) -> dict | None:
-        """`chat`, or where it is None (the server restarted) the saved chat named `shown`, if there is one."""
-        return self.store.load_chat(shown) if chat is None and shown else chat
+    def _restored(self, chat: dict | None, shown: str, taken: str = "") -> dict | None:
+        """`chat`, or where it is None (the server restarted) the saved chat named
+        `shown`, if there is one, with what Edit took back taken back again."""
+        if chat is not None or not shown:
+            return chat
+        saved = self.store.load_chat(shown)
+        return taken_back_again(saved, taken) if saved else saved
 
-    def accept(self, message: str, chat: dict | None, colour: bool, shown: str = "", request: gr.Request = None) -> tuple:
+    def accept(self, message: str, chat: dict | None, colour: bool, shown: str = "", taken: str = "", request: gr.Request = None) -> tuple:
         """At once on Send, before the reply waits for the model: the message
         leaves the box for the chat (saved, so a reload keeps it), the chat's
         Stop signal is reset (a Stop from now on stops this reply, even while it
@@ -606,13 +641,14 @@ class ChatHandlers:
         showed it goes on as a copy under a new id: neither tab's messages
         overwrite the other's, and each has its own Stop. `shown`: the id of
         the chat the page shows, by which a page open across a server restart
-        (its chat state gone with the server) continues that chat.
+        (its chat state gone with the server) continues that chat; `taken`: the
+        page's mark of what Edit took back from it, which the message replaces.
         Outputs: message box, pending message, chatbot, chat state, notice."""
         message = well_formed(message or "")  # a lone surrogate could be neither saved nor tokenized
         text = message.strip()
         if not text:  # no pending message: send does nothing
             return message, "", gr.skip(), gr.skip(), notice_html("Type a message first.")
-        chat = self._restored(chat, shown)  # None where it was never saved (an empty new chat) or is gone
+        chat = self._restored(chat, shown, taken)  # None where it was never saved (an empty new chat) or is gone
         session = getattr(request, "session_hash", None)
         with self.accepting:
             pressed, self.pressed[session] = self.pressed.get(session), (chat["id"] if chat else None, text, time.monotonic())

@@ -207,16 +207,18 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         # the id of the chat shown, kept by the page itself: a server restarted since the page opened has lost
         # chat_state (kept by the server), and Send then continues the saved chat this names instead of a new one
         shown_id = gr.Textbox(visible="hidden", elem_id="shown-chat-id")
+        # what Edit took back from that chat, kept by the page too: Send after such a restart sends the edited message in its place
+        taken = gr.Textbox(visible="hidden", elem_id="taken-back")
         # set after each change of the chat shown (a State's .change listener would hash the whole chat at every streamed frame)
-        remember = {"fn": chat.shown_id, "inputs": chat_state, "outputs": shown_id, "show_progress": "hidden", "api_name": False,
+        remember = {"fn": chat.shown_marks, "inputs": chat_state, "outputs": [shown_id, taken], "show_progress": "hidden", "api_name": False,
                     "concurrency_limit": None}  # fmt: skip
         # before the buttons that act on the chat shown: after such a restart, the saved chat that shown_id names
-        recover = {"fn": chat.recover, "inputs": [chat_state, shown_id], "outputs": chat_state, "show_progress": "hidden",
+        recover = {"fn": chat.recover, "inputs": [chat_state, shown_id, taken], "outputs": chat_state, "show_progress": "hidden",
                    "api_name": False, "concurrency_limit": None}  # fmt: skip
         for trigger, api_name in ((send.click, "send"), (message.submit, False)):
             # accept at once (the message leaves the box and is saved; Stop applies from here), then wait for the model
             trigger(
-                chat.accept, [message, chat_state, colour, shown_id], [message, pending, chatbot, chat_state, notice],
+                chat.accept, [message, chat_state, colour, shown_id, taken], [message, pending, chatbot, chat_state, notice],
                 concurrency_limit=None, show_progress="hidden", api_name=False, trigger_mode="multiple",  # a Send during a reply is refused, not dropped
             ).success(chat.send, [pending, chat_state, system, *controls], chat_outputs, api_name=api_name, **STREAM).then(**give_back).then(**refresh).then(**remember)  # fmt: skip
         refused = gr.Checkbox(False, visible=False)  # Regenerate pressed while this chat's reply is written: check_idle says so at once
@@ -233,7 +235,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         ).then(**saved_plots)
         edit.click(**recover).then(chat.edit_last, [chat_state, colour, message], [message, chatbot, chat_state, notice], show_progress="hidden").then(
             None, [message, notice], None, js=render.edited_js("message"), api_name=False
-        ).then(**refresh)
+        ).then(**refresh).then(**remember)
         # Clear and Delete remove the saved chat: the browser's dialog asks first (a hidden box carries the answer)
         confirmed = gr.Checkbox(False, visible=False)
         ask = "() => confirm('{}')".format

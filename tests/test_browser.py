@@ -303,7 +303,8 @@ def first_exchange(page, url: str) -> None:
 def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny_base, tmp_path):
     """The server's chat state goes with it; the page keeps the id of the chat
     it shows, so Send continues that chat (it started a new one without the
-    earlier turns) and the chatbot's trash icon clears it (it found none)."""
+    earlier turns), an edited message replaces the exchange Edit took back
+    (it followed it), and the chatbot's trash icon clears the chat (it found none)."""
     from app.runtime import Runtime
     from app.server import Server
     from app.ui import build_app
@@ -328,6 +329,18 @@ def test_a_page_open_across_a_server_restart_goes_on_with_its_chat(browser, tiny
         send(page, "w3 w4")
         chats = saved_chats(tmp_path, 4)
         assert len(chats) == 1 and [m["content"] for m in chats[0]["messages"] if m["role"] == "user"] == ["w1 w2", "w3 w4"]
+        page.wait_for_function("document.querySelector('#stat-tokens') && document.querySelector('#stat-tokens').innerText === '4'")
+        page.locator("#edit").click()  # "w3 w4" back in the box; its exchange stays saved until the edited message is sent
+        page.wait_for_function("document.querySelector('#taken-back textarea').value !== ''")
+        server.close()
+        server, _ = serve()
+        time.sleep(3)
+        send(page, "w5")  # in place of "w3 w4" and its reply, though the server lost what Edit took back
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not ((saved := saved_chats(tmp_path, 4)[0]["messages"])[-1]["role"] == "assistant"
+                                                   and "w5" in [m["content"] for m in saved]):  # fmt: skip
+            time.sleep(0.2)
+        assert [m["content"] for m in saved if m["role"] == "user"] == ["w1 w2", "w5"]
         server.close()
         server, _ = serve()
         time.sleep(3)

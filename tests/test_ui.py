@@ -2313,7 +2313,7 @@ def test_a_page_open_across_a_server_restart_continues_the_chat_it_shows(handler
     """The server's chat state goes with the server; the id the page keeps
     names the chat, so Send continues it instead of starting a new one."""
     chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
-    assert handlers.shown_id(chat) == chat["id"] and handlers.shown_id(None) == ""
+    assert handlers.shown_marks(chat) == (chat["id"], "") and handlers.shown_marks(None) == ("", "")
     restarted = ChatHandlers(Runtime(engine), Store(store.folder))
     _, pending, shown, state, notice = restarted.accept("w2", None, True, chat["id"])
     assert state["id"] == chat["id"] and [m["content"] for m in state["messages"]] == [m["content"] for m in chat["messages"]]
@@ -2325,6 +2325,32 @@ def test_a_page_open_across_a_server_restart_continues_the_chat_it_shows(handler
     # the other buttons (Edit, Clear, Delete, Regenerate, Export, Earlier reply) first take the saved chat back the same way
     assert restarted.recover(None, chat["id"])["id"] == chat["id"]
     assert restarted.recover(None, new_chat()["id"]) == gr.skip() and restarted.recover(final, chat["id"]) == gr.skip()
+
+
+def test_an_edited_message_sent_across_a_server_restart_replaces_what_edit_took_back(handlers, engine, store):
+    """Edit takes the last exchange back in the chat state, which a server
+    restart loses; the page's mark of it (count and digest) still names it, so
+    the edited message replaces it rather than following it. Where the saved
+    chat has changed since (another tab sent), the mark names nothing there
+    and the message follows what is saved: nothing is replaced."""
+    chat = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
+    chat = list(handlers.send("w2", chat, "", *values(max_new_tokens=4)))[-1][2]
+    text, _, edited, _ = handlers.edit_last(chat, True)
+    shown, mark = handlers.shown_marks(edited)
+    assert text == "w2" and shown == chat["id"] and mark.startswith("2 ")
+    restarted = ChatHandlers(Runtime(engine), Store(store.folder))
+    assert [m["content"] for m in restarted.recover(None, shown, mark)["messages"] if m["role"] == "user"] == ["w1"]
+    _, pending, _, state, notice = restarted.accept("w2 changed", None, True, shown, mark)
+    assert "another tab" not in notice and state["id"] == chat["id"]
+    list(restarted.send(pending, state, "", *values(max_new_tokens=4)))
+    users = [m["content"] for m in store.load_chat(chat["id"])["messages"] if m["role"] == "user"]
+    assert users == ["w1", "w2 changed"]
+    _, _, edited, _ = restarted.edit_last(store.load_chat(chat["id"]), True)
+    mark = restarted.shown_marks(edited)[1]
+    other_tab = list(restarted.send("w3", store.load_chat(chat["id"]), "", *values(max_new_tokens=4)))[-1][2]
+    again = ChatHandlers(Runtime(engine), Store(store.folder))
+    assert again.recover(None, chat["id"], mark)["messages"] == other_tab["messages"]  # the mark names nothing saved now
+    assert again.recover(None, chat["id"], "2 0000") == again.recover(None, chat["id"], "x") == again.recover(None, chat["id"], "")
 
 
 def test_send_pressed_twice_in_one_tab_is_one_send_also_for_a_chat_another_tab_changed(handlers, engine, store):
