@@ -18,6 +18,7 @@ import atexit
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -38,14 +39,18 @@ class MainThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._serving = False
+        self._stopped = False  # serving has ended (Ctrl+C): decodings still waiting for the model no longer start
 
     def run(self, job: Callable[[], None]) -> None:
-        """Run `job` on the serving thread and wait for it; its exception is raised here."""
+        """Run `job` on the serving thread and wait for it; its exception is raised here.
+        ServerStopping once serving has ended."""
         done, failure = threading.Event(), []
         with self._lock:
-            serving = self._serving
+            serving, stopped = self._serving, self._stopped
             if serving:
                 self._jobs.put((job, done, failure))
+        if stopped:
+            raise ServerStopping("the server is stopping")
         if not serving:
             job()
             return
@@ -55,7 +60,8 @@ class MainThread:
 
     def serve(self, alive: Callable[[], bool]) -> None:
         """Run the jobs that come while alive(); Ctrl+C stops serving (the job it
-        interrupts ends with it). Jobs left then are failed, not lost in the queue."""
+        interrupts ends with it). Jobs left then are failed, not lost in the queue,
+        and so are those that come later (requests that waited for the model)."""
         with self._lock:
             self._serving = True
         try:
@@ -75,7 +81,7 @@ class MainThread:
                     done.set()
         finally:
             with self._lock:
-                self._serving = False
+                self._serving, self._stopped = False, True
             while True:
                 try:
                     _, done, failure = self._jobs.get_nowait()
@@ -83,6 +89,18 @@ class MainThread:
                     break
                 failure.append(ServerStopping("the server is stopping"))
                 done.set()
+
+
+def forget_locals(error: BaseException) -> None:
+    """Clear the variables of the finished frames in `error`'s traceback and
+    its causes'. Kept with the error until a reader reports it, they held the
+    model and the failed run's caches, in a reference cycle that only a garbage
+    collection ends: memory an Unload or an out-of-memory error meant to free."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 MAIN_THREAD = MainThread()
@@ -138,6 +156,8 @@ class Decoding:
             pass
         except BaseException as error:  # handed to the reader, which reports it
             self._error = error
+            forget_locals(error)
+        steps = None  # this frame stays in the error's traceback: not the model and the request through it
         with self._condition:
             self._finished = True
             self._condition.notify_all()
@@ -167,12 +187,18 @@ class Decoding:
     def read(self, cursor: int, timeout: float | None = None) -> list[Step | Reading]:
         """The steps after the first `cursor`, waiting up to `timeout` seconds
         for one (None: until one comes or the decoding ends). Once it has
-        ended and every step is read, raises the error it ended with, if any."""
+        ended and every step is read, raises the error it ended with, if any,
+        once: the reader's frames join its traceback, and kept here too it would
+        hold them (and what they hold) in a cycle; reads after that find the end."""
         with self._condition:
             self._condition.wait_for(lambda: len(self._steps) > cursor or self._finished, timeout)
             new = self._steps[cursor:]
             if not new and self._finished and self._error is not None:
-                raise self._error
+                error, self._error = self._error, None
+                try:
+                    raise error
+                finally:
+                    del error  # this frame joins its traceback: not the error through it
             return new
 
     def done_reading(self, cursor: int) -> bool:

@@ -110,3 +110,67 @@ def test_a_decoding_still_running_at_exit_is_ended_and_the_process_exits_cleanly
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
         assert done.returncode == 0 and "exiting" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_request_that_comes_after_serving_stopped_fails_instead_of_running():
+    """After Ctrl+C a request that was waiting for the model got its turn and
+    decoded inline (53 steps in 3 s) while the server shut down, and a page
+    reply saved as waiting was overwritten as an interrupted one."""
+    runner = MainThread()
+    thread, stop = serving(runner)
+    stop.set()
+    thread.join(5)
+    ran = []
+    with pytest.raises(ServerStopping, match="the server is stopping"):
+        runner.run(lambda: ran.append(1))
+    assert ran == []
+    MainThread().run(lambda: ran.append(2))  # a process that never served (the CLI, the tests) runs jobs inline
+    assert ran == [2]
+
+
+def test_a_failed_decoding_keeps_nothing_its_steps_held(monkeypatch):
+    """The error a decoding ends with is kept for its reader; its traceback's
+    frames held the model and the failed run's caches, which reference
+    counting never freed (a cycle through the decoding's own frame): an
+    Unload's or an out-of-memory error's memory stayed taken until a garbage
+    collection, if one ever came."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr("app.decoding.MAIN_THREAD", MainThread())
+
+    class Caches:  # what a run holds
+        pass
+
+    held = []
+
+    def steps(cancel, model=Caches()):
+        caches = Caches()
+        held.extend([weakref.ref(model), weakref.ref(caches)])
+        yield "first"
+        try:
+            raise RuntimeError("out of memory")
+        except RuntimeError as error:
+            raise ValueError("the reply failed") from error
+
+    def request():
+        model = Caches()
+        decoding = Decoding(ModelQueue(), lambda cancel: steps(cancel, model))
+        decoding.join(5)
+        with pytest.raises(ValueError, match="the reply failed"):
+            decoding.read(1)
+        assert decoding.read(0) == ["first"] and decoding.read(1) == [] and decoding.done_reading(1)
+
+    def request_left():  # its reader gone before the error came (a client that disconnected)
+        model = Caches()
+        Decoding(ModelQueue(), lambda cancel: steps(cancel, model)).join(5)
+
+    gc.disable()
+    try:
+        request()
+        assert [ref() for ref in held] == [None, None]
+        held.clear()
+        request_left()
+        assert [ref() for ref in held] == [None, None]
+    finally:
+        gc.enable()
