@@ -277,9 +277,11 @@ def build_http_app(demo: gr.Blocks, runtime: Runtime, access: Access, port: int)
     calm_queue(demo)
     demo.state_session_capacity = PAGE_SESSIONS_KEPT
     version = page_version(demo)
+    # run_history: Gradio's own record of every event's inputs and outputs, kept in the browser's storage, would
+    # keep a chat's text there after Delete had removed it (and answer its history routes with the user's HF token)
     app = gr.mount_gradio_app(
         app, demo, path="/", server_name=access.host, server_port=port, auth=access.auth, show_error=True,
-        css=render.CSS, js=render.page_js(version), favicon_path=str(ICON), max_file_size=MAX_UPLOAD,
+        css=render.CSS, js=render.page_js(version), favicon_path=str(ICON), max_file_size=MAX_UPLOAD, run_history=False,
     )  # fmt: skip
     return Guard(app, access, port, version)
 

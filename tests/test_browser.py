@@ -561,6 +561,8 @@ def test_clear_and_delete_ask_first_and_delete_empties_the_panel(page, data_dir)
     assert "Delete this chat?" in asked[-1] and page.locator("#stat-tokens").count() == 0
     assert page.locator("#stat-tps").inner_text() == "-"
     assert not any(chat["title"] == "w11 w12" for chat in Store(data_dir).list_chats())
+    kept = page.evaluate("JSON.stringify(Object.assign({}, localStorage)) + JSON.stringify(Object.assign({}, sessionStorage))")
+    assert "w11 w12" not in kept  # Gradio's run history would keep the deleted chat's text in the browser
 
 
 def test_a_chat_is_renamed_from_saved_chats_and_keeps_its_name(page, data_dir):
