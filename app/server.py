@@ -148,8 +148,10 @@ class Guard:
                             f"the names given with --allow-host (host.docker.internal from a container in Docker Desktop){allow}").response()  # fmt: skip
         origin = headers.get("origin")
         if not is_api(scope["path"]):  # the page: its own actions only (Gradio's CORS check leaves a header out, refusing
-            # nothing, and a form POST needs no preflight: any site's page could upload files here, or run events)
-            if scope.get("method", "GET") not in ("GET", "HEAD", "OPTIONS") and origin is not None and not self._own(origin, headers):
+            # nothing, and a form POST needs no preflight: any site's page could upload files here, or run events), and
+            # its own reads (Gradio's CORS answers any localhost origin: a page another local server serves could read
+            # /config and the queue's data). A link or a navigation to the page sends no Origin
+            if origin is not None and not self._own(origin, headers):
                 proxied = f"; where that is the page behind a proxy, start Kestrel with --allow-origin {origin}" if web_origin(origin) else ""
                 return ApiError(403, f"the page's actions come from the page itself, not from the web page at {origin}{proxied}",
                                 code="origin_not_allowed").response()  # fmt: skip

@@ -561,7 +561,11 @@ def test_host_and_origin_checks_and_no_cors_by_default(server, engine):
     assert refused.status_code == 403 and "from the page itself" in refused.json()["error"]["message"]
     assert httpx.post(upload, headers={"Origin": server.url.rstrip("/")}, files=files).status_code == 200
     assert httpx.post(upload, files=files).status_code == 200  # no browser: no origin to check
-    assert httpx.get(server.url, headers={"Origin": "https://evil.example"}).status_code == 200
+    assert httpx.get(server.url).status_code == 200  # a link to the page, followed: no Origin
+    for path in ("", "config", "gradio_api/queue/data?session_hash=x"):  # another site's (or local server's) script reads none of it
+        for origin in ("https://evil.example", "http://localhost:5000"):
+            assert httpx.get(server.url + path, headers={"Origin": origin}).status_code == 403, (path, origin)
+    assert httpx.get(f"{server.url}config", headers={"Origin": server.url.rstrip("/")}).status_code == 200
     too_big = {"files": ("b.jsonl", b"x" * (64 * 1024 * 1024 + 1), "application/octet-stream")}
     assert httpx.post(upload, files=too_big, timeout=60).status_code == 413
 
