@@ -28,6 +28,7 @@ from app.store import (
     oldest_messages, to_json, to_markdown, well_formed,
 )  # fmt: skip
 from app.store import made_with as made_with_line
+from app.uploads import uploaded
 from core.config import TOP_K_LIMIT, SamplingParams, TreeParams
 from core.engine import ContextOverflowError, Engine, check_prompt
 from core.prompt import UNFINISHED
@@ -1184,6 +1185,8 @@ class ChatHandlers:
             return (gr.skip(),) * 8
         file = Path(path)
         name = file.name  # Gradio's copy keeps the name the file had
+        if not uploaded(file):
+            return self._kept_open(chat, notice_html(f"{name} was not uploaded through the page; nothing was imported."))
         try:
             size = file.stat().st_size
         except OSError as error:

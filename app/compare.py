@@ -15,6 +15,7 @@ from app import render
 from app.chat import MODE_LABELS, WAITING_TEXT, Options, with_seed
 from app.reply import Reply, follow_reply
 from app.runtime import ModelChangedError, Runtime, TurnCancelled
+from app.uploads import uploaded
 from core.stats import SHORT_REPLY
 from models import int8
 from models.errors import KestrelError
@@ -343,6 +344,8 @@ class CompareHandlers:
             engine = self.runtime.require()
             if refused := speculation_refused(engine, "The benchmark compares vanilla with EAGLE-2 and"):
                 raise ValueError(refused)
+            if upload and not uploaded(upload):
+                raise ValueError(f"{Path(upload).name} was not uploaded through the page")
             path = upload if upload else QUICK_PROMPTS
             try:
                 prompts = load_prompts(path, limit=int(limit) if limit else None)

@@ -21,6 +21,22 @@ def costs_dir(tmp_path_factory):
         os.environ.pop("KESTREL_COSTS_DIR", None)
     else:
         os.environ["KESTREL_COSTS_DIR"] = saved
+
+
+@pytest.fixture(autouse=True, scope="session")
+def upload_dir(tmp_path_factory):
+    """Gradio's upload folder is the tests' temporary folder: the page's
+    handlers read only uploaded files, and the tests hand them files written there."""
+    folder = tmp_path_factory.getbasetemp()
+    saved = os.environ.get("GRADIO_TEMP_DIR")
+    os.environ["GRADIO_TEMP_DIR"] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop("GRADIO_TEMP_DIR", None)
+    else:
+        os.environ["GRADIO_TEMP_DIR"] = saved
+
+
 warnings.filterwarnings("ignore", message="MatMul8bitLt")
 
 
