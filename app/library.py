@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 import pandas as pd
+import torch
 
 from app import render
 from app.chat import mode_choices
@@ -19,7 +20,7 @@ from app.session import load_pair
 from core.engine import Engine
 from core.training.report import REPORT_FILE
 from models import bundled, catalog
-from models.base import DTYPES, QUANTIZATIONS
+from models.base import DTYPES, GPU_WEIGHTS_SHARE, QUANTIZATIONS, cpu_has_native_bf16, resolve_device
 from models.errors import HeadFormatError, KestrelError, OutOfMemoryError
 from models.paths import user_path
 
@@ -28,17 +29,18 @@ DTYPE_CHOICES = ("auto", *sorted(DTYPES, key=lambda name: name == "float64"))  #
 log = logging.getLogger(__name__)
 
 
-def detected_memory() -> tuple[float | None, str]:
-    """(GB, what it is): the first GPU's memory, else the system RAM."""
-    import torch
-
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
+def detected_memory(device: torch.device | None = None) -> tuple[float | None, str]:
+    """(GB, what it is): the memory of the GPU `device` names, else the system
+    RAM (device: where models load, resolved; None: as --device auto)."""
+    device = resolve_device("auto") if device is None else device
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
         return props.total_memory / 1e9, f"GPU {props.name}"
+    where = "models load on the CPU" if torch.cuda.is_available() else "no GPU detected"
     total = system_memory_gb()
     if total is None:
-        return None, "unknown memory (no GPU detected)"
-    return total, "system RAM (no GPU detected)"
+        return None, f"unknown memory ({where})"
+    return total, f"system RAM ({where})"
 
 
 def system_memory_gb() -> float | None:
@@ -63,14 +65,11 @@ def system_memory_gb() -> float | None:
     return None
 
 
-def cpu_weight_bytes() -> int | None:
+def cpu_weight_bytes(device: torch.device | None = None) -> int | None:
     """Bytes a weight takes while a model loads on this machine's CPU (the dtype
-    auto computes in: bf16 where the CPU has it natively, else float32); None with a GPU."""
-    import torch
-
-    from models.base import cpu_has_native_bf16
-
-    if torch.cuda.is_available():
+    auto computes in: bf16 where the CPU has it natively, else float32); None
+    where models load on a GPU (device: resolved; None: as --device auto)."""
+    if (resolve_device("auto") if device is None else device).type == "cuda":
         return None
     return 2 if cpu_has_native_bf16() else 4
 
@@ -95,20 +94,33 @@ def catalog_frame(available_gb: float | None, load_bytes: int | None = None) -> 
     return pd.DataFrame(rows)
 
 
-def fit_warning(entry: catalog.CatalogEntry, memory: tuple[float | None, str], load_bytes: int | None) -> str:
-    """What the catalog's verdict for `entry` means before a load of minutes
-    (memory: detected_memory()); "" where its smallest size fits or memory is unknown."""
+def fit_warning(entry: catalog.CatalogEntry, memory: tuple[float | None, str], load_bytes: int | None, quantization: str = "auto") -> str:
+    """What the catalog's verdict for `entry` at the size `quantization` loads
+    means before a load of minutes (memory: detected_memory(); load_bytes:
+    cpu_weight_bytes()); "" where it fits or memory is unknown."""
     available_gb, kind = memory
-    needed = catalog.estimated_gb(entry, 4)
+    bits = loaded_bits(entry, quantization, available_gb, on_gpu=load_bytes is None)
+    needed = catalog.estimated_gb(entry, bits)
     peak = catalog.cpu_load_gb(entry, load_bytes) if load_bytes else 0.0
     verdict = catalog.fit(max(needed, peak), available_gb)
     if verdict in ("fits", "unknown"):
         return ""
-    how = (f"about {needed:.1f} GB at 4 bits" + (f", and loading on this CPU peaks at about {peak:.1f} GB" if peak > needed else ""))
+    how = (f"about {needed:.1f} GB at {bits} bits" + (f", and loading on this CPU peaks at about {peak:.1f} GB" if peak > needed else ""))
     if verdict == "tight":
         return f"{entry.name} needs {how}: it fits the {available_gb:.1f} GB of {kind} only just; close other programs before Load."
     return (f"{entry.name} needs {how}, more than the {available_gb:.1f} GB of {kind}: loading it would run out of memory. "
             "Pick a smaller entry, or load it on a machine where the catalog says it fits.")  # fmt: skip
+
+
+def loaded_bits(entry: catalog.CatalogEntry, quantization: str, available_gb: float | None, on_gpu: bool) -> int:
+    """The bits `entry`'s decoder loads at under `quantization`. auto: on a GPU
+    16 where the 16-bit weights take at most GPU_WEIGHTS_SHARE of its memory
+    (the load weighs what is free then, which the total here may overstate),
+    else 4, as models/base.py's auto picks; on a CPU 4, the smallest it may pick."""
+    if quantization == "auto":
+        fits = on_gpu and available_gb is not None and entry.parameters * 2 <= GPU_WEIGHTS_SHARE * available_gb
+        return 16 if fits else 4
+    return {"none": 16, "int8": 8, "8bit": 8}.get(quantization, 4)
 
 
 def trained_heads(heads_dir: Path, base_name: str, base_config) -> list[str]:
@@ -241,13 +253,15 @@ class LibraryHandlers:
         """Where the trained-heads list looks."""
         return f"head folders in {self.heads_dir} made for the loaded base model (train-head --out there)"
 
-    def pick(self, name: str) -> tuple:
+    def pick(self, name: str, quantization: str = "auto") -> tuple:
         """A catalog row fills the model and head boxes, and the notice warns where
-        it does not fit this machine. Outputs: model, head, notice."""
+        it does not fit this machine at the chosen quantization. Outputs: model, head, notice."""
         entry = catalog.find(name)
         if entry is None:
             return gr.skip(), gr.skip(), gr.skip()
-        return entry.base or "", entry.head or "", render.escape(fit_warning(entry, detected_memory(), cpu_weight_bytes()))
+        device = resolve_device(self.device)
+        warning = fit_warning(entry, detected_memory(device), cpu_weight_bytes(device), quantization)
+        return entry.base or "", entry.head or "", render.escape(warning)
 
     def load(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
         """Outputs: status, notice, mode selector."""

@@ -24,7 +24,7 @@ from app.store import Store
 from core.config import MODES, TreeParams
 from core.engine import Engine
 from models import catalog
-from models.base import QUANTIZATIONS
+from models.base import QUANTIZATIONS, resolve_device
 from models.errors import KestrelError
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,9 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     bench_json = gr.JSON(label="Full result", open=False)
 
             with gr.Tab("Models", id="models") as models_tab:
-                memory_gb, memory_kind = detected_memory()
-                load_bytes = cpu_weight_bytes()
+                placed = resolve_device(device)  # where models load (`ui --device`)
+                memory_gb, memory_kind = detected_memory(placed)
+                load_bytes = cpu_weight_bytes(placed)
                 peak = (f" On this CPU a model loads whole in {'bfloat16' if load_bytes == 2 else 'float32'} before its "
                         "weights are quantized: 'here' counts that peak too." if load_bytes else "")  # fmt: skip
                 status = gr.HTML(elem_id="model-status")
@@ -187,7 +188,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
                     info=library.heads_info, allow_custom_value=True,  # a page whose state the server let go still loads what it lists
                 )  # fmt: skip
                 with gr.Row():
-                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a Q4_1 GGUF where Kestrel's kernel is built, else int8 where it is faster")
+                    quantization = gr.Radio(list(QUANTIZATIONS), value="auto", label="Quantization", info="int4/int8: CPU kernels (int4: Kestrel's own where a C++ compiler is found); 8bit/4bit: bitsandbytes, for GPUs (slow on CPUs); auto: on CPUs int4 for a Q4_1 GGUF where Kestrel's kernel is built, else int8 where it is faster; on GPUs 4bit where 16 bits would not fit")
                     dtype = gr.Dropdown(list(DTYPE_CHOICES), value="auto", label="Compute dtype", info="float64: slow; for checking that EAGLE-2 replies equal vanilla's bit for bit")
                 with gr.Row():
                     load = gr.Button("Load", variant="primary")
@@ -289,7 +290,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
         )  # fmt: skip
 
         wanted_mode = gr.State(None)  # the mode this tab's user picked (or saved), given back when a model has it again
-        entry.input(library.pick, entry, [model_box, head_box, load_notice])
+        entry.input(library.pick, [entry, quantization], [model_box, head_box, load_notice])
         for box in (model_box, head_box):  # typed over: the boxes no longer hold the entry shown
             box.input(lambda: None, None, entry, show_progress="hidden", api_name=False)
         load.click(library.load_here, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode, wanted_mode],
@@ -383,6 +384,7 @@ def serve(args, lock: DataLock | None = None) -> int:
         torch.set_num_threads(args.threads)
     from app.session import load_pair, prepare_costs
     from app.store import remove_leftovers
+    from app.uploads import keep_private
 
     store_dir = data_dir()
     if lock is None:
@@ -390,6 +392,7 @@ def serve(args, lock: DataLock | None = None) -> int:
         if not lock.acquire():  # a second start (a double-click twice): the running one keeps the chats
             return tell_running(lock, store_dir, args.no_browser)
     remove_leftovers(store_dir)
+    keep_private()  # before the page is built
     engine = load_first(args, Store(store_dir).load_settings(), load_pair)
     prepare_costs(engine)
     runtime = Runtime(engine, max_waiting=args.max_queue, reuse=not args.no_kept_caches)

@@ -2,13 +2,17 @@
 optionally quantized: to 8 or 4 bits with bitsandbytes (the GPU path), or on
 CPUs to int4 or int8 with torch's kernels (models/int4.py, models/int8.py),
 which `auto` picks on CPUs: int4 for a Q4_1 GGUF (its own format), else int8
-where it is measured faster."""
+where it is measured faster. On GPUs `auto` picks bitsandbytes' 4bit where
+the weights, counted from their files' headers before loading, would leave
+too little of the GPU's memory free."""
 
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import logging
+import math
 import pickle
 import shutil
 import struct
@@ -44,6 +48,12 @@ DTYPES = {
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 log = logging.getLogger("kestrel")
+
+# auto keeps a model's weights unquantized on a GPU where they take at most this share of its free memory:
+# the rest holds the KV cache, the draft head, the output head's logits over the vocabulary for every tree
+# node, and the activations of tree passes
+GPU_WEIGHTS_SHARE = 0.8
+SAFETENSORS_HEADER_LIMIT = 100_000_000  # bytes: the longest header the safetensors library reads
 
 
 @dataclass
@@ -130,7 +140,10 @@ def load_base(
         else:
             location, revision = pinned_repo(source)
     q4_1 = quantization == "auto" and gguf is not None and _q4_1(gguf)
-    chosen = resolve_quantization(quantization, torch_device, torch_dtype, q4_1)
+    # bitsandbytes quantizes a Hugging Face folder or repo, not a GGUF file
+    weighed = quantization == "auto" and torch_device.type == "cuda" and gguf_file is None
+    room = gpu_room(torch_device, location, revision) if weighed else None
+    chosen = resolve_quantization(quantization, torch_device, torch_dtype, q4_1, room)
     if torch_device.type == "cpu" and torch_dtype == torch.float16:  # only asked for by name: auto never picks it on CPUs
         log.warning("float16 on a CPU runs without Kestrel's int4 and int8 kernels (and uncompiled, unless --compile on), "
                     "several times slower than bfloat16 or float32 here (--dtype auto picks the faster of those)")  # fmt: skip
@@ -176,11 +189,24 @@ def _q4_1(locate) -> bool:
         return False
 
 
-def resolve_quantization(quantization: str, device: torch.device, dtype: torch.dtype, q4_1_source: bool = False) -> str:
+@dataclass(frozen=True)
+class GpuRoom:
+    """What auto weighs before a Hugging Face folder or repo loads on a GPU."""
+
+    parameters: int | None  # the base model's, counted from its weights files' headers; None where they cannot be read
+    free: int  # bytes free on the GPU as the load starts (torch.cuda.mem_get_info)
+
+
+def resolve_quantization(
+    quantization: str, device: torch.device, dtype: torch.dtype, q4_1_source: bool = False, room: GpuRoom | None = None
+) -> str:
     """auto on CPUs computing in float32 or bf16: int4 for a Q4_1 GGUF where
     Kestrel's int4 kernel is built (it reads the GGUF's blocks exactly: the
     fastest kernel here), else int8 where the int8 kernel beats products in
-    `dtype` (a probe of a few milliseconds), else none; on GPUs none. torch's
+    `dtype` (a probe of a few milliseconds), else none. auto on GPUs: 4bit
+    where `room` says the weights in `dtype` would take more than
+    GPU_WEIGHTS_SHARE of the free memory and bitsandbytes imports, else none
+    (and none without `room`: a GGUF file). torch's
     own int4 kernel (where Kestrel's cannot be built) is only asked for by
     name: it holds each group's scale and minimum in bf16, which moves the
     weights further from the GGUF's than bf16 rounding does (about 0.5% per
@@ -191,6 +217,8 @@ def resolve_quantization(quantization: str, device: torch.device, dtype: torch.d
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if quantization == "auto":
+        if device.type == "cuda":
+            return gpu_choice(dtype, room)
         if dtype not in (torch.float32, torch.bfloat16):
             return "none"
         if q4_1_source and device.type == "cpu" and int4.own_kernel():
@@ -208,6 +236,129 @@ def resolve_quantization(quantization: str, device: torch.device, dtype: torch.d
                 f"{quantization} computes in float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
             )
     return quantization
+
+
+def gpu_choice(dtype: torch.dtype, room: GpuRoom | None) -> str:
+    """auto's choice on a GPU, said on one line."""
+    if room is None:
+        return "none"
+    choice, why = gpu_fit(dtype, room)
+    log.info(f"auto: {choice}{' (bitsandbytes)' if choice == '4bit' else ''}: {why}")
+    return choice
+
+
+def gpu_fit(dtype: torch.dtype, room: GpuRoom) -> tuple[str, str]:
+    """(none or 4bit, why) for weights of room.parameters in `dtype` on a GPU with room.free bytes free."""
+    if room.parameters is None:
+        return "none", "the weights' size could not be read from their files before loading, so they load as they are"
+    size = room.parameters * dtype.itemsize
+    weights = f"the {8 * dtype.itemsize}-bit weights, {size / 1e9:.1f} GB,"
+    if size <= GPU_WEIGHTS_SHARE * room.free:
+        return "none", f"{weights} fit the GPU's {room.free / 1e9:.1f} GB free with room to spare"
+    too_big = f"{weights} leave too little of the GPU's {room.free / 1e9:.1f} GB free"
+    if dtype == torch.float64:
+        return "none", f"{too_big}, and bitsandbytes' 4bit cannot compute in float64; loading may run out of memory"
+    if not bitsandbytes_importable():
+        return "none", f"{too_big}, and bitsandbytes, which would load them in 4 bits, does not import; loading may run out of memory"
+    return "4bit", too_big
+
+
+def bitsandbytes_importable() -> bool:
+    import importlib
+
+    quiet_libraries()  # before the import, which logs one of them
+    try:
+        importlib.import_module("bitsandbytes")
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_room(device: torch.device, location: str, revision: str | None) -> GpuRoom:
+    """The base model's parameters (a local folder's, or a repo id's, from the
+    HF cache or the hub's headers) and the memory free on `device` now."""
+    folder = Path(location)
+    parameters = folder_parameters(folder) if folder.is_dir() else hub_parameters(location, revision)
+    free, _ = torch.cuda.mem_get_info(device)
+    return GpuRoom(parameters, free)
+
+
+def safetensors_parameters(file: Path) -> int:
+    """The elements of every tensor in a safetensors file, from its header
+    alone: 8 bytes (little-endian) giving the header's length, then a JSON
+    object of name -> {dtype, shape, data_offsets}, and __metadata__."""
+    with open(file, "rb") as stream:
+        start = stream.read(8)
+        length = int.from_bytes(start, "little")
+        if len(start) < 8 or not 0 < length <= SAFETENSORS_HEADER_LIMIT:
+            raise ValueError(f"{file}: not a safetensors header")
+        header = json.loads(stream.read(length))
+    return sum(math.prod(tensor["shape"]) for name, tensor in header.items() if name != "__metadata__")
+
+
+def folder_parameters(folder: Path) -> int | None:
+    """A model folder's parameters, from the weights transformers would load:
+    model.safetensors, else the shards model.safetensors.index.json names
+    (their headers only), else pytorch_model*.bin, whose sizes over the bytes
+    per element config.json's torch_dtype gives count them approximately (a
+    pickle's framing, and a tensor saved in another dtype, are not told apart);
+    None where there are none or they cannot be read."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    try:
+        if single.is_file():
+            return safetensors_parameters(single)
+        if index.is_file():
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            return sum(safetensors_parameters(folder / shard) for shard in shards)
+        sizes = [file.stat().st_size for file in folder.glob("pytorch_model*.bin")]
+        return bin_parameters(sizes, folder / "config.json") if sizes else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a file cut short or not in its format: the load says which
+        return None
+
+
+def bin_parameters(sizes: list[int], config: Path) -> int:
+    """About how many parameters pytorch_model*.bin files of `sizes` bytes hold,
+    at the bytes per element of the torch_dtype `config` names (2 where it names none)."""
+    settings = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+    saved = (settings.get("torch_dtype") or settings.get("dtype")) if isinstance(settings, dict) else None
+    element = DTYPES[saved].itemsize if saved in DTYPES else 2
+    return sum(sizes) // element
+
+
+def hub_parameters(repo: str, revision: str | None) -> int | None:
+    """A repo's parameters: counted in the HF cache where its files are there,
+    else asked of the hub; None without a network, or where the hub does not
+    say (the load's own requests then say why)."""
+    import httpx2
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import SafetensorsParsingError
+
+    from models import hub
+
+    try:
+        cached = try_to_load_from_cache(repo, "config.json", revision=revision)
+        counted = folder_parameters(Path(cached).parent) if isinstance(cached, str) else None
+        if counted is not None or not hub.reachable():
+            return counted
+        hub.bound_requests()
+        return published_parameters(repo, revision)
+    except (OSError, ValueError, httpx2.HTTPError, SafetensorsParsingError):
+        return None
+
+
+def published_parameters(repo: str, revision: str | None) -> int | None:
+    """A hub repo's parameters, from its safetensors headers (kilobytes, not
+    the weights), else from its pytorch_model*.bin sizes; None where it has neither."""
+    from huggingface_hub import get_safetensors_metadata, hf_hub_download, model_info
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    try:
+        return sum(get_safetensors_metadata(repo, revision=revision).parameter_count.values())
+    except NotASafetensorsRepoError:
+        pass
+    files = model_info(repo, revision=revision, files_metadata=True).siblings or []
+    sizes = [file.size for file in files if fnmatch.fnmatch(file.rfilename, "pytorch_model*.bin") and file.size]
+    return bin_parameters(sizes, Path(hf_hub_download(repo, "config.json", revision=revision))) if sizes else None
 
 
 def check_folder(path: Path) -> None:
@@ -450,7 +601,8 @@ def saved_quantization(config, name: str, quantization: str, automatic: bool) ->
     quantized. Quantizing bitsandbytes' saved layers again would read their
     stored codes as weights and write noise, so a bitsandbytes checkpoint
     loads as it was saved (auto) or is refused naming the choice that fits;
-    methods that need kernels Kestrel does not install are refused."""
+    methods that need kernels Kestrel does not install are refused. Others
+    (fp8) load as transformers reads them, also where auto picked 4bit for a GPU."""
     saved = getattr(config, "quantization_config", None)
     if saved is None:
         return quantization, False
@@ -469,6 +621,8 @@ def saved_quantization(config, name: str, quantization: str, automatic: bool) ->
             f"{name}: its weights are saved quantized with {method}, whose kernels Kestrel does not run; choose the "
             "model's unquantized repo (Kestrel quantizes it itself: auto, int4, int8, 4bit or 8bit)"
         )
+    if automatic and quantization == "4bit":  # auto's pick for a GPU: such weights load as saved instead
+        return "none", False
     return quantization, False  # others transformers reads into the model's dtype (fp8 on CPUs)
 
 

@@ -1231,3 +1231,115 @@ def test_a_model_replaced_in_the_models_tab_is_freed_by_the_replace_itself(tiny_
         assert first() is None
     finally:
         gc.enable()
+
+
+def test_auto_on_a_gpu_loads_4bit_where_the_16_bit_weights_leave_too_little_free(monkeypatch, caplog):
+    """auto kept 16-bit weights on every GPU: Llama-3.1-8B (16 GB in bf16) on a
+    12 GB card ran out of memory after its download."""
+    import logging
+
+    from models import base
+    from models.base import GpuRoom, resolve_quantization
+
+    cuda, llama = torch.device("cuda"), 8_030_000_000
+    monkeypatch.setattr(base, "bitsandbytes_importable", lambda: True)
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        assert resolve_quantization("auto", cuda, torch.bfloat16, room=GpuRoom(llama, 11_800_000_000)) == "4bit"
+    assert caplog.messages[-1] == "auto: 4bit (bitsandbytes): the 16-bit weights, 16.1 GB, leave too little of the GPU's 11.8 GB free"
+    assert resolve_quantization("auto", cuda, torch.bfloat16, room=GpuRoom(llama, 24_000_000_000)) == "none"  # 16.1 of 24: fits
+    assert resolve_quantization("auto", cuda, torch.bfloat16, room=GpuRoom(llama, 20_000_000_000)) == "4bit"  # 16.1 > 80% of 20
+    assert resolve_quantization("auto", cuda, torch.float32, room=GpuRoom(llama // 2, 20_000_000_000)) == "4bit"  # 4 bytes each
+    assert resolve_quantization("auto", cuda, torch.bfloat16, room=None) == "none"  # a GGUF file: bitsandbytes does not take one
+    assert resolve_quantization("auto", cuda, torch.bfloat16, room=GpuRoom(None, 11_800_000_000)) == "none"  # size unknown
+    assert resolve_quantization("4bit", cuda, torch.bfloat16, room=GpuRoom(llama, 24_000_000_000)) == "4bit"  # asked for by name
+    fp8 = SimpleNamespace(quantization_config={"quant_method": "fp8"})  # saved quantized otherwise: loaded as saved
+    assert base.saved_quantization(fp8, "owner/fp8", "4bit", automatic=True) == ("none", False)
+    monkeypatch.setattr(base, "bitsandbytes_importable", lambda: False)
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        assert resolve_quantization("auto", cuda, torch.bfloat16, room=GpuRoom(llama, 11_800_000_000)) == "none"
+    assert "bitsandbytes, which would load them in 4 bits, does not import; loading may run out of memory" in caplog.messages[-1]
+
+
+def test_load_base_weighs_a_folder_s_weights_against_the_gpu_s_free_memory_and_a_gguf_s_not(tmp_path, monkeypatch, tiny_dir):
+    """What load_base hands auto on a GPU: the folder's parameters and the
+    memory free on that device, before anything loads; nothing for a GGUF file."""
+    from models import base
+    from models.base import folder_parameters
+
+    asked, chosen = [], []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return free, 10 * free
+
+    def load(location, gguf_file, name, quantization, *rest, **options):
+        chosen.append(quantization)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(base, "bitsandbytes_importable", lambda: True)
+    monkeypatch.setattr(base, "_load", load)
+    weights = folder_parameters(tiny_dir) * 2
+    for free, expected in ((weights, "4bit"), (2 * weights, "none")):
+        base.load_base(str(tiny_dir), "auto", "bfloat16", "cuda:1")
+        assert chosen[-1] == expected and asked[-1] == torch.device("cuda:1")
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"0")
+    free = 0
+    base.load_base(str(file), "auto", "bfloat16", "cuda")
+    assert chosen[-1] == "none" and len(asked) == 2  # not weighed
+
+
+def test_a_checkpoint_s_parameters_are_counted_from_its_safetensors_headers(tmp_path, tiny_dir):
+    """auto weighs the weights before they load: from the safetensors headers
+    alone (a single file or an index's shards), or pytorch_model*.bin sizes."""
+    from transformers import AutoModelForCausalLM
+
+    from models.base import folder_parameters, safetensors_parameters
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    expected = sum(parameter.numel() for parameter in model.parameters())
+    assert folder_parameters(tiny_dir) == expected
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    assert folder_parameters(sharded) == expected
+    whole = (tiny_dir / "model.safetensors").read_bytes()
+    header_only = tmp_path / "cut.safetensors"  # the weights themselves are never read
+    header_only.write_bytes(whole[: 8 + int.from_bytes(whole[:8], "little")])
+    assert safetensors_parameters(header_only) == expected
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((tiny_dir / "config.json").read_text())
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    assert expected <= folder_parameters(pickled) < 1.05 * expected  # float32 (config.json's torch_dtype), and the zip's framing
+    (sharded / "model-00002-of-00004.safetensors").write_bytes(b"\x00" * 4)  # a shard cut short: unknown
+    assert folder_parameters(sharded) is None and folder_parameters(tmp_path) is None
+
+
+def test_a_hub_repo_s_parameters_come_from_the_cache_else_the_hub_s_headers(monkeypatch, tiny_dir):
+    import huggingface_hub
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    from models import hub
+    from models.base import folder_parameters, hub_parameters
+
+    cached = {"owner/cached": str(tiny_dir / "config.json")}
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name, revision=None: cached.get(repo))
+    monkeypatch.setattr(hub, "reachable", lambda: False)
+    assert hub_parameters("owner/cached", None) == folder_parameters(tiny_dir)
+    assert hub_parameters("owner/other", None) is None  # no network: the load says so
+
+    def headers(repo, revision=None):
+        if repo == "owner/bin":
+            raise NotASafetensorsRepoError("no safetensors")
+        return SimpleNamespace(parameter_count={"BF16": 7_000, "F32": 30})
+
+    files = [SimpleNamespace(rfilename=f"pytorch_model-0000{i}-of-00002.bin", size=2_000) for i in (1, 2)]
+    monkeypatch.setattr(hub, "reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", headers)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo, revision=None, files_metadata=False: SimpleNamespace(siblings=files))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, revision=None: str(tiny_dir / "config.json"))
+    assert hub_parameters("owner/other", None) == 7_030
+    assert hub_parameters("owner/bin", None) == 4_000 // 4  # the tiny model's config.json: float32

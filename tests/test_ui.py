@@ -7,9 +7,11 @@ import html
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -884,6 +886,27 @@ def test_benchmark_button(engine, tmp_path):
     upload.write_text('{"turns": ["w1"]}\n')
     *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 3, False, None, *values(max_new_tokens=8), progress=no_progress)
     assert notice.endswith("of the prompts. The file holds 1 prompt; it was run.")
+    elsewhere = Path(tempfile.mkdtemp()) / "elsewhere.jsonl"  # named by a client, never uploaded: not read
+    elsewhere.write_text('{"turns": ["w1"]}\n')
+    *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(elsewhere), 1, False, None, *values(max_new_tokens=8), progress=no_progress)
+    assert "elsewhere.jsonl was not uploaded through the page" in notice
+
+
+def test_gradio_s_copies_of_uploads_and_exports_are_kept_in_a_folder_of_the_user_s_own(tmp_path, monkeypatch):
+    """Not /tmp/gradio, where Gradio's copies kept their 0644 mode in folders
+    any user of the machine could open."""
+    from app import uploads
+
+    monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("GRADIO_TEMP_DIR")
+    uploads.keep_private()
+    folder = tmp_path / "cache" / uploads.FOLDER
+    assert os.environ["GRADIO_TEMP_DIR"] == str(folder) and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert uploads.uploaded(folder / "abc" / "chat.json") and not uploads.uploaded(tmp_path / "chat.json")
+    assert not uploads.uploaded(folder / ".." / "chat.json")
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "mine"))  # the user's own choice stands
+    uploads.keep_private()
+    assert os.environ["GRADIO_TEMP_DIR"] == str(tmp_path / "mine")
 
 
 def tab(name: str) -> SimpleNamespace:
@@ -1270,7 +1293,13 @@ def test_a_message_sent_while_the_model_runs_something_else_says_it_waits(handle
 def test_an_exported_chat_is_imported_as_a_chat_of_its_own_and_shown(handlers, store, tmp_path):
     chat = list(handlers.send("w1", new_chat(), "w2", *values(max_new_tokens=4)))[-1][2]
     chat = handlers.rename("my chat", chat)[0]
-    (_, data), _ = handlers.export(chat)
+    (_, exported), _ = handlers.export(chat)
+    # only a file uploaded through the page: Gradio checks no path a client names in an app it did not launch
+    refused = handlers.import_chat(exported, new_chat(), True)
+    assert refused[-1] == chat_module.notice_html(f"{Path(exported).name} was not uploaded through the page; nothing was imported.")
+    assert len(store.list_chats()) == 1
+    data = str(tmp_path / Path(exported).name)  # as Gradio keeps an upload
+    shutil.copy(exported, data)
     # its own id is taken (the chat is still saved here): a new one, and the saved chat is left as it is
     shown, imported, system, stats, _, _, listed, notice = handlers.import_chat(data, new_chat(), True)
     assert imported["id"] != chat["id"] and imported["messages"] == store.load_chat(chat["id"])["messages"]
@@ -3084,12 +3113,72 @@ def test_a_catalog_entry_that_does_not_fit_warns_when_picked(monkeypatch):
     assert "only just" in library.fit_warning(llama, (8.0, "GPU X"), None)  # 7.4 GB of 8: tight
     assert library.fit_warning(llama, (12.0, "GPU X"), None) == ""
     assert library.fit_warning(llama, (None, "unknown memory"), 4) == ""  # nothing to say
-    monkeypatch.setattr(library, "detected_memory", lambda: (24.0, "system RAM"))
-    monkeypatch.setattr(library, "cpu_weight_bytes", lambda: 4)
+    monkeypatch.setattr(library, "detected_memory", lambda device: (24.0, "system RAM"))
+    monkeypatch.setattr(library, "cpu_weight_bytes", lambda device: 4)
     handlers = LibraryHandlers(None, Path("heads"))
     model, head, notice = handlers.pick(llama.name)
     assert (model, head) == (llama.base, llama.head) and "run out of memory" in notice
     assert handlers.pick(catalog.CATALOG[0].name)[2] == ""  # the bundled model fits: the notice is cleared
+
+
+def test_a_catalog_entry_s_fit_is_weighed_at_the_chosen_quantization():
+    """The warning weighed 4 bits alone, also where quantization none loads 16-bit
+    weights; auto on a GPU loads 16 bits where they fit (models/base.py), 4 elsewhere."""
+    from app import library
+
+    llama = catalog.find("Llama-3.1-8B-Instruct (EAGLE-3)")
+    gpu = (12.0, "GPU X")
+    assert library.fit_warning(llama, gpu, None, "auto") == ""  # 4 bits: 7.4 GB
+    assert library.fit_warning(llama, gpu, None, "none").startswith("Llama-3.1-8B-Instruct (EAGLE-3) needs about 17.9 GB at 16 bits, more")
+    assert "about 10.9 GB at 8 bits: it fits the 12.0 GB of GPU X only just" in library.fit_warning(llama, gpu, None, "8bit")
+    assert "17.9 GB at 16 bits: it fits the 21.0 GB" in library.fit_warning(llama, (21.0, "GPU X"), None, "auto")  # 16.1 <= 80% of 21
+    assert library.fit_warning(llama, (20.0, "GPU X"), None, "auto") == ""  # 16.1 > 80% of 20: 4 bits
+    on_cpu = library.fit_warning(llama, (24.0, "system RAM"), 4, "none")
+    assert "about 17.9 GB at 16 bits, and loading on this CPU peaks at about 34.8 GB" in on_cpu
+    assert "at 4 bits" in library.fit_warning(llama, (24.0, "system RAM"), 4, "auto")
+
+
+def test_the_models_tab_weighs_the_memory_of_the_device_models_load_on(monkeypatch):
+    """detected_memory read GPU 0 and cpu_weight_bytes gave None wherever CUDA
+    was, whatever `ui --device` chose (cpu on a GPU machine, cuda:1)."""
+    from app import library
+
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return SimpleNamespace(total_memory=(24e9 if index == 1 else 12e9), name=f"card {index}")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(library, "system_memory_gb", lambda: 24.0)
+    monkeypatch.setattr(library, "cpu_has_native_bf16", lambda: False)
+    cpu = torch.device("cpu")
+    assert library.detected_memory(cpu) == (24.0, "system RAM (models load on the CPU)") and library.cpu_weight_bytes(cpu) == 4
+    assert library.detected_memory(torch.device("cuda:1")) == (24.0, "GPU card 1") and asked == [1]
+    assert library.cpu_weight_bytes(torch.device("cuda:1")) is None
+    assert library.detected_memory(torch.device("cuda")) == (12.0, "GPU card 0") and asked == [1, 0]
+    llama = catalog.find("Llama-3.1-8B-Instruct (EAGLE-3)")
+    notice = LibraryHandlers(None, Path("heads"), "cpu").pick(llama.name)[2]
+    assert "loading on this CPU peaks at about 34.8 GB, more than the 24.0 GB of system RAM (models load on the CPU)" in notice
+    assert LibraryHandlers(None, Path("heads"), "cuda:1").pick(llama.name, "none")[2] == ""  # 17.9 GB of 24
+    assert "more than the 12.0 GB of GPU card 0" in LibraryHandlers(None, Path("heads"), "cuda").pick(llama.name, "none")[2]
+
+
+def test_the_models_tab_says_the_memory_of_the_device_ui_was_started_on(monkeypatch, tmp_path):
+    """`ui --device cpu` on a machine with a GPU: the tab weighed the GPU's memory."""
+    from app import library
+    from app.ui import build_app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(library, "system_memory_gb", lambda: 24.0)
+    demo = build_app(Runtime(None), tmp_path / "data", device="cpu")
+    said = [block.value for block in demo.blocks.values() if isinstance(block, gr.Markdown) and "Detected memory" in str(block.value)]
+    assert len(said) == 1 and "**24.0 GB** of system RAM (models load on the CPU)" in said[0] and "On this CPU a model loads" in said[0]
+    picked = [event for event in demo.fns.values() if getattr(event.fn, "__name__", "") == "pick"]
+    assert [block.label for block in picked[0].inputs] == ["Catalog entry", "Quantization"]  # the fit weighed at the chosen one
 
 
 def test_catalog_estimates_keep_the_embedding_at_16_bits():
