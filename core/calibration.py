@@ -13,6 +13,7 @@ estimate is the confidence; with many it is the measured rate."""
 from __future__ import annotations
 
 import bisect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -191,12 +192,17 @@ class Calibrations:
         self.tables: dict[tuple, Calibration] = {}
         self.continuations: dict[tuple, Continuation] = {}
         self.timing = DraftTiming()
+        # the page's calibration plot reads a table from its own thread while a decoding takes it: without
+        # the lock both could make the table anew (one's learning lost), or delete the same oldest one (KeyError)
+        self._lock = threading.Lock()
 
     def get(self, kind: str, setting: tuple) -> Calibration:
-        return _recent(self.tables, (kind, setting), Calibration)
+        with self._lock:
+            return _recent(self.tables, (kind, setting), Calibration)
 
     def continuation(self, setting: tuple) -> Continuation:
-        return _recent(self.continuations, setting, Continuation)
+        with self._lock:
+            return _recent(self.continuations, setting, Continuation)
 
 
 SETTINGS_KEPT = 32  # calibrations kept per kind of node, the most recently used: every setting an API client sends makes one

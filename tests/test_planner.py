@@ -639,3 +639,34 @@ def test_a_cost_file_nested_past_the_parser_s_depth_is_named_and_measured_again(
     caplog.clear()
     Engine(base, random_head(base.model)).prepare_costs()  # measured again and saved: read back silently
     assert len(measured) == 2 and not caplog.records
+
+
+def test_a_calibration_taken_from_two_threads_at_once_is_one_table():
+    """The page's calibration plot takes a table from its thread while a
+    decoding takes it from another: both made it anew (what it had learned
+    lost), or deleted the same oldest table (KeyError)."""
+    import sys
+    import threading
+
+    calibrations, setting, seen, failed = Calibrations(), ("greedy",), set(), []
+    first = calibrations.get("head", setting)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def take():
+        try:
+            for n in range(100_000):
+                seen.add(id(calibrations.get("head", setting)))
+                calibrations.get("head", ("top_p", n % 100))  # past SETTINGS_KEPT: the oldest go
+        except Exception as error:
+            failed.append(repr(error))
+
+    try:
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failed == [] and seen == {id(first)} and calibrations.get("head", setting) is first
