@@ -30,7 +30,7 @@ from core.tree import make_tree, shallower
 from core.tree_check import rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logit_form, logits_of, next_logits, verify_tree
 from models import int4, int8
-from models.base import LoadedModel
+from models.base import LoadedModel, out_of_memory
 from models.bundled import BUNDLED_HEAD, cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead, HeadCache
@@ -182,6 +182,19 @@ class Engine:
         eager (core/compiled.py), one whose graphs fail to capture decodes eagerly."""
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"unknown compile setting {compile!r}; choose one of {', '.join(COMPILE_CHOICES)}")
+        try:
+            self._set_up(base, head, head_name, compile)
+        except Exception as error:  # the self-checks' passes and the weights' packed copies take memory beyond the model's
+            if isinstance(error, KestrelError) or not out_of_memory(error):
+                raise
+            smaller = " or 4-bit weights" if base.quantization not in ("4bit", "int4") else ""
+            raise OutOfMemoryError(
+                f"{base.name}: not enough memory to prepare the loaded model for decoding; free some (close other programs) "
+                f"or choose a smaller model{smaller}"
+            ) from error
+
+    def _set_up(self, base: LoadedModel, head: DraftHead | None, head_name: str | None, compile: str) -> None:
+        """The engine's parts for `base` and `head`, as __init__ describes."""
         self.base = base
         self.head = head
         self.head_name = head_name if head is not None else None  # where the head came from, for display
@@ -226,6 +239,7 @@ class Engine:
             with self.capture.during():  # captured layers start compiled segments of their own: compile those now
                 self.compiled.warm()
         self.costs: costs.Costs | None = None  # this device's step costs, measured or read from the cache on first need
+        self._costs_graphed = self._passes_graphed()  # whether self.costs are those of graphed passes
         self.calibrations = Calibrations()  # acceptance by draft confidence, learned over every request
         self._kept: list[_Kept] = []  # the caches of requests made with reuse (`stream`), the latest first
 
@@ -304,16 +318,28 @@ class Engine:
         this device, model, head (and their files' contents), dtype,
         quantization and thread count, else measured (a few seconds) and
         cached; while another process measures, its table is waited for and
-        read. None without a head."""
+        read. Graphs given up (core/graphs.py), while measuring or after, the
+        table of eager passes. None without a head."""
         if self.head is None or self.speculation_problem() is not None:
             return None
-        if self.costs is not None and not remeasure:
+        if self.costs is not None and not remeasure and self._costs_graphed == self._passes_graphed():
             return self.costs
+        found = self._read_or_measure_costs(progress, remeasure)
+        if found is None:  # graphs given up while measuring: the eager passes' table
+            found = self._read_or_measure_costs(progress, remeasure)
+        self.costs, self._costs_graphed = found, self._passes_graphed()
+        return found
+
+    def _read_or_measure_costs(self, progress: costs.Progress | None, remeasure: bool) -> costs.Costs | None:
+        """The cached step costs of the passes as they run now, else measured
+        and cached; None where graphs were given up while measuring (a
+        capture ran out of memory, say): that table is partly eager."""
+        graphed = self._passes_graphed()
         base = self.base
         head = str(BUNDLED_HEAD) if self.head_name == "bundled" else self.head_name
         key = costs.cache_key(
             base.device, costs.where(base.name), costs.where(self.head_name), base.dtype, base.quantization,
-            compiled=self.compiled is not None, graphs=self.graphed is not None and self.graphed.problem is None, row_kernel=self._row_kernel(),
+            compiled=self.compiled is not None, graphs=graphed, row_kernel=self._row_kernel(),
             int4_kernel=int4.kernel_of(self.model), draft_kernel=self._draft_kernel(), screen=self._screen_route(),
             model_contents=costs.contents(base.name), head_contents=costs.contents(head),
         )  # fmt: skip
@@ -327,12 +353,17 @@ class Engine:
                     found = costs.measure(
                         self.model, self.argmax, lambda: self._drafter("eagle2", TreeParams(16)), self.context_limit, progress, self._sample_text()
                     )
+                    if graphed and not self._passes_graphed():
+                        return None
                     try:
                         costs.save_cached(folder, key, found)
                     except OSError as error:  # a read-only cache: measured again next start
                         log.warning(f"The measured step costs could not be cached ({error})")
-        self.costs = found
         return found
+
+    def _passes_graphed(self) -> bool:
+        """Whether the base model's passes run through core/graphs.py (captured or not) and it has not given up."""
+        return self.graphed is not None and self.graphed.problem is None
 
     def _sample_text(self) -> list[int] | None:
         """Token ids of ordinary text for measuring step costs: the passages of
@@ -351,8 +382,13 @@ class Engine:
         self._use_exact(True)
         try:
             exact = rows_differing(self.model) == 0
-        except Exception:  # NotImplementedError: an attention feature the row-invariant one does not model; any
-            exact = False  # other: a forward that takes no tree mask (Falcon's ALiBi), vanilla only as it was
+        except Exception as error:
+            if out_of_memory(error):  # says nothing of the attention
+                self._use_exact(False)
+                raise
+            # NotImplementedError: an attention feature the row-invariant one does not model; any
+            # other: a forward that takes no tree mask (Falcon's ALiBi), vanilla only as it was
+            exact = False
         if not exact:
             self._use_exact(False)
         self.argmax.row_by_row = exact  # unscreened greedy choices then take one lm_head row at a time
@@ -449,19 +485,21 @@ class Engine:
         started = time.perf_counter()
         drafter = self._drafter(mode, tree, sampling)
         check_prompt(self, prompt_ids)  # a refused prompt takes no kept caches
-        kept, first = self._take_kept(prompt_ids, drafter is not None) if reuse else (None, 0)
-        passive = drafter is None and reuse and self._drafting_ready(kept, first)
-        if passive:  # vanilla keeps the head's pairs for the next turn (it never drafts): a drafting turn after it reads only what is new
-            drafter = Drafter(self.draft_head, self.model, tree, None, self.vocabulary)
-        run = _Run(self, list(prompt_ids), drafter, sampling, kept, first, passive, continues, started)
         whole = False  # whether the caches hold what run.kept() describes: not after an error inside a forward
         try:
+            kept, first = self._take_kept(prompt_ids, drafter is not None) if reuse else (None, 0)  # copying may run out of memory
+            passive = drafter is None and reuse and self._drafting_ready(kept, first)
+            if passive:  # vanilla keeps the head's pairs for the next turn (it never drafts): a drafting turn after it reads only what is new
+                drafter = Drafter(self.draft_head, self.model, tree, None, self.vocabulary)
+            run = _Run(self, list(prompt_ids), drafter, sampling, kept, first, passive, continues, started)
             yield from _steps(run, cancel, reading)
             whole = True
         except GeneratorExit:  # closed at a yield, between forwards
             whole = True
             raise
-        except torch.OutOfMemoryError as error:
+        except Exception as error:
+            if isinstance(error, KestrelError) or not out_of_memory(error):
+                raise
             self._kept = []  # kept caches too: their memory goes back
             weights = "" if self.base.quantization in ("4bit", "int4") else " 4-bit weights,"
             raise OutOfMemoryError(

@@ -50,6 +50,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from core import attention, kv_cache
 from core.compiled import decoder_problem, loop_difference  # the compiled layers run the same loop
+from models.base import out_of_memory
 
 NAME = "kestrel_graphs"
 ATTRIBUTE = "_kestrel_graphs"  # on the model: its Graphed form
@@ -143,12 +144,17 @@ class Graphed:
 
     def __init__(self, model, capture: bool):
         self.model, self.capture = model, capture
+        # CUDA calls act on the current device, which each thread keeps apart and nothing sets to the
+        # model's: capture and replay run with this one current, or a model on cuda:1 records nothing
+        self.device = model.get_input_embeddings().weight.device
         self.decoder = model.get_decoder()
         self.layers = tuple(self.decoder.layers)
         self.hookable = (*self.layers, self.decoder.norm)  # the modules whose inputs core/capture.py may keep
         self.previous = model.config._attn_implementation
         self.entries: OrderedDict[tuple, _Static] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # warm-up and capture: torch.cuda.graph's own stream is made once, on the device current then
+        self.stream = torch.cuda.Stream(self.device) if capture else None
         self.warmed: set[int] = set()  # row counts run once before their first capture
         self.problem: str | None = None  # why graphs were given up, once they were
         self.captures, self.capture_seconds = 0, 0.0  # graphs captured, and the time it took
@@ -175,11 +181,13 @@ class Graphed:
         if fresh and self.capture:
             try:
                 self._capture(static, keys, values, hooked)
-            except Exception as error:  # a kernel that cannot be captured, say: eager from now on
-                self.give_up(f"capturing a CUDA graph failed ({type(error).__name__}: {str(error)[:200]})")
+            except Exception as error:  # a kernel that cannot be captured, or no memory for the graph: eager from now on
+                failed = "ran out of memory" if out_of_memory(error) else "failed"
+                self.give_up(f"capturing a CUDA graph {failed} ({type(error).__name__}: {str(error)[:200]})")
                 return None
         if self.capture:
-            static.graph.replay()
+            with torch.cuda.device(self.device):
+                static.graph.replay()
             out = static.out
         else:
             out = self._static_forward(static, keys, values, hooked)
@@ -215,17 +223,17 @@ class Graphed:
     def _capture(self, static: _Static, keys, values, hooked) -> None:
         start = time.perf_counter()
         rows = len(static.tokens)
-        if rows not in self.warmed:  # libraries set themselves up on a first call, which a capture must not see
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._static_forward(static, keys, values, hooked)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.warmed.add(rows)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA call meanwhile (the page freeing cached memory, say) does not break it
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            static.out = self._static_forward(static, keys, values, hooked)
+        with torch.cuda.device(self.device):
+            if rows not in self.warmed:  # libraries set themselves up on a first call, which a capture must not see
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    self._static_forward(static, keys, values, hooked)
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+                self.warmed.add(rows)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA call meanwhile (the page freeing cached memory, say) does not break it
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                static.out = self._static_forward(static, keys, values, hooked)
         static.graph = graph
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
@@ -278,7 +286,8 @@ def graph_model(model, capture: bool = True) -> Graphed | None:
     """Run `model`'s steps and tree passes as static passes (captured as CUDA
     graphs where `capture`) from now on. -> the Graphed model, or None (left
     eager, with a logged reason) where its decoder is not the loop this
-    module runs."""
+    module runs. Memory running out during the check is raised: it says
+    nothing of the decoder."""
     problem = _layout_problem(model)
     graphed = None
     if problem is None:
@@ -288,6 +297,9 @@ def graph_model(model, capture: bool = True) -> Graphed | None:
         try:
             problem = _loop_problem(graphed)
         except Exception as error:  # a decoder the check cannot even run: eager, as for any other problem
+            if out_of_memory(error):  # says nothing of the decoder: the caller's to report
+                ungraph(graphed)
+                raise
             problem = f"the static pass's check failed ({type(error).__name__}: {str(error)[:200]})"
     if problem is not None:
         if graphed is not None:

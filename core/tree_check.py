@@ -14,6 +14,7 @@ from core.attention import BLOCK
 from core.tree import make_tree
 from core.verify import base_forward, logits_of, next_logits, verify_tree
 from models import int8
+from models.base import out_of_memory
 
 # Largest allowed root-mean-square difference between tree and sequential
 # logits, relative to the spread (standard deviation) of the sequential logits,
@@ -66,12 +67,16 @@ def tree_mismatch(model) -> float:
 
 
 def tree_problem(model) -> str | None:
-    """Why this model cannot verify draft trees, or None when it passes."""
+    """Why this model cannot verify draft trees, or None when it passes.
+    Memory running out during the check is raised: it says nothing of the
+    model's attention."""
     dtype = int8.compute_dtype(model)
     tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     try:
         mismatch = tree_mismatch(model)
     except Exception as error:  # an attention that refuses 4D masks or position ids
+        if out_of_memory(error):
+            raise
         return f"the model failed the tree-attention self-check ({type(error).__name__}: {error})"
     if not mismatch <= tolerance:
         return (

@@ -530,3 +530,53 @@ def test_the_time_to_first_token_counts_copying_the_kept_caches(tiny_base, monke
     assert copies and steps[0].stats.reused_tokens == len(prompt) - 5
     assert steps[0].stats.time_to_first_token >= 0.3 and steps[-1].stats.seconds >= 0.3
     assert steps[-1].stats.tokens_per_s <= 4 / 0.3
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes")])  # fmt: skip
+def test_running_out_of_memory_copying_kept_caches_drops_them(tiny_base, monkeypatch, error):
+    """Copying a kept conversation's caches (a message edited before the
+    last) runs out of memory: Kestrel's error says so, the kept caches go
+    (their memory back, and the next request does not copy them again),
+    and the next request decodes."""
+    from core import kv_cache as kv_cache_module
+    from models.errors import OutOfMemoryError
+
+    engine = Engine(tiny_base)
+    prompt, sampling = list(range(8, 40)), SamplingParams(max_new_tokens=4)
+    edited = prompt[:-4] + [9, 10, 11]
+    reference = tokens_of(engine.stream(edited, "vanilla", sampling))
+    list(engine.stream(prompt, "vanilla", sampling, reuse=True))
+    assert engine.kept_conversations
+
+    def no_memory(cache, model, length):
+        raise error
+
+    monkeypatch.setattr(kv_cache_module, "copy_prefix", no_memory)
+    with pytest.raises(OutOfMemoryError, match="out of memory while decoding"):
+        list(engine.stream(edited, "vanilla", sampling, reuse=True))
+    assert not engine.kept_conversations
+    assert tokens_of(engine.stream(edited, "vanilla", sampling, reuse=True)) == reference
+
+
+@pytest.mark.parametrize("check", ["tree_mismatch", "rows_differing"])
+def test_running_out_of_memory_in_a_self_check_is_no_failed_check(tiny_base, monkeypatch, check):
+    """Memory running out during a load-time self-check (the tree masks',
+    the row-invariant attention's) says nothing of the model's attention:
+    the engine's load fails with Kestrel's out-of-memory error, rather than
+    speculation or exactness being turned off for a reason that is not so."""
+    from core import engine as engine_module
+    from core import tree_check
+    from models.errors import OutOfMemoryError
+
+    def no_memory(model):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(tree_check if check == "tree_mismatch" else engine_module, check, no_memory)
+    if check == "tree_mismatch":
+        with pytest.raises(torch.OutOfMemoryError):
+            tree_check.tree_problem(tiny_base.model)
+    with pytest.raises(OutOfMemoryError, match="not enough memory to prepare the loaded model for decoding"):
+        Engine(tiny_base, random_head(tiny_base.model))
+    monkeypatch.undo()
+    assert Engine(tiny_base, random_head(tiny_base.model)).speculation_problem() is None

@@ -3,14 +3,17 @@ the cache's buffers and a mask over their whole capacity compute what eager
 passes compute. Checked on CPUs without capture, in float64; the capture
 itself needs a CUDA GPU."""
 
+import json
+
 import pytest
 import torch
 
-from core import compiled, graphs, kv_cache
+from core import compiled, costs, graphs, kv_cache
 from core.config import SamplingParams, TreeParams
 from core.engine import Engine
 from core.verify import base_forward
 from models.base import load_base
+from models.errors import OutOfMemoryError
 from tests.factory import decodes_as, random_eagle3_head, random_head, save_tiny_model, tokens_of
 
 
@@ -144,6 +147,150 @@ def test_an_engine_made_again_follows_its_compile_setting(tiny_folder):
         last = Engine(base, compile="graphs")
         assert last.compiled is None and compiled.of(base.model) is None and last.graphed is graphs.of(base.model)
         assert base.model.config._attn_implementation == graphs.NAME
+
+
+class FakeCuda:
+    """torch.cuda's calls that capture and replay make, for a CPU: CUDA acts
+    on the thread's current device, so each call here notes the device
+    current when it acts. torch.cuda.graph's own capture stream is made once,
+    on the device current at its first use: here cuda:0, current at start."""
+
+    def __init__(self, monkeypatch):
+        self.current = torch.device("cuda", 0)
+        self.seen: list[tuple[str, torch.device]] = []  # (what, the device current then)
+        fake = self
+
+        class Device:  # torch.cuda.device
+            def __init__(self, device):
+                self.device = torch.device(device)
+
+            def __enter__(self):
+                self.outer, fake.current = fake.current, self.device
+
+            def __exit__(self, *exc):
+                fake.current = self.outer
+
+        class Stream:
+            def __init__(self, device=None):
+                self.device = fake.current if device is None else torch.device(device)
+
+            def wait_stream(self, other):
+                pass
+
+        class StreamContext(Device):  # torch.cuda.stream: its stream's device becomes current
+            def __init__(self, stream):
+                super().__init__(stream.device)
+
+            def __enter__(self):
+                super().__enter__()
+                fake.seen.append(("stream", fake.current))
+
+        class Graph:  # torch.cuda.CUDAGraph
+            def replay(self):
+                fake.seen.append(("replay", fake.current))
+
+        default_stream = Stream()
+
+        class Capture(StreamContext):  # torch.cuda.graph
+            def __init__(self, graph, pool=None, stream=None, capture_error_mode="global"):
+                super().__init__(stream or default_stream)
+
+            def __enter__(self):
+                super().__enter__()
+                fake.seen.append(("capture", fake.current))
+
+        for name, value in dict(
+            device=Device, Stream=Stream, stream=StreamContext, CUDAGraph=Graph, graph=Capture,
+            graph_pool_handle=lambda: (0, 1), current_stream=lambda device=None: Stream(device),
+        ).items():  # fmt: skip
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_graphs_are_captured_and_replayed_with_the_model_s_device_current(tiny_folder, monkeypatch):
+    """A model on cuda:1 whose graphs were captured with cuda:0 current (as
+    on a decoding thread, where nothing set it) recorded none of its kernels:
+    replays did nothing and repeated the first step's output. The model here
+    (on the CPU) stands for one on a device that is not the current one."""
+    cuda = FakeCuda(monkeypatch)
+    model = load_base(str(tiny_folder), dtype="float64").model
+    graphed = graphs.graph_model(model, capture=True)
+    try:
+        cache = kv_cache.new_cache(model)
+        base_forward(model, torch.arange(8, 20), torch.arange(12), None, cache)
+        base_forward(model, torch.tensor([9]), torch.tensor([12]), None, cache)  # captured, then replayed
+        base_forward(model, torch.tensor([10]), torch.tensor([13]), None, cache)  # replayed
+    finally:
+        graphs.ungraph(graphed)
+    assert graphed.captures == 1 and [what for what, _ in cuda.seen] == ["stream", "stream", "capture", "replay", "replay"]
+    assert all(device == model.device for _, device in cuda.seen), cuda.seen  # the warm-up's stream, the capture's, the replays
+    assert cuda.current == torch.device("cuda", 0)  # as it was
+
+
+def test_graphs_given_up_while_costs_are_measured_leave_the_eager_passes_table(tiny_dir, monkeypatch, tmp_path):
+    """A capture that runs out of memory part-way through measuring step
+    costs gives graphs up: that table (partly graphed) is cached under no
+    key, the eager passes' table is measured and cached, and the engine
+    plans with it. Graphs given up after a graphed table: the eager one again."""
+    monkeypatch.setenv("KESTREL_COSTS_DIR", str(tmp_path))
+    FakeCuda(monkeypatch)  # replays run under torch.cuda.device
+    captures, fail_at = [], [4]  # the 8-row pass's capture (1, 2, 4, 8, ... rows measured in turn)
+
+    class Replay:  # a CPU's stand-in for a captured graph: replaying runs the static pass
+        def __init__(self, run):
+            self.replay = run
+
+    def capture(graphed, static, keys, values, hooked):
+        captures.append(len(static.tokens))
+        if len(captures) == fail_at[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+        def run():
+            static.out = graphed._static_forward(static, keys, values, hooked)
+
+        run()
+        static.graph = Replay(run)
+
+    measured, measure = [], costs.measure
+    monkeypatch.setattr(costs, "measure", lambda *args: measured.append(1) or measure(*args))
+    monkeypatch.setattr(graphs.Graphed, "_capture", capture)
+
+    def graphed_engine():
+        base = load_base(str(tiny_dir), dtype="float64")
+        engine = Engine(base, random_head(base.model, seed=1), compile="graphs")
+        engine.graphed.capture = True
+        return engine
+
+    def cached():
+        saved = [json.loads(path.read_text()) for path in tmp_path.glob("costs-*.json")]
+        return {entry["key"]["graphs"]: costs.Costs.from_dict(entry["costs"]) for entry in saved}
+
+    engine = graphed_engine()
+    table = engine.prepare_costs()
+    assert captures == [1, 2, 4, 8] and "ran out of memory" in engine.graphed.problem and not engine.graphs_in_use
+    assert len(measured) == 2 and cached() == {False: table} and engine.costs == table
+    fail_at[0] = 0  # no capture fails
+    later = graphed_engine()
+    graphed_table = later.prepare_costs()
+    assert len(measured) == 3 and later.graphs_in_use and cached() == {False: table, True: graphed_table}
+    later.graphed.give_up("capturing a CUDA graph ran out of memory")  # as a later conversation's capture may
+    assert later.prepare_costs() == table and later.costs == table and len(measured) == 3
+
+
+def test_running_out_of_memory_in_the_static_pass_check_fails_the_load(tiny_folder, monkeypatch):
+    """Memory running out while the static pass is checked at load says
+    nothing of the decoder: raised (the engine's load fails with Kestrel's
+    out-of-memory error), the model left as it was."""
+
+    def no_memory(graphed):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(graphs, "_loop_problem", no_memory)
+    base = load_base(str(tiny_folder), dtype="float64")
+    with pytest.raises(torch.OutOfMemoryError):
+        graphs.graph_model(base.model, capture=False)
+    assert graphs.of(base.model) is None and base.model.config._attn_implementation != graphs.NAME
+    with pytest.raises(OutOfMemoryError, match="not enough memory to prepare the loaded model"):
+        Engine(base, compile="graphs")
 
 
 def test_rows_are_padded_to_the_next_count():
