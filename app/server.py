@@ -3,9 +3,12 @@ one port, behind the access rules a local server owes its user.
 
 - Loopback by default; the Host header must name this machine, so that a web
   page cannot reach the server through a rebound DNS name.
-- A request that a browser makes from another site (its Origin header) is
-  refused unless that origin was allowed with --allow-origin; another origin
-  reads only its refusal, which names the option.
+- A /v1 request that a browser makes from another site (its Origin header) is
+  refused unless that origin was allowed with --allow-origin (or is the page's,
+  --page-origin); another origin reads only its refusal, which names the option.
+- The page's routes take requests from the page itself only: this machine's
+  names at this port, the address reached (with --listen), or an address given
+  with --page-origin (behind a proxy).
 - With an API key, every /v1 call needs `Authorization: Bearer KEY`."""
 
 from __future__ import annotations
@@ -62,14 +65,16 @@ class Access:
     api_key: str | None = None  # required as a Bearer token on /v1 when set
     allow_origins: tuple[str, ...] = ()  # other sites' pages that may call /v1 (CORS)
     allow_hosts: tuple[str, ...] = ()  # other names this computer is reached by (--allow-host host.docker.internal), lower case
+    page_origins: tuple[str, ...] = ()  # the page's own addresses behind a proxy (--page-origin https://chat.example), http(s)
 
     @property
     def loopback(self) -> bool:
         return self.host == LOCALHOST
 
     def allows(self, origin: str) -> bool:
-        """Whether --allow-origin named `origin`, itself or by its scheme (moz-extension://*; null only as itself)."""
-        if origin in self.allow_origins:
+        """Whether `origin` may call /v1: named with --allow-origin, itself or by its
+        scheme (moz-extension://*; null only as itself), or the page's (--page-origin)."""
+        if origin in self.allow_origins or origin in self.page_origins:
             return True
         return "://" in origin and origin.split("://", 1)[0] + "://*" in self.allow_origins
 
@@ -152,7 +157,7 @@ class Guard:
             # its own reads (Gradio's CORS answers any localhost origin: a page another local server serves could read
             # /config and the queue's data). A link or a navigation to the page sends no Origin
             if origin is not None and not self._own(origin, headers):
-                proxied = f"; where that is the page behind a proxy, start Kestrel with --allow-origin {origin}" if web_origin(origin) else ""
+                proxied = f"; where that is the page behind a proxy, start Kestrel with --page-origin {origin}" if web_origin(origin) else ""
                 return ApiError(403, f"the page's actions come from the page itself, not from the web page at {origin}{proxied}",
                                 code="origin_not_allowed").response()  # fmt: skip
             return None  # Gradio checks its login
@@ -172,10 +177,10 @@ class Guard:
 
     def _own(self, origin: str, headers: dict) -> bool:
         """Whether `origin` is the page's: this machine's names at this port, the
-        address the browser reached the server by (with --listen), or one allowed
-        with --allow-origin as a web site's (the page's address behind a proxy that sends its
-        own Host; not null, which any web site's sandboxed frames send)."""
-        proxied = web_origin(origin) and origin in self.access.allow_origins
+        address the browser reached the server by (with --listen), or one given
+        with --page-origin (the page's address behind a proxy that sends its own
+        Host). An origin allowed with --allow-origin may call /v1, not act as the page."""
+        proxied = origin in self.access.page_origins
         return origin in self.own_origins or origin.split("://", 1)[-1] == headers.get("host") or proxied
 
     @staticmethod

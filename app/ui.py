@@ -19,7 +19,7 @@ from app.library import (
     recommended_sampling, remembered_model,
 )  # fmt: skip
 from app.runtime import Runtime
-from app.server import HOST_NAME, LOCALHOST, Access, Server, allowable_origin, new_api_key
+from app.server import HOST_NAME, LOCALHOST, Access, Server, allowable_origin, new_api_key, web_origin
 from app.store import Store
 from core.config import MODES, TreeParams
 from core.engine import Engine
@@ -349,7 +349,34 @@ def access_from(args) -> Access:
     bad = [host for host in hosts if not HOST_NAME.fullmatch(host)]
     if bad:
         raise ValueError(f"--allow-host takes a host name without port, such as host.docker.internal, got {bad[0]!r}")
-    return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins, hosts)
+    given = getattr(args, "page_origin", None) or ()
+    pages = tuple(origin.rstrip("/").lower() for origin in given)  # as a browser sends it
+    for origin, named in zip(pages, given):
+        if fault := page_origin_fault(origin):
+            raise ValueError(f"--page-origin takes the page's address as the browser names it, http(s)://host[:port] "
+                             f"(https://chat.example), got {named!r}: {fault}")  # fmt: skip
+    return Access("0.0.0.0" if args.listen else LOCALHOST, credentials, api_key, origins, hosts, pages)
+
+
+def page_origin_fault(origin: str) -> str | None:
+    """What keeps `origin` (lower case) from being the origin of a page served
+    behind a proxy, which a browser sends as scheme://host[:port]; None if nothing."""
+    if origin == "null":
+        return "null is the origin of file:// pages and of any web site's sandboxed frames, never the page's"
+    scheme, separator, rest = origin.partition("://")
+    if not separator:
+        return "it has no scheme (http:// or https://)"
+    if scheme not in ("http", "https"):
+        return f"the page is served over http or https, not {scheme} (--allow-origin lets other pages call /v1)"
+    if any(mark in rest for mark in "/?#"):
+        return "an origin has no path, query or fragment"
+    if "*" in rest:
+        return "it takes no wildcards: give each address on its own"
+    if not web_origin(origin):
+        return "that is no host[:port]"
+    if origin.endswith({"http": ":80", "https": ":443"}[scheme]):
+        return f"a browser leaves the scheme's default port out: give {origin.rsplit(':', 1)[0]}"
+    return None
 
 
 def load_first(args, settings: dict, load_pair) -> Engine:

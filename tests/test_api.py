@@ -559,6 +559,7 @@ def test_host_and_origin_checks_and_no_cors_by_default(server, engine):
     files = {"files": ("a.jsonl", b'{"turns": ["w1"]}\n', "application/octet-stream")}
     refused = httpx.post(upload, headers={"Origin": "https://evil.example"}, files=files)
     assert refused.status_code == 403 and "from the page itself" in refused.json()["error"]["message"]
+    assert "--page-origin https://evil.example" in refused.json()["error"]["message"]  # where that is the page behind a proxy
     assert httpx.post(upload, headers={"Origin": server.url.rstrip("/")}, files=files).status_code == 200
     assert httpx.post(upload, files=files).status_code == 200  # no browser: no origin to check
     assert httpx.get(server.url).status_code == 200  # a link to the page, followed: no Origin
@@ -594,12 +595,6 @@ def test_allowed_origin_gets_cors_headers(engine, tmp_path_factory):
         odd = httpx.options(url, headers={**site, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "x-a, bad header, (x)"})
         assert odd.headers["access-control-allow-headers"] == "Authorization, Content-Type, x-a"
         assert httpx.get(url, headers={"Origin": "http://localhost:4000"}).status_code == 403
-        # the page behind a proxy that sends its own Host (nginx's default): its origin allowed, its actions taken
-        files = {"files": ("a.jsonl", b'{"turns": ["w1"]}\n', "application/octet-stream")}
-        upload = f"{server.url}gradio_api/upload"
-        assert httpx.post(upload, headers=site, files=files).status_code == 200
-        refused = httpx.post(upload, headers={"Origin": "https://chat.example"}, files=files)
-        assert refused.status_code == 403 and "--allow-origin https://chat.example" in refused.json()["error"]["message"]
     finally:
         server.close()
 
@@ -639,26 +634,59 @@ def test_a_refused_origin_reads_why_and_the_terminal_names_it_once(server, engin
 
 @pytest.fixture(scope="module")
 def allowing(engine, tmp_path_factory):
-    """A server that allows a web site, a browser extension, every Firefox extension, a desktop app and null."""
+    """A server that allows a web site, a browser extension, every Firefox extension, a desktop app and null
+    to call /v1, and serves the page behind a proxy at https://chat.example."""
     allowed = ("http://localhost:3000", "chrome-extension://abcdefghijklmnop", "moz-extension://*", "app://obsidian.md", "null")
-    server = start(engine, tmp_path_factory, Access(api_key="key-1", allow_origins=allowed, allow_hosts=("host.docker.internal",)))
+    access = Access(api_key="key-1", allow_origins=allowed, allow_hosts=("host.docker.internal",), page_origins=("https://chat.example",))
+    server = start(engine, tmp_path_factory, access)
     yield server
     server.close()
 
 
-def test_extensions_and_desktop_apps_can_be_allowed_and_null_only_on_the_api(allowing):
+def test_allowed_origins_call_only_the_api_and_a_page_origin_is_the_page_too(allowing):
+    """--allow-origin lets a site's page, an extension, a desktop app or null call
+    /v1, never act as the page (its events read every chat, delete chats, load
+    models, and need no API key); the page behind a proxy, --page-origin, does both."""
     url, key = f"{allowing.url}v1/models", {"Authorization": "Bearer key-1"}
-    for origin in ("chrome-extension://abcdefghijklmnop", "moz-extension://0f3c5e2a-5d3b-4c7e-9a51-1d2e3f4a5b6c", "app://obsidian.md", "null"):
+    api_only = ("http://localhost:3000", "chrome-extension://abcdefghijklmnop", "moz-extension://0f3c5e2a-5d3b-4c7e-9a51-1d2e3f4a5b6c", "app://obsidian.md", "null")
+    for origin in (*api_only, "https://chat.example"):
         ok = httpx.get(url, headers={**key, "Origin": origin})
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin, origin
-    for origin in ("chrome-extension://ponmlkjihgfedcba", "app://other.example", "https://localhost:3000"):
+    for origin in ("chrome-extension://ponmlkjihgfedcba", "app://other.example", "https://localhost:3000", "https://other.chat.example"):
         assert httpx.get(url, headers={**key, "Origin": origin}).status_code == 403, origin
-    # the page takes actions from an allowed web site (the page behind a proxy), not from any site's sandboxed frame
     upload, files = f"{allowing.url}gradio_api/upload", {"files": ("a.jsonl", b'{"turns": ["w1"]}\n', "application/octet-stream")}
-    assert httpx.post(upload, headers={"Origin": "http://localhost:3000"}, files=files).status_code == 200
-    for origin in ("null", "chrome-extension://abcdefghijklmnop"):
+    for origin in api_only:
         refused = httpx.post(upload, headers={"Origin": origin}, files=files)
-        assert refused.status_code == 403 and "--allow-origin" not in refused.json()["error"]["message"], origin
+        assert refused.status_code == 403 and "from the page itself" in refused.json()["error"]["message"], origin
+        assert httpx.get(f"{allowing.url}config", headers={"Origin": origin}).status_code == 403, origin
+    # where that is the page behind a proxy: the option that says so, for a web site only (not any site's sandboxed frame)
+    assert "--page-origin http://localhost:3000" in httpx.post(upload, headers={"Origin": "http://localhost:3000"}, files=files).text
+    for origin in ("null", "chrome-extension://abcdefghijklmnop"):
+        assert "--page-origin" not in httpx.post(upload, headers={"Origin": origin}, files=files).text, origin
+    page = {"Origin": "https://chat.example"}  # behind a proxy that sends its own Host (nginx's default)
+    assert httpx.post(upload, headers=page, files=files).status_code == 200
+    assert httpx.get(f"{allowing.url}config", headers=page).status_code == 200
+
+
+def test_a_page_origin_is_an_http_or_https_origin_and_a_refusal_says_what_is_wrong():
+    from app.cli import build_parser
+    from app.ui import access_from
+
+    def access(*origins: str) -> Access:
+        return access_from(build_parser().parse_args(["ui", *[part for origin in origins for part in ("--page-origin", origin)]]))
+
+    given = access("https://Chat.Example/", "http://192.168.1.5:8080", "http://[::1]:3000")
+    assert given.page_origins == ("https://chat.example", "http://192.168.1.5:8080", "http://[::1]:3000") and given.allow_origins == ()
+    assert given.allows("https://chat.example") and not given.allows("https://other.example")
+    faults = {
+        "chat.example": "no scheme", "chrome-extension://abcdefghijklmnop": "not chrome-extension", "null": "sandboxed frames",
+        "https://chat.example/kestrel": "no path", "https://*.example": "no wildcards", "https://chat example": "no host[:port]",
+        "https://chat.example:443": "give https://chat.example", "http://chat.example:80": "give http://chat.example",
+    }  # fmt: skip
+    for origin, fault in faults.items():
+        with pytest.raises(ValueError, match="--page-origin takes") as error:
+            access(origin)
+        assert fault in str(error.value) and repr(origin) in str(error.value), origin
 
 
 def test_an_allowed_origin_may_read_when_and_whether_to_retry(allowing):
