@@ -1177,12 +1177,12 @@ def test_stop_signals_are_let_go_as_replies_end_and_tabs_close(handlers):
     compare = CompareHandlers(runtime)
 
     def one_tab(name: str) -> None:
-        _, pending, _, chat, _ = handlers.accept("w1 w2", None, True, "", tab(name))
+        _, pending, _, chat, _ = handlers.accept("w1 w2", None, True, "", request=tab(name))
         chat = list(handlers.send(pending, chat, "", *values(max_new_tokens=2)))[-1][2]
         handlers.stop(chat)  # nothing running: nothing kept
         handlers.check_idle(chat, tab(name))
         list(handlers.regenerate(chat, False, "", *values(max_new_tokens=2)))
-        handlers.accept("w3", chat, True, "", tab(name))  # closed before its send came
+        handlers.accept("w3", chat, True, "", request=tab(name))  # closed before its send came
         compare.arm(tab(name))
         list(compare.compare("w3 w4", False, False, tab(name), *values(max_new_tokens=2)))
         compare.stop(tab(name))
@@ -2389,16 +2389,16 @@ def test_send_pressed_twice_in_one_tab_is_one_send_also_for_a_chat_another_tab_c
     tab = types.SimpleNamespace(session_hash="tab-a")
     shown = list(handlers.send("w1", new_chat(), "", *values(max_new_tokens=4)))[-1][2]
     list(ChatHandlers(Runtime(engine), store).send("w2", shown, "", *values(max_new_tokens=4)))  # another tab extends it
-    first = handlers.accept("w3", shown, True, "", tab)
+    first = handlers.accept("w3", shown, True, "", request=tab)
     assert first[1].endswith(":w3") and first[3]["id"] != shown["id"]  # a copy
     with pytest.raises(gr.Error):  # unseen, it ends the second press's events: no send of its own
-        handlers.accept("w3", shown, True, "", tab)
+        handlers.accept("w3", shown, True, "", request=tab)
     sends = [list(handlers.send(first[1], first[3], "", *values(max_new_tokens=4))) for _ in range(2)]  # both presses' sends
     assert sends[0][-1][2]["messages"][-1]["role"] == "assistant" and all(output == gr.skip() for output in sends[1][-1][:4])
     copies = [chat for chat in store.list_chats() if chat["id"] not in (shown["id"],)]
     assert len(copies) == 1
-    assert handlers.accept("w4", shown, True, "", tab)[1].endswith(":w4")  # another message: sent
-    assert handlers.accept("w3", first[3], True, "", types.SimpleNamespace(session_hash="tab-b"))[1].endswith(":w3")
+    assert handlers.accept("w4", shown, True, "", request=tab)[1].endswith(":w4")  # another message: sent
+    assert handlers.accept("w3", first[3], True, "", request=types.SimpleNamespace(session_hash="tab-b"))[1].endswith(":w3")
 
 
 def test_a_chat_changed_in_another_tab_goes_on_as_a_copy(handlers, store):
