@@ -80,6 +80,10 @@ class ContextOverflowError(KestrelError):
     """The prompt does not fit in the model's context window."""
 
 
+class NonFiniteError(KestrelError):
+    """The model's numbers overflowed in its compute dtype (float16's range ends at 65,504)."""
+
+
 @dataclass(frozen=True)
 class Step:
     token_ids: tuple[int, ...]  # tokens committed by this step, in order (a final stop token included)
@@ -653,6 +657,12 @@ class _Run:
         total = len(self.prompt_ids)
         start = self.chunks()[-1][0]
         features, head_features = self._read(start, total)
+        if not bool(torch.isfinite(features[-1]).all()):  # NaN would read as a choice of token 0, a reply of nothing
+            raise NonFiniteError(
+                f"{self.engine.base.name}: its computations overflow in {str(features.dtype).removeprefix('torch.')} "
+                "(the prompt's last hidden state is not a finite number); load it in bfloat16 or float32 (--dtype, "
+                "or Compute dtype in the Models tab)"
+            )
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]
         elif self.screened_sampling:

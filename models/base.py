@@ -145,8 +145,9 @@ def load_base(
     room = gpu_room(torch_device, location, revision) if weighed else None
     chosen = resolve_quantization(quantization, torch_device, torch_dtype, q4_1, room)
     if torch_device.type == "cpu" and torch_dtype == torch.float16:  # only asked for by name: auto never picks it on CPUs
-        log.warning("float16 on a CPU runs without Kestrel's int4 and int8 kernels (and uncompiled, unless --compile on), "
-                    "several times slower than bfloat16 or float32 here (--dtype auto picks the faster of those)")  # fmt: skip
+        log.warning("float16 on a CPU runs the base model without Kestrel's int4 and int8 kernels (and uncompiled, unless "
+                    "--compile on), several times slower than bfloat16 or float32 here (--dtype auto picks the faster of those); "
+                    "measuring the step costs for planned trees takes minutes")  # fmt: skip
     if gguf_file is not None and chosen in ("4bit", "8bit"):  # transformers refuses the two together
         raise ValueError(
             f"{source}: bitsandbytes' {chosen} quantizes a model given as a Hugging Face folder or repo id, not a GGUF file; "

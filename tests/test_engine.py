@@ -580,3 +580,42 @@ def test_running_out_of_memory_in_a_self_check_is_no_failed_check(tiny_base, mon
         Engine(tiny_base, random_head(tiny_base.model))
     monkeypatch.undo()
     assert Engine(tiny_base, random_head(tiny_base.model)).speculation_problem() is None
+
+
+def test_a_model_that_overflows_in_float16_is_named_instead_of_answering_nothing(tmp_path):
+    """Weights whose activations pass float16's range (65,504) made NaN
+    logits, read as token 0 in every mode (often the end of text: an empty
+    reply) with no word said, and passed the tree self-check (a NaN
+    difference never exceeds the tolerance)."""
+    from core.engine import NonFiniteError
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(tmp_path / "overflow", "llama", vocab_size=48)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3e7)  # its residual stream reaches about 4e5
+    model.save_pretrained(folder)
+    prompt = [8, 9, 10, 11, 12]
+    fine = Engine(load_base(str(folder), dtype="float32"), None)
+    assert tokens_of(fine.stream(prompt, "vanilla", SamplingParams(max_new_tokens=4)))[0] != 0  # in float32 it answers
+    base = load_base(str(folder), dtype="float16")
+    engine = Engine(base, random_head(base.model, seed=1))
+    assert "logits overflow in float16" in engine.speculation_problem()
+    for sampling in (SamplingParams(max_new_tokens=4), SamplingParams(temperature=1.0, seed=1, max_new_tokens=4)):
+        with pytest.raises(NonFiniteError, match="overflow in float16.*load it in bfloat16 or float32"):
+            list(engine.stream(prompt, "vanilla", sampling))
+
+
+def test_the_float16_self_check_refuses_attention_that_ignores_position_ids():
+    """float16 was allowed bfloat16's 2.0, under which the bundled model with
+    position ids ignored (1.39) passed and eagle2 then wrote other text than
+    vanilla; honest, it differs by 0.045 in float16."""
+    from core.tree_check import tree_mismatch, tree_problem
+
+    model = load_base(None, dtype="float16").model
+    assert tree_mismatch(model) < 0.1 and tree_problem(model) is None
+    rotary, forward = model.model.rotary_emb, model.model.rotary_emb.forward
+    rotary.forward = lambda x, position_ids, *args, **kwargs: forward(  # positions counted from the first, ids ignored
+        x, position_ids[:, :1] + torch.arange(position_ids.shape[1])[None], *args, **kwargs
+    )
+    assert "does not honour tree attention masks and positions" in tree_problem(model)
