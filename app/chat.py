@@ -446,7 +446,7 @@ def taken_back_again(chat: dict, mark: str) -> dict:
     the edited message is sent in their place. As it is where they are not its
     last messages (changed since, from another tab)."""
     count, _, digest = (mark or "").partition(" ")
-    if not count.isdigit() or not 0 < int(count) <= len(chat["messages"]):
+    if not (count.isascii() and count.isdecimal()) or not 0 < int(count) <= len(chat["messages"]):  # "²": a digit int() refuses
         return chat
     taken = chat["messages"][-int(count) :]
     if taken[0].get("role") != "user" or messages_digest(taken) != digest:

@@ -81,7 +81,7 @@ def add_model_options(parser: argparse.ArgumentParser, decoding: bool = True) ->
     group.add_argument("--model", help="base model: Hugging Face repo id (owner/name, or owner/name@REV for a branch, tag or commit), local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     if decoding:
         group.add_argument("--head", help="EAGLE draft head: Hugging Face repo id (owner/name, or owner/name@REV) or local folder (default: the bundled head of the default model, if any)")
-    group.add_argument("--quantization", default="auto", choices=("auto", "none", "int4", "int8", "8bit", "4bit"), help="base model weights: int4 or int8 (CPU kernels; int4 Kestrel's own where a C++ compiler is found), 8bit or 4bit (bitsandbytes, for GPUs), or none; auto (default) = on CPUs int4 for a Q4_1 GGUF where Kestrel's int4 kernel is built, else int8 where it is measured faster, else none; on GPUs 4bit where the 16-bit weights would take more than 80%% of the free memory, else none")
+    group.add_argument("--quantization", default="auto", choices=("auto", "none", "int4", "int8", "8bit", "4bit"), help="base model weights: int4 or int8 (CPU kernels; int4 Kestrel's own where a C++ compiler is found), 8bit or 4bit (bitsandbytes, for GPUs), or none; auto (default) = on CPUs int4 for a Q4_1 GGUF where Kestrel's int4 kernel is built, else int8 where it is measured faster, else none; on GPUs 4bit where the 16-bit weights would take more than 80%% of its memory, else none")
     group.add_argument("--dtype", default="auto", choices=("auto", "float64", "float32", "bfloat16", "float16"), help="compute dtype (default auto: bf16/fp16 on GPUs; bf16 on CPUs with native bf16, else float32)")
     if decoding:
         group.add_argument("--compile", default="auto", choices=("auto", "on", "graphs", "off"), help="torch.compile the base model's decoder layers, or replay its passes as CUDA graphs: auto (default) = compiled on Linux CPUs with a C++ compiler (g++ or clang++), in float32 or bf16 (the first run compiles for about a minute, later runs read the cache in seconds), CUDA graphs on NVIDIA GPUs; on (compiled), graphs (on a CPU: the same static passes, uncaptured; for checking them), or off (eager)")
@@ -524,7 +524,7 @@ def recorded_quantization(work: Path, asked: str) -> str:
     from core.training.pipeline import recorded_base
 
     recorded = (recorded_base(work) or {}).get("quantization")
-    if asked != "auto" or recorded not in ("none", "int4", "int8"):
+    if asked != "auto" or recorded not in ("none", "int4", "int8", "4bit"):  # 4bit: auto on a GPU where 16 bits do not fit
         return asked
     print(f"--quantization auto: {recorded}, as {work}'s answers and features were made", flush=True)
     return recorded

@@ -20,7 +20,7 @@ from app.session import load_pair
 from core.engine import Engine
 from core.training.report import REPORT_FILE
 from models import bundled, catalog
-from models.base import DTYPES, GPU_WEIGHTS_SHARE, QUANTIZATIONS, cpu_has_native_bf16, resolve_device
+from models.base import DTYPES, QUANTIZATIONS, GpuRoom, cpu_has_native_bf16, gpu_fit, resolve_device
 from models.errors import HeadFormatError, KestrelError, OutOfMemoryError
 from models.paths import user_path
 
@@ -114,12 +114,14 @@ def fit_warning(entry: catalog.CatalogEntry, memory: tuple[float | None, str], l
 
 def loaded_bits(entry: catalog.CatalogEntry, quantization: str, available_gb: float | None, on_gpu: bool) -> int:
     """The bits `entry`'s decoder loads at under `quantization`. auto: on a GPU
-    16 where the 16-bit weights take at most GPU_WEIGHTS_SHARE of its memory
-    (the load weighs what is free then, which the total here may overstate),
-    else 4, as models/base.py's auto picks; on a CPU 4, the smallest it may pick."""
+    as models/base.py's auto picks (gpu_fit: 16 where the 16-bit weights take at
+    most GPU_WEIGHTS_SHARE of its memory or bitsandbytes is missing, else 4);
+    on a CPU 4, the smallest it may pick."""
     if quantization == "auto":
-        fits = on_gpu and available_gb is not None and entry.parameters * 2 <= GPU_WEIGHTS_SHARE * available_gb
-        return 16 if fits else 4
+        if not on_gpu or available_gb is None:
+            return 4
+        room = GpuRoom(int(entry.parameters * 1e9), int(available_gb * 1e9))
+        return 4 if gpu_fit(torch.bfloat16, room)[0] == "4bit" else 16
     return {"none": 16, "int8": 8, "8bit": 8}.get(quantization, 4)
 
 

@@ -4,11 +4,14 @@ kept in a folder of the user's own."""
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from pathlib import Path
 
 from models.bundled import cache_root
 
 FOLDER = "page-files"  # under Kestrel's cache
+STALE_S = 86400  # what is older at a start goes
 
 
 def keep_private() -> None:
@@ -25,7 +28,20 @@ def keep_private() -> None:
         folder.chmod(0o700)
     except OSError:
         return
+    remove_stale(folder)
     os.environ["GRADIO_TEMP_DIR"] = str(folder)
+
+
+def remove_stale(folder: Path) -> None:
+    """Remove what a day old lies in `folder`: Gradio removes its copies as a
+    day passes and at a clean stop, not those of a process that was killed."""
+    oldest = time.time() - STALE_S
+    for entry in folder.iterdir():
+        try:
+            if entry.lstat().st_mtime < oldest:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        except OSError:  # held by another program (Windows), or gone meanwhile
+            pass
 
 
 def uploaded(path: str | os.PathLike) -> bool:

@@ -27,7 +27,7 @@ from core.prompt import encode_chat, load_prompts, stop_token_ids
 from core.sampling import FLOAT32_TEMPERATURE, Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree, shallower
-from core.tree_check import rows_differing, tree_problem
+from core.tree_check import not_finite, rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logit_form, logits_of, next_logits, verify_tree
 from models import int4, int8
 from models.base import LoadedModel, out_of_memory
@@ -81,7 +81,8 @@ class ContextOverflowError(KestrelError):
 
 
 class NonFiniteError(KestrelError):
-    """The model's numbers overflowed in its compute dtype (float16's range ends at 65,504)."""
+    """The model's numbers are not finite: overflowed in float16 (whose range ends at 65,504), or damaged weights."""
+
 
 
 @dataclass(frozen=True)
@@ -658,11 +659,8 @@ class _Run:
         start = self.chunks()[-1][0]
         features, head_features = self._read(start, total)
         if not bool(torch.isfinite(features[-1]).all()):  # NaN would read as a choice of token 0, a reply of nothing
-            raise NonFiniteError(
-                f"{self.engine.base.name}: its computations overflow in {str(features.dtype).removeprefix('torch.')} "
-                "(the prompt's last hidden state is not a finite number); load it in bfloat16 or float32 (--dtype, "
-                "or Compute dtype in the Models tab)"
-            )
+            said = not_finite("the features of the prompt's last token", features.dtype)
+            raise NonFiniteError(f"{self.engine.base.name}: {said}")
         if self.sampling.greedy:
             self.root = self.engine.argmax(features[-1:])[0]
         elif self.screened_sampling:

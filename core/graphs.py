@@ -286,8 +286,8 @@ def graph_model(model, capture: bool = True) -> Graphed | None:
     """Run `model`'s steps and tree passes as static passes (captured as CUDA
     graphs where `capture`) from now on. -> the Graphed model, or None (left
     eager, with a logged reason) where its decoder is not the loop this
-    module runs. Memory running out during the check is raised: it says
-    nothing of the decoder."""
+    module runs, or where the check ran out of memory (graphs' buffers are
+    memory eager passes do without)."""
     problem = _layout_problem(model)
     graphed = None
     if problem is None:
@@ -297,10 +297,8 @@ def graph_model(model, capture: bool = True) -> Graphed | None:
         try:
             problem = _loop_problem(graphed)
         except Exception as error:  # a decoder the check cannot even run: eager, as for any other problem
-            if out_of_memory(error):  # says nothing of the decoder: the caller's to report
-                ungraph(graphed)
-                raise
-            problem = f"the static pass's check failed ({type(error).__name__}: {str(error)[:200]})"
+            failed = "ran out of memory" if out_of_memory(error) else "failed"
+            problem = f"the static pass's check {failed} ({type(error).__name__}: {str(error)[:200]})"
     if problem is not None:
         if graphed is not None:
             ungraph(graphed)

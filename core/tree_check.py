@@ -72,6 +72,13 @@ def tree_mismatch(model) -> float:
     return worst
 
 
+def not_finite(what: str, dtype: torch.dtype) -> str:
+    """What `what`, not finite numbers in `dtype`, means, and what to do."""
+    if dtype == torch.float16:  # the load's dtype: --dtype, or Compute dtype in the Models tab
+        return f"{what} overflow float16's range (not finite numbers); load the model in bfloat16 or float32 (--dtype)"
+    return f"{what} are not finite numbers in {str(dtype).removeprefix('torch.')}: the model's weights may be damaged"
+
+
 def tree_problem(model) -> str | None:
     """Why this model cannot verify draft trees, or None when it passes.
     Memory running out during the check is raised: it says nothing of the
@@ -85,7 +92,7 @@ def tree_problem(model) -> str | None:
             raise
         return f"the model failed the tree-attention self-check ({type(error).__name__}: {error})"
     if math.isnan(mismatch):
-        return f"the model's logits overflow in {str(dtype).removeprefix('torch.')} (not finite numbers); load it in bfloat16 or float32"
+        return not_finite("the model's logits", model.get_input_embeddings().weight.dtype)
     if not mismatch <= tolerance:
         return (
             f"the model does not honour tree attention masks and positions: one tree pass differed from decoding "

@@ -3,8 +3,8 @@ optionally quantized: to 8 or 4 bits with bitsandbytes (the GPU path), or on
 CPUs to int4 or int8 with torch's kernels (models/int4.py, models/int8.py),
 which `auto` picks on CPUs: int4 for a Q4_1 GGUF (its own format), else int8
 where it is measured faster. On GPUs `auto` picks bitsandbytes' 4bit where
-the weights, counted from their files' headers before loading, would leave
-too little of the GPU's memory free."""
+the weights, counted from their files' headers before loading, would take
+too much of the GPU's memory."""
 
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 log = logging.getLogger("kestrel")
 
-# auto keeps a model's weights unquantized on a GPU where they take at most this share of its free memory:
+# auto keeps a model's weights unquantized on a GPU where they take at most this share of its memory:
 # the rest holds the KV cache, the draft head, the output head's logits over the vocabulary for every tree
-# node, and the activations of tree passes
+# node, and the activations of tree passes. Its whole memory, not what is free as the load starts: the
+# Models tab loads a model beside the one it replaces, and the same model would then load otherwise
 GPU_WEIGHTS_SHARE = 0.8
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # bytes: the longest header the safetensors library reads
 
@@ -195,7 +196,7 @@ class GpuRoom:
     """What auto weighs before a Hugging Face folder or repo loads on a GPU."""
 
     parameters: int | None  # the base model's, counted from its weights files' headers; None where they cannot be read
-    free: int  # bytes free on the GPU as the load starts (torch.cuda.mem_get_info)
+    memory: int  # the GPU's bytes in all
 
 
 def resolve_quantization(
@@ -206,7 +207,7 @@ def resolve_quantization(
     fastest kernel here), else int8 where the int8 kernel beats products in
     `dtype` (a probe of a few milliseconds), else none. auto on GPUs: 4bit
     where `room` says the weights in `dtype` would take more than
-    GPU_WEIGHTS_SHARE of the free memory and bitsandbytes imports, else none
+    GPU_WEIGHTS_SHARE of its memory and bitsandbytes imports, else none
     (and none without `room`: a GGUF file). torch's
     own int4 kernel (where Kestrel's cannot be built) is only asked for by
     name: it holds each group's scale and minimum in bf16, which moves the
@@ -249,14 +250,14 @@ def gpu_choice(dtype: torch.dtype, room: GpuRoom | None) -> str:
 
 
 def gpu_fit(dtype: torch.dtype, room: GpuRoom) -> tuple[str, str]:
-    """(none or 4bit, why) for weights of room.parameters in `dtype` on a GPU with room.free bytes free."""
+    """(none or 4bit, why) for weights of room.parameters in `dtype` on a GPU of room.memory bytes."""
     if room.parameters is None:
         return "none", "the weights' size could not be read from their files before loading, so they load as they are"
     size = room.parameters * dtype.itemsize
     weights = f"the {8 * dtype.itemsize}-bit weights, {size / 1e9:.1f} GB,"
-    if size <= GPU_WEIGHTS_SHARE * room.free:
-        return "none", f"{weights} fit the GPU's {room.free / 1e9:.1f} GB free with room to spare"
-    too_big = f"{weights} leave too little of the GPU's {room.free / 1e9:.1f} GB free"
+    if size <= GPU_WEIGHTS_SHARE * room.memory:
+        return "none", f"{weights} fit the GPU's {room.memory / 1e9:.1f} GB with room to spare"
+    too_big = f"{weights} leave too little of the GPU's {room.memory / 1e9:.1f} GB"
     if dtype == torch.float64:
         return "none", f"{too_big}, and bitsandbytes' 4bit cannot compute in float64; loading may run out of memory"
     if not bitsandbytes_importable():
@@ -277,11 +278,11 @@ def bitsandbytes_importable() -> bool:
 
 def gpu_room(device: torch.device, location: str, revision: str | None) -> GpuRoom:
     """The base model's parameters (a local folder's, or a repo id's, from the
-    HF cache or the hub's headers) and the memory free on `device` now."""
+    HF cache or the hub's headers) and the memory of `device`."""
     folder = Path(location)
     parameters = folder_parameters(folder) if folder.is_dir() else hub_parameters(location, revision)
-    free, _ = torch.cuda.mem_get_info(device)
-    return GpuRoom(parameters, free)
+    _, memory = torch.cuda.mem_get_info(device)
+    return GpuRoom(parameters, memory)
 
 
 def safetensors_parameters(file: Path) -> int:

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import warnings
 
@@ -10,17 +11,26 @@ from tests.factory import save_tiny_model
 torch.set_num_threads(int(os.environ.get("KESTREL_TEST_THREADS", "2")))
 
 
+@contextlib.contextmanager
+def environment(name: str, value: str):
+    """`name` set to `value` for the session, then as it was."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 @pytest.fixture(autouse=True, scope="session")
 def costs_dir(tmp_path_factory):
     """Step costs measured by tests go to a temporary folder, not the user's cache."""
     folder = tmp_path_factory.mktemp("costs")
-    saved = os.environ.get("KESTREL_COSTS_DIR")
-    os.environ["KESTREL_COSTS_DIR"] = str(folder)
-    yield folder
-    if saved is None:
-        os.environ.pop("KESTREL_COSTS_DIR", None)
-    else:
-        os.environ["KESTREL_COSTS_DIR"] = saved
+    with environment("KESTREL_COSTS_DIR", str(folder)):
+        yield folder
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -28,13 +38,8 @@ def upload_dir(tmp_path_factory):
     """Gradio's upload folder is the tests' temporary folder: the page's
     handlers read only uploaded files, and the tests hand them files written there."""
     folder = tmp_path_factory.getbasetemp()
-    saved = os.environ.get("GRADIO_TEMP_DIR")
-    os.environ["GRADIO_TEMP_DIR"] = str(folder)
-    yield folder
-    if saved is None:
-        os.environ.pop("GRADIO_TEMP_DIR", None)
-    else:
-        os.environ["GRADIO_TEMP_DIR"] = saved
+    with environment("GRADIO_TEMP_DIR", str(folder)):
+        yield folder
 
 
 warnings.filterwarnings("ignore", message="MatMul8bitLt")

@@ -899,8 +899,13 @@ def test_gradio_s_copies_of_uploads_and_exports_are_kept_in_a_folder_of_the_user
 
     monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("GRADIO_TEMP_DIR")
-    uploads.keep_private()
     folder = tmp_path / "cache" / uploads.FOLDER
+    (folder / "old").mkdir(parents=True)  # a killed process's copies: gone at the next start, a day on
+    (folder / "old" / "chat.json").write_text("{}")
+    (folder / "new.json").write_text("{}")
+    os.utime(folder / "old", (time.time() - 2 * 86400,) * 2)
+    uploads.keep_private()
+    assert sorted(entry.name for entry in folder.iterdir()) == ["new.json"]
     assert os.environ["GRADIO_TEMP_DIR"] == str(folder) and stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert uploads.uploaded(folder / "abc" / "chat.json") and not uploads.uploaded(tmp_path / "chat.json")
     assert not uploads.uploaded(folder / ".." / "chat.json")
@@ -2380,6 +2385,7 @@ def test_an_edited_message_sent_across_a_server_restart_replaces_what_edit_took_
     again = ChatHandlers(Runtime(engine), Store(store.folder))
     assert again.recover(None, chat["id"], mark)["messages"] == other_tab["messages"]  # the mark names nothing saved now
     assert again.recover(None, chat["id"], "2 0000") == again.recover(None, chat["id"], "x") == again.recover(None, chat["id"], "")
+    assert again.recover(None, chat["id"], "\u00b2 x") == again.recover(None, chat["id"], "")  # a mark the page did not write
 
 
 def test_send_pressed_twice_in_one_tab_is_one_send_also_for_a_chat_another_tab_changed(handlers, engine, store):
