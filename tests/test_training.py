@@ -847,7 +847,7 @@ def test_a_resume_keeps_the_quantization_its_answers_were_made_with(tmp_path, ca
     work = tmp_path / "work"
     assert recorded_quantization(work, "auto") == "auto"  # nothing recorded: a new run
     work.mkdir()
-    for recorded, asked, loaded in (("int8", "auto", "int8"), ("none", "auto", "none"), ("int8", "none", "none"), ("4bit", "auto", "auto")):
+    for recorded, asked, loaded in (("int8", "auto", "int8"), ("none", "auto", "none"), ("int8", "none", "none"), ("4bit", "auto", "4bit"), ("8bit", "auto", "auto")):
         (work / BASE_FILE).write_text(json.dumps({"name": "m", "quantization": recorded}))
         assert recorded_quantization(work, asked) == loaded, (recorded, asked)
     assert "--quantization auto: none, as " in capsys.readouterr().out
