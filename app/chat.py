@@ -445,13 +445,14 @@ def taken_back_again(chat: dict, mark: str) -> dict:
     (taken_mark) names its last messages: those are taken back again, so that
     the edited message is sent in their place. As it is where they are not its
     last messages (changed since, from another tab)."""
-    count, _, digest = (mark or "").partition(" ")
-    if not (count.isascii() and count.isdecimal()) or not 0 < int(count) <= len(chat["messages"]):  # "²": a digit int() refuses
+    written, _, digest = (mark or "").partition(" ")
+    count = int(written) if written.isascii() and written.isdecimal() else 0  # "²": a digit int() refuses
+    if not 0 < count <= len(chat["messages"]):
         return chat
-    taken = chat["messages"][-int(count) :]
+    kept, taken = chat["messages"][:-count], chat["messages"][-count:]
     if taken[0].get("role") != "user" or messages_digest(taken) != digest:
         return chat
-    return {**chat, "messages": chat["messages"][: -int(count)], TAKEN_BACK: taken}
+    return {**chat, "messages": kept, TAKEN_BACK: taken}
 
 
 EMPTY_REPLY_TEXT = "The model ended its reply without writing anything (at a temperature above 0, Regenerate may get one)."

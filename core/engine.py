@@ -30,7 +30,7 @@ from core.tree import make_tree, shallower
 from core.tree_check import not_finite, rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logit_form, logits_of, next_logits, verify_tree
 from models import int4, int8
-from models.base import LoadedModel, out_of_memory
+from models.base import LoadedModel, memory_error, out_of_memory
 from models.bundled import BUNDLED_HEAD, cache_root
 from models.errors import KestrelError, OutOfMemoryError, UnsupportedArchitectureError
 from models.head import DraftHead, HeadCache
@@ -82,7 +82,6 @@ class ContextOverflowError(KestrelError):
 
 class NonFiniteError(KestrelError):
     """The model's numbers are not finite: overflowed in float16 (whose range ends at 65,504), or damaged weights."""
-
 
 
 @dataclass(frozen=True)
@@ -192,11 +191,7 @@ class Engine:
         except Exception as error:  # the self-checks' passes and the weights' packed copies take memory beyond the model's
             if isinstance(error, KestrelError) or not out_of_memory(error):
                 raise
-            smaller = " or 4-bit weights" if base.quantization not in ("4bit", "int4") else ""
-            raise OutOfMemoryError(
-                f"{base.name}: not enough memory to prepare the loaded model for decoding; free some (close other programs) "
-                f"or choose a smaller model{smaller}"
-            ) from error
+            raise memory_error(base.name, base.quantization, "prepare the loaded model for decoding") from error
 
     def _set_up(self, base: LoadedModel, head: DraftHead | None, head_name: str | None, compile: str) -> None:
         """The engine's parts for `base` and `head`, as __init__ describes."""

@@ -667,6 +667,12 @@ MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memor
 WINDOWS_MEMORY_ERRORS = (8, 1455)  # ERROR_NOT_ENOUGH_MEMORY, ERROR_COMMITMENT_LIMIT ("the paging file is too small")
 
 
+def memory_error(name: str, quantization: str, doing: str) -> OutOfMemoryError:
+    """Kestrel's error for memory that ran out while `doing` something with the model `name`, saying what to try."""
+    smaller = " or 4-bit weights" if quantization not in ("4bit", "int4") else ""
+    return OutOfMemoryError(f"{name}: not enough memory to {doing}; free some (close other programs) or choose a smaller model{smaller}")
+
+
 def out_of_memory(error: BaseException) -> bool:
     """Whether `error`, or one it was raised from, says memory ran out, in any
     of the ways torch, numpy and the OS say it (MemoryError, torch's
@@ -702,8 +708,7 @@ def _explain(error: Exception, name: str, quantization: str) -> Exception:
 
     text = str(error)
     if out_of_memory(error):
-        smaller = " or 4-bit weights" if quantization not in ("4bit", "int4") else ""
-        return OutOfMemoryError(f"{name}: not enough memory to load the model; free some (close other programs) or choose a smaller model{smaller}")
+        return memory_error(name, quantization, "load the model")
     full = disk_full_message(name, error)  # a download into the cache cut short: not files to read again
     if full is not None:
         return CacheWriteError(full)
