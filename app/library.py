@@ -29,9 +29,10 @@ DTYPE_CHOICES = ("auto", *sorted(DTYPES, key=lambda name: name == "float64"))  #
 log = logging.getLogger(__name__)
 
 
-def detected_memory(device: torch.device) -> tuple[float | None, str]:
+def detected_memory(device: torch.device | None = None) -> tuple[float | None, str]:
     """(GB, what it is): the memory of the GPU `device` names, else the system
-    RAM (device: where models load, resolved)."""
+    RAM (device: where models load, resolved; None: as --device auto)."""
+    device = resolve_device("auto") if device is None else device
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
         return props.total_memory / 1e9, f"GPU {props.name}"
@@ -64,11 +65,11 @@ def system_memory_gb() -> float | None:
     return None
 
 
-def cpu_weight_bytes(device: torch.device) -> int | None:
+def cpu_weight_bytes(device: torch.device | None = None) -> int | None:
     """Bytes a weight takes while a model loads on this machine's CPU (the dtype
     auto computes in: bf16 where the CPU has it natively, else float32); None
-    where models load on a GPU (device: resolved)."""
-    if device.type == "cuda":
+    where models load on a GPU (device: resolved; None: as --device auto)."""
+    if (resolve_device("auto") if device is None else device).type == "cuda":
         return None
     return 2 if cpu_has_native_bf16() else 4
 
