@@ -261,9 +261,17 @@ class LibraryHandlers:
         entry = catalog.find(name)
         if entry is None:
             return gr.skip(), gr.skip(), gr.skip()
+        return entry.base or "", entry.head or "", self.fit_notice(entry, quantization)
+
+    def refit(self, name: str | None, quantization: str) -> str | dict:
+        """The Quantization control changed while the boxes hold a catalog row
+        (typing in them clears the row): its notice, weighed at the new choice."""
+        entry = catalog.find(name) if name else None
+        return gr.skip() if entry is None else self.fit_notice(entry, quantization)
+
+    def fit_notice(self, entry: catalog.CatalogEntry, quantization: str) -> str:
         device = resolve_device(self.device)
-        warning = fit_warning(entry, detected_memory(device), cpu_weight_bytes(device), quantization)
-        return entry.base or "", entry.head or "", render.escape(warning)
+        return render.escape(fit_warning(entry, detected_memory(device), cpu_weight_bytes(device), quantization))
 
     def load(self, model: str, head: str, trained: str | None, quantization: str, dtype: str) -> tuple:
         """Outputs: status, notice, mode selector."""

@@ -291,6 +291,7 @@ def build_app(runtime: Runtime, store_dir: Path, device: str = "auto", compile: 
 
         wanted_mode = gr.State(None)  # the mode this tab's user picked (or saved), given back when a model has it again
         entry.input(library.pick, [entry, quantization], [model_box, head_box, load_notice])
+        quantization.input(library.refit, [entry, quantization], load_notice, show_progress="hidden", api_name=False)
         for box in (model_box, head_box):  # typed over: the boxes no longer hold the entry shown
             box.input(lambda: None, None, entry, show_progress="hidden", api_name=False)
         load.click(library.load_here, [model_box, head_box, trained, quantization, dtype], [status, load_notice, mode, wanted_mode],

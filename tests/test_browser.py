@@ -891,6 +891,12 @@ def test_models_tab(page):
     warning = library.fit_warning(picked, library.detected_memory(), library.cpu_weight_bytes())
     if warning:
         page.locator("#load-notice").get_by_text(warning).wait_for(timeout=10_000)
+    # the notice weighs the Quantization chosen after the entry too
+    page.get_by_role("radio", name="none", exact=True).check()
+    at_16_bits = library.fit_warning(picked, library.detected_memory(), library.cpu_weight_bytes(), "none")
+    page.wait_for_function("text => document.querySelector('#load-notice').innerText.trim() === text", arg=at_16_bits, timeout=10_000)
+    page.get_by_role("radio", name="auto", exact=True).check()
+    page.wait_for_function("text => document.querySelector('#load-notice').innerText.trim() === text", arg=warning, timeout=10_000)
     page.locator("#model-box textarea").press_sequentially("x")
     page.wait_for_function("document.querySelector('#catalog-entry input').value === ''", timeout=10_000)
 

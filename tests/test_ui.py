@@ -3173,6 +3173,22 @@ def test_the_models_tab_weighs_the_memory_of_the_device_models_load_on(monkeypat
     assert "more than the 12.0 GB of GPU card 0" in LibraryHandlers(None, Path("heads"), "cuda").pick(llama.name, "none")[2]
 
 
+def test_the_fit_notice_follows_the_quantization_chosen_after_the_entry(monkeypatch):
+    """Picking a catalog row weighed the Quantization chosen then; changing it
+    afterwards left the notice as it was (none at auto's 4 bits, where 16 bits
+    would run out of memory)."""
+    from app import library
+
+    monkeypatch.setattr(library, "detected_memory", lambda device: (12.0, "GPU X"))
+    monkeypatch.setattr(library, "cpu_weight_bytes", lambda device: None)
+    handlers = LibraryHandlers(None, Path("heads"))  # the memory of a 12 GB GPU, as detected_memory says it
+    llama = catalog.find("Llama-3.1-8B-Instruct (EAGLE-3)")
+    assert handlers.pick(llama.name, "auto")[2] == ""
+    assert "needs about 17.9 GB at 16 bits, more than the 12.0 GB of GPU X" in handlers.refit(llama.name, "none")
+    assert handlers.refit(llama.name, "4bit") == ""
+    assert handlers.refit(None, "none") == gr.skip()  # no row picked, or the boxes typed over: nothing to weigh
+
+
 def test_the_models_tab_says_the_memory_of_the_device_ui_was_started_on(monkeypatch, tmp_path):
     """`ui --device cpu` on a machine with a GPU: the tab weighed the GPU's memory."""
     from app import library
