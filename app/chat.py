@@ -379,6 +379,8 @@ def saved_sampling(stats: dict | None) -> SamplingParams:
 
 
 def session_tau(chat: dict, reply: Reply | None = None) -> float | None:
+    """Mean accepted length over the chat's drafted replies (a vanilla reply's
+    is 1 by definition, and is not counted), with `reply` still being written."""
     tokens, forwards = chat["session"]["tokens"], chat["session"]["forwards"]
     if reply is not None and reply.snapshot is not None:
         tokens, forwards = tokens + reply.snapshot.tokens, forwards + reply.snapshot.forwards
@@ -827,7 +829,7 @@ class ChatHandlers:
                         colour = self.replying[chat["id"]]
                         history = display(chat, colour)
                     pending = {"role": "assistant", "content": reply.text, "segments": reply.segments, **reasoning_mark(reply)}
-                    stats = self._stats(chat, reply) if stats_throttle.ready() else gr.skip()
+                    stats = self._stats(chat, reply, mode) if stats_throttle.ready() else gr.skip()
                     plots = SKIP_PANEL[1:]
                     if plot_throttle.ready():
                         plots = self._plots(reply, engine, options.sampling)
@@ -873,7 +875,7 @@ class ChatHandlers:
                 note = self._cut_short(chat, reply, mode, f"{note} {failure} What was written is kept.", made_with, kept)
             else:
                 note = self._finish(chat, reply, mode, note, made_with, kept)
-            panel = self._stats(chat, reply, finished=True), *self._plots(reply, engine, options.sampling)
+            panel = self._stats(chat, reply, mode, finished=True), *self._plots(reply, engine, options.sampling)
             colour = self.replying[chat["id"]]  # ticked or unticked until now
             yield gr.skip(), display(chat, colour), chat, notice_html(note), *panel
         finally:
@@ -917,8 +919,9 @@ class ChatHandlers:
         if kept is not None:
             message[EARLIER] = with_earlier(kept)
         chat["messages"].append(message)
-        chat["session"]["tokens"] += reply.snapshot.tokens
-        chat["session"]["forwards"] += reply.snapshot.forwards
+        if mode != "vanilla":  # its tau is 1 whatever the head: it would dilute the drafted replies' figure
+            chat["session"]["tokens"] += reply.snapshot.tokens
+            chat["session"]["forwards"] += reply.snapshot.forwards
 
     def _save(self, chat: dict) -> str:
         """Save the chat; "" or why it could not be saved (its disk copy is then
@@ -987,9 +990,9 @@ class ChatHandlers:
         box = message if message is not None else gr.skip()  # a regeneration leaves what is typed in the box alone
         yield box, display(chat, colour), chat, notice_html(render.sentence(error)), *panel
 
-    def _stats(self, chat: dict, reply: Reply, finished: bool = False) -> str:
-        """The stats panel; a finished reply is already in the session totals."""
-        tau = session_tau(chat, None if finished else reply)
+    def _stats(self, chat: dict, reply: Reply, mode: str, finished: bool = False) -> str:
+        """The stats panel; a finished reply is already in the session totals, a vanilla one never."""
+        tau = session_tau(chat, None if finished or mode == "vanilla" else reply)
         return render.stats_html(reply.snapshot, reply.tree_size, tau)
 
     def _plots(self, reply: Reply, engine: Engine, sampling: SamplingParams) -> tuple:

@@ -697,7 +697,7 @@ def stats_html(
             ("tokens/s", figure("tokens_per_s", "{:.1f}"), "tps"),
             ("tokens/s after the first token", figure("decoding_tokens_per_s", "{:.1f}"), "tps-decoding"),
             ("tau (this reply)", figure("tau", "{:.2f}"), "tau"),
-            ("tau (this chat)", session, "tau-session"),
+            ("tau (this chat, drafted replies)", session, "tau-session"),
         ]
         if saved:
             rows += [
@@ -719,7 +719,7 @@ def stats_html(
             ("tokens/s", f"{snapshot.tokens_per_s:.1f}", "tps"),
             ("tokens/s after the first token", _rate(snapshot.decoding_tokens_per_s), "tps-decoding"),
             ("tau (this reply)", f"{snapshot.mean_accepted_length:.2f}", "tau"),
-            ("tau (this chat)", "-" if session_tau is None else f"{session_tau:.2f}", "tau-session"),
+            ("tau (this chat, drafted replies)", "-" if session_tau is None else f"{session_tau:.2f}", "tau-session"),
             ("tokens", str(snapshot.tokens), "tokens"),
             ("base-model forwards", str(snapshot.forwards), "forwards"),
             ("time to first token", _seconds(snapshot.time_to_first_token), "ttft"),

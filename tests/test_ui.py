@@ -2320,6 +2320,24 @@ def test_session_tau_shows_before_a_reply_and_the_tree_slider_at_1_is_named(hand
     assert "Tree: tokens verified per step" in final[3] and final[0] == "w1"
 
 
+def test_the_chat_s_tau_counts_its_drafted_replies_only(handlers):
+    """A vanilla reply's tau is 1 whatever the head: counted in, it pulled the
+    chat's figure towards 1, and switching modes made it a figure of neither."""
+    import re
+
+    def chat_tau(panel: str) -> str:
+        return re.search(r'id="stat-tau-session">([^<]*)<', panel).group(1)
+
+    final = list(handlers.send("w1", new_chat(), "", *values(mode="eagle2")))[-1]
+    chat, panel = final[2], final[4]
+    drafted = dict(chat["session"])
+    assert drafted["forwards"] > 0 and chat_tau(panel) == f"{drafted['tokens'] / drafted['forwards']:.2f}"
+    assert drafted["tokens"] > drafted["forwards"]  # the random head's drafts are sometimes taken, so tau > 1
+    steps = list(handlers.send("w2", chat, "", *values(mode="vanilla")))
+    assert all(chat_tau(step[4]) == chat_tau(panel) for step in steps if isinstance(step[4], str))  # live too
+    assert steps[-1][2]["session"] == drafted
+
+
 def test_a_fixed_tree_bigger_than_its_depth_and_top_k_can_draft_is_said(handlers):
     """60 tokens at depth 2 and top-k 2: the head drafts at most 1 + 2 + 4 nodes, and the notice says so."""
     updates = list(handlers.send("w1", new_chat(), "", *values(total_tokens=60, depth=2, tree_top_k=2, max_new_tokens=4)))
