@@ -696,8 +696,9 @@ def run_chat(args) -> int:
     for text, what in ((args.prompt, "the prompt"), (args.system, "--system")):
         check_text(text, what)
     if args.mode in ("eagle", "eagle2") and not args.head:
-        from app.session import default_head
+        from app.session import check_source, default_head
 
+        check_source(args.model)  # a mistyped path is said as one, not as a base without a head
         if default_head(args.model) is None:  # said before a model loads for minutes
             raise ValueError(f"--mode {args.mode} needs a draft head: give --head HEAD (a head trained for this model), or --mode vanilla")
     if args.mode == "vanilla" and args.head:  # not loaded, so not checked either: say so rather than seem to use it
@@ -1117,8 +1118,9 @@ def run_bench_command(args) -> int:
     own_head = any(head is None and mode in ("eagle", "eagle2") for head, mode, _ in drafted)  # else no head is loaded
     planned = {head for head, mode, shape in drafted if mode == "eagle2" and shape.planned}  # the heads whose trees the costs size
     if own_head and not args.head:
-        from app.session import default_head
+        from app.session import check_source, default_head
 
+        check_source(args.model)  # a mistyped path is said as one, not as a base without a head
         if default_head(args.model) is None:  # said before a model loads for minutes, as chat says it
             needing = ", ".join(sorted({mode for head, mode, _ in drafted if head is None and mode in ("eagle", "eagle2")}))
             raise ValueError(f"--modes {needing} needs a draft head: give --head HEAD (a head trained for this model), or leave {needing} out")

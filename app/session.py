@@ -20,6 +20,16 @@ def default_head(model: str | None) -> Path | None:
     return None
 
 
+def check_source(model: str | None) -> None:
+    """A base model that is neither a file or folder here nor a repo id is
+    refused as such, before what it would lack (a draft head) is said."""
+    from models.base import pinned_repo
+    from models.paths import user_path
+
+    if model is not None and model != bundled.DEFAULT_NAME and not user_path(model).exists():
+        pinned_repo(model)
+
+
 def load_pair(
     model: str | None = None,
     head: str | None = None,

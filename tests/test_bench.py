@@ -300,6 +300,7 @@ def test_bench_refuses_an_unknown_or_missing_other_head_before_the_model_loads(t
         (["--modes", "eagle2:08/4/4,eagle2:8/4/4"], "--modes eagle2:08/4/4 and eagle2:8/4/4 run the same decoding"),
         (["--modes", "eagle2,eagle2:8/4/4", "--total-tokens", "8", "--depth", "4", "--tree-top-k", "4"], "run the same decoding"),
         (["--model", str(tmp_path), "--modes", "vanilla,eagle2"], "--modes eagle2 needs a draft head: give --head HEAD"),  # no bundled head for it
+        (["--model", str(tmp_path / "mistyped")], "mistyped: no such file or folder, and not a Hugging Face repo id"),  # not "needs a head"
     ]
     for extra, message in cases:
         assert main(["bench", "--prompts", str(path), *extra]) == 2

@@ -324,6 +324,7 @@ def test_bad_options_are_refused_by_name_before_any_model_loads(tmp_path, capsys
         (["chat", "hi", "--temperature", "5"], "--temperature: must be a number at least 0 and at most 2, got 5"),
         (["bench", "--prompts", str(tmp_path / "turn-ids.jsonl"), "--turns", "2"], "prompt a#2: the rows of prompt a's turn 2 are named so"),
         (["chat", "hi", "--model", str(tmp_path), "--mode", "eagle2"], "--mode eagle2 needs a draft head: give --head HEAD"),
+        (["chat", "hi", "--model", str(tmp_path / "mistyped"), "--mode", "eagle2"], "mistyped: no such file or folder, and not a Hugging Face repo id"),
         (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'cut'}", "--modes", "vanilla,eagle2@x"],
          "cut/model.safetensors: cannot read the weights"),
         (["bench", "--prompts", str(prompts), "--other-head", f"x={tmp_path / 'cut-bin'}", "--modes", "vanilla,eagle2@x"],
