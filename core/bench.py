@@ -33,7 +33,7 @@ def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
     depth 4 and top_k 2, and "eagle2:8/4/2/6" adds 6 lookup tokens; the other
     settings come from `tree`. Plain labels use `tree` itself. "eagle2@NAME"
     drafts with the other head called NAME (`head_of`)."""
-    named, _, shape = label.partition(":")
+    named, colon, shape = label.partition(":")
     mode, at, head = named.partition("@")
     if at and not head:
         raise ValueError(f"bad mode {label!r}: name the other head after @ (eagle2@NAME, with --other-head NAME=FOLDER), or drop the @")
@@ -41,6 +41,8 @@ def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
         raise ValueError(f"bad mode {label!r}: only eagle and eagle2 draft with a head (@{head})")
     if mode not in MODES + BASELINES:
         raise ValueError(f"unknown mode {label!r}; choose from {', '.join(MODES + BASELINES)}")
+    if colon and not shape:  # a label of its own (no summary reads it) for the same decoding as `mode`
+        raise ValueError(f"bad mode {label!r}: write the tree after ':' (eagle2:TOTAL/DEPTH/TOP_K[/LOOKUP]), or drop the ':'")
     if not shape:
         return mode, tree
     if mode == "eagle":
@@ -540,5 +542,7 @@ def format_table(result: dict) -> str:
     for reason in summary.get("left_out", []):
         lines.append(f"note: left out, {reason}: every mode's rows of that conversation are dropped")
     for source, taus in summary["tau_by_source"].items():
-        lines.append(f"tau on {source}: " + ", ".join(f"{m} {t:.2f}" for m, t in taus.items() if t is not None))
+        drafted = [f"{m} {t:.2f}" for m, t in taus.items() if t is not None]
+        if drafted:  # none where only baselines ran, which count no forwards
+            lines.append(f"tau on {source}: " + ", ".join(drafted))
     return "\n".join(lines)

@@ -172,6 +172,15 @@ def test_table_says_when_a_baseline_timed_other_text(tiny_base, tmp_path):
     assert "note: generate's replies differ from vanilla's on 50% of the prompts" in format_table(result)
 
 
+def test_a_run_of_baselines_alone_prints_no_empty_tau_lines(tiny_base, tmp_path):
+    """generate and prompt-lookup count no forwards: a run of them alone has
+    no tau to say, and printed a "tau on SOURCE: " line with nothing after it."""
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"], "source": "chat"}])
+    result = run_bench(Engine(tiny_base), load_prompts(path), ("generate",), SamplingParams(max_new_tokens=4), warmup=0)
+    assert result["summary"]["tau_by_source"] == {"chat": {"generate": None}}
+    assert "tau on" not in format_table(result)
+
+
 def test_a_cancelled_bench_stops_transformers_generate_too(tiny_base, tmp_path):
     """The cancel signal (Ctrl+C) ends a generate or prompt-lookup row within a
     step, as it ends Kestrel's modes, and a run cancelled before any prompt
@@ -208,7 +217,8 @@ def test_mode_labels_set_tree_shapes():
     assert parse_mode("eagle2:8/4/2/6", tree)[1].lookup_tokens == 6
     with pytest.raises(ValueError, match="eagle drafts EAGLE-1's fixed tree; tree shapes are for eagle2"):
         parse_mode("eagle@x:6/3/2", tree)  # the shape was shown in the table and ignored
-    for bad in ("eagle2:8/4", "vanilla:8/4/2", "eagle2:a/b/c", "eagle2@", "eagle2@:8/4/2"):  # "@" alone ran the own head, unlabelled
+    # "@" alone ran the own head, unlabelled; "eagle2:" ran eagle2 under a label no summary reads
+    for bad in ("eagle2:8/4", "vanilla:8/4/2", "eagle2:a/b/c", "eagle2@", "eagle2@:8/4/2", "eagle2:", "vanilla:"):
         with pytest.raises(ValueError, match="bad mode"):
             parse_mode(bad, tree)
 
