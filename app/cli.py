@@ -451,12 +451,19 @@ def check_writable(path: str, option: str, reads: list[tuple[str, str | Path | N
         if target.exists() and read in target.resolve().parents:  # a file of a head's, a model's or the features' folder
             raise ValueError(f"{option} {path}: would write over a file inside {source}, the {what} folder this command "
                              "reads; name a new file, or one outside it, for the results")  # fmt: skip
+    missing = [folder for folder in target.parents if not folder.exists()]  # the deepest first
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", suffix=".check"):
             pass
     except OSError as error:
         raise ValueError(f"{option} {path}: cannot write there ({error.strerror or error})") from error
+    finally:  # made for the check alone: a run that fails or is stopped leaves no folders of a mistyped path
+        for folder in missing:  # the writing makes them again
+            try:
+                folder.rmdir()
+            except OSError:
+                break
     return target
 
 

@@ -1146,6 +1146,9 @@ def test_a_results_file_is_never_a_file_the_command_reads(tmp_path, capsys, monk
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
     # a new file beside a head's files overwrites nothing it reads
     assert cli.check_writable(str(head / "figures.json"), "--json", [("--head", head)]) == head / "figures.json"
+    # the check leaves no folders behind: a mistyped path whose run then fails or is stopped made a tree of them
+    assert cli.check_writable(str(tmp_path / "typo" / "deeper" / "r.json"), "--json") == tmp_path / "typo" / "deeper" / "r.json"
+    assert not (tmp_path / "typo").exists()
 
 
 def test_prompt_commands_refuse_an_out_that_is_or_holds_their_work_folder(tmp_path, capsys, monkeypatch):
