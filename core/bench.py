@@ -64,6 +64,16 @@ def parse_mode(label: str, tree: TreeParams) -> tuple[str, TreeParams]:
         raise ValueError(f"bad mode {label!r}: {error}") from None
 
 
+# The untimed warm-up's prompts (--warmup N runs the first N, round again past the last), none of them
+# a timed one: a chat, a code and a quoting request, so that drafting, the planner and the context
+# branch have all run once, and every mode's first timed reply is not its first one.
+WARMUP_PROMPTS = (
+    "Give three tips for sleeping better, one sentence each.",
+    "Write a Python function that returns the largest number in a list, without using max().",
+    "Repeat this sentence word for word, then say how many words it has: The quick brown fox jumps over the lazy dog.",
+)
+
+
 class LlamaStick:
     """llama.cpp in a helper process of another Python (core/llama_stick.py),
     fed the same prompt token ids, greedy."""
@@ -276,7 +286,6 @@ def run_bench(
     timed with the conversation read afresh. Later turns' rows are named
     ID#2, ID#3, ..."""
     other_heads = other_heads or {}
-    warmup = min(warmup, len(prompts))  # as many as run (and as the result records)
     engines = {}
     for label in modes:
         mode, _ = parse_mode(label, tree)
@@ -300,7 +309,8 @@ def run_bench(
                                               left_out=left_out) if rows else None)  # fmt: skip
 
     try:
-        for ids in encoded[:warmup]:
+        for index in range(warmup):  # none of the timed prompts: their replies' first tokens would be decoded twice
+            ids = engine.encode([{"role": "user", "content": WARMUP_PROMPTS[index % len(WARMUP_PROMPTS)]}])
             for mode in modes:
                 check_cancel()
                 run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=16), tree, stick, cancel)

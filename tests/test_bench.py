@@ -172,6 +172,25 @@ def test_table_says_when_a_baseline_timed_other_text(tiny_base, tmp_path):
     assert "note: generate's replies differ from vanilla's on 50% of the prompts" in format_table(result)
 
 
+def test_the_warm_up_decodes_none_of_the_timed_prompts(tiny_base, tmp_path, monkeypatch):
+    """The warm-up ran the first timed prompts, so their replies' first 16
+    tokens were decoded (and the planner taught) before they were timed.
+    It runs built-in prompts, round again past the last."""
+    from core import bench
+
+    engine = Engine(tiny_base, random_head(tiny_base.model))
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"]}, {"turns": ["w3 w4 w5"]}])
+    timed = [engine.encode([{"role": "user", "content": text}]) for text in ("w1 w2", "w3 w4 w5")]
+    warm = [engine.encode([{"role": "user", "content": text}]) for text in bench.WARMUP_PROMPTS]
+    decoded, run_once = [], bench.run_once
+    monkeypatch.setattr(bench, "run_once", lambda engine, ids, *args: decoded.append(list(ids)) or run_once(engine, ids, *args))
+    result = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), SamplingParams(max_new_tokens=4), warmup=4)
+    first = len(bench.WARMUP_PROMPTS) + 1
+    assert decoded[: 2 * first] == [ids for ids in warm + warm[:1] for _ in range(2)]  # each through both modes
+    assert decoded[2 * first :] == [ids for ids in timed for _ in range(2)]
+    assert result["settings"]["warmup"] == 4
+
+
 def test_a_run_of_baselines_alone_prints_no_empty_tau_lines(tiny_base, tmp_path):
     """generate and prompt-lookup count no forwards: a run of them alone has
     no tau to say, and printed a "tau on SOURCE: " line with nothing after it."""
