@@ -197,6 +197,68 @@ def test_resume_continues_where_it_stopped(tiny_base, features, tmp_path):
     assert [r["eval"] for r in resumed.history] == [r["eval"] for r in straight.history]
 
 
+def test_a_half_written_last_line_is_cut_in_place(tmp_path, monkeypatch):
+    """The cut rewrote the whole cache (emptied, then written): a kill during
+    it lost the complete lines too, hours of answers."""
+    from pathlib import Path
+
+    from core.training.answers import drop_partial_line
+
+    cache = tmp_path / "answers.jsonl"
+    cache.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "ans')
+    monkeypatch.setattr(Path, "write_bytes", lambda *args: pytest.fail("the cache was written anew"))
+    drop_partial_line(cache)
+    assert cache.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
+    drop_partial_line(cache)  # whole lines: left as they are
+    assert cache.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
+
+
+def test_a_diverging_run_stops_and_keeps_the_last_finite_head(tiny_base, features, tmp_path, monkeypatch):
+    """A loss that turned NaN (too high a learning rate) went on training: every
+    checkpoint after it held NaN weights, and the run wrote a head the app
+    refuses, with exit status 0."""
+    from core.training import trainer as trainer_module
+    from core.training.trainer import CHECKPOINT, TrainingDiverged
+
+    _, shards = features
+    losses = trainer_module.forward_losses
+    calls = []
+
+    def turning_nan(*args, **kwargs):
+        loss = losses(*args, **kwargs)
+        calls.append(1)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(trainer_module, "forward_losses", turning_nan)
+    trainer = Trainer(tiny_base, shards["train"], shards["eval"], tmp_path, TRAIN)
+    with pytest.raises(TrainingDiverged, match="training diverged at step 3: .*the checkpoint keeps the head of step 2.*--learning-rate"):
+        trainer.run(progress=False)
+    saved = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    assert saved["step"] == 2 and all(bool(torch.isfinite(value).all()) for value in saved["head"].values())
+    assert all(bool(torch.isfinite(value).all()) for value in trainer.head.state_dict().values())
+
+
+def test_a_checkpoint_of_features_from_other_answers_is_not_resumed(tiny_base, features, tmp_path):
+    """Features extracted again after prompts were removed can plan as many
+    steps as before; the checkpoint, trained on the removed prompts' answers,
+    was resumed, and the report named the new prompts alone."""
+    import shutil
+
+    from core.training.features import MANIFEST
+
+    _, shards = features
+    copied = tmp_path / "features"
+    shutil.copytree(shards["train"][0].parent.parent, copied)
+    train = [copied / "train" / path.name for path in shards["train"]]
+    evals = [copied / "eval" / path.name for path in shards["eval"]]
+    assert not Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN).run(progress=False, stop_at=2)
+    assert Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN).step == 2  # the same answers: resumed
+    manifest = json.loads((copied / MANIFEST).read_text())
+    (copied / MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "0" * 64}))  # the same shards, as other answers made them
+    with pytest.raises(ValueError, match="the checkpoint was made with other settings \\(the training data\\)"):
+        Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN)
+
+
 @pytest.mark.skipif(os.name == "nt", reason="os.kill with SIGINT ends the process on Windows")
 def test_ctrl_c_inside_an_optimizer_step_lands_after_it(tiny_base, features, tmp_path, monkeypatch):
     """Ctrl+C while the optimizer updates the parameters one by one: the step is

@@ -11,6 +11,7 @@ records as an uninterrupted one."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,8 +214,8 @@ def drop_partial_line(path: Path) -> None:
     if not path.is_file():
         return
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
+    if data and not data.endswith(b"\n"):  # cut in place: a rewrite killed midway would lose the whole lines too
+        os.truncate(path, data.rfind(b"\n") + 1)
 
 
 def derived_seed(seed: int, index: int, factor: int = 1_000_003) -> int:

@@ -445,6 +445,23 @@ def evaluate(head: DraftHead, shards: list[Path], frozen: Frozen, params: TrainP
     return totals.summary()
 
 
+class TrainingDiverged(ValueError):
+    """A training step's loss or gradients were not finite numbers (too high a learning rate)."""
+
+
+def data_fingerprint(train_shards: list[Path]) -> str | None:
+    """Which answers the shards' features were extracted from: their folder's
+    manifest (core/training/features.py); None where there is none."""
+    from core.training.features import MANIFEST
+
+    if not train_shards:
+        return None
+    try:
+        return json.loads((train_shards[0].parent.parent / MANIFEST).read_text(encoding="utf-8")).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 class Trainer:
     """Resumable training: a checkpoint every `checkpoint_every` steps, at the
     time budget and at Ctrl-C; a resumed run replays the same batch order and
@@ -474,6 +491,7 @@ class Trainer:
             self.head.parameters(), lr=params.learning_rate, betas=(0.9, 0.95), weight_decay=params.weight_decay
         )
         self.lengths = [shard_lengths(path) for path in train_shards]
+        self.data = data_fingerprint(train_shards)
         self.steps_per_epoch = len(plan_epoch(train_shards, self.lengths, params.batch_tokens, params.seed, 0))
         self.total_steps = params.epochs * self.steps_per_epoch
         self.step, self.seconds, self.history = 0, 0.0, []
@@ -532,6 +550,14 @@ class Trainer:
         loss = forward_losses(self.head, batch, self.frozen, self.params, noise, totals)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        gradients = [parameter.grad for parameter in self.head.parameters() if parameter.grad is not None]
+        if not (math.isfinite(float(loss.detach())) and all(bool(torch.isfinite(grad).all()) for grad in gradients)):
+            # before the step: the head and its checkpoint keep the last finite weights, and no damaged head is written
+            raise TrainingDiverged(
+                f"training diverged at step {self.step + 1}: its loss or gradients are not finite numbers; the checkpoint "
+                f"keeps the head of step {self.step}. Train again with a lower --learning-rate (this run's: "
+                f"{self.params.learning_rate:g}) with another --out and --work, or after deleting {self.folder / CHECKPOINT}"
+            )
         torch.nn.utils.clip_grad_value_(self.head.parameters(), self.params.grad_clip)
         with deferred_interrupts():  # the step applied whole, with its count, or not at all: a Ctrl+C inside the
             self.optimizer.step()  # optimizer's per-parameter loop saved a half-applied step, which --resume applied again
@@ -566,6 +592,7 @@ class Trainer:
             "train_totals": asdict(self.train_totals),
             "params": asdict(self.params),
             "steps_per_epoch": self.steps_per_epoch,
+            "data": self.data,
         }
         partial = self.folder / (CHECKPOINT + ".partial")
         try:
@@ -583,7 +610,10 @@ class Trainer:
         now = asdict(self.params)
         changed = [f"{OPTIONS.get(name, name)} {_shown(name, state['params'].get(name))}, this run {_shown(name, now[name])}"
                    for name in now if state["params"].get(name) != now[name]]  # fmt: skip
-        if state["steps_per_epoch"] != self.steps_per_epoch:
+        # features extracted again from other answers (a prompt removed) can plan as many steps: their
+        # fingerprint tells (a checkpoint of an earlier version records none)
+        data = state.get("data")
+        if state["steps_per_epoch"] != self.steps_per_epoch or (data is not None and self.data is not None and data != self.data):
             changed.append("the training data")
         if changed:
             raise ValueError(
