@@ -458,6 +458,25 @@ def test_train_head_refuses_what_would_lose_a_head_or_hours_before_any_work(tmp_
         main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "fresh")])
 
 
+def test_prompts_whose_answers_would_pass_the_context_window_are_skipped(tiny_base, prompts_file, tmp_path, capsys):
+    """Nothing weighed a prompt and its answer against the context window:
+    GPT-2's learnt positions ended in an IndexError hours into the answers,
+    RoPE models answered past the positions they learnt."""
+    from dataclasses import replace
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    window = tiny_base.model.config.max_position_embeddings  # 256
+    why = f"the model's context window of {window} tokens less --max-new-tokens {window - 9}"
+    longest = train_head(tiny_base, paths, replace(ANSWERS, max_new_tokens=window - 9), FEATURES, replace(TRAIN, epochs=1),
+                         progress=False, draft_vocab=24)  # fmt: skip
+    assert f"prompts longer than 9 tokens ({why}) skipped" in capsys.readouterr().out
+    assert 0 < longest["data"]["prompts"] < 16
+    for answer in (json.loads(line) for line in (paths.work / "answers.jsonl").read_text().splitlines()):
+        assert len(answer["prompt_ids"]) + len(answer["answer_ids"]) <= window
+    with pytest.raises(ValueError, match=f"--max-new-tokens {window}: leaves no room for a prompt in the model's context window of {window} tokens"):
+        train_head(tiny_base, paths, replace(ANSWERS, max_new_tokens=window), FEATURES, TRAIN, progress=False, draft_vocab=24)
+
+
 def test_a_resumed_run_keeps_the_answers_its_features_came_from(tiny_base, prompts_file, tmp_path, capsys):
     """After features are extracted (a time budget stopped the answers, here:
     fewer samples planned), a resumed run that plans more answers trains on

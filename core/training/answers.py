@@ -47,10 +47,10 @@ class Answer:
     finished: bool  # False when cut by max_new_tokens
 
 
-def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512) -> list[Prompt]:
+def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512, why: str = "") -> list[Prompt]:
     """JSONL lines {"id", "turns": [first turn = the user prompt, ...]}, checked
     as bench's are (PromptFileError names the file and line). A prompt without
-    an id is known by its line index from 0."""
+    an id is known by its line index from 0. `why`: what sets the longest, said with it."""
     prompts, skipped = [], 0
     for prompt_id, record in training_ids(Path(path)).items():
         messages = [{"role": "user", "content": record["turns"][0]}]
@@ -60,9 +60,9 @@ def read_prompts(path: Path, tokenizer, max_prompt_tokens: int = 512) -> list[Pr
         else:
             skipped += 1
     if skipped:
-        print(f"{path}: {skipped} prompts longer than {max_prompt_tokens} tokens skipped, {len(prompts)} kept", flush=True)
+        print(f"{path}: {skipped} prompts longer than {max_prompt_tokens} tokens{why} skipped, {len(prompts)} kept", flush=True)
     if not prompts:
-        raise ValueError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens; training needs shorter ones")
+        raise ValueError(f"{path}: every prompt is longer than {max_prompt_tokens} tokens{why}; training needs shorter ones")
     return prompts
 
 

@@ -199,7 +199,17 @@ def train_head(
     if train_params.init_head:  # the shapes now, not after hours of answers and features
         initial_weights(Path(train_params.init_head), new_head(head_config, 0))
         kept_vocabulary = initial_draft_ids(Path(train_params.init_head), draft_vocab)
-    prompts = read_prompts(paths.prompts, base.tokenizer, answer_params.max_prompt_tokens)  # first: a refusal leaves no record
+    # a prompt and its answer within the model's context window: past it positions the model never learnt
+    # (RoPE models answer on, other text), or none it has (GPT-2's learnt positions: an IndexError hours in)
+    window = getattr(base.model.config.get_text_config(), "max_position_embeddings", None)
+    longest, why = answer_params.max_prompt_tokens, ""
+    if isinstance(window, int) and window - answer_params.max_new_tokens < longest:
+        longest = window - answer_params.max_new_tokens
+        why = f" (the model's context window of {window} tokens less --max-new-tokens {answer_params.max_new_tokens})"
+        if longest < 1:
+            raise ValueError(f"--max-new-tokens {answer_params.max_new_tokens}: leaves no room for a prompt in the model's "
+                             f"context window of {window} tokens; give at most {window - 1}")  # fmt: skip
+    prompts = read_prompts(paths.prompts, base.tokenizer, longest, why)  # first: a refusal leaves no record
     check_base_model(paths.work, base)
     run = start_run(paths.work)  # recorded in the head's report too: a --resume replaces this run's head alone
     clock = PhaseClock(paths.work / PHASES_FILE)
