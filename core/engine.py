@@ -27,7 +27,7 @@ from core.prompt import encode_chat, load_prompts, stop_token_ids
 from core.sampling import FLOAT32_TEMPERATURE, Noise, probabilities, sample
 from core.stats import Recorder, Snapshot
 from core.tree import make_tree, shallower
-from core.tree_check import not_finite, rows_differing, tree_problem
+from core.tree_check import EXPLICIT, MODEL_MASK, ONE_PASS, chunk_mask, not_finite, rows_differing, tree_problem
 from core.verify import NodeArgmax, NodeGumbel, NodeLogits, NodeSample, accept, base_forward, logit_form, logits_of, next_logits, verify_tree
 from models import int4, int8
 from models.base import LoadedModel, memory_error, out_of_memory
@@ -233,6 +233,9 @@ class Engine:
         # 60-node trees would cost a GPU thousands of small launches per pass. Asked with or without
         # a head, so that the model's own replies (vanilla) do not depend on whether a head is loaded
         self.exact = self.speculation_problem() is None and base.device.type == "cpu" and self.graphed is None and self._make_exact()
+        # how a prompt's later chunks are read after the cache of the earlier ones, asked of the model as it now runs
+        # (core/tree_check.py): MPT's attention reads a boolean mask inverted, Bloom's and Falcon's ALiBi take none
+        self.chunk_mask = chunk_mask(self.model)
         # EAGLE-3 heads read hidden states of chosen base layers, captured during each base forward
         self.capture = LayerCapture(self.model, head.layer_ids) if head is not None and head.layer_ids else None
         if self.capture is not None and self.compiled is not None:
@@ -593,10 +596,12 @@ class _Run:
         self.screen_temperature = sampling.temperature / scale
         whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary and softcap is None
         self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and self.screen_temperature >= FLOAT32_TEMPERATURE
-        self.chunk = PREFILL_CHUNK  # prompt tokens per prefill forward
         # a sliding window's cache keeps fewer keys than an explicit mask over the whole prompt would cover:
         # its chunks go without one, and transformers masks each from the cache it holds
         self.sliding = kv_cache.has_sliding_window(self.model.config)
+        self.chunk_mask = MODEL_MASK if self.sliding else engine.chunk_mask
+        # prompt tokens per prefill forward; a model that reads no later chunk right reads its prompt in one
+        self.chunk = PREFILL_CHUNK if self.chunk_mask != ONE_PASS else 1 << 62
         self.first = first  # the positions kept from an earlier request (0 without kept caches)
         if self.first:
             self.cache = kept.cache
@@ -619,7 +624,7 @@ class _Run:
         with the pairs it has not read yet (read when the next request drafts,
         so a Stop while a long prompt is read costs no head forward over it)."""
         following = self.root if self.root >= 0 else self.prompt_ids[self.committed] if self.committed < len(self.prompt_ids) else None
-        if not self.committed or self.sliding:  # a window's cache is never continued
+        if not self.committed or self.sliding or self.chunk_mask == ONE_PASS:  # never continued: a window's cache, or one read whole
             return None
         head_cache, pending = None, None
         if self.drafter is not None:
@@ -637,7 +642,7 @@ class _Run:
         total = len(self.prompt_ids)
         ends = list(range(self.first + self.chunk, total, self.chunk)) + [total]
         boundary = self.engine.rope_boundary
-        if boundary is not None and self.first < boundary < total and boundary not in ends:
+        if boundary is not None and self.first < boundary < total and boundary not in ends and self.chunk_mask != ONE_PASS:
             ends = sorted([*ends, boundary])
         return list(zip([self.first, *ends[:-1]], ends))
 
@@ -673,8 +678,8 @@ class _Run:
         """Prompt tokens [start, end) into the base cache -> _forward's features."""
         tokens = torch.tensor(self.prompt_ids[start:end], device=self.device)
         positions = torch.arange(start, end, device=self.device)
-        mask = None  # causal; after the first chunk spelt out: each row sees what is read and its own prefix
-        if start and not self.sliding:
+        mask = None  # causal; after the first chunk spelt out where it may be: each row sees what is read and its own prefix
+        if start and self.chunk_mask == EXPLICIT:
             mask = torch.ones(end - start, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         features = self._forward(lambda: base_forward(self.model, tokens, positions, mask, self.cache))
         self.committed = end

@@ -106,6 +106,55 @@ def position_effect(model) -> float:
     return max(relative_difference(consecutive[node], by_depth[node]) for node in range(len(by_depth)))
 
 
+# How a prompt's later chunks are read after the earlier ones' cache (core/engine.py's _read):
+EXPLICIT = "explicit"  # with a boolean mask spelt out, which Kestrel's own attention paths need
+MODEL_MASK = "model"  # with none: the model's own code masks them from the cache length (ALiBi models, MPT's inverted masks)
+ONE_PASS = "one pass"  # neither reads them right: a prompt is read in one forward, and no cache is continued
+
+
+@torch.inference_mode()
+def chunk_mismatch(model, explicit: bool, reference: torch.Tensor) -> float:
+    """The worst relative difference between the logits of the self-check's
+    tokens read as two chunks (the second after the first's cache, with or
+    without an `explicit` mask) and `reference`, those of one forward; NaN
+    where they are not finite numbers, and where the model refuses the read."""
+    device = model.get_input_embeddings().weight.device
+    vocabulary = model.get_input_embeddings().weight.shape[0]
+    tokens = torch.tensor([token % vocabulary for token in PROMPT + TREE_TOKENS], device=device)
+    split, cache = len(PROMPT), kv_cache.new_cache(model)
+    try:
+        base_forward(model, tokens[:split], torch.arange(split, device=device), None, cache)
+        rows = len(tokens) - split
+        mask = torch.ones(rows, len(tokens), dtype=torch.bool, device=device).tril(diagonal=split) if explicit else None
+        later = logits_of(model, base_forward(model, tokens[split:], torch.arange(split, len(tokens), device=device), mask, cache))
+    except Exception as error:  # a model whose attention takes no 4D mask (Bloom's, Falcon's ALiBi)
+        if out_of_memory(error):
+            raise
+        return math.nan
+    later = later.double()
+    if not torch.isfinite(later).all():
+        return math.nan
+    return max(relative_difference(later[row], reference[split + row]) for row in range(len(later)))
+
+
+def chunk_mask(model) -> str:
+    """How this model reads a prompt's later chunks: EXPLICIT, MODEL_MASK or ONE_PASS
+    (above), whichever gives the logits of one forward within the dtype's tolerance."""
+    device = model.get_input_embeddings().weight.device
+    vocabulary = model.get_input_embeddings().weight.shape[0]
+    tokens = torch.tensor([token % vocabulary for token in PROMPT + TREE_TOKENS], device=device)
+    with torch.inference_mode():
+        features = base_forward(model, tokens, torch.arange(len(tokens), device=device), None, kv_cache.new_cache(model))
+        reference = logits_of(model, features).double()
+    if not torch.isfinite(reference).all():  # nothing to judge by: the prompt's own check names the overflow
+        return EXPLICIT
+    tolerance = TOLERANCE.get(int8.compute_dtype(model), TOLERANCE[torch.float32])
+    for way, explicit in ((EXPLICIT, True), (MODEL_MASK, False)):
+        if chunk_mismatch(model, explicit, reference) <= tolerance:  # NaN never is
+            return way
+    return ONE_PASS
+
+
 def not_finite(what: str, dtype: torch.dtype) -> str:
     """What `what`, not finite numbers in `dtype`, means, and what to do."""
     if dtype == torch.float16:  # the load's dtype: --dtype, or Compute dtype in the Models tab

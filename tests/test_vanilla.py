@@ -9,6 +9,7 @@ from core.config import SamplingParams
 from core.detokenize import Detokenizer
 from core.engine import ContextOverflowError, Engine
 from core.prompt import encode_chat
+from core.verify import base_forward
 from models.base import load_base
 
 
@@ -31,6 +32,64 @@ def test_greedy_equals_generate_on_tiny_model(tiny_base):
         steps = list(engine.stream(prompt, mode="vanilla", sampling=SamplingParams(max_new_tokens=30)))
         assert tokens_of(steps) == generate_reference(engine, prompt, 30)
         assert all(step.stats.mean_accepted_length == 1.0 for step in steps)
+
+
+@pytest.mark.parametrize("architecture", ["mpt", "bloom", "falcon-alibi", "llama"])
+def test_long_prompts_and_continued_turns_equal_generate_on_models_of_other_attention(architecture, tmp_path):
+    """A prompt's chunks after the first (past 512 tokens, or a turn continuing
+    kept caches) were read with a boolean mask spelt out: MPT's attention reads
+    one inverted (other tokens, or NaN), Bloom's and Falcon's ALiBi take none (a
+    ValueError). Such a model reads them as its own code masks them."""
+    import transformers
+
+    from core import engine as engine_module
+    from core.tree_check import EXPLICIT, MODEL_MASK
+    from tests.factory import save_tiny_model, tiny_tokenizer
+
+    common = dict(vocab_size=64, bos_token_id=1, eos_token_id=4, pad_token_id=2)
+    configs = {
+        "mpt": lambda: transformers.MptConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=2048, **common),
+        "bloom": lambda: transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common),
+        "falcon-alibi": lambda: transformers.FalconConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True, max_position_embeddings=2048, **common
+        ),
+    }
+    folder = tmp_path / architecture
+    if architecture == "llama":
+        save_tiny_model(folder, max_position_embeddings=2048)
+    else:
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(configs[architecture]()).save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+    base = load_base(str(folder), dtype="float64")
+    with torch.no_grad():
+        base.model.get_output_embeddings().weight.mul_(30)  # greedy choices away from near-ties
+    engine = Engine(base)
+    assert engine.chunk_mask == (EXPLICIT if architecture == "llama" else MODEL_MASK)
+    sampling = SamplingParams(max_new_tokens=6)
+    long = torch.randint(8, 64, (engine_module.PREFILL_CHUNK + 88,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert tokens_of(engine.stream(long, "vanilla", sampling)) == generate_reference(engine, long, 6)
+    first = long[:20]
+    second = first + tokens_of(engine.stream(first, "vanilla", sampling, reuse=True)) + [9, 10, 11]
+    assert engine.kept_conversations
+    assert tokens_of(engine.stream(second, "vanilla", sampling, reuse=True)) == generate_reference(engine, second, 6)
+
+
+def test_a_model_that_reads_no_later_chunk_right_reads_its_prompt_in_one_forward(tiny_base, monkeypatch):
+    """Where neither a spelt-out mask nor the model's own gives a later chunk
+    the logits of one forward, a prompt is read whole, and no cache is kept to continue."""
+    from core import engine as engine_module
+    from core import tree_check
+
+    monkeypatch.setattr(tree_check, "chunk_mismatch", lambda *args: float("nan"))
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 64)  # the tiny model's window is 256
+    engine = Engine(tiny_base)
+    assert engine.chunk_mask == tree_check.ONE_PASS
+    forwards = []
+    monkeypatch.setattr(engine_module, "base_forward", lambda model, tokens, *args: forwards.append(len(tokens)) or base_forward(model, tokens, *args))
+    prompt = torch.randint(8, 64, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert tokens_of(engine.stream(prompt, "vanilla", SamplingParams(max_new_tokens=4), reuse=True)) == generate_reference(engine, prompt, 4)
+    assert forwards[0] == len(prompt) and not engine.kept_conversations
 
 
 def test_greedy_equals_generate_on_default_model(default_base):
