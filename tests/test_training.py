@@ -213,6 +213,36 @@ def test_a_half_written_last_line_is_cut_in_place(tmp_path, monkeypatch):
     assert cache.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
 
 
+def test_damaged_work_files_are_named_with_what_to_delete(tiny_base, features, tmp_path, capsys):
+    """A checkpoint or a feature shard cut short (a power cut between a write
+    and its rename) ended --resume in torch's or safetensors' traceback, and an
+    emptied phases.json in a JSON error naming no file."""
+    import shutil
+
+    from core.training.pipeline import PhaseClock
+    from core.training.trainer import CHECKPOINT
+
+    _, shards = features
+    copied = tmp_path / "features"
+    shutil.copytree(shards["train"][0].parent.parent, copied)
+    train = [copied / "train" / path.name for path in shards["train"]]
+    evals = [copied / "eval" / path.name for path in shards["eval"]]
+    assert not Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN).run(progress=False, stop_at=2)
+    checkpoint = tmp_path / "train" / CHECKPOINT
+    whole = checkpoint.read_bytes()
+    for damaged in (whole[:1000], b""):
+        checkpoint.write_bytes(damaged)
+        with pytest.raises(ValueError, match=f"{checkpoint}: cannot be read .*delete it to train from scratch"):
+            Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN)
+    checkpoint.write_bytes(whole)
+    train[0].write_bytes(train[0].read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{train[0]}: a feature shard that cannot be read .*delete the folder {copied} to extract"):
+        Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN)
+    phases = tmp_path / "phases.json"
+    phases.write_text("")
+    assert PhaseClock(phases).seconds == {} and f"note: {phases} cannot be read" in capsys.readouterr().out
+
+
 def test_a_diverging_run_stops_and_keeps_the_last_finite_head(tiny_base, features, tmp_path, monkeypatch):
     """A loss that turned NaN (too high a learning rate) went on training: every
     checkpoint after it held NaN weights, and the run wrote a head the app
@@ -678,7 +708,7 @@ def test_a_budget_spent_before_the_first_training_step_writes_no_head(tiny_base,
     assert not (paths.out / "model.safetensors").exists() and not (paths.out / REPORT_FILE).exists()
 
     monkeypatch.setattr("models.base.load_base", lambda *args, **kwargs: tiny_base)
-    options = ["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "cli"), "--threads", "1"]
+    options = ["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "cli"), "--threads", "1", "--max-new-tokens", "24"]
     assert main([*options, "--time-budget-minutes", "1"]) == 75  # no head to use: a script's `&&` stops
     assert "stopped by the time budget (before the first training step); no head was written; run again with --resume" in capsys.readouterr().out
     monkeypatch.undo()
@@ -782,7 +812,7 @@ def test_the_last_line_says_why_a_run_has_no_held_out_figures(tiny_base, prompts
               "training": {"steps": 4, "total_steps": 4}, "final_eval": {"accuracy": []}}  # fmt: skip
     monkeypatch.setattr(pipeline, "train_head", lambda *args, **kwargs: report)
     monkeypatch.setattr("models.base.load_base", lambda *args, **kwargs: tiny_base)
-    assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "h"), "--threads", "1"]) == 0
+    assert main(["train-head", "--prompts", str(prompts_file), "--out", str(tmp_path / "h"), "--threads", "1", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out
     assert "no held-out figures (none of the 2 held-out prompts has an answer of 2 tokens or more here)" in out
     assert "note: 2 of the 16 answers this run plans were not made: the features in" in out and "time budget" not in out

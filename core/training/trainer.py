@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 import shutil
 import signal
 import threading
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from core.training.answers import derived_seed
-from core.training.features import Sequence, read_shard
+from core.training.features import Sequence, read_shard, shard_tensors
 from models.eagle3 import Eagle3Head
 from models.head import DraftHead, HeadCache, HeadConfig
 
@@ -260,12 +261,10 @@ def frozen_of(base, bf16: bool, vocabulary: torch.Tensor | None = None) -> Froze
 
 def frequent_tokens(shards: list[Path], size: int, vocab_size: int) -> torch.Tensor:
     """The `size` most frequent answer tokens of the shards, sorted by id."""
-    from safetensors import safe_open
-
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for path in shards:
-        with safe_open(str(path), framework="pt") as shard:
-            ids, mask = shard.get_tensor("input_ids").long(), shard.get_tensor("loss_mask").bool()
+        ids, mask = shard_tensors(path, ("input_ids", "loss_mask"))
+        ids, mask = ids.long(), mask.bool()
         counts += torch.bincount(ids[1:][mask[:-1]], minlength=vocab_size)  # token_{t+1} of trained t
     return counts.topk(min(size, vocab_size)).indices.sort().values
 
@@ -386,10 +385,7 @@ def count_step(totals: Totals, step: int, valid, correct, chain, feedable) -> to
 
 
 def shard_lengths(path: Path) -> list[int]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as shard:
-        return shard.get_tensor("lengths").tolist()
+    return shard_tensors(path, ("lengths",))[0].tolist()
 
 
 def plan_epoch(shards: list[Path], lengths: list[list[int]], batch_tokens: int, seed: int, epoch: int):
@@ -606,7 +602,13 @@ class Trainer:
         partial.replace(self.folder / CHECKPOINT)  # over the last checkpoint (rename refuses that on Windows)
 
     def _load(self) -> None:
-        state = torch.load(self.folder / CHECKPOINT, map_location="cpu", weights_only=False)
+        try:
+            state = torch.load(self.folder / CHECKPOINT, map_location="cpu", weights_only=False)
+        except (RuntimeError, EOFError, ValueError, OSError, pickle.UnpicklingError) as error:  # cut short or emptied (a power cut)
+            raise ValueError(
+                f"{self.folder / CHECKPOINT}: cannot be read ({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
+                "delete it to train from scratch (the answers and features are kept)"
+            ) from error
         now = asdict(self.params)
         changed = [f"{OPTIONS.get(name, name)} {_shown(name, state['params'].get(name))}, this run {_shown(name, now[name])}"
                    for name in now if state["params"].get(name) != now[name]]  # fmt: skip
