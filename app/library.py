@@ -136,7 +136,7 @@ def trained_heads(heads_dir: Path, base_name: str, base_config) -> list[str]:
         if config is None or not (folder / "model.safetensors").is_file():
             continue
         if report is not None and "base_model" in report:
-            if same_base(report["base_model"], base_name):
+            if same_base(report_base(report) or "", base_name):
                 found.append(str(folder))
         elif config.get("hidden_size") == base_config.hidden_size and config.get("vocab_size") == base_config.vocab_size:
             found.append(str(folder))
@@ -157,8 +157,17 @@ def same_base(trained_for: str, loaded: str) -> bool:
 
 def trained_base(folder: Path) -> str | None:
     """The base model a head folder's training report says it was trained for; None without one."""
-    made_for = (read_json(folder / REPORT_FILE) or {}).get("base_model")
-    return made_for if isinstance(made_for, str) and made_for else None
+    return report_base(read_json(folder / REPORT_FILE) or {})
+
+
+def report_base(report: dict) -> str | None:
+    """The base model a training report names: its folder's absolute path where
+    it was a local one that is still there (the name as typed is relative to
+    where the run started), else the name."""
+    folder, name = report.get("base_model_folder"), report.get("base_model")
+    if isinstance(folder, str) and folder and Path(folder).exists():
+        return folder
+    return name if isinstance(name, str) and name else None
 
 
 def read_json(path: Path) -> dict | None:

@@ -524,6 +524,23 @@ def test_a_resumed_run_keeps_the_answers_its_features_came_from(tiny_base, promp
     assert report["data"]["features_kept"] and report["data"]["eval_answers"] > 0
 
 
+def test_answers_of_prompts_removed_after_their_features_were_taken_are_recorded(tiny_base, prompts_file, tmp_path, capsys):
+    """A resumed run whose prompts file lost prompts after their features were
+    taken trains on their answers too (they stay as they are); the report and
+    TRAINING.md named the shorter file alone, as if the head had not seen them."""
+    from dataclasses import replace
+
+    paths = RunPaths(prompts_file, tmp_path / "head", tmp_path / "work")
+    train_head(tiny_base, paths, replace(ANSWERS, samples_per_prompt=1), FEATURES, replace(TRAIN, epochs=1), progress=False, draft_vocab=24)
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("".join(prompts_file.read_text().splitlines(keepends=True)[:12]))  # p12 to p15 removed
+    report = train_head(tiny_base, replace(paths, prompts=fewer), replace(ANSWERS, samples_per_prompt=1), FEATURES,
+                        replace(TRAIN, epochs=1), progress=False, draft_vocab=24)  # fmt: skip
+    assert report["data"]["prompts"] == 12 and report["data"]["answers"] == 16 and report["data"]["unplanned_answers"] == 4
+    notes = (paths.out / "TRAINING.md").read_text()
+    assert "4 of them answer prompts or samples this run's prompts file no longer has" in notes
+
+
 def test_a_checkpoint_made_with_other_settings_names_them(tiny_base, features, tmp_path):
     from dataclasses import replace
 

@@ -1665,6 +1665,16 @@ def test_catalog_and_trained_heads(engine, tmp_path):
     (tmp_path / "base").mkdir()
     found = trained_heads(tmp_path / "heads", f"{tmp_path}/./base/", engine.model.config)
     assert str(tmp_path / "heads" / "other") in found and str(tmp_path / "heads" / "mine") not in found
+    # a path typed relative to where the training ran (elsewhere): its report's folder tells
+    from core.training.pipeline import base_folder
+
+    report = {"base_model": "base", **base_folder(str(tmp_path / "base"))}
+    (tmp_path / "heads" / "other" / "training_report.json").write_text(json.dumps(report))
+    assert str(tmp_path / "heads" / "other") in trained_heads(tmp_path / "heads", str(tmp_path / "base"), engine.model.config)
+    from app.library import trained_base
+
+    assert trained_base(tmp_path / "heads" / "other") == str(tmp_path / "base")
+    assert base_folder("another/model") == {}  # a repo id
 
 
 def ui_args(*argv: str):

@@ -269,10 +269,13 @@ def train_head(
         final = drafted_accuracy(base, head, shards["eval"], train_params.unroll_steps, train_params.batch_tokens, progress)
     report = {
         "base_model": base.name,
+        **base_folder(base.name),
         "arch": train_params.arch,
         "run": run,
         "data": {**data_summary(paths, prompts, answers, shards, answer_params, feature_params),
                  "planned_answers": len(plan), "unanswered": len(plan - {(a.id, a.sample) for a in answers}),
+                 # answers of prompts (or samples) this run does not plan, whose features were taken before: trained on too
+                 "unplanned_answers": len({(a.id, a.sample) for a in answers} - plan),
                  "features_kept": taken},
         "training": training,
         "final_eval": final,
@@ -303,6 +306,20 @@ def initial_draft_ids(folder: Path, draft_vocab: int | None) -> torch.Tensor | N
     if offsets is None or not draft_vocab or offsets.numel() != draft_vocab:
         return None
     return (offsets.long() + torch.arange(offsets.numel())).sort().values
+
+
+def base_folder(name: str) -> dict:
+    """{"base_model_folder": the absolute path} of a base model loaded from a
+    local folder or file, named as typed (relative to where the run started,
+    which the page's list of trained heads cannot know); {} for a repo id."""
+    from models.errors import KestrelError
+    from models.paths import user_path
+
+    try:
+        path = user_path(name)
+        return {"base_model_folder": str(path.resolve())} if path.exists() else {}
+    except (OSError, ValueError, RuntimeError, KestrelError):  # a ~user that is no user here, a loop of links
+        return {}
 
 
 def note_kept_answers(features: Path, answers, plan: set) -> None:

@@ -59,6 +59,11 @@ def _steps(count: int) -> str:
 def _unanswered(data: dict) -> str:
     """What the answers line adds where some planned answers were not made."""
     unanswered, planned = data.get("unanswered", 0), data.get("planned_answers", 0)
+    unplanned = data.get("unplanned_answers", 0)
+    if unplanned:  # the prompts file changed after the features were taken: the head learned from those answers too
+        unplanned_text = (f"; {unplanned} of them answer prompts or samples this run's prompts file no longer has: their "
+                          "features were taken before, and they were trained on too")  # fmt: skip
+        return unplanned_text + (f"; {unanswered} of the {planned} planned were not made" if unanswered else "")
     if not unanswered:
         return ""
     if data.get("features_kept"):
