@@ -551,6 +551,15 @@ def format_table(result: dict) -> str:
                      + (f" ({fresh / kept:.1f}x)" if kept > 0 else ""))  # fmt: skip
     for reason in summary.get("left_out", []):
         lines.append(f"note: left out, {reason}: every mode's rows of that conversation are dropped")
+    modes = result["modes"]
+    if "prompt-lookup" in modes:  # transformers' generate runs eagerly, Kestrel's modes through its own passes and kernels
+        if "generate" in modes and modes["generate"]["tokens_per_s"]:
+            lookup = modes["prompt-lookup"]["tokens_per_s"] / modes["generate"]["tokens_per_s"]
+            lines.append(f"prompt-lookup {lookup:.2f}x of generate, both transformers' generate (run eagerly); set beside "
+                         "eagle2 / vanilla, this compares the drafting alone")  # fmt: skip
+        else:
+            lines.append("note: prompt-lookup runs transformers' generate eagerly, vanilla and eagle2 Kestrel's own passes; "
+                         "add generate to --modes to compare the drafting alone (prompt-lookup / generate)")  # fmt: skip
     for source, taus in summary["tau_by_source"].items():
         drafted = [f"{m} {t:.2f}" for m, t in taus.items() if t is not None]
         if drafted:  # none where only baselines ran, which count no forwards
