@@ -213,21 +213,26 @@ def test_a_half_written_last_line_is_cut_in_place(tmp_path, monkeypatch):
     assert cache.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
 
 
-def test_damaged_work_files_are_named_with_what_to_delete(tiny_base, features, tmp_path, capsys):
-    """A checkpoint or a feature shard cut short (a power cut between a write
-    and its rename) ended --resume in torch's or safetensors' traceback, and an
-    emptied phases.json in a JSON error naming no file."""
-    import shutil
-
-    from core.training.pipeline import PhaseClock
-    from core.training.trainer import CHECKPOINT
-
+def stopped_on_copied_features(tiny_base, features, tmp_path) -> tuple[Path, list[Path], list[Path]]:
+    """A copy of the module's feature folder, and a run on it stopped at step 2
+    (its checkpoint in tmp_path / "train") -> (the copy, its train and eval shards)."""
     _, shards = features
     copied = tmp_path / "features"
     shutil.copytree(shards["train"][0].parent.parent, copied)
     train = [copied / "train" / path.name for path in shards["train"]]
     evals = [copied / "eval" / path.name for path in shards["eval"]]
     assert not Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN).run(progress=False, stop_at=2)
+    return copied, train, evals
+
+
+def test_damaged_work_files_are_named_with_what_to_delete(tiny_base, features, tmp_path, capsys):
+    """A checkpoint or a feature shard cut short (a power cut between a write
+    and its rename) ended --resume in torch's or safetensors' traceback, and an
+    emptied phases.json in a JSON error naming no file."""
+    from core.training.pipeline import PhaseClock
+    from core.training.trainer import CHECKPOINT
+
+    copied, train, evals = stopped_on_copied_features(tiny_base, features, tmp_path)
     checkpoint = tmp_path / "train" / CHECKPOINT
     whole = checkpoint.read_bytes()
     for damaged in (whole[:1000], b""):
@@ -272,16 +277,9 @@ def test_a_checkpoint_of_features_from_other_answers_is_not_resumed(tiny_base, f
     """Features extracted again after prompts were removed can plan as many
     steps as before; the checkpoint, trained on the removed prompts' answers,
     was resumed, and the report named the new prompts alone."""
-    import shutil
-
     from core.training.features import MANIFEST
 
-    _, shards = features
-    copied = tmp_path / "features"
-    shutil.copytree(shards["train"][0].parent.parent, copied)
-    train = [copied / "train" / path.name for path in shards["train"]]
-    evals = [copied / "eval" / path.name for path in shards["eval"]]
-    assert not Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN).run(progress=False, stop_at=2)
+    copied, train, evals = stopped_on_copied_features(tiny_base, features, tmp_path)
     assert Trainer(tiny_base, train, evals, tmp_path / "train", TRAIN).step == 2  # the same answers: resumed
     manifest = json.loads((copied / MANIFEST).read_text())
     (copied / MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "0" * 64}))  # the same shards, as other answers made them
