@@ -139,7 +139,10 @@ def chunk_mismatch(model, explicit: bool, reference: torch.Tensor) -> float:
 
 def chunk_mask(model) -> str:
     """How this model reads a prompt's later chunks: EXPLICIT, MODEL_MASK or ONE_PASS
-    (above), whichever gives the logits of one forward within the dtype's tolerance."""
+    (above). The first that gives the logits of one forward within the dtype's
+    tolerance; where neither does (rounding beyond it: the tree check's own
+    tolerance then speaks), the closer, EXPLICIT on a tie; ONE_PASS only where
+    neither reads a later chunk at all (refused, or not finite numbers)."""
     device = model.get_input_embeddings().weight.device
     vocabulary = model.get_input_embeddings().weight.shape[0]
     tokens = torch.tensor([token % vocabulary for token in PROMPT + TREE_TOKENS], device=device)
@@ -149,10 +152,15 @@ def chunk_mask(model) -> str:
     if not torch.isfinite(reference).all():  # nothing to judge by: the prompt's own check names the overflow
         return EXPLICIT
     tolerance = TOLERANCE.get(int8.compute_dtype(model), TOLERANCE[torch.float32])
-    for way, explicit in ((EXPLICIT, True), (MODEL_MASK, False)):
-        if chunk_mismatch(model, explicit, reference) <= tolerance:  # NaN never is
-            return way
-    return ONE_PASS
+    spelt = chunk_mismatch(model, True, reference)
+    if spelt <= tolerance:  # NaN never is
+        return EXPLICIT
+    own = chunk_mismatch(model, False, reference)
+    if own <= tolerance:
+        return MODEL_MASK
+    if math.isnan(spelt) and math.isnan(own):
+        return ONE_PASS
+    return MODEL_MASK if math.isnan(spelt) or own < spelt else EXPLICIT
 
 
 def not_finite(what: str, dtype: torch.dtype) -> str:

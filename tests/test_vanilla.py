@@ -92,6 +92,20 @@ def test_a_model_that_reads_no_later_chunk_right_reads_its_prompt_in_one_forward
     assert forwards[0] == len(prompt) and not engine.kept_conversations
 
 
+def test_the_chunk_read_is_changed_only_on_evidence(tiny_base, monkeypatch):
+    """Rounding beyond the dtype's tolerance (bf16 on a large model) must not
+    turn an ordinary model's chunked reads and kept caches off: where neither
+    way is within it, the closer is kept, the spelt-out mask on a tie."""
+    from core import tree_check
+
+    nan = float("nan")
+    for spelt, own, way in ((1e-9, 5.0, tree_check.EXPLICIT), (5.0, 1e-9, tree_check.MODEL_MASK), (3.0, 3.0, tree_check.EXPLICIT),
+                            (3.0, nan, tree_check.EXPLICIT), (9.0, 3.0, tree_check.MODEL_MASK), (nan, 3.0, tree_check.MODEL_MASK),
+                            (nan, nan, tree_check.ONE_PASS)):  # fmt: skip
+        monkeypatch.setattr(tree_check, "chunk_mismatch", lambda model, explicit, reference: spelt if explicit else own)
+        assert tree_check.chunk_mask(tiny_base.model) == way, (spelt, own)
+
+
 def test_greedy_equals_generate_on_default_model(default_base):
     engine = Engine(default_base)
     prompt = engine.encode([{"role": "user", "content": "Write a haiku about autumn leaves."}])
