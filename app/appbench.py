@@ -4,7 +4,8 @@ official openai client), the page's endpoint (gradio_client, no browser) and
 the page in headless Chromium. The server runs as its own process, as when a
 user starts it; every run is greedy with the same prompt and settings, one
 after the other, and reads the prompt afresh (the server keeps no caches
-between requests here), so the ratios to the `chat` command are comparable."""
+between requests here), and the chat command and the server each answer a
+built-in prompt untimed first, so the ratios to the `chat` command are comparable."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def run_app_bench(
         show(f"starting the server on port {port} (it loads and compiles the model first)")
         url = wait_until_up(log, server)
         model = api_model(url)
+        show("warming the server up: one untimed reply per mode (the chat command answers one first too)")
+        warm_server(url, model, modes)
         for round_index in range(rounds):
             for mode in modes:
                 def measure(way: str, result: dict, chat: dict | None = None) -> dict:
@@ -96,10 +99,33 @@ def fresh_reads(root: Path) -> list[str]:
     return ["--no-kept-caches"] if known else []
 
 
+def warm_chat(root: Path) -> list[str]:
+    """The chat command's option to answer a built-in prompt untimed first, so
+    that its timed reply is not a new process's first one (the server, whose
+    rows it is set beside, is warm), where the Kestrel at `root` has it."""
+    try:
+        known = 'chat.add_argument("--warmup"' in (root / "app" / "cli.py").read_text(encoding="utf-8")
+    except OSError:
+        known = False
+    return ["--warmup", "1"] if known else []
+
+
+def warm_server(url: str, model: str | None, modes: list[str]) -> None:
+    """One untimed request per mode through the server before the first round, at
+    16 tokens, with a built-in prompt: its first timed request is not its first."""
+    from core.bench import WARMUP_PROMPTS
+
+    for mode in modes:
+        if model is not None:
+            through_api(url, model, WARMUP_PROMPTS[0], mode, 16)
+        else:  # an older Kestrel without the API
+            through_gradio_client(url, WARMUP_PROMPTS[0], mode, 16)
+
+
 def chat_command(root: Path, prompt: str, mode: str, max_new_tokens: int, threads: int, environment: dict) -> dict:
     # the prompt after "--", where no text of it ("-v", "--help") is read as an option; "-" alone is
     # standard input to the chat command, so it is given there
-    command = [sys.executable, str(root / "launch.py"), "chat", "--mode", mode,
+    command = [sys.executable, str(root / "launch.py"), "chat", "--mode", mode, *warm_chat(root),
                "--max-new-tokens", str(max_new_tokens), "--threads", str(threads), "--", prompt]  # fmt: skip
     done = subprocess.run(command, input=prompt if prompt == "-" else "", capture_output=True, text=True, env=environment)
     if done.returncode != 0:  # its own error line says why

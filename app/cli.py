@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tree_options(chat)
     chat.add_argument("--mode", default=None, choices=("vanilla", "eagle", "eagle2"), help="decoding mode (default: eagle2 when a head is loaded, else vanilla)")
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--warmup", type=integer(0, 8), default=0, help="first answer N built-in prompts untimed, at 16 tokens, so that the reply's figures are those of a warm process (bench-app's baseline; default 0)")
 
     bench = commands.add_parser("bench", help="benchmark decoding modes on a prompt file")
     bench.add_argument("--prompts", required=True, help="JSONL file; each line has a 'turns' list (first turn = prompt) and optionally 'id'")
@@ -729,6 +730,7 @@ def run_chat(args) -> int:
     step, wrote = None, False
     progress = sys.stderr.isatty()  # how far a long prompt is read, on one line that the reply replaces
     with stop_on_interrupt() as stop:
+        warm_up(engine, mode, sampling, tree, args.warmup, stop)
         for step in engine.chat(messages, mode=mode, sampling=sampling, tree=tree, cancel=stop, reading=progress):
             if isinstance(step, Reading):
                 print(f"\rreading the prompt: {step.done / step.total:.0%} of {step.total:,} tokens", end="", file=sys.stderr, flush=True)
@@ -755,6 +757,20 @@ def run_chat(args) -> int:
 
 
 ENDINGS = {"context": " (the reply reached the model's context window)"}  # said after the finish reason
+
+
+def warm_up(engine, mode: str, sampling, tree, count: int, stop) -> None:
+    """`count` of bench's built-in warm-up prompts answered untimed, at 16
+    tokens, none of them the prompt: a process's first reply (allocations, the
+    planner's calibration learnt from nothing) is not the one timed."""
+    from dataclasses import replace
+
+    from core.bench import WARMUP_PROMPTS
+
+    for index in range(count):
+        text = WARMUP_PROMPTS[index % len(WARMUP_PROMPTS)]
+        for _ in engine.chat([{"role": "user", "content": text}], mode=mode, sampling=replace(sampling, max_new_tokens=16), tree=tree, cancel=stop):
+            pass
 
 
 def recommended_note(engine) -> str:

@@ -530,6 +530,8 @@ def test_bench_app_keeps_the_rows_measured_before_a_way_fails(tmp_path, monkeypa
     monkeypatch.setattr(appbench, "api_model", lambda url: None)
     monkeypatch.setattr(appbench, "CHROMIUM", tmp_path / "no-chromium")
     monkeypatch.setattr(appbench, "chat_command", lambda *args: {"tokens": 10, "tokens_per_s": 10.0})
+    warmed = []
+    monkeypatch.setattr(appbench, "warm_server", lambda url, model, modes: warmed.append(modes))
     pages = []
 
     def page(url, prompt, mode, max_new_tokens):
@@ -548,6 +550,7 @@ def test_bench_app_keeps_the_rows_measured_before_a_way_fails(tmp_path, monkeypa
     ]  # fmt: skip
     err = capsys.readouterr().err
     assert f"wrote {out} with the 5 rows measured before it stopped" in err and "error: the page's reply did not finish in time" in err
+    assert warmed == [["vanilla", "eagle2"]]  # once, before the first round
 
 
 def test_bench_app_gives_the_chat_command_a_prompt_that_starts_with_a_dash_as_the_prompt(monkeypatch):
@@ -568,5 +571,5 @@ def test_bench_app_gives_the_chat_command_a_prompt_that_starts_with_a_dash_as_th
         assert appbench.chat_command(root, prompt, "eagle2", 8, 1, {}) == {"tokens": 5, "tokens_per_s": 5.0}
         command, given = ran[-1]
         args = build_parser().parse_args(command[2:])
-        assert (args.command, args.prompt, args.mode) == ("chat", prompt, "eagle2")
+        assert (args.command, args.prompt, args.mode, args.warmup) == ("chat", prompt, "eagle2", 1)  # a warm process's reply
         assert given == ("-" if prompt == "-" else "")  # `chat -` reads the prompt from standard input

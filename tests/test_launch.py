@@ -410,6 +410,23 @@ def test_chat_from_stdin_names_bytes_that_are_not_utf_8_and_a_closed_stdin(capsy
     assert "then end it with Ctrl+" in capsys.readouterr().err
 
 
+def test_chat_warms_up_on_built_in_prompts_before_the_timed_reply(tiny_dir, capsys, monkeypatch):
+    """bench-app set a new process's first reply (nothing learnt, nothing
+    allocated) beside a warm server's: `chat --warmup N` answers N built-in
+    prompts untimed first, and the reply itself is unchanged."""
+    from app import cli
+    from core.bench import WARMUP_PROMPTS
+    from core.engine import Engine
+
+    options = ["--model", str(tiny_dir), "--dtype", "float32", "--compile", "off", "--threads", "1", "--max-new-tokens", "6"]
+    asked, chat = [], Engine.chat
+    monkeypatch.setattr(Engine, "chat", lambda self, messages, **kwargs: asked.append(messages[-1]["content"]) or chat(self, messages, **kwargs))
+    reply = cli_reply(cli, ["chat", "w1 w2", *options], capsys)
+    assert asked == ["w1 w2"]
+    assert cli_reply(cli, ["chat", "w1 w2", *options, "--warmup", "2"], capsys) == reply
+    assert asked[1:] == [*WARMUP_PROMPTS[:2], "w1 w2"]
+
+
 def test_chat_reads_the_prompt_from_stdin_and_names_the_seed_it_drew(tiny_dir, capsys, monkeypatch):
     """`chat -` takes the message from standard input; a sampled reply without
     --seed names the seed it drew, and --seed with it writes the same reply."""
