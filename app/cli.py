@@ -1011,8 +1011,9 @@ def train_in(args, out: Path, work: Path) -> int:
     print(f"head written to {out}: {training['steps']}/{training['total_steps']} steps, {held_out}")
     unanswered, planned = data.get("unanswered", 0), data.get("planned_answers", 0)
     if data.get("unplanned_answers"):
-        print(f"note: this head also learned from {data['unplanned_answers']} answers to prompts or samples the prompts file no "
-              f"longer has: their features in {work} were taken before (a new --work answers exactly this file's prompts)")  # fmt: skip
+        print(f"note: this head also learned from {data['unplanned_answers']} answers to prompts or samples this run does not "
+              f"plan (gone from the prompts file, or skipped there): their features in {work} were taken before (a new --work "
+              "answers exactly this run's prompts)")  # fmt: skip
     if unanswered and data.get("features_kept"):
         print(f"note: {unanswered} of the {planned} answers this run plans were not made: the features in {work} were taken "
               f"from the answers made before, and --resume keeps them as they are (a new --work answers every prompt)")  # fmt: skip

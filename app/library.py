@@ -136,7 +136,7 @@ def trained_heads(heads_dir: Path, base_name: str, base_config) -> list[str]:
         if config is None or not (folder / "model.safetensors").is_file():
             continue
         if report is not None and "base_model" in report:
-            if same_base(report_base(report) or "", base_name):
+            if any(same_base(name, base_name) for name in report_bases(report)):
                 found.append(str(folder))
         elif config.get("hidden_size") == base_config.hidden_size and config.get("vocab_size") == base_config.vocab_size:
             found.append(str(folder))
@@ -157,17 +157,19 @@ def same_base(trained_for: str, loaded: str) -> bool:
 
 def trained_base(folder: Path) -> str | None:
     """The base model a head folder's training report says it was trained for; None without one."""
-    return report_base(read_json(folder / REPORT_FILE) or {})
+    names = report_bases(read_json(folder / REPORT_FILE) or {})
+    return names[0] if names else None
 
 
-def report_base(report: dict) -> str | None:
-    """The base model a training report names: its folder's absolute path where
-    it was a local one that is still there (the name as typed is relative to
-    where the run started), else the name."""
+def report_bases(report: dict) -> list[str]:
+    """The names a training report gives its base model: its folder's absolute
+    path where it was a local one that is still there (the name as typed is
+    relative to where the run started), then the name as typed (a repo id, or
+    a folder named like one)."""
     folder, name = report.get("base_model_folder"), report.get("base_model")
-    if isinstance(folder, str) and folder and Path(folder).exists():
-        return folder
-    return name if isinstance(name, str) and name else None
+    names = [folder] if isinstance(folder, str) and folder and Path(folder).exists() else []
+    return names + ([name] if isinstance(name, str) and name else [])
+
 
 
 def read_json(path: Path) -> dict | None:
@@ -292,12 +294,13 @@ class LibraryHandlers:
             model = model or loaded_name
             # the base its training report names, else the loaded one (listed for its sizes); the list may
             # be older than the loaded base (another tab loaded one since, or unloaded it)
-            made_for = trained_base(user_path(trained)) or loaded_name
-            if made_for is not None and not same_base(model or bundled.DEFAULT_NAME, made_for):  # it would draft badly, or not load
+            names = report_bases(read_json(user_path(trained) / REPORT_FILE) or {}) or ([loaded_name] if loaded_name else [])
+            trained_for = names[0] if names else None
+            if names and not any(same_base(name, model or bundled.DEFAULT_NAME) for name in names):  # it would draft badly, or not load
                 kept = "The previous model is still loaded." if loaded_name is not None else "No model is loaded."
                 return self.status(), render.escape(
-                    f"Loading failed: the head chosen under '{TRAINED_LABEL}' was made for {made_for}, not for "
-                    f"{model or bundled.DEFAULT_NAME}; put {made_for} in the base model box, or clear that choice. {kept}"
+                    f"Loading failed: the head chosen under '{TRAINED_LABEL}' was made for {trained_for}, not for "
+                    f"{model or bundled.DEFAULT_NAME}; put {trained_for} in the base model box, or clear that choice. {kept}"
                 ), gr.skip()  # fmt: skip
         head = trained or head
         try:

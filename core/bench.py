@@ -552,13 +552,14 @@ def format_table(result: dict) -> str:
     for reason in summary.get("left_out", []):
         lines.append(f"note: left out, {reason}: every mode's rows of that conversation are dropped")
     modes = result["modes"]
-    if "prompt-lookup" in modes:  # transformers' generate runs eagerly, Kestrel's modes through its own passes and kernels
+    own = [mode for mode in modes if parse_mode(mode, TreeParams())[0] in MODES]  # Kestrel's: vanilla, eagle, eagle2 (any head or shape)
+    if "prompt-lookup" in modes and own:  # transformers' generate runs eagerly, Kestrel's modes through its own passes and kernels
         if "generate" in modes and modes["generate"]["tokens_per_s"]:
             lookup = modes["prompt-lookup"]["tokens_per_s"] / modes["generate"]["tokens_per_s"]
             lines.append(f"prompt-lookup {lookup:.2f}x of generate, both transformers' generate (run eagerly); set beside "
                          "eagle2 / vanilla, this compares the drafting alone")  # fmt: skip
         else:
-            lines.append("note: prompt-lookup runs transformers' generate eagerly, vanilla and eagle2 Kestrel's own passes; "
+            lines.append(f"note: prompt-lookup runs transformers' generate eagerly, where {', '.join(own)} run{'s' if len(own) == 1 else ''} Kestrel's own passes; "
                          "add generate to --modes to compare the drafting alone (prompt-lookup / generate)")  # fmt: skip
     for source, taus in summary["tau_by_source"].items():
         drafted = [f"{m} {t:.2f}" for m, t in taus.items() if t is not None]

@@ -42,7 +42,7 @@ TREE_PARENTS = (-1, -1, 0, 2, -1, 1)
 # itself) gives the same logits bit for bit. The rounding noise of bfloat16
 # (0.46 on the bundled model, above) can hide such an attention from the
 # comparison with path-by-path decoding: 1.40 there, within bfloat16's 2.0.
-# Measured: 1.43 on the bundled model, 0.010 to 0.57 on tiny random models.
+# Measured: 1.33 (bf16) to 1.43 (float32) on the bundled model, 0.010 to 0.57 on tiny random models.
 POSITION_EFFECT = 1e-6
 
 
@@ -106,6 +106,12 @@ def position_effect(model) -> float:
     return max(relative_difference(consecutive[node], by_depth[node]) for node in range(len(by_depth)))
 
 
+# Largest allowed difference (as TOLERANCE's) between a prompt read in two chunks and in one forward:
+# the same keys in other shapes, far closer than a tree pass to path-by-path decoding (tiny Llama: 2e-7
+# in float32, 0.004 in bf16, 0.0006 in fp16), while a mask read wrong moves the logits by 0.16 (GPT-J) to
+# 1 (MPT in bf16) of their spread. A large model's bf16 rounding can pass it (the bundled model: 0.74),
+# for both ways alike: then the closer is kept (chunk_mask).
+CHUNK_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 0.05, torch.float16: 0.02}
 # How a prompt's later chunks are read after the earlier ones' cache (core/engine.py's _read):
 EXPLICIT = "explicit"  # with a boolean mask spelt out, which Kestrel's own attention paths need
 MODEL_MASK = "model"  # with none: the model's own code masks them from the cache length (ALiBi models, MPT's inverted masks)
@@ -137,12 +143,22 @@ def chunk_mismatch(model, explicit: bool, reference: torch.Tensor) -> float:
     return max(relative_difference(later[row], reference[split + row]) for row in range(len(later)))
 
 
+def kestrel_attention(model) -> bool:
+    """Whether the model's attention runs through Kestrel's own paths (the
+    row-invariant attention, compiled layers, CUDA graphs), which take a
+    multi-row pass after a cache with no mask as causal from the first key."""
+    from core import attention, compiled, graphs
+
+    paths = (attention.NAME, compiled.NAME, graphs.NAME)
+    return model.config._attn_implementation in paths or compiled.of(model) is not None or graphs.of(model) is not None
+
+
 def chunk_mask(model) -> str:
     """How this model reads a prompt's later chunks: EXPLICIT, MODEL_MASK or ONE_PASS
-    (above). The first that gives the logits of one forward within the dtype's
-    tolerance; where neither does (rounding beyond it: the tree check's own
-    tolerance then speaks), the closer, EXPLICIT on a tie; ONE_PASS only where
-    neither reads a later chunk at all (refused, or not finite numbers)."""
+    (above). The first that gives the logits of one forward within CHUNK_TOLERANCE
+    (MODEL_MASK never where Kestrel's own attention runs); where neither does
+    (rounding beyond it: a large model in bf16), the closer, EXPLICIT on a tie;
+    ONE_PASS only where neither reads a later chunk at all (refused, or not finite numbers)."""
     device = model.get_input_embeddings().weight.device
     vocabulary = model.get_input_embeddings().weight.shape[0]
     tokens = torch.tensor([token % vocabulary for token in PROMPT + TREE_TOKENS], device=device)
@@ -151,10 +167,12 @@ def chunk_mask(model) -> str:
         reference = logits_of(model, features).double()
     if not torch.isfinite(reference).all():  # nothing to judge by: the prompt's own check names the overflow
         return EXPLICIT
-    tolerance = TOLERANCE.get(int8.compute_dtype(model), TOLERANCE[torch.float32])
+    tolerance = CHUNK_TOLERANCE.get(int8.compute_dtype(model), CHUNK_TOLERANCE[torch.float32])
     spelt = chunk_mismatch(model, True, reference)
     if spelt <= tolerance:  # NaN never is
         return EXPLICIT
+    if kestrel_attention(model):  # its chunks need the mask spelt out
+        return ONE_PASS if math.isnan(spelt) else EXPLICIT
     own = chunk_mismatch(model, False, reference)
     if own <= tolerance:
         return MODEL_MASK

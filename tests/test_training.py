@@ -536,7 +536,7 @@ def test_answers_of_prompts_removed_after_their_features_were_taken_are_recorded
                         replace(TRAIN, epochs=1), progress=False, draft_vocab=24)  # fmt: skip
     assert report["data"]["prompts"] == 12 and report["data"]["answers"] == 16 and report["data"]["unplanned_answers"] == 4
     notes = (paths.out / "TRAINING.md").read_text()
-    assert "4 of them answer prompts or samples this run's prompts file no longer has" in notes
+    assert "4 of them answer prompts or samples this run does not plan (gone from its prompts file, or skipped there)" in notes
 
 
 def test_a_checkpoint_made_with_other_settings_names_them(tiny_base, features, tmp_path):

@@ -1674,6 +1674,9 @@ def test_catalog_and_trained_heads(engine, tmp_path):
     from app.library import trained_base
 
     assert trained_base(tmp_path / "heads" / "other") == str(tmp_path / "base")
+    # a folder named like a repo id where the training ran: the head is listed for that repo too
+    (tmp_path / "heads" / "other" / "training_report.json").write_text(json.dumps({**report, "base_model": "owner/name"}))
+    assert str(tmp_path / "heads" / "other") in trained_heads(tmp_path / "heads", "owner/name", engine.model.config)
     assert base_folder("another/model") == {}  # a repo id
 
 

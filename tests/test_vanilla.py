@@ -34,7 +34,7 @@ def test_greedy_equals_generate_on_tiny_model(tiny_base):
         assert all(step.stats.mean_accepted_length == 1.0 for step in steps)
 
 
-@pytest.mark.parametrize("architecture", ["mpt", "bloom", "falcon-alibi", "llama"])
+@pytest.mark.parametrize("architecture", ["mpt", "bloom", "falcon-alibi", "gptj", "llama"])
 def test_long_prompts_and_continued_turns_equal_generate_on_models_of_other_attention(architecture, tmp_path):
     """A prompt's chunks after the first (past 512 tokens, or a turn continuing
     kept caches) were read with a boolean mask spelt out: MPT's attention reads
@@ -53,6 +53,7 @@ def test_long_prompts_and_continued_turns_equal_generate_on_models_of_other_atte
         "falcon-alibi": lambda: transformers.FalconConfig(
             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True, max_position_embeddings=2048, **common
         ),
+        "gptj": lambda: transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=2048, **common),
     }
     folder = tmp_path / architecture
     if architecture == "llama":
@@ -73,6 +74,8 @@ def test_long_prompts_and_continued_turns_equal_generate_on_models_of_other_atte
     second = first + tokens_of(engine.stream(first, "vanilla", sampling, reuse=True)) + [9, 10, 11]
     assert engine.kept_conversations
     assert tokens_of(engine.stream(second, "vanilla", sampling, reuse=True)) == generate_reference(engine, second, 6)
+    for dtype in ("bfloat16", "float16"):  # the dtypes --dtype auto picks on GPUs: their rounding must not hide a wrong mask
+        assert Engine(load_base(str(folder), dtype=dtype)).chunk_mask == (EXPLICIT if architecture == "llama" else MODEL_MASK), dtype
 
 
 def test_a_model_that_reads_no_later_chunk_right_reads_its_prompt_in_one_forward(tiny_base, monkeypatch):
@@ -99,11 +102,17 @@ def test_the_chunk_read_is_changed_only_on_evidence(tiny_base, monkeypatch):
     from core import tree_check
 
     nan = float("nan")
+    monkeypatch.setattr(tree_check, "kestrel_attention", lambda model: False)
     for spelt, own, way in ((1e-9, 5.0, tree_check.EXPLICIT), (5.0, 1e-9, tree_check.MODEL_MASK), (3.0, 3.0, tree_check.EXPLICIT),
                             (3.0, nan, tree_check.EXPLICIT), (9.0, 3.0, tree_check.MODEL_MASK), (nan, 3.0, tree_check.MODEL_MASK),
                             (nan, nan, tree_check.ONE_PASS)):  # fmt: skip
         monkeypatch.setattr(tree_check, "chunk_mismatch", lambda model, explicit, reference: spelt if explicit else own)
         assert tree_check.chunk_mask(tiny_base.model) == way, (spelt, own)
+    # Kestrel's own attention (row-invariant, compiled) reads an unmasked later chunk as causal from the first key
+    monkeypatch.setattr(tree_check, "kestrel_attention", lambda model: True)
+    for spelt, way in ((5.0, tree_check.EXPLICIT), (nan, tree_check.ONE_PASS)):
+        monkeypatch.setattr(tree_check, "chunk_mismatch", lambda model, explicit, reference: spelt if explicit else 0.0)
+        assert tree_check.chunk_mask(tiny_base.model) == way, spelt
 
 
 def test_greedy_equals_generate_on_default_model(default_base):

@@ -274,7 +274,8 @@ def train_head(
         "run": run,
         "data": {**data_summary(paths, prompts, answers, shards, answer_params, feature_params),
                  "planned_answers": len(plan), "unanswered": len(plan - {(a.id, a.sample) for a in answers}),
-                 # answers of prompts (or samples) this run does not plan, whose features were taken before: trained on too
+                 # answers of prompts (or samples) this run does not plan (gone from the file, or now skipped for their
+                 # length), whose features were taken before: trained on too
                  "unplanned_answers": len({(a.id, a.sample) for a in answers} - plan),
                  "features_kept": taken},
         "training": training,

@@ -61,8 +61,8 @@ def _unanswered(data: dict) -> str:
     unanswered, planned = data.get("unanswered", 0), data.get("planned_answers", 0)
     unplanned = data.get("unplanned_answers", 0)
     if unplanned:  # the prompts file changed after the features were taken: the head learned from those answers too
-        unplanned_text = (f"; {unplanned} of them answer prompts or samples this run's prompts file no longer has: their "
-                          "features were taken before, and they were trained on too")  # fmt: skip
+        unplanned_text = (f"; {unplanned} of them answer prompts or samples this run does not plan (gone from its prompts "
+                          "file, or skipped there): their features were taken before, and they were trained on too")  # fmt: skip
         return unplanned_text + (f"; {unanswered} of the {planned} planned were not made" if unanswered else "")
     if not unanswered:
         return ""

@@ -547,10 +547,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         gradients = [parameter.grad for parameter in self.head.parameters() if parameter.grad is not None]
-        if not (math.isfinite(float(loss.detach())) and all(bool(torch.isfinite(grad).all()) for grad in gradients)):
+        # an infinite gradient is clipped below, as it always was; a NaN one would pass into every weight
+        not_a_number = bool(torch.stack([grad.isnan().any() for grad in gradients]).any()) if gradients else False  # one sync
+        if not math.isfinite(float(loss.detach())) or not_a_number:
             # before the step: the head and its checkpoint keep the last finite weights, and no damaged head is written
             raise TrainingDiverged(
-                f"training diverged at step {self.step + 1}: its loss or gradients are not finite numbers; the checkpoint "
+                f"training diverged at step {self.step + 1}: its loss or gradients are not numbers (NaN or infinite); the checkpoint "
                 f"keeps the head of step {self.step}. Train again with a lower --learning-rate (this run's: "
                 f"{self.params.learning_rate:g}) with another --out and --work, or after deleting {self.folder / CHECKPOINT}"
             )
