@@ -174,6 +174,8 @@ class Graphed:
         hooked = tuple(index for index, module in enumerate(self.hookable) if module._forward_pre_hooks)
         key = (rows, hooked, keys[0].shape[-2], tuple(buffer.data_ptr() for buffer in (*keys, *values)))
         static = self.entries.get(key)
+        if static is not None and self.capture and static.graph is None:  # run before capture was turned on: none to replay
+            static = None
         fresh = static is None
         if fresh:
             static = _Static(rows, keys[0].shape[-2], tokens.device)

@@ -225,6 +225,38 @@ def test_graphs_are_captured_and_replayed_with_the_model_s_device_current(tiny_f
     assert cuda.current == torch.device("cuda", 0)  # as it was
 
 
+def test_a_pass_run_before_capture_was_turned_on_is_captured_rather_than_replayed(tiny_folder, monkeypatch):
+    """A static pass kept from before capture was turned on has no graph: its
+    next run replayed None (an AttributeError). A load's self-checks run such
+    passes, and a later pass on buffers at the same addresses found them."""
+    FakeCuda(monkeypatch)
+    model = load_base(str(tiny_folder), dtype="float64").model
+    graphed = graphs.graph_model(model, capture=False)
+    captured = []
+
+    def capture(static, keys, values, hooked):
+        captured.append(len(static.tokens))
+
+        def run():
+            static.out = graphed._static_forward(static, keys, values, hooked)
+
+        run()
+        static.graph = type("Replay", (), {"replay": staticmethod(run)})()
+
+    monkeypatch.setattr(graphed, "_capture", capture)
+    try:
+        cache = kv_cache.new_cache(model)
+        base_forward(model, torch.arange(8, 20), torch.arange(12), None, cache)
+        eager = base_forward(model, torch.tensor([9]), torch.tensor([12]), None, cache)  # kept, with no graph
+        kv_cache.commit(cache, 12, [])  # the same position again, on the same buffers
+        graphed.capture = True
+        replayed = base_forward(model, torch.tensor([9]), torch.tensor([12]), None, cache)
+    finally:
+        graphs.ungraph(graphed)
+    assert captured == [1]
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
+
+
 def test_graphs_given_up_while_costs_are_measured_leave_the_eager_passes_table(tiny_dir, monkeypatch, tmp_path):
     """A capture that runs out of memory part-way through measuring step
     costs gives graphs up: that table (partly graphed) is cached under no
