@@ -92,34 +92,34 @@ def fresh_reads(root: Path) -> list[str]:
     (one that continued the previous way's caches for the same prompt would skip
     reading it), where the Kestrel at `root` has it (an older one, measured for
     comparison, has not)."""
+    return ["--no-kept-caches"] if offers(root, "--no-kept-caches") else []
+
+
+def offers(root: Path, text: str) -> bool:
+    """Whether the commands of the Kestrel at `root` (its app/cli.py) hold `text`: an option an older one lacks."""
     try:
-        known = "--no-kept-caches" in (root / "app" / "cli.py").read_text(encoding="utf-8")
+        return text in (root / "app" / "cli.py").read_text(encoding="utf-8")
     except OSError:
-        known = False
-    return ["--no-kept-caches"] if known else []
+        return False
 
 
 def warm_chat(root: Path) -> list[str]:
     """The chat command's option to answer a built-in prompt untimed first, so
     that its timed reply is not a new process's first one (the server, whose
     rows it is set beside, is warm), where the Kestrel at `root` has it."""
-    try:
-        known = 'chat.add_argument("--warmup"' in (root / "app" / "cli.py").read_text(encoding="utf-8")
-    except OSError:
-        known = False
-    return ["--warmup", "1"] if known else []
+    return ["--warmup", "1"] if offers(root, 'chat.add_argument("--warmup"') else []
 
 
 def warm_server(url: str, model: str | None, modes: list[str]) -> None:
     """One untimed request per mode through the server before the first round, at
     16 tokens, with a built-in prompt: its first timed request is not its first."""
-    from core.bench import WARMUP_PROMPTS
+    from core.bench import WARMUP_PROMPTS, WARMUP_TOKENS
 
     for mode in modes:
         if model is not None:
-            through_api(url, model, WARMUP_PROMPTS[0], mode, 16)
+            through_api(url, model, WARMUP_PROMPTS[0], mode, WARMUP_TOKENS)
         else:  # an older Kestrel without the API
-            through_gradio_client(url, WARMUP_PROMPTS[0], mode, 16)
+            through_gradio_client(url, WARMUP_PROMPTS[0], mode, WARMUP_TOKENS)
 
 
 def chat_command(root: Path, prompt: str, mode: str, max_new_tokens: int, threads: int, environment: dict) -> dict:

@@ -765,11 +765,10 @@ def warm_up(engine, mode: str, sampling, tree, count: int, stop) -> None:
     planner's calibration learnt from nothing) is not the one timed."""
     from dataclasses import replace
 
-    from core.bench import WARMUP_PROMPTS
+    from core.bench import WARMUP_TOKENS, warmup_messages
 
     for index in range(count):
-        text = WARMUP_PROMPTS[index % len(WARMUP_PROMPTS)]
-        for _ in engine.chat([{"role": "user", "content": text}], mode=mode, sampling=replace(sampling, max_new_tokens=16), tree=tree, cancel=stop):
+        for _ in engine.chat(warmup_messages(index), mode=mode, sampling=replace(sampling, max_new_tokens=WARMUP_TOKENS), tree=tree, cancel=stop):
             pass
 
 

@@ -171,7 +171,6 @@ def report_bases(report: dict) -> list[str]:
     return names + ([name] if isinstance(name, str) and name else [])
 
 
-
 def read_json(path: Path) -> dict | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))

@@ -72,6 +72,12 @@ WARMUP_PROMPTS = (
     "Write a Python function that returns the largest number in a list, without using max().",
     "Repeat this sentence word for word, then say how many words it has: The quick brown fox jumps over the lazy dog.",
 )
+WARMUP_TOKENS = 16  # each warm-up reply's length
+
+
+def warmup_messages(index: int) -> list[dict]:
+    """The conversation of the `index`-th warm-up reply (from 0)."""
+    return [{"role": "user", "content": WARMUP_PROMPTS[index % len(WARMUP_PROMPTS)]}]
 
 
 class LlamaStick:
@@ -310,10 +316,10 @@ def run_bench(
 
     try:
         for index in range(warmup):  # none of the timed prompts: their replies' first tokens would be decoded twice
-            ids = engine.encode([{"role": "user", "content": WARMUP_PROMPTS[index % len(WARMUP_PROMPTS)]}])
+            ids = engine.encode(warmup_messages(index))
             for mode in modes:
                 check_cancel()
-                run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=16), tree, stick, cancel)
+                run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=WARMUP_TOKENS), tree, stick, cancel)
         for prompt, ids in zip(prompts, encoded):
             measured = []  # this prompt's rows, kept once every mode has run it in full
             for index, mode in enumerate(modes):

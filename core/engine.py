@@ -234,8 +234,10 @@ class Engine:
         # a head, so that the model's own replies (vanilla) do not depend on whether a head is loaded
         self.exact = self.speculation_problem() is None and base.device.type == "cpu" and self.graphed is None and self._make_exact()
         # how a prompt's later chunks are read after the cache of the earlier ones, asked of the model as it now runs
-        # (core/tree_check.py): MPT's attention reads a boolean mask inverted, Bloom's and Falcon's ALiBi take none
-        self.chunk_mask = chunk_mask(self.model)
+        # (core/tree_check.py): MPT's attention reads a boolean mask inverted, Bloom's and Falcon's ALiBi take none.
+        # A sliding window's cache keeps fewer keys than an explicit mask over the whole prompt would cover:
+        # its chunks go without one, and transformers masks each from the cache it holds
+        self.chunk_mask = MODEL_MASK if kv_cache.has_sliding_window(self.model.config) else chunk_mask(self.model)
         # EAGLE-3 heads read hidden states of chosen base layers, captured during each base forward
         self.capture = LayerCapture(self.model, head.layer_ids) if head is not None and head.layer_ids else None
         if self.capture is not None and self.compiled is not None:
@@ -596,10 +598,8 @@ class _Run:
         self.screen_temperature = sampling.temperature / scale
         whole = sampling.top_p == 1.0 and not 0 < sampling.top_k < vocabulary and softcap is None
         self.screened_sampling = not sampling.greedy and whole and engine.argmax.enabled and self.screen_temperature >= FLOAT32_TEMPERATURE
-        # a sliding window's cache keeps fewer keys than an explicit mask over the whole prompt would cover:
-        # its chunks go without one, and transformers masks each from the cache it holds
-        self.sliding = kv_cache.has_sliding_window(self.model.config)
-        self.chunk_mask = MODEL_MASK if self.sliding else engine.chunk_mask
+        self.sliding = kv_cache.has_sliding_window(self.model.config)  # its cache is never continued (kept)
+        self.chunk_mask = engine.chunk_mask
         # prompt tokens per prefill forward; a model that reads no later chunk right reads its prompt in one
         self.chunk = PREFILL_CHUNK if self.chunk_mask != ONE_PASS else 1 << 62
         self.first = first  # the positions kept from an earlier request (0 without kept caches)

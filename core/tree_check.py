@@ -58,15 +58,20 @@ def paths(parents: tuple[int, ...]) -> list[list[int]]:
     return result
 
 
+def check_tokens(model) -> torch.Tensor:
+    """PROMPT then TREE_TOKENS, within the model's vocabulary, on its device."""
+    weight = model.get_input_embeddings().weight
+    return torch.tensor(PROMPT + TREE_TOKENS, device=weight.device) % weight.shape[0]
+
+
 def tree_logits(model, consecutive: bool = False) -> tuple[list[int], list[int], torch.Tensor]:
     """One tree pass over the self-check's tree after its prompt -> (the
     prompt's tokens, the tree's tokens, the nodes' logits in float64). With
     `consecutive` the nodes are placed at prefix + node index, as a sequence,
     rather than at prefix + depth."""
-    vocabulary = model.get_input_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device
-    prompt = [token % vocabulary for token in PROMPT]
-    tokens = [token % vocabulary for token in TREE_TOKENS]
+    ids = check_tokens(model).tolist()
+    prompt, tokens = ids[: len(PROMPT)], ids[len(PROMPT) :]
     cache = kv_cache.new_cache(model)
     base_forward(model, torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device), None, cache)
     tree = make_tree(tokens[0], tokens[1:], list(TREE_PARENTS))
@@ -124,9 +129,7 @@ def chunk_mismatch(model, explicit: bool, reference: torch.Tensor) -> float:
     tokens read as two chunks (the second after the first's cache, with or
     without an `explicit` mask) and `reference`, those of one forward; NaN
     where they are not finite numbers, and where the model refuses the read."""
-    device = model.get_input_embeddings().weight.device
-    vocabulary = model.get_input_embeddings().weight.shape[0]
-    tokens = torch.tensor([token % vocabulary for token in PROMPT + TREE_TOKENS], device=device)
+    tokens, device = check_tokens(model), model.get_input_embeddings().weight.device
     split, cache = len(PROMPT), kv_cache.new_cache(model)
     try:
         base_forward(model, tokens[:split], torch.arange(split, device=device), None, cache)
@@ -159,9 +162,7 @@ def chunk_mask(model) -> str:
     (MODEL_MASK never where Kestrel's own attention runs); where neither does
     (rounding beyond it: a large model in bf16), the closer, EXPLICIT on a tie;
     ONE_PASS only where neither reads a later chunk at all (refused, or not finite numbers)."""
-    device = model.get_input_embeddings().weight.device
-    vocabulary = model.get_input_embeddings().weight.shape[0]
-    tokens = torch.tensor([token % vocabulary for token in PROMPT + TREE_TOKENS], device=device)
+    tokens, device = check_tokens(model), model.get_input_embeddings().weight.device
     with torch.inference_mode():
         features = base_forward(model, tokens, torch.arange(len(tokens), device=device), None, kv_cache.new_cache(model))
         reference = logits_of(model, features).double()

@@ -204,35 +204,35 @@ class DamagedShardError(ValueError):
     """A feature shard that cannot be read (cut short by a power cut, a disk error)."""
 
 
-def damaged_shard(path: Path, error: Exception) -> DamagedShardError:
-    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return DamagedShardError(f"{path}: a feature shard that cannot be read ({reason}); delete the folder {path.parent.parent} "
-                             "to extract the features again (the answers are kept)")  # fmt: skip
+@contextlib.contextmanager
+def reading_shard(path: Path):
+    """Reading the shard at `path`: any error but memory running out (safetensors'
+    own, no OSError, for a shard cut short; KeyError for one of other keys)
+    becomes a DamagedShardError naming it and what to delete."""
+    try:
+        yield
+    except Exception as error:
+        if out_of_memory(error):
+            raise
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DamagedShardError(f"{path}: a feature shard that cannot be read ({reason}); delete the folder {path.parent.parent} "
+                                "to extract the features again (the answers are kept)") from error  # fmt: skip
 
 
 def shard_tensors(path: Path, names: tuple[str, ...]) -> list[torch.Tensor]:
     """Some of a shard's tensors, read alone; DamagedShardError where it cannot be read."""
     from safetensors import safe_open
 
-    try:
-        with safe_open(str(path), framework="pt") as shard:
-            return [shard.get_tensor(name) for name in names]
-    except Exception as error:  # safetensors' own error (no OSError) for a shard cut short
-        if out_of_memory(error):
-            raise
-        raise damaged_shard(path, error) from error
+    with reading_shard(path), safe_open(str(path), framework="pt") as shard:
+        return [shard.get_tensor(name) for name in names]
 
 
 def read_shard(path: Path) -> list[Sequence]:
     from safetensors.torch import load_file
 
-    try:
+    with reading_shard(path):
         tensors = load_file(str(path))
         lengths = tensors["lengths"].tolist()
-    except Exception as error:  # safetensors' own error (no OSError) for a shard cut short, KeyError for one of other keys
-        if out_of_memory(error):
-            raise
-        raise damaged_shard(path, error) from error
     aux = tensors["aux"].split(lengths) if "aux" in tensors else [None] * len(lengths)
     return [
         Sequence(input_ids, loss_mask, features, extra)

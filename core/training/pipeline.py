@@ -54,13 +54,12 @@ class PhaseClock:
 
     def __init__(self, path: Path):
         self.path = path
-        self.seconds = {}
         try:
-            self.seconds = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            seconds = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         except (OSError, ValueError) as error:  # emptied or cut short (a power cut): the times alone are lost
             print(f"note: {path} cannot be read ({error}); the phases' times count from now", flush=True)
-        if not isinstance(self.seconds, dict):
-            self.seconds = {}
+            seconds = {}
+        self.seconds = seconds if isinstance(seconds, dict) else {}
         self.lock = threading.Lock()
 
     @contextmanager
