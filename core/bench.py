@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from core import compiled
+from core.calibration import setting_of
 from core.config import MODES, TREE_LIMITS, SamplingParams, TreeParams
 from core.engine import Engine
 from core.prompt import BenchPrompt
@@ -312,14 +313,16 @@ def run_bench(
     def check_cancel() -> None:  # a prompt whose rows are cut short does not count: only finished prompts do
         if cancel is not None and cancel.is_set():
             raise BenchCancelled(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns,
-                                              left_out=left_out) if rows else None)  # fmt: skip
+                                              left_out=left_out, learned=learned) if rows else None)  # fmt: skip
 
+    learned = {"before_warmup": planner_learned(engines, tree, sampling)}  # a long-lived server's engine has learnt from earlier replies
     try:
         for index in range(warmup):  # none of the timed prompts: their replies' first tokens would be decoded twice
             ids = engine.encode(warmup_messages(index))
             for mode in modes:
                 check_cancel()
                 run_once(engines[mode], ids, mode, replace(sampling, max_new_tokens=WARMUP_TOKENS), tree, stick, cancel)
+        learned["before_timing"] = planner_learned(engines, tree, sampling)
         for prompt, ids in zip(prompts, encoded):
             measured = []  # this prompt's rows, kept once every mode has run it in full
             for index, mode in enumerate(modes):
@@ -340,7 +343,8 @@ def run_bench(
                 done += 1
             rows += measured or []
             if partial is not None and done < total and rows:  # none yet: a conversation left out comes first
-                partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns, left_out=left_out))
+                partial(bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=False, turns=turns, left_out=left_out,
+                                     learned=learned))
     finally:
         if stick is not None:
             stick.close()
@@ -349,7 +353,8 @@ def run_bench(
     if not rows and left_out:
         raise ValueError(f"every conversation has a turn past the context window ({left_out[0]}, ...); use fewer --turns "
                          "or a smaller --max-new-tokens")  # fmt: skip
-    return bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=True, turns=turns, left_out=left_out)
+    return bench_result(engine, engines, sampling, tree, warmup, other_heads, rows, complete=True, turns=turns, left_out=left_out,
+                        learned=learned)
 
 
 class TurnTooLong(ValueError):
@@ -411,12 +416,16 @@ def bench_result(
     complete: bool,
     turns: int = 1,
     left_out: list[str] | None = None,
+    learned: dict | None = None,
 ) -> dict:
     """The JSON-ready result of the rows measured (every mode of each finished
-    prompt); engines: the engine of each mode label."""
+    prompt); engines: the engine of each mode label; learned: what each planned
+    mode's planner had learnt before the warm-up and before the first timed
+    prompt (planner_learned)."""
     modes = tuple(engines)
     summary = summarize(rows, modes, sampling)
     summary["left_out"] = list(left_out or [])
+    summary["planner_learned"] = dict(learned or {})
     # how planned drafts' measured times relate to the cost table's (core/calibration.DraftTiming)
     summary["draft_timing"] = {}
     for label in modes:
@@ -437,6 +446,13 @@ def bench_result(
         "modes": {mode: mode_totals([row for row in rows if row["mode"] == mode]) for mode in modes},
         "prompts": rows,
     }
+
+
+def planner_learned(engines: dict[str, Engine], tree: TreeParams, sampling: SamplingParams) -> dict[str, dict[str, int]]:
+    """Per mode that plans its trees (eagle2 at the default tree): what its
+    planner has learnt so far for this run's sampling (Calibrations.learned)."""
+    return {label: engines[label].calibrations.learned(setting_of(sampling))
+            for label in engines if parse_mode(label, tree)[0] == "eagle2" and parse_mode(label, tree)[1].planned}  # fmt: skip
 
 
 def settings_of(engine, modes, sampling, tree, count, warmup) -> dict:
@@ -557,6 +573,11 @@ def format_table(result: dict) -> str:
                      + (f" ({fresh / kept:.1f}x)" if kept > 0 else ""))  # fmt: skip
     for reason in summary.get("left_out", []):
         lines.append(f"note: left out, {reason}: every mode's rows of that conversation are dropped")
+    for mode, learned in summary.get("planner_learned", {}).get("before_warmup", {}).items():
+        nodes = learned["head_nodes"] + learned["context_nodes"]
+        if nodes:  # a long-lived server's engine (the Compare tab's): its first timed trees are sized from that
+            lines.append(f"note: {mode}'s planner had learnt from {nodes} verified draft nodes (earlier replies) before this run, "
+                         "as a server that has answered before has")  # fmt: skip
     modes = result["modes"]
     own = [mode for mode in modes if parse_mode(mode, TreeParams())[0] in MODES]  # Kestrel's: vanilla, eagle, eagle2 (any head or shape)
     if "prompt-lookup" in modes and own:  # transformers' generate runs eagerly, Kestrel's modes through its own passes and kernels

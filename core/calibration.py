@@ -204,6 +204,15 @@ class Calibrations:
         with self._lock:
             return _recent(self.continuations, setting, Continuation)
 
+    def learned(self, setting: tuple) -> dict[str, int]:
+        """What the planner has learnt so far that a draft under `setting` uses:
+        verified drafted nodes of each kind (the head's, the context branch's)
+        and planned drafts timed. Reading makes no table."""
+        with self._lock:
+            tables = {kind: self.tables.get((kind, setting)) for kind in ("head", "context")}
+        nodes = {f"{kind}_nodes": table.observations if table is not None else 0 for kind, table in tables.items()}
+        return {**nodes, "drafts_timed": self.timing.observations}
+
 
 SETTINGS_KEPT = 32  # calibrations kept per kind of node, the most recently used: every setting an API client sends makes one
 

@@ -28,10 +28,72 @@ log = logging.getLogger("kestrel")
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 MARKER = "midlayer.self_attn.q_proj.weight"  # a key only EAGLE-3 checkpoints have
+LAYER, SPECULATORS_LAYER = "midlayer.", "layers.0."
+# the speculators library's config wraps the decoder layer's settings; these keys are the wrapping's own
+SPECULATORS_WRAPPING = ("speculators_model_type", "transformer_layer_config", "speculators_config", "speculators_version", "architectures")
 
 
 def is_eagle3(state: dict[str, torch.Tensor]) -> bool:
     return MARKER in state
+
+
+def speculators_layout(keys) -> bool:
+    """Whether weight names are the speculators library's EAGLE-3 layout: the
+    layer named layers.0.*, as EAGLE-1/2 heads name theirs, told from those by
+    the norm of its hidden input (EAGLE-1/2 layers have none)."""
+    return SPECULATORS_LAYER + "hidden_norm.weight" in keys
+
+
+def published_names(state: dict) -> dict:
+    """A head's weights under the published format's names (midlayer.*): a
+    speculators-layout head's layer renamed, any other head as it is."""
+    if not speculators_layout(state):
+        return state
+    return {LAYER + key.removeprefix(SPECULATORS_LAYER) if key.startswith(SPECULATORS_LAYER) else key: value
+            for key, value in state.items()}  # fmt: skip
+
+
+def published_keys(keys: list[str]) -> list[str]:
+    return list(published_names(dict.fromkeys(keys)))
+
+
+def from_speculators(settings: dict, config_file: Path) -> dict:
+    """A config.json written by the speculators library (speculators_model_type)
+    as the published format's flat settings: its decoder layer's settings
+    (transformer_layer_config) with the EAGLE-3 fields beside them
+    (draft_vocab_size, target_hidden_size, norm_before_residual,
+    eagle_aux_hidden_state_layer_ids, ...) laid over them. Any other config is
+    returned as it is."""
+    kind = settings.get("speculators_model_type")
+    if kind is None:
+        return settings
+    if kind != "eagle3":
+        raise HeadFormatError(
+            f"{config_file}: a speculators {kind!r} head; Kestrel reads the speculators library's EAGLE-3 heads "
+            "(speculators_model_type eagle3), and EAGLE-1/2 and EAGLE-3 heads in the published format"
+        )
+    layer = settings.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise HeadFormatError(f"{config_file}: a speculators EAGLE-3 config needs transformer_layer_config, "
+                              "the settings of the head's decoder layer")  # fmt: skip
+    layer_type = layer.get("model_type", "llama")
+    if layer_type != "llama":
+        raise HeadFormatError(
+            f"{config_file}: the head's decoder layer is a {layer_type!r} layer (transformer_layer_config.model_type); "
+            "Kestrel reads EAGLE-3 heads whose layer is a Llama layer"
+        )
+    own = {key: value for key, value in settings.items() if key not in SPECULATORS_WRAPPING}
+    return {**{key: value for key, value in layer.items() if key not in ("architectures", "model_type")}, **own}
+
+
+def norm_before_residual(config: HeadConfig) -> bool:
+    """Whether the layer's residual is its hidden input after hidden_norm
+    (true) or before it (false, the EAGLE-3 reference's; also when the config
+    does not say, as the speculators library reads it)."""
+    value = config.extra.get("norm_before_residual", False)
+    if not isinstance(value, bool):
+        raise HeadFormatError(f"norm_before_residual must be true or false, got {value!r}")
+    return value
 
 
 def default_layer_ids(layers: int) -> tuple[int, ...]:
@@ -87,10 +149,12 @@ class MidLayer(nn.Module):
         self.self_attn = Attention(config, input_size=2 * config.hidden_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.norm_before_residual = norm_before_residual(config)
 
     def forward(self, embeddings, hidden, rotary, mask, cache: HeadCache) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeddings), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, rotary, mask, cache)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeddings), normed], dim=-1)
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, rotary, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -236,6 +300,9 @@ def check_fits(config: HeadConfig, keys, file: Path, hidden_size: int | None, ba
     A size not known (None) is not checked; norm_output heads are refused."""
     if config.extra.get("norm_output"):
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_output heads (an EAGLE-3.1 variant) are not supported")
+    if config.extra.get("norm_before_fc"):
+        raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_before_fc heads (a norm over the three features "
+                              "before fc) are not supported")  # fmt: skip
     target = target_hidden_size(config)
     if hidden_size is not None and target != hidden_size:
         raise HeadFormatError(

@@ -322,8 +322,8 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) 
     query = state.get("layers.0.self_attn.q_proj.weight")
     if query is not None and query.dim() == 2 and query.shape[1] == 2 * config.hidden_size:
         raise HeadFormatError(
-            f"{file}: an EAGLE-3 head (its attention reads 2 x {config.hidden_size}) whose layer is named layers.0.*; "
-            "Kestrel reads EAGLE-3 heads in the published layout, whose layer is midlayer.* (rename the keys to load it)"
+            f"{file}: an EAGLE-3 head's layer (its attention reads 2 x {config.hidden_size}) named layers.0.*, "
+            "without layers.0.hidden_norm.weight, the norm of its hidden input that EAGLE-3 heads have"
         )
     check_keys(state, expected_shapes(config), config, file, "; not an EAGLE-1/2 head?")
     if "d2t" in state:
@@ -377,8 +377,12 @@ def save_head(head: nn.Module, folder: str | Path, extra_config: dict | None = N
 
 
 def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], Path]:
+    """A head folder's config, weights (an EAGLE-3 head's under the published
+    format's names, whatever layout they were saved in) and weights file."""
+    from models import eagle3
+
     config, file = head_files(folder)
-    state = _read_weights(file)
+    state = eagle3.published_names(_read_weights(file))
     for key, tensor in state.items():  # a head with such weights would load and never draft
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise HeadFormatError(f"{file}: {key} holds NaN or infinite values; the head is damaged (or its training diverged)")
@@ -388,6 +392,8 @@ def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor], 
 def head_files(folder: Path) -> tuple[HeadConfig, Path]:
     """A head folder's config and weights file, checked without reading the
     weights (a whole model's keys are told from the file's header)."""
+    from models import eagle3
+
     config_file = folder / CONFIG_FILE
     if not config_file.is_file():
         raise HeadFormatError(f"{folder}: no {CONFIG_FILE}; not a draft-head folder")
@@ -395,18 +401,17 @@ def head_files(folder: Path) -> tuple[HeadConfig, Path]:
         settings = json.loads(config_file.read_text(encoding="utf-8"))
         if not isinstance(settings, dict):
             raise HeadFormatError(f"{config_file}: must be a JSON object of settings, got {json_kind(settings)}")
-        config = HeadConfig.from_dict(settings)
+        config = HeadConfig.from_dict(eagle3.from_speculators(settings, config_file))
     except json.JSONDecodeError as error:
         raise HeadFormatError(f"{config_file}: not valid JSON ({error})") from error
     except KeyError as error:
         raise HeadFormatError(f"{config_file}: missing field {error.args[0]}") from error
     except (ValueError, TypeError) as error:  # a field of the wrong kind
         raise HeadFormatError(f"{config_file}: {error}") from error
-    from models import eagle3
-
     try:
         eagle3.configured_layer_ids(config)  # now, not after the base model has loaded
         eagle3.target_hidden_size(config)
+        eagle3.norm_before_residual(config)
     except HeadFormatError as error:
         raise HeadFormatError(f"{config_file}: {error}") from error
     if config.hidden_act != "silu":  # now, not after the base model has loaded
@@ -461,7 +466,8 @@ def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | No
     from models import eagle3
 
     config, file = head_files(folder)
-    keys = _readable_keys(file)  # a weights file cut short (a download stopped) is said now, as loading would say it
+    # a weights file cut short (a download stopped) is said now, as loading would say it
+    keys = eagle3.published_keys(_readable_keys(file))
     if eagle3.MARKER in keys:  # it may be narrower than its base
         eagle3.check_fits(config, keys, file, hidden_size, base_layers)
     elif hidden_size is not None and config.hidden_size != hidden_size:
@@ -472,11 +478,14 @@ def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | No
 
 def head_keys(folder: Path) -> list[str] | None:
     """A head folder's weight keys, read without its tensors; None where it holds no readable head."""
+    from models import eagle3
+
     try:
         _, file = head_files(folder)
-        return list(_sharded_keys(file)) if file.name.endswith(".index.json") else _weight_keys(file)
+        keys = list(_sharded_keys(file)) if file.name.endswith(".index.json") else _weight_keys(file)
     except (OSError, KestrelError):
         return None
+    return None if keys is None else eagle3.published_keys(keys)
 
 
 def _weight_keys(file: Path) -> list[str] | None:

@@ -191,6 +191,29 @@ def test_the_warm_up_decodes_none_of_the_timed_prompts(tiny_base, tmp_path, monk
     assert result["settings"]["warmup"] == 4
 
 
+def test_a_run_records_what_the_planner_had_learnt_before_it(tiny_base, tmp_path):
+    """A long-lived engine (the Compare tab's server) sizes its first timed
+    trees from earlier replies: the result records what each planned mode's
+    planner had learnt before the warm-up and before the first timed prompt,
+    and says so where it had learnt anything before the run."""
+    engine = Engine(tiny_base, random_head(tiny_base.model, seed=3))
+    path = write_prompts(tmp_path / "p.jsonl", [{"turns": ["w1 w2"]}])
+    sampling = SamplingParams(max_new_tokens=8)
+    fresh = run_bench(engine, load_prompts(path), ("vanilla", "eagle2", "eagle2:8/3/3"), sampling, warmup=1)
+    learned = fresh["summary"]["planner_learned"]
+    assert set(learned["before_warmup"]) == {"eagle2"}  # a fixed tree plans nothing
+    assert learned["before_warmup"]["eagle2"] == {"head_nodes": 0, "context_nodes": 0, "drafts_timed": 0}
+    warm = learned["before_timing"]["eagle2"]
+    assert warm["head_nodes"] > 0 and warm["drafts_timed"] > 0  # the warm-up taught it
+    assert "planner had learnt" not in format_table(fresh)
+    again = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), sampling, warmup=0)
+    before = again["summary"]["planner_learned"]["before_warmup"]["eagle2"]
+    assert before["head_nodes"] >= warm["head_nodes"] and before == again["summary"]["planner_learned"]["before_timing"]["eagle2"]
+    nodes = before["head_nodes"] + before["context_nodes"]
+    assert f"note: eagle2's planner had learnt from {nodes} verified draft nodes (earlier replies) before this run" in format_table(again)
+    json.dumps(again)
+
+
 def test_a_run_of_baselines_alone_prints_no_empty_tau_lines(tiny_base, tmp_path):
     """generate and prompt-lookup count no forwards: a run of them alone has
     no tau to say, and printed a "tau on SOURCE: " line with nothing after it."""

@@ -330,8 +330,106 @@ def test_head_configs_transformers_cannot_build_are_refused_before_the_base_mode
         head_files(folder)
 
 
-def test_an_eagle3_head_with_its_layer_named_layers_0_is_named_so(base64, tmp_path):
-    _, folder = saved(base64, tmp_path / "head")
+def speculators_layout(folder, **fields):
+    """Rewrite a published-format head as the speculators library saves one:
+    its layer named layers.0.*, its config the layer's settings wrapped."""
     rewrite(folder, lambda state: state.update({key.replace("midlayer.", "layers.0."): state.pop(key) for key in list(state) if key.startswith("midlayer.")}))
-    with pytest.raises(HeadFormatError, match=r"an EAGLE-3 head \(its attention reads 2 x 64\) whose layer is named layers\.0\.\*"):
+    settings = json.loads((folder / "config.json").read_text())
+    own = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
+    layer = {key: value for key, value in settings.items() if key not in own and key != "architectures"}
+    wrapped = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+        "transformer_layer_config": {**layer, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+        **{key: settings[key] for key in own if key in settings}, "norm_before_residual": False, "norm_before_fc": False,
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "owner/base", "architectures": ["LlamaForCausalLM"]}},
+        **fields,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(wrapped))
+
+
+def test_a_head_saved_by_the_speculators_library_loads_as_the_published_one(base64, tmp_path):
+    from app.cli import earlier_arch
+    from models.head import check_fits_sizes, head_keys, holds_a_head
+
+    head, folder = saved(base64, tmp_path / "head", qkv_bias=True)
+    speculators_layout(folder)
+    assert "layers.0.hidden_norm.weight" in load_file(str(folder / "model.safetensors"))
+    loaded = load(base64, folder)
+    assert isinstance(loaded, eagle3.Eagle3Head) and loaded.layer_ids == head.layer_ids
+    original, again = head.state_dict(), loaded.state_dict()
+    assert original.keys() == again.keys() and all(torch.equal(original[k], again[k]) for k in original)
+    assert not loaded.midlayer.norm_before_residual
+    config = base64.model.config
+    check_fits_sizes(folder, config.hidden_size, config.vocab_size, config.num_hidden_layers)
+    assert eagle3.MARKER in head_keys(folder) and holds_a_head(folder) and earlier_arch(folder) == "eagle3"
+    with pytest.raises(HeadFormatError, match=r"aux layers \[0, 1, 2\] do not exist in a 1-layer base model"):
+        check_fits_sizes(folder, config.hidden_size, config.vocab_size, 1)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"speculators_model_type": "eagle"}, r"a speculators 'eagle' head; Kestrel reads the speculators library's EAGLE-3 heads"),
+        ({"transformer_layer_config": None}, r"needs transformer_layer_config"),
+        ({"transformer_layer_config": {"model_type": "qwen3", "hidden_size": 64}}, r"a 'qwen3' layer \(transformer_layer_config\.model_type\)"),
+        ({"norm_before_residual": "yes"}, r"config\.json: norm_before_residual must be true or false, got 'yes'"),
+    ],
+    ids=["eagle-1", "no-layer", "qwen3-layer", "flag-not-bool"],
+)
+def test_speculators_configs_kestrel_cannot_read_are_named(base64, tmp_path, fields, message):
+    _, folder = saved(base64, tmp_path / "head")
+    speculators_layout(folder, **fields)
+    with pytest.raises(HeadFormatError, match=message):
+        load(base64, folder)
+
+
+def test_a_norm_before_fc_head_is_refused_before_the_base_model_loads(base64, tmp_path):
+    from models.head import check_fits_sizes
+
+    _, folder = saved(base64, tmp_path / "head")
+    speculators_layout(folder, norm_before_fc=True)
+    config = base64.model.config
+    with pytest.raises(HeadFormatError, match=r"norm_before_fc heads \(a norm over the three features before fc\) are not supported"):
+        check_fits_sizes(folder, config.hidden_size, config.vocab_size, config.num_hidden_layers)
+
+
+def test_norm_before_residual_adds_the_normed_hidden_input_and_decodes_exactly(base64, tmp_path):
+    """With norm_before_residual the layer's residual is its hidden input after
+    hidden_norm (vLLM's and the speculators library's reading); the head
+    drafts with it and the output stays vanilla's, in float64."""
+    _, folder = saved(base64, tmp_path / "head")
+    plain = load(base64, folder)
+    speculators_layout(folder, norm_before_residual=True)
+    normed = load(base64, folder)
+    assert normed.midlayer.norm_before_residual and not plain.midlayer.norm_before_residual
+    layer = normed.midlayer
+    embeddings, hidden = torch.randn(1, 5, 64, dtype=torch.float64), torch.randn(1, 5, 64, dtype=torch.float64)
+    positions = torch.arange(5)[None]
+    rotary = normed.rotary(hidden, positions)
+    from models.head import HeadCache
+
+    x = torch.cat([layer.input_layernorm(embeddings), layer.hidden_norm(hidden)], dim=-1)
+    h = layer.hidden_norm(hidden) + layer.self_attn(x, rotary, None, HeadCache())
+    expected = h + layer.mlp(layer.post_attention_layernorm(h))
+    assert torch.allclose(normed(embeddings, hidden, positions, None, HeadCache()), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(plain(embeddings, hidden, positions, None, HeadCache()), expected, atol=1e-3)
+
+    engine = Engine(base64, normed)
+    accepted = 0
+    for seed in range(3):
+        prompt = torch.randint(8, 48, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
+            reference = tokens_of(engine.stream(prompt, "vanilla", sampling))
+            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3))):
+                steps = list(engine.stream(prompt, mode, sampling, tree))
+                assert tokens_of(steps) == reference, (mode, seed, sampling)
+                accepted += sum(step.accepted for step in steps)
+    assert accepted > 0
+
+
+def test_an_eagle3_layer_named_layers_0_without_its_hidden_norm_is_named_so(base64, tmp_path):
+    _, folder = saved(base64, tmp_path / "head")
+    speculators_layout(folder)
+    rewrite(folder, lambda state: state.pop("layers.0.hidden_norm.weight"))
+    with pytest.raises(HeadFormatError, match=r"an EAGLE-3 head's layer \(its attention reads 2 x 64\) named layers\.0\.\*, without layers\.0\.hidden_norm\.weight"):
         load(base64, folder)

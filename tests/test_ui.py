@@ -885,7 +885,9 @@ def test_benchmark_button(engine, tmp_path):
     assert notice.startswith("mine.jsonl:2: not valid JSON") and "0123456789abcdef" not in notice
     upload.write_text('{"turns": ["w1"]}\n')
     *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 3, False, None, *values(max_new_tokens=8), progress=no_progress)
-    assert notice.endswith("of the prompts. The file holds 1 prompt; it was run.")
+    assert "of the prompts. The file holds 1 prompt; it was run." in notice
+    # the engine answered the runs before: its planner sized this run's first trees from them, and the notice says so
+    assert re.search(r"run\. EAGLE-2's tree planner had learnt from \d+ verified draft nodes of earlier replies before this run\.$", notice)
     elsewhere = Path(tempfile.mkdtemp()) / "elsewhere.jsonl"  # named by a client, never uploaded: not read
     elsewhere.write_text('{"turns": ["w1"]}\n')
     *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(elsewhere), 1, False, None, *values(max_new_tokens=8), progress=no_progress)
