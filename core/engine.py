@@ -121,6 +121,7 @@ class _Kept:
     head_cache: HeadCache | None
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
     prompt_length: int = 0  # how many of `tokens` the request's prompt held (the rest are its reply; at most len(tokens))
+    long_rope: bool = False  # LongRoPE: the base cache was read with the long factors (core.engine.rope_boundary)
 
     def continue_head(self, drafter: Drafter, length: int) -> None:
         """Give `drafter` the head's pairs for the first `length` tokens."""
@@ -169,7 +170,7 @@ class _Kept:
             return None
         head_cache, pending = self._head_pairs(length, copy=True) if self.head_cache is not None else (None, None)
         following = self.tokens[length] if length < len(self.tokens) else self.following
-        return _Kept(self.tokens[:length], following, cache, head_cache, pending, min(length, self.prompt_length))
+        return _Kept(self.tokens[:length], following, cache, head_cache, pending, min(length, self.prompt_length), self.long_rope)
 
     def nbytes(self) -> int:
         """The memory its caches hold (their buffers' room to grow included)."""
@@ -267,7 +268,9 @@ class Engine:
         and a new chat, or a message edited before the last, must not cut
         another conversation or branch back to that. (None, 0) where none
         continues it."""
-        shares = [kept.reusable(prompt_ids, drafting) for kept in self._kept]
+        # LongRoPE: a prompt past the boundary is read with the long factors, one before it with the short ones
+        long_rope = self.rope_boundary is not None and len(prompt_ids) > self.rope_boundary
+        shares = [kept.reusable(prompt_ids, drafting) if kept.long_rope == long_rope else 0 for kept in self._kept]
         if not shares or max(shares) == 0:
             return None, 0
         best = shares.index(max(shares))
@@ -611,6 +614,7 @@ class _Run:
         else:
             self.cache = kv_cache.new_cache(self.model)
         self.cached_ids = prompt_ids[: self.first]  # the tokens in the base cache, in order
+        self.long_rope = kept.long_rope if self.first else False  # LongRoPE: the base cache holds the long factors' keys
         self.recorder = Recorder(started=time.perf_counter() if started is None else started, reused=self.first)
         self.detokenizer = Detokenizer(engine.base.tokenizer, prompt_ids if continues else ())
         self.started = time.perf_counter()  # the prefill's time runs from here
@@ -633,17 +637,20 @@ class _Run:
                 head_cache = self.drafter.cache
             else:
                 pending = None
-        return _Kept(self.cached_ids, following, self.cache, head_cache, pending, min(len(self.prompt_ids), len(self.cached_ids)))
+        prompt_length = min(len(self.prompt_ids), len(self.cached_ids))
+        return _Kept(self.cached_ids, following, self.cache, head_cache, pending, prompt_length, self.long_rope)
 
     def chunks(self) -> list[tuple[int, int]]:
         """The prompt's chunks after the kept positions: every `chunk` tokens from
-        the first, and one ending at the RoPE boundary, should the prompt cross it
-        (a continued turn then reads each position as a fresh read does)."""
+        the first. A prompt past the LongRoPE boundary has no chunk ending at or
+        before it: transformers turns a whole forward to the long factors once
+        its furthest position passes the boundary, and `generate` reads such a
+        prompt in one forward, every position with the long factors."""
         total = len(self.prompt_ids)
         ends = list(range(self.first + self.chunk, total, self.chunk)) + [total]
         boundary = self.engine.rope_boundary
-        if boundary is not None and self.first < boundary < total and boundary not in ends and self.chunk_mask != ONE_PASS:
-            ends = sorted([*ends, boundary])
+        if boundary is not None and total > boundary:
+            ends = [end for end in ends if end > boundary]
         return list(zip([self.first, *ends[:-1]], ends))
 
     def read_prompt(self) -> Iterator[int]:
@@ -684,7 +691,24 @@ class _Run:
         features = self._forward(lambda: base_forward(self.model, tokens, positions, mask, self.cache))
         self.committed = end
         self.cached_ids.extend(self.prompt_ids[start:end])
+        self.long_rope = self.long_rope or self._past_boundary(end)
         return features
+
+    def _past_boundary(self, end: int) -> bool:
+        """Whether a forward over positions before `end` reads them with LongRoPE's long factors."""
+        return self.engine.rope_boundary is not None and end > self.engine.rope_boundary
+
+    def _read_again(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root at the LongRoPE boundary, with the short factors' cache:
+        every cached token read again with the root in one forward, with the
+        long factors (as transformers' `generate` reads a Phi-3's sequence
+        again when it first passes the boundary) -> the root's _forward features."""
+        tokens = torch.tensor([*self.cached_ids, self.root], device=self.device)
+        positions = torch.arange(len(tokens), device=self.device)
+        self.cache = kv_cache.new_cache(self.model)  # the new cache holds every position before the root's, as the old one did
+        features, head_features = self._forward(lambda: base_forward(self.model, tokens, positions, None, self.cache))
+        self.long_rope = True
+        return features[-1:], head_features[-1:]
 
     def _commit_prompt(self, start: int, end: int, head_features: torch.Tensor, next_token: int) -> None:
         if self.drafter is not None:
@@ -698,7 +722,10 @@ class _Run:
         start = time.perf_counter()
         tree = self._draft()
         drafted = time.perf_counter()
-        features, head_features = self._forward(lambda: verify_tree(self.model, tree, self.committed, self.cache))
+        if not self.long_rope and self._past_boundary(self.committed + 1):  # _draft left the root alone
+            features, head_features = self._read_again()
+        else:
+            features, head_features = self._forward(lambda: verify_tree(self.model, tree, self.committed, self.cache))
         if self.sampling.greedy:
             path, bonus = accept(tree, NodeArgmax(self.engine.argmax, features, tree))
         elif self.screened_sampling:
@@ -743,8 +770,8 @@ class _Run:
         tree = self.drafter.draft(self.root)
         room = self.engine.context_limit - self.committed - 1  # positions left after the root's
         boundary = self.engine.rope_boundary
-        if boundary is not None and self.committed < boundary:  # no node past it while the root is before it: a pass
-            room = min(room, boundary - self.committed)  # reaching it turns every row's RoPE to the long factors
+        if boundary is not None and not self.long_rope:  # no node past it while the cache holds the short factors: a pass
+            room = min(room, max(boundary - self.committed, 0))  # reaching it turns every row's RoPE to the long factors
         if int(tree.depths.max()) < room:
             return tree
         self.drafter.discard()  # not the tree the planner chose: its verdicts would mislead calibration

@@ -403,6 +403,51 @@ def test_longrope_s_boundary_is_crossed_as_one_token_steps_cross_it(tmp_path, mo
     assert crossed >= 16
 
 
+def test_longrope_replies_equal_generate_past_the_boundary(tmp_path, monkeypatch):
+    """transformers' `generate` reads a Phi-3's whole sequence again, with the
+    long factors, at the step that first passes the boundary, and a prompt past
+    it in one forward, every position with the long factors. Kestrel kept the
+    positions before the boundary as read with the short factors, and wrote
+    other tokens than `generate` past it. It now reads them again there too:
+    fresh prompts before, at and past the boundary, read in chunks, and
+    continued turns (kept caches of either kind), in every mode, equal `generate`."""
+    import core.engine
+    from tests.test_vanilla import generate_reference
+
+    engine = tiny_longrope_engine(tmp_path / "m", boundary=64)
+    monkeypatch.setattr(core.engine, "PREFILL_CHUNK", 16)
+    tree = TreeParams(total_tokens=16, depth=6, top_k=4)
+    sampling = SamplingParams(max_new_tokens=24)
+    for index, length in enumerate([*range(40, 100, 3), 63, 64, 65]):  # 5 of the first 40 replies differed
+        for seed in range(2):
+            prompt = random_tokens(length, seed=10 * length + seed)
+            expected = generate_reference(engine, prompt, 24)
+            for mode in ("vanilla", "eagle", "eagle2") if index % 4 == 0 or length in (63, 64, 65) else ("vanilla",):
+                assert tokens_of(engine.stream(prompt, mode=mode, sampling=sampling, tree=tree)) == expected, (length, seed, mode)
+    turn = SamplingParams(max_new_tokens=12)
+    for seed in range(4):
+        for mode in ("vanilla", "eagle2"):
+            engine.forget()
+            prompt = random_tokens(20, seed=300 + seed)
+            first = tokens_of(engine.stream(prompt, mode=mode, sampling=turn, tree=tree, reuse=True))
+            shorter = prompt + first + random_tokens(6, seed=400 + seed)  # before the boundary: the short factors' cache continued
+            second = list(engine.stream(shorter, mode=mode, sampling=turn, tree=tree, reuse=True))
+            assert len(shorter) + 12 < 64 and tokens_of(second) == generate_reference(engine, shorter, 12), (seed, mode)
+            assert last_stats(second).reused_tokens > 20
+            longer = shorter + tokens_of(second) + random_tokens(30, seed=500 + seed)  # past it: read again, long
+            third = list(engine.stream(longer, mode=mode, sampling=turn, tree=tree, reuse=True))
+            assert len(longer) > 64 and tokens_of(third) == generate_reference(engine, longer, 12), (seed, mode)
+            assert last_stats(third).reused_tokens == 0
+            fourth = longer + tokens_of(third) + random_tokens(5, seed=600 + seed)  # the long factors' cache continued
+            events = list(engine.stream(fourth, mode=mode, sampling=turn, tree=tree, reuse=True))
+            assert tokens_of(events) == generate_reference(engine, fourth, 12), (seed, mode)
+            assert last_stats(events).reused_tokens > 64
+            edited = fourth[:30] + random_tokens(8, seed=700 + seed)  # an early message edited: a short prompt, no long keys kept
+            events = list(engine.stream(edited, mode=mode, sampling=sampling, tree=tree, reuse=True))
+            assert tokens_of(events) == generate_reference(engine, edited, 24), (seed, mode)
+            assert last_stats(events).reused_tokens == 0
+
+
 def test_dynamic_rope_scaling_decodes_vanilla_only_saying_why(tmp_path):
     """Dynamic NTK scaling recomputes the frequencies from each forward's furthest
     position: no tree pass can compute what one-token steps do past the trained length."""
