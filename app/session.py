@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -46,10 +48,33 @@ def load_pair(
     head_source = (head or default_head(model)) if with_head else None
     if head_source is not None:
         head_source = resolve_head_folder(str(head_source))
-        check_fits_sizes(head_source, *folder_sizes(model))  # its files read (head_files), and its sizes and layers
+        with made_for(head_source, model):
+            check_fits_sizes(head_source, *folder_sizes(model))  # its files read (head_files), and its sizes and layers
     base = load_base(model, quantization, dtype, device)
-    draft_head = None if head_source is None else load_draft_head(base, head_source)
+    if head_source is None:
+        return Engine(base, None, head or "bundled", compile)
+    with made_for(head_source, model):
+        draft_head = load_draft_head(base, head_source)
     return Engine(base, draft_head, head or "bundled", compile)
+
+
+@contextlib.contextmanager
+def made_for(head_folder: Path, model: str | None):
+    """A head that does not fit the base model and names the one it was made
+    for (a speculators-library head's verifier): the error says which."""
+    from models.eagle3 import verifier_of
+    from models.errors import HeadFormatError
+
+    try:
+        yield
+    except HeadFormatError as error:
+        try:
+            named = verifier_of(json.loads((head_folder / "config.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            named = None
+        if named is None or named == (model or bundled.DEFAULT_NAME):
+            raise
+        raise HeadFormatError(f"{error} (the head was made for {named}: give that as the base model)") from error
 
 
 SIZES = ("hidden_size", "vocab_size", "num_hidden_layers")  # what folder_sizes reads
@@ -61,8 +86,6 @@ def folder_sizes(model: str | None) -> tuple[int | None, int | None, int | None]
     already in the Hugging Face cache (read there, without the network); None
     for what it does not say, and for a GGUF file, the bundled model or a repo
     id not in the cache."""
-    import json
-
     try:
         file = config_file(model) if model else None
         settings = json.loads(file.read_text(encoding="utf-8")) if file is not None else None

@@ -86,6 +86,14 @@ def from_speculators(settings: dict, config_file: Path) -> dict:
     return {**{key: value for key, value in layer.items() if key not in ("architectures", "model_type")}, **own}
 
 
+def verifier_of(settings: dict) -> str | None:
+    """The base model a speculators-library config names its head's
+    (speculators_config.verifier.name_or_path); None where it names none."""
+    verifier = (settings.get("speculators_config") or {}).get("verifier") if isinstance(settings, dict) else None
+    name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
 def norm_before_residual(config: HeadConfig) -> bool:
     """Whether the layer's residual is its hidden input after hidden_norm
     (true) or before it (false, the EAGLE-3 reference's; also when the config

@@ -427,6 +427,27 @@ def test_norm_before_residual_adds_the_normed_hidden_input_and_decodes_exactly(b
     assert accepted > 0
 
 
+def test_a_speculators_head_given_another_base_names_the_one_it_was_made_for(base64, tmp_path):
+    """Its config names its base model (speculators_config.verifier): a head
+    that does not fit the base given says which base it was made for, before
+    the base model loads where its sizes can be read, and after it otherwise."""
+    from app.session import load_pair
+
+    _, folder = saved(base64, tmp_path / "head")
+    speculators_layout(folder)  # made for owner/base, 64 wide
+    wider = save_tiny_model(tmp_path / "wider", vocab_size=48, hidden_size=96, intermediate_size=192)
+    with pytest.raises(HeadFormatError, match=r"and the base model.s hidden size is 96 \(the head was made for owner/base: give that as the base model\)"):
+        load_pair(str(wider), str(folder), dtype="float32", device="cpu")
+    other = save_tiny_model(tmp_path / "other", vocab_size=40)  # its vocabulary checked once it has loaded
+    with pytest.raises(HeadFormatError, match=r"!= base model vocabulary 40 \(the head was made for owner/base: give that as the base model\)"):
+        load_pair(str(other), str(folder), dtype="float32", device="cpu")
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, "speculators_config": {"algorithm": "eagle3"}}))
+    with pytest.raises(HeadFormatError) as refused:  # a head naming no base: the error as it was
+        load_pair(str(wider), str(folder), dtype="float32", device="cpu")
+    assert "made for" not in str(refused.value)
+
+
 def test_an_eagle3_layer_named_layers_0_without_its_hidden_norm_is_named_so(base64, tmp_path):
     _, folder = saved(base64, tmp_path / "head")
     speculators_layout(folder)
