@@ -364,7 +364,7 @@ class CompareHandlers:
             result = stopped.result
             finished = result["settings"]["prompts"]
             note = f"Stopped: the figures are those of the first {finished} of {len(prompts)} prompts."
-            return summary_frame(result), speed_frame(result), result, note
+            return summary_frame(result), speed_frame(result), result, note + learned_note(result)
         except TurnCancelled:
             return None, None, None, "Stopped before the benchmark started."
         except (KestrelError, ValueError, ImportError) as error:
@@ -377,10 +377,17 @@ class CompareHandlers:
             held = "1 prompt; it was" if len(prompts) == 1 else f"{len(prompts)} prompts; all were"
             where = "The file holds" if upload else "The built-in prompts are"
             note = f"{note} {where} {held} run."
-        learned = sum(nodes["head_nodes"] + nodes["context_nodes"] for nodes in result["summary"]["planner_learned"]["before_warmup"].values())
-        if learned:  # this server's engine sizes its first trees from its earlier replies, as a fresh one would not
-            note += f" EAGLE-2's tree planner had learnt from {learned} verified draft nodes of earlier replies before this run."
-        return summary_frame(result), speed_frame(result), result, note
+        return summary_frame(result), speed_frame(result), result, note + learned_note(result)
+
+
+def learned_note(result: dict) -> str:
+    """" EAGLE-2's tree planner had learnt from ...", where this server's engine
+    sized the run's first trees from its earlier replies (a fresh one would not); else ""."""
+    from core.bench import learned_words
+
+    learned = result["summary"]["planner_learned"].get("before_warmup", {}).get("eagle2")
+    words = learned_words(learned) if learned else None
+    return f" EAGLE-2's tree planner had learnt from {words} of earlier replies before this run." if words else ""
 
 
 def compare_key(request: gr.Request | None, kind: str = "compare") -> str:

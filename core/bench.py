@@ -455,6 +455,15 @@ def planner_learned(engines: dict[str, Engine], tree: TreeParams, sampling: Samp
             for label in engines if parse_mode(label, tree)[0] == "eagle2" and parse_mode(label, tree)[1].planned}  # fmt: skip
 
 
+def learned_words(learned: dict[str, int]) -> str | None:
+    """What a planner had learnt (Calibrations.learned) in words; None where nothing."""
+    nodes = learned["head_nodes"] + learned["context_nodes"]
+    parts = [f"{nodes} verified draft nodes"] if nodes else []
+    if learned["drafts_timed"]:  # the drafts' timing is learnt under every sampling setting alike
+        parts.append(f"{learned['drafts_timed']} timed drafts")
+    return " and ".join(parts) or None
+
+
 def settings_of(engine, modes, sampling, tree, count, warmup) -> dict:
     return {
         "model": engine.base.name,
@@ -574,9 +583,9 @@ def format_table(result: dict) -> str:
     for reason in summary.get("left_out", []):
         lines.append(f"note: left out, {reason}: every mode's rows of that conversation are dropped")
     for mode, learned in summary.get("planner_learned", {}).get("before_warmup", {}).items():
-        nodes = learned["head_nodes"] + learned["context_nodes"]
-        if nodes:  # a long-lived server's engine (the Compare tab's): its first timed trees are sized from that
-            lines.append(f"note: {mode}'s planner had learnt from {nodes} verified draft nodes (earlier replies) before this run, "
+        words = learned_words(learned)
+        if words:  # a long-lived server's engine (the Compare tab's): its first timed trees are sized from that
+            lines.append(f"note: {mode}'s planner had learnt from {words} (earlier replies) before this run, "
                          "as a server that has answered before has")  # fmt: skip
     modes = result["modes"]
     own = [mode for mode in modes if parse_mode(mode, TreeParams())[0] in MODES]  # Kestrel's: vanilla, eagle, eagle2 (any head or shape)

@@ -289,8 +289,10 @@ class Engine:
             device = self.base.device
             spare = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # free to torch, not to the driver
             room = min(room, (torch.cuda.mem_get_info(device)[0] + spare) // 4)
-        # an earlier state of this same conversation (its tokens start the new ones) is never the better one to continue
-        others = [other for other in self._kept if kept.tokens[: len(other.tokens)] != other.tokens]
+        # an earlier state of this same conversation (its tokens start the new ones) is never the better one to
+        # continue; but where the new one holds LongRoPE's long factors and it the short ones, it is the one a
+        # prompt back before the boundary (an earlier message edited) can continue
+        others = [other for other in self._kept if kept.tokens[: len(other.tokens)] != other.tokens or other.long_rope != kept.long_rope]
         for other in others[: KEPT_CONVERSATIONS - 1]:
             room -= other.nbytes()
             if room < 0:

@@ -82,6 +82,14 @@ def from_speculators(settings: dict, config_file: Path) -> dict:
             f"{config_file}: the head's decoder layer is a {layer_type!r} layer (transformer_layer_config.model_type); "
             "Kestrel reads EAGLE-3 heads whose layer is a Llama layer"
         )
+    layers = layer.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise HeadFormatError(f"{config_file}: the head has {layers!r} decoder layers (transformer_layer_config.num_hidden_layers); "
+                              "an EAGLE-3 head has one")  # fmt: skip
+    for name, what in (("attention_bias", "its attention projections"), ("mlp_bias", "its MLP")):
+        if layer.get(name):
+            raise HeadFormatError(f"{config_file}: the head's layer has biases on {what} "
+                                  f"(transformer_layer_config.{name}), which Kestrel's EAGLE-3 heads do not read")  # fmt: skip
     own = {key: value for key, value in settings.items() if key not in SPECULATORS_WRAPPING}
     return {**{key: value for key, value in layer.items() if key not in ("architectures", "model_type")}, **own}
 

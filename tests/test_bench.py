@@ -210,8 +210,13 @@ def test_a_run_records_what_the_planner_had_learnt_before_it(tiny_base, tmp_path
     before = again["summary"]["planner_learned"]["before_warmup"]["eagle2"]
     assert before["head_nodes"] >= warm["head_nodes"] and before == again["summary"]["planner_learned"]["before_timing"]["eagle2"]
     nodes = before["head_nodes"] + before["context_nodes"]
-    assert f"note: eagle2's planner had learnt from {nodes} verified draft nodes (earlier replies) before this run" in format_table(again)
+    said = f"note: eagle2's planner had learnt from {nodes} verified draft nodes and {before['drafts_timed']} timed drafts (earlier replies)"
+    assert said in format_table(again)
     json.dumps(again)
+    sampled = run_bench(engine, load_prompts(path), ("vanilla", "eagle2"), replace(sampling, temperature=0.7, seed=1), warmup=0)
+    learned = sampled["summary"]["planner_learned"]["before_warmup"]["eagle2"]  # nothing of this setting; the drafts' timing is shared
+    assert learned["head_nodes"] == 0 and learned["drafts_timed"] > 0
+    assert f"eagle2's planner had learnt from {learned['drafts_timed']} timed drafts (earlier replies)" in format_table(sampled)
 
 
 def test_a_run_of_baselines_alone_prints_no_empty_tau_lines(tiny_base, tmp_path):

@@ -336,7 +336,8 @@ def speculators_layout(folder, **fields):
     rewrite(folder, lambda state: state.update({key.replace("midlayer.", "layers.0."): state.pop(key) for key in list(state) if key.startswith("midlayer.")}))
     settings = json.loads((folder / "config.json").read_text())
     own = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
-    layer = {key: value for key, value in settings.items() if key not in own and key != "architectures"}
+    kestrels = ("architectures", "bias", "qkv_bias")  # fields of Kestrel's own, which that library does not write
+    layer = {key: value for key, value in settings.items() if key not in own and key not in kestrels}
     wrapped = {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
         "transformer_layer_config": {**layer, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
@@ -351,7 +352,7 @@ def test_a_head_saved_by_the_speculators_library_loads_as_the_published_one(base
     from app.cli import earlier_arch
     from models.head import check_fits_sizes, head_keys, holds_a_head
 
-    head, folder = saved(base64, tmp_path / "head", qkv_bias=True)
+    head, folder = saved(base64, tmp_path / "head")
     speculators_layout(folder)
     assert "layers.0.hidden_norm.weight" in load_file(str(folder / "model.safetensors"))
     loaded = load(base64, folder)
@@ -373,14 +374,25 @@ def test_a_head_saved_by_the_speculators_library_loads_as_the_published_one(base
         ({"transformer_layer_config": None}, r"needs transformer_layer_config"),
         ({"transformer_layer_config": {"model_type": "qwen3", "hidden_size": 64}}, r"a 'qwen3' layer \(transformer_layer_config\.model_type\)"),
         ({"norm_before_residual": "yes"}, r"config\.json: norm_before_residual must be true or false, got 'yes'"),
+        ({"transformer_layer_config": {"num_hidden_layers": 2}}, r"the head has 2 decoder layers \(transformer_layer_config\.num_hidden_layers\)"),
+        ({"transformer_layer_config": {"attention_bias": True}}, r"biases on its attention projections \(transformer_layer_config\.attention_bias\)"),
+        ({"transformer_layer_config": {"mlp_bias": True}}, r"biases on its MLP \(transformer_layer_config\.mlp_bias\)"),
     ],
-    ids=["eagle-1", "no-layer", "qwen3-layer", "flag-not-bool"],
+    ids=["eagle-1", "no-layer", "qwen3-layer", "flag-not-bool", "two-layers", "attention-bias", "mlp-bias"],
 )
 def test_speculators_configs_kestrel_cannot_read_are_named(base64, tmp_path, fields, message):
+    """Refused from config.json alone, before the base model loads."""
+    from models.head import check_fits_sizes
+
     _, folder = saved(base64, tmp_path / "head")
-    speculators_layout(folder, **fields)
+    speculators_layout(folder)
+    settings = json.loads((folder / "config.json").read_text())
+    layer = fields.get("transformer_layer_config")
+    if isinstance(layer, dict) and "model_type" not in layer:  # a field of the layer's settings changed
+        fields = {**fields, "transformer_layer_config": {**settings["transformer_layer_config"], **layer}}
+    (folder / "config.json").write_text(json.dumps({**settings, **fields}))
     with pytest.raises(HeadFormatError, match=message):
-        load(base64, folder)
+        check_fits_sizes(folder, None, None, None)
 
 
 def test_a_norm_before_fc_head_is_refused_before_the_base_model_loads(base64, tmp_path):

@@ -442,10 +442,12 @@ def test_longrope_replies_equal_generate_past_the_boundary(tmp_path, monkeypatch
             events = list(engine.stream(fourth, mode=mode, sampling=turn, tree=tree, reuse=True))
             assert tokens_of(events) == generate_reference(engine, fourth, 12), (seed, mode)
             assert last_stats(events).reused_tokens > 64
-            edited = fourth[:30] + random_tokens(8, seed=700 + seed)  # an early message edited: a short prompt, no long keys kept
+            # an early message edited: a prompt before the boundary continues the short factors' caches, kept beside the long ones
+            edited = fourth[:30] + random_tokens(8, seed=700 + seed)
+            assert [kept.long_rope for kept in engine.kept_conversations] == [True, False]
             events = list(engine.stream(edited, mode=mode, sampling=sampling, tree=tree, reuse=True))
             assert tokens_of(events) == generate_reference(engine, edited, 24), (seed, mode)
-            assert last_stats(events).reused_tokens == 0
+            assert last_stats(events).reused_tokens == 29
 
 
 def test_dynamic_rope_scaling_decodes_vanilla_only_saying_why(tmp_path):

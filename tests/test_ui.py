@@ -887,7 +887,7 @@ def test_benchmark_button(engine, tmp_path):
     *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(upload), 3, False, None, *values(max_new_tokens=8), progress=no_progress)
     assert "of the prompts. The file holds 1 prompt; it was run." in notice
     # the engine answered the runs before: its planner sized this run's first trees from them, and the notice says so
-    assert re.search(r"run\. EAGLE-2's tree planner had learnt from \d+ verified draft nodes of earlier replies before this run\.$", notice)
+    assert re.search(r"run\. EAGLE-2's tree planner had learnt from \d+ verified draft nodes and \d+ timed drafts of earlier replies before this run\.$", notice)
     elsewhere = Path(tempfile.mkdtemp()) / "elsewhere.jsonl"  # named by a client, never uploaded: not read
     elsewhere.write_text('{"turns": ["w1"]}\n')
     *_, notice = CompareHandlers(Runtime(engine)).benchmark(str(elsewhere), 1, False, None, *values(max_new_tokens=8), progress=no_progress)
@@ -1276,7 +1276,10 @@ def test_benchmark_stops_with_the_prompts_it_finished(engine, tmp_path, monkeypa
     monkeypatch.setattr(core.bench, "run_once", counted)
     handlers.arm_benchmark(mine)
     table, _, result, notice = handlers.benchmark(str(prompts), 5, False, mine, *values(max_new_tokens=8), progress=no_progress)
-    assert notice == "Stopped: the figures are those of the first 2 of 5 prompts."
+    # the engine had answered before (this module's engine): a stopped run's notice says so too
+    assert re.fullmatch(r"Stopped: the figures are those of the first 2 of 5 prompts\.( EAGLE-2's tree planner had learnt from .+ of "
+                        r"earlier replies before this run\.)?", notice)  # fmt: skip
+    assert ("tree planner had learnt" in notice) == any(result["summary"]["planner_learned"]["before_warmup"]["eagle2"].values())
     assert result["complete"] is False and len(result["prompts"]) == 4 and len(table) == 2
     monkeypatch.setattr(core.bench, "run_once", run_once)
     handlers.arm_benchmark(mine)
