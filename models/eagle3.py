@@ -28,6 +28,8 @@ log = logging.getLogger("kestrel")
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 MARKER = "midlayer.self_attn.q_proj.weight"  # a key only EAGLE-3 checkpoints have
+QK_NORM = "midlayer.self_attn.q_norm.weight"  # a Qwen3 layer's: its attention norms each head's queries and keys
+LAYER_TYPES = ("llama", "qwen3")  # the decoder layers an EAGLE-3 head may have
 LAYER, SPECULATORS_LAYER = "midlayer.", "layers.0."
 # the speculators library's config wraps the decoder layer's settings; these keys are the wrapping's own
 SPECULATORS_WRAPPING = ("speculators_model_type", "transformer_layer_config", "speculators_config", "speculators_version", "architectures")
@@ -77,10 +79,10 @@ def from_speculators(settings: dict, config_file: Path) -> dict:
         raise HeadFormatError(f"{config_file}: a speculators EAGLE-3 config needs transformer_layer_config, "
                               "the settings of the head's decoder layer")  # fmt: skip
     layer_type = layer.get("model_type", "llama")
-    if layer_type != "llama":
+    if layer_type not in LAYER_TYPES:
         raise HeadFormatError(
             f"{config_file}: the head's decoder layer is a {layer_type!r} layer (transformer_layer_config.model_type); "
-            "Kestrel reads EAGLE-3 heads whose layer is a Llama layer"
+            "Kestrel reads EAGLE-3 heads whose layer is a Llama or a Qwen3 layer"
         )
     layers = layer.get("num_hidden_layers", 1)
     if layers != 1:
@@ -156,13 +158,14 @@ def configured_layer_ids(config: HeadConfig) -> tuple[int, ...] | None:
 
 
 class MidLayer(nn.Module):
-    """EAGLE-3's decoder layer: attention over [normed embedding, normed hidden] (2H wide)."""
+    """EAGLE-3's decoder layer: attention over [normed embedding, normed hidden]
+    (2H wide); qk_norms: a Qwen3 layer, which norms each head's queries and keys."""
 
-    def __init__(self, config: HeadConfig):
+    def __init__(self, config: HeadConfig, qk_norms: bool = False):
         super().__init__()
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, input_size=2 * config.hidden_size)
+        self.self_attn = Attention(config, input_size=2 * config.hidden_size, qk_norms=qk_norms)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
         self.norm_before_residual = norm_before_residual(config)
@@ -175,7 +178,10 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, config: HeadConfig, layer_ids: tuple[int, ...], own_embedding: bool = False, fc_norms: bool = False):
+    def __init__(
+        self, config: HeadConfig, layer_ids: tuple[int, ...], own_embedding: bool = False, fc_norms: bool = False,
+        qk_norms: bool = False,
+    ):  # fmt: skip
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -185,7 +191,7 @@ class Eagle3Head(nn.Module):
         # EAGLE-3.1: one RMSNorm per captured feature before fc
         self.fc_norm = nn.ModuleList([RMSNorm(target, config.rms_norm_eps) for _ in range(3)]) if fc_norms else None
         self.fc = nn.Linear(3 * target, config.hidden_size, bias=False)
-        self.midlayer = MidLayer(config)
+        self.midlayer = MidLayer(config, qk_norms)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if own_embedding else None
@@ -243,7 +249,7 @@ class Eagle3Head(nn.Module):
         return self.midlayer(embeddings.to(self.dtype), features, rotary, mask, cache)
 
 
-def expected_shapes(config: HeadConfig, target_hidden_size: int, fc_norms: bool) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: HeadConfig, target_hidden_size: int, fc_norms: bool, qk_norms: bool = False) -> dict[str, tuple[int, ...]]:
     """Every key of a published EAGLE-3 checkpoint and its shape."""
     h, i, hd = config.hidden_size, config.intermediate_size, config.dim_per_head
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
@@ -268,6 +274,8 @@ def expected_shapes(config: HeadConfig, target_hidden_size: int, fc_norms: bool)
         shapes.update({f"midlayer.self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))})
     if fc_norms:
         shapes.update({f"fc_norm.{k}.weight": (target_hidden_size,) for k in range(3)})
+    if qk_norms:
+        shapes.update({f"midlayer.self_attn.{p}_norm.weight": (hd,) for p in ("q", "k")})
     return shapes
 
 
@@ -303,7 +311,7 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) 
     if not config.draft_vocab_size:
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: an EAGLE-3 head needs draft_vocab_size")
     target = target_hidden_size(config)
-    shapes = expected_shapes(config, target, fc_norms="fc_norm.0.weight" in state)
+    shapes = expected_shapes(config, target, fc_norms="fc_norm.0.weight" in state, qk_norms=QK_NORM in state)
     check_keys(state, shapes, config, file, " in an EAGLE-3 head")
     check_d2t(state, config, file)
 
@@ -356,7 +364,8 @@ def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_l
             layer_ids = default
         else:
             log.info(f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} read as the inputs of those layers")
-    head = Eagle3Head(config, layer_ids, own_embedding="embed_tokens.weight" in state, fc_norms="fc_norm.0.weight" in state)
+    head = Eagle3Head(config, layer_ids, own_embedding="embed_tokens.weight" in state, fc_norms="fc_norm.0.weight" in state,
+                      qk_norms=QK_NORM in state)  # fmt: skip
     state = dict(state, d2t=state["d2t"].long(), t2d=state["t2d"].bool())
     head.load_state_dict(state, strict=True)
     return head

@@ -186,7 +186,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: HeadConfig, input_size: int | None = None):
+    """qk_norms: an RMSNorm over each head's query and key before the rotary embedding (a Qwen3 layer's)."""
+
+    def __init__(self, config: HeadConfig, input_size: int | None = None, qk_norms: bool = False):
         super().__init__()
         hd, width = config.dim_per_head, input_size or config.hidden_size
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
@@ -194,13 +196,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.kv_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(width, self.kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.heads * hd, config.hidden_size, bias=False)
+        if qk_norms:
+            self.q_norm, self.k_norm = RMSNorm(hd, config.rms_norm_eps), RMSNorm(hd, config.rms_norm_eps)
 
     def forward(self, x, rotary, mask, cache: HeadCache) -> torch.Tensor:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rotary)
         out = cache.attend(q, k, v, mask)  # (B, nh, T, hd), this call's keys and values appended first

@@ -372,13 +372,13 @@ def test_a_head_saved_by_the_speculators_library_loads_as_the_published_one(base
     [
         ({"speculators_model_type": "eagle"}, r"a speculators 'eagle' head; Kestrel reads the speculators library's EAGLE-3 heads"),
         ({"transformer_layer_config": None}, r"needs transformer_layer_config"),
-        ({"transformer_layer_config": {"model_type": "qwen3", "hidden_size": 64}}, r"a 'qwen3' layer \(transformer_layer_config\.model_type\)"),
+        ({"transformer_layer_config": {"model_type": "gemma3", "hidden_size": 64}}, r"a 'gemma3' layer \(transformer_layer_config\.model_type\)"),
         ({"norm_before_residual": "yes"}, r"config\.json: norm_before_residual must be true or false, got 'yes'"),
         ({"transformer_layer_config": {"num_hidden_layers": 2}}, r"the head has 2 decoder layers \(transformer_layer_config\.num_hidden_layers\)"),
         ({"transformer_layer_config": {"attention_bias": True}}, r"biases on its attention projections \(transformer_layer_config\.attention_bias\)"),
         ({"transformer_layer_config": {"mlp_bias": True}}, r"biases on its MLP \(transformer_layer_config\.mlp_bias\)"),
     ],
-    ids=["eagle-1", "no-layer", "qwen3-layer", "flag-not-bool", "two-layers", "attention-bias", "mlp-bias"],
+    ids=["eagle-1", "no-layer", "gemma3-layer", "flag-not-bool", "two-layers", "attention-bias", "mlp-bias"],
 )
 def test_speculators_configs_kestrel_cannot_read_are_named(base64, tmp_path, fields, message):
     """Refused from config.json alone, before the base model loads."""
@@ -458,6 +458,60 @@ def test_a_speculators_head_given_another_base_names_the_one_it_was_made_for(bas
     with pytest.raises(HeadFormatError) as refused:  # a head naming no base: the error as it was
         load_pair(str(wider), str(folder), dtype="float32", device="cpu")
     assert "made for" not in str(refused.value)
+
+
+def test_a_qwen3_layer_head_norms_each_heads_queries_and_keys_and_decodes_exactly(tmp_path):
+    """A speculators head whose layer is a Qwen3 layer (transformer_layer_config
+    model_type qwen3) has an RMSNorm over each head's queries and keys, before
+    the rotary embedding, as Qwen3's attention: loaded strictly, applied, and
+    lossless in float64 on a Qwen3 base."""
+    from models.head import HeadCache
+
+    folder = save_tiny_model(tmp_path / "qwen3", "qwen3", vocab_size=48)
+    base = load_base(str(folder), dtype="float64")
+    head = random_eagle3_head(base.model, seed=2)
+    saved_at = eagle3.save(head, tmp_path / "head")
+    width = head.config.dim_per_head
+    norms = {f"midlayer.self_attn.{p}_norm.weight": (1.0 + 0.5 * torch.randn(width)).double() for p in ("q", "k")}  # as a head holds them
+    rewrite(saved_at, lambda state: state.update(norms))
+    speculators_layout(saved_at)
+    settings = json.loads((saved_at / "config.json").read_text())
+    settings["transformer_layer_config"]["model_type"] = "qwen3"
+    (saved_at / "config.json").write_text(json.dumps(settings))
+    config = base.model.config
+    loaded = load_head(saved_at, config.hidden_size, config.vocab_size, dtype=torch.float64, base_layers=config.num_hidden_layers)
+    attention = loaded.midlayer.self_attn
+    assert torch.equal(attention.q_norm.weight, norms["midlayer.self_attn.q_norm.weight"])
+    assert torch.equal(attention.k_norm.weight, norms["midlayer.self_attn.k_norm.weight"])
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = torch.randn(1, 5, 2 * config.hidden_size, dtype=torch.float64)
+    rotary = loaded.rotary(x, torch.arange(5)[None])
+    shape = (1, 5, -1, width)
+    q = attention.q_norm(attention.q_proj(x).view(shape)).transpose(1, 2)
+    k = attention.k_norm(attention.k_proj(x).view(shape)).transpose(1, 2)
+    v = attention.v_proj(x).view(shape).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *rotary)
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    expected = attention.o_proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 5, -1))
+    assert torch.allclose(attention(x, rotary, None, HeadCache()), expected, rtol=0, atol=1e-10)
+
+    engine = Engine(base, loaded)
+    accepted = 0
+    for seed in range(3):
+        prompt = torch.randint(8, 48, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
+            reference = tokens_of(engine.stream(prompt, "vanilla", sampling))
+            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3))):
+                steps = list(engine.stream(prompt, mode, sampling, tree))
+                assert tokens_of(steps) == reference, (mode, seed, sampling)
+                accepted += sum(step.accepted for step in steps)
+    assert accepted > 0
+
+    rewrite(saved_at, lambda state: state.pop("layers.0.self_attn.k_norm.weight"))
+    with pytest.raises(HeadFormatError, match=r"missing key midlayer\.self_attn\.k_norm\.weight"):
+        load_head(saved_at, config.hidden_size, config.vocab_size, dtype=torch.float64, base_layers=config.num_hidden_layers)
 
 
 def test_an_eagle3_layer_named_layers_0_without_its_hidden_norm_is_named_so(base64, tmp_path):
