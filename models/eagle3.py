@@ -5,11 +5,14 @@ layers low, mid and high (default 2, L//2, L-3), concatenated (T, 3H)
   g = fc(cat(low, mid, high))                      (only for the base model's features)
   x = cat(input_layernorm(embed(token_{t+1})), hidden_norm(g))       (2H)
   h = g + attention(x);  h = h + mlp(post_attention_layernorm(h))
+      (hidden_norm(g) + attention(x) where the config sets norm_before_residual)
   logits over the draft vocabulary = lm_head(norm(h)); target id = draft id + d2t[draft id]
 At later draft steps the head's own pre-norm output h is fed back as g, so fc
 is skipped. Module names mirror the checkpoint keys (fc, midlayer.*, norm,
 lm_head, d2t, t2d), so loading is a one-to-one copy, and heads saved here load
-in vLLM, SGLang and llama.cpp."""
+in vLLM, SGLang and llama.cpp. Heads saved by the speculators library (their
+layer named layers.0.*, its settings nested in transformer_layer_config) are
+read under these names; a Qwen3 layer adds q_norm and k_norm to the attention."""
 
 from __future__ import annotations
 
