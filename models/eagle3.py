@@ -325,9 +325,10 @@ def check_fits(config: HeadConfig, keys, file: Path, hidden_size: int | None, ba
     loads as well as after: features as wide as the base's hidden states, an
     embedding of its own where its layer is narrower, aux layers the base has.
     A size not known (None) is not checked; norm_output heads are refused."""
-    if config.extra.get("norm_output"):
+    nested = config.extra.get("eagle_config") if isinstance(config.extra.get("eagle_config"), dict) else {}
+    if config.extra.get("norm_output") or nested.get("norm_output"):
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_output heads (an EAGLE-3.1 variant) are not supported")
-    if config.extra.get("norm_before_fc"):
+    if config.extra.get("norm_before_fc") or nested.get("norm_before_fc"):  # vLLM reads it in either place
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: norm_before_fc heads (a norm over the three features "
                               "before fc) are not supported")  # fmt: skip
     target = target_hidden_size(config)

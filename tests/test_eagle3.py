@@ -399,8 +399,13 @@ def test_a_norm_before_fc_head_is_refused_before_the_base_model_loads(base64, tm
     from models.head import check_fits_sizes
 
     _, folder = saved(base64, tmp_path / "head")
-    speculators_layout(folder, norm_before_fc=True)
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, "eagle_config": {"norm_before_fc": True}}))  # published layout
     config = base64.model.config
+    with pytest.raises(HeadFormatError, match=r"norm_before_fc heads \(a norm over the three features before fc\) are not supported"):
+        check_fits_sizes(folder, config.hidden_size, config.vocab_size, config.num_hidden_layers)
+    (folder / "config.json").write_text(json.dumps(settings))
+    speculators_layout(folder, norm_before_fc=True)
     with pytest.raises(HeadFormatError, match=r"norm_before_fc heads \(a norm over the three features before fc\) are not supported"):
         check_fits_sizes(folder, config.hidden_size, config.vocab_size, config.num_hidden_layers)
 
