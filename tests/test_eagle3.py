@@ -395,7 +395,7 @@ def test_speculators_configs_kestrel_cannot_read_are_named(base64, tmp_path, fie
         check_fits_sizes(folder, None, None, None)
 
 
-def test_a_norm_before_fc_head_is_refused_before_the_base_model_loads(base64, tmp_path):
+def test_norm_before_fc_and_norm_output_heads_are_refused_before_the_base_model_loads(base64, tmp_path):
     from models.head import check_fits_sizes
 
     _, folder = saved(base64, tmp_path / "head")
@@ -404,6 +404,10 @@ def test_a_norm_before_fc_head_is_refused_before_the_base_model_loads(base64, tm
     config = base64.model.config
     with pytest.raises(HeadFormatError, match=r"norm_before_fc heads \(a norm over the three features before fc\) are not supported"):
         check_fits_sizes(folder, config.hidden_size, config.vocab_size, config.num_hidden_layers)
+    for where in ({"norm_output": True}, {"eagle_config": {"norm_output": True}}):
+        (folder / "config.json").write_text(json.dumps({**settings, **where}))
+        with pytest.raises(HeadFormatError, match=r"norm_output heads \(an EAGLE-3\.1 variant\) are not supported"):
+            check_fits_sizes(folder, config.hidden_size, config.vocab_size, config.num_hidden_layers)
     (folder / "config.json").write_text(json.dumps(settings))
     speculators_layout(folder, norm_before_fc=True)
     with pytest.raises(HeadFormatError, match=r"norm_before_fc heads \(a norm over the three features before fc\) are not supported"):
