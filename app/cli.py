@@ -1101,7 +1101,7 @@ def run_bench_command(args) -> int:
 
     prompts = load_prompts(args.prompts, args.limit, args.per_source)  # before the engine's imports: a bad file fails at once
 
-    from app.session import folder_sizes, load_draft_head, prepare_costs
+    from app.session import folder_sizes, load_draft_head, made_for, prepare_costs
     from app.store import write_atomic
     from core.bench import BenchCancelled, check_head_named, check_turn_names, format_table, head_of, parse_mode, run_bench
     from core.config import TreeParams
@@ -1128,7 +1128,8 @@ def run_bench_command(args) -> int:
     for source in others.values():
         folder = local_head_folder(source)  # a missing folder fails now, not after the model has loaded
         if folder is not None:  # ... and one that holds no head, or unreadable weights, or a head for another model: as --head
-            check_fits_sizes(folder, *folder_sizes(args.model))
+            with made_for(folder, args.model):
+                check_fits_sizes(folder, *folder_sizes(args.model))
     reads = [("--prompts", args.prompts), ("--model", args.model), ("--head", args.head), ("--llama-python", args.llama_python),
              *((f"--other-head {name}", source) for name, source in others.items())]  # fmt: skip
     json_out = check_writable(args.json_out, "--json", reads) if args.json_out else None

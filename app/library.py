@@ -16,7 +16,7 @@ from app import render
 from app.chat import mode_choices
 from app.request import model_defaults
 from app.runtime import Runtime
-from app.session import load_pair
+from app.session import load_pair, same_base
 from core.engine import Engine
 from core.training.report import REPORT_FILE
 from models import bundled, catalog
@@ -141,18 +141,6 @@ def trained_heads(heads_dir: Path, base_name: str, base_config) -> list[str]:
         elif config.get("hidden_size") == base_config.hidden_size and config.get("vocab_size") == base_config.vocab_size:
             found.append(str(folder))
     return found
-
-
-def same_base(trained_for: str, loaded: str) -> bool:
-    """Whether two base-model names (repo ids, or paths as typed) name one model:
-    `tiny`, `./tiny/` and its absolute path are the same folder."""
-    if trained_for == loaded:
-        return True
-    try:
-        first, second = user_path(str(trained_for)), user_path(str(loaded))
-        return first.exists() and second.exists() and first.resolve() == second.resolve()
-    except (OSError, ValueError, KestrelError):  # KestrelError: a ~user that is no user here
-        return False
 
 
 def trained_base(folder: Path) -> str | None:

@@ -53,28 +53,42 @@ def load_pair(
     base = load_base(model, quantization, dtype, device)
     if head_source is None:
         return Engine(base, None, head or "bundled", compile)
-    with made_for(head_source, model):
-        draft_head = load_draft_head(base, head_source)
-    return Engine(base, draft_head, head or "bundled", compile)
+    return Engine(base, load_draft_head(base, head_source), head or "bundled", compile)
 
 
 @contextlib.contextmanager
 def made_for(head_folder: Path, model: str | None):
-    """A head that does not fit the base model and names the one it was made
-    for (a speculators-library head's verifier): the error says which."""
+    """A head whose sizes do not fit the base model, and which names the one
+    it was made for (a speculators-library head's verifier): the error says which."""
     from models.eagle3 import verifier_of
-    from models.errors import HeadFormatError
+    from models.errors import HeadMismatchError
 
     try:
         yield
-    except HeadFormatError as error:
+    except HeadMismatchError as error:
         try:
             named = verifier_of(json.loads((head_folder / "config.json").read_text(encoding="utf-8")))
         except (OSError, ValueError):
             named = None
-        if named is None or named == (model or bundled.DEFAULT_NAME):
-            raise
-        raise HeadFormatError(f"{error} (the head was made for {named}: give that as the base model)") from error
+        model = model or bundled.DEFAULT_NAME
+        if named is None or same_base(named, model) or (model == bundled.DEFAULT_NAME and named.endswith(f"/{model}")):
+            raise  # made for the model given (the bundled one is its repo's conversion): the error as it is
+        raise HeadMismatchError(f"{error} (the head was made for {named}: give that as the base model)") from error
+
+
+def same_base(trained_for: str, loaded: str) -> bool:
+    """Whether two base-model names (repo ids, or paths as typed) name one model:
+    `tiny`, `./tiny/` and its absolute path are the same folder."""
+    from models.errors import KestrelError
+    from models.paths import user_path
+
+    if trained_for == loaded:
+        return True
+    try:
+        first, second = user_path(str(trained_for)), user_path(str(loaded))
+        return first.exists() and second.exists() and first.resolve() == second.resolve()
+    except (OSError, ValueError, KestrelError):  # KestrelError: a ~user that is no user here
+        return False
 
 
 SIZES = ("hidden_size", "vocab_size", "num_hidden_layers")  # what folder_sizes reads
@@ -115,9 +129,13 @@ def config_file(model: str) -> Path | None:
 def load_draft_head(base, source, dtype=None):
     """The head at `source` (any kind), checked against `base` and placed on its
     device, in `dtype` (default: the base model's)."""
+    from models.head import resolve_head_folder
+
     config = base.model.config.get_text_config()  # a vision-language model keeps its text model's sizes apart
     vocab = base.model.get_output_embeddings().weight.shape[0]
-    return load_head(source, config.hidden_size, vocab, base.device, dtype or base.dtype, config.num_hidden_layers)
+    folder = resolve_head_folder(str(source))
+    with made_for(folder, base.name):
+        return load_head(folder, config.hidden_size, vocab, base.device, dtype or base.dtype, config.num_hidden_layers)
 
 
 def prepare_costs(engine: Engine, remeasure: bool = False) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.errors import HeadFormatError
+from models.errors import HeadFormatError, HeadMismatchError
 from models.head import CONFIG_FILE, MLP, Attention, HeadCache, HeadConfig, RMSNorm, check_d2t, check_keys, save_head
 
 log = logging.getLogger("kestrel")
@@ -32,6 +32,7 @@ log = logging.getLogger("kestrel")
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 MARKER = "midlayer.self_attn.q_proj.weight"  # a key only EAGLE-3 checkpoints have
 QK_NORM = "midlayer.self_attn.q_norm.weight"  # a Qwen3 layer's: its attention norms each head's queries and keys
+QK_NORMS = "qk_norms"  # config field: whether the layer has them (a speculators config says by its layer's kind)
 LAYER_TYPES = ("llama", "qwen3")  # the decoder layers an EAGLE-3 head may have
 LAYER, SPECULATORS_LAYER = "midlayer.", "layers.0."
 # the speculators library's config wraps the decoder layer's settings; these keys are the wrapping's own
@@ -96,15 +97,30 @@ def from_speculators(settings: dict, config_file: Path) -> dict:
             raise HeadFormatError(f"{config_file}: the head's layer has biases on {what} "
                                   f"(transformer_layer_config.{name}), which Kestrel's EAGLE-3 heads do not read")  # fmt: skip
     own = {key: value for key, value in settings.items() if key not in SPECULATORS_WRAPPING}
-    return {**{key: value for key, value in layer.items() if key not in ("architectures", "model_type")}, **own}
+    layer = {key: value for key, value in layer.items() if key not in ("architectures", "model_type")}
+    return {**layer, **own, QK_NORMS: layer_type == "qwen3"}  # the weights are checked against it (check_state)
 
 
 def verifier_of(settings: dict) -> str | None:
     """The base model a speculators-library config names its head's
     (speculators_config.verifier.name_or_path); None where it names none."""
-    verifier = (settings.get("speculators_config") or {}).get("verifier") if isinstance(settings, dict) else None
+    wrapping = settings.get("speculators_config") if isinstance(settings, dict) else None
+    verifier = wrapping.get("verifier") if isinstance(wrapping, dict) else None
     name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
     return name if isinstance(name, str) and name else None
+
+
+def qk_norms(config: HeadConfig, state) -> bool:
+    """Whether the layer norms each head's queries and keys (a Qwen3 layer):
+    as the config says where it does (a speculators config, by its layer's
+    kind), so that weights saying otherwise are refused by name; else as the
+    weights have them."""
+    said = config.extra.get(QK_NORMS)
+    if said is None:
+        return QK_NORM in state
+    if not isinstance(said, bool):
+        raise HeadFormatError(f"{QK_NORMS} must be true or false, got {said!r}")
+    return said
 
 
 def norm_before_residual(config: HeadConfig) -> bool:
@@ -314,7 +330,7 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, file: Path) 
     if not config.draft_vocab_size:
         raise HeadFormatError(f"{file.parent / CONFIG_FILE}: an EAGLE-3 head needs draft_vocab_size")
     target = target_hidden_size(config)
-    shapes = expected_shapes(config, target, fc_norms="fc_norm.0.weight" in state, qk_norms=QK_NORM in state)
+    shapes = expected_shapes(config, target, fc_norms="fc_norm.0.weight" in state, qk_norms=qk_norms(config, state))
     check_keys(state, shapes, config, file, " in an EAGLE-3 head")
     check_d2t(state, config, file)
 
@@ -333,18 +349,18 @@ def check_fits(config: HeadConfig, keys, file: Path, hidden_size: int | None, ba
                               "before fc) are not supported")  # fmt: skip
     target = target_hidden_size(config)
     if hidden_size is not None and target != hidden_size:
-        raise HeadFormatError(
+        raise HeadMismatchError(
             f"{file}: the head reads features {target} wide (target_hidden_size; fc.weight takes 3 x {target}), "
             f"and the base model's hidden size is {hidden_size}"
         )
     if hidden_size is not None and config.hidden_size != hidden_size and "embed_tokens.weight" not in keys:
-        raise HeadFormatError(
+        raise HeadMismatchError(
             f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}, and the head "
             "has no embed_tokens of its own to embed tokens at its width"
         )
     configured = configured_layer_ids(config)  # the default layers are always the base's (default_layer_ids)
     if base_layers is not None and configured is not None and max(configured) > base_layers:
-        raise HeadFormatError(
+        raise HeadMismatchError(
             f"{file.parent / CONFIG_FILE}: aux layers {sorted(configured)} do not exist in a {base_layers}-layer base model"
         )
 
@@ -369,7 +385,7 @@ def build(config: HeadConfig, state: dict[str, torch.Tensor], file: Path, base_l
         else:
             log.info(f"{file.parent / CONFIG_FILE}: aux layers {list(layer_ids)} read as the inputs of those layers")
     head = Eagle3Head(config, layer_ids, own_embedding="embed_tokens.weight" in state, fc_norms="fc_norm.0.weight" in state,
-                      qk_norms=QK_NORM in state)  # fmt: skip
+                      qk_norms=qk_norms(config, state))  # fmt: skip
     state = dict(state, d2t=state["d2t"].long(), t2d=state["t2d"].bool())
     head.load_state_dict(state, strict=True)
     return head

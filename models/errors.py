@@ -42,6 +42,10 @@ class HeadFormatError(KestrelError):
     """A draft-head checkpoint that does not match the expected format."""
 
 
+class HeadMismatchError(HeadFormatError):
+    """A draft head whose sizes do not fit the base model given (its hidden size, vocabulary or layers)."""
+
+
 class ChatTemplateError(KestrelError):
     """A conversation the model's own chat template refuses (a system message
     where it takes none, roles that do not alternate)."""

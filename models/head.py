@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.errors import CacheWriteError, HeadFormatError, KestrelError, ModelNotFoundError, NetworkError, json_kind
+from models.errors import CacheWriteError, HeadFormatError, HeadMismatchError, KestrelError, ModelNotFoundError, NetworkError, json_kind
 from models.paths import user_path
 from models.repo import Repo, parse_repo
 
@@ -478,9 +478,9 @@ def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | No
     if eagle3.MARKER in keys:  # it may be narrower than its base
         eagle3.check_fits(config, keys, file, hidden_size, base_layers)
     elif hidden_size is not None and config.hidden_size != hidden_size:
-        raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
+        raise HeadMismatchError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if vocab_size is not None and config.vocab_size != vocab_size:
-        raise HeadFormatError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
+        raise HeadMismatchError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
 
 
 def head_keys(folder: Path) -> list[str] | None:
@@ -724,9 +724,9 @@ def load_head(
         config, state = eagle3.completed(config, state, file)
         eagle3.check_fits(config, state, file, hidden_size, base_layers)
     elif config.hidden_size != hidden_size:
-        raise HeadFormatError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
+        raise HeadMismatchError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
     if config.vocab_size != vocab_size:
-        raise HeadFormatError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
+        raise HeadMismatchError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
     if third:
         eagle3.check_state(state, config, file)
         if base_layers is None:

@@ -463,10 +463,33 @@ def test_a_speculators_head_given_another_base_names_the_one_it_was_made_for(bas
     with pytest.raises(HeadFormatError, match=r"!= base model vocabulary 40 \(the head was made for owner/base: give that as the base model\)"):
         load_pair(str(other), str(folder), dtype="float32", device="cpu")
     settings = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**settings, "speculators_config": {"algorithm": "eagle3"}}))
-    with pytest.raises(HeadFormatError) as refused:  # a head naming no base: the error as it was
-        load_pair(str(wider), str(folder), dtype="float32", device="cpu")
+    made_for_wider = {**settings, "speculators_config": {"verifier": {"name_or_path": str(wider)}}}
+    (folder / "config.json").write_text(json.dumps(made_for_wider))
+    with pytest.raises(HeadFormatError) as refused:  # made for the base given (typed otherwise): no advice to give it
+        load_pair(str(wider) + "/", str(folder), dtype="float32", device="cpu")
     assert "made for" not in str(refused.value)
+    for kind in ({"speculators_config": {"algorithm": "eagle3"}}, {"speculators_config": "eagle3"}):  # naming no base
+        (folder / "config.json").write_text(json.dumps({**settings, **kind}))
+        with pytest.raises(HeadFormatError) as refused:  # the error as it was
+            load_pair(str(wider), str(folder), dtype="float32", device="cpu")
+        assert "made for" not in str(refused.value) and "hidden size is 96" in str(refused.value)
+    (folder / "config.json").write_text(json.dumps({**settings, "norm_output": True}))
+    with pytest.raises(HeadFormatError) as refused:  # not a matter of the base model: no advice to give another
+        load_pair(str(wider), str(folder), dtype="float32", device="cpu")
+    assert "norm_output heads" in str(refused.value) and "made for" not in str(refused.value)
+
+
+def test_bench_says_which_base_an_other_head_was_made_for(base64, tmp_path, capsys):
+    from app.cli import main
+
+    _, folder = saved(base64, tmp_path / "head")
+    speculators_layout(folder)
+    wider = save_tiny_model(tmp_path / "wider", vocab_size=48, hidden_size=96, intermediate_size=192)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["w1 w2"]}) + "\n")
+    command = ["bench", "--prompts", str(prompts), "--model", str(wider), "--modes", "vanilla,eagle2@other", "--other-head", f"other={folder}"]
+    assert main(command) == 2
+    assert "(the head was made for owner/base: give that as the base model)" in capsys.readouterr().err
 
 
 def test_a_qwen3_layer_head_norms_each_heads_queries_and_keys_and_decodes_exactly(tmp_path):
@@ -493,18 +516,22 @@ def test_a_qwen3_layer_head_norms_each_heads_queries_and_keys_and_decodes_exactl
     assert torch.equal(attention.q_norm.weight, norms["midlayer.self_attn.q_norm.weight"])
     assert torch.equal(attention.k_norm.weight, norms["midlayer.self_attn.k_norm.weight"])
 
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    # transformers' own Qwen3 attention over the same 2H-wide input, with these weights (its eps and head width too)
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
+    settings = head.config
+    qwen3 = Qwen3Config(hidden_size=2 * settings.hidden_size, num_attention_heads=settings.num_attention_heads,
+                        num_key_value_heads=settings.num_key_value_heads, head_dim=width, rms_norm_eps=settings.rms_norm_eps,
+                        attention_bias=False, intermediate_size=8, num_hidden_layers=1, vocab_size=48)  # fmt: skip
+    qwen3._attn_implementation = "sdpa"
+    reference = Qwen3Attention(qwen3, 0).double()
+    reference.o_proj = torch.nn.Linear(settings.num_attention_heads * width, settings.hidden_size, bias=False).double()
+    reference.load_state_dict(attention.state_dict(), strict=True)
     x = torch.randn(1, 5, 2 * config.hidden_size, dtype=torch.float64)
     rotary = loaded.rotary(x, torch.arange(5)[None])
-    shape = (1, 5, -1, width)
-    q = attention.q_norm(attention.q_proj(x).view(shape)).transpose(1, 2)
-    k = attention.k_norm(attention.k_proj(x).view(shape)).transpose(1, 2)
-    v = attention.v_proj(x).view(shape).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, *rotary)
-    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    expected = attention.o_proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 5, -1))
-    assert torch.allclose(attention(x, rotary, None, HeadCache()), expected, rtol=0, atol=1e-10)
+    expected, _ = reference(x, rotary, None)
+    assert torch.allclose(attention(x, rotary, None, HeadCache()), expected, rtol=0, atol=1e-12)
 
     engine = Engine(base, loaded)
     accepted = 0
@@ -518,9 +545,19 @@ def test_a_qwen3_layer_head_norms_each_heads_queries_and_keys_and_decodes_exactl
                 accepted += sum(step.accepted for step in steps)
     assert accepted > 0
 
-    rewrite(saved_at, lambda state: state.pop("layers.0.self_attn.k_norm.weight"))
-    with pytest.raises(HeadFormatError, match=r"missing key midlayer\.self_attn\.k_norm\.weight"):
-        load_head(saved_at, config.hidden_size, config.vocab_size, dtype=torch.float64, base_layers=config.num_hidden_layers)
+    def loads():
+        return load_head(saved_at, config.hidden_size, config.vocab_size, dtype=torch.float64, base_layers=config.num_hidden_layers)
+
+    settings = json.loads((saved_at / "config.json").read_text())
+    settings["transformer_layer_config"]["model_type"] = "llama"  # a Llama layer's config with a Qwen3 layer's weights
+    (saved_at / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(HeadFormatError, match=r"unexpected key midlayer\.self_attn\.(q|k)_norm\.weight"):
+        loads()
+    settings["transformer_layer_config"]["model_type"] = "qwen3"
+    (saved_at / "config.json").write_text(json.dumps(settings))
+    rewrite(saved_at, lambda state: [state.pop("layers.0.self_attn.k_norm.weight"), state.pop("layers.0.self_attn.q_norm.weight")])
+    with pytest.raises(HeadFormatError, match=r"missing key midlayer\.self_attn\.(q|k)_norm\.weight"):
+        loads()  # a Qwen3 layer's config without its norms: not read as a Llama layer
 
 
 def test_an_eagle3_layer_named_layers_0_without_its_hidden_norm_is_named_so(base64, tmp_path):
