@@ -15,7 +15,7 @@ from models import eagle3
 from models.base import load_base
 from models.errors import HeadFormatError
 from models.head import head_files, load_head, read_checkpoint
-from tests.factory import ARCHITECTURES, random_eagle3_head, save_tiny_model
+from tests.factory import ARCHITECTURES, decodes_as, random_eagle3_head, save_tiny_model
 from tests.test_planner import CPU_LIKE, GPU_LIKE
 
 
@@ -436,16 +436,7 @@ def test_norm_before_residual_adds_the_normed_hidden_input_and_decodes_exactly(b
     assert not torch.allclose(plain(embeddings, hidden, positions, None, HeadCache()), expected, atol=1e-3)
 
     engine = Engine(base64, normed)
-    accepted = 0
-    for seed in range(3):
-        prompt = torch.randint(8, 48, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
-            reference = tokens_of(engine.stream(prompt, "vanilla", sampling))
-            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3))):
-                steps = list(engine.stream(prompt, mode, sampling, tree))
-                assert tokens_of(steps) == reference, (mode, seed, sampling)
-                accepted += sum(step.accepted for step in steps)
-    assert accepted > 0
+    assert decodes_as(engine, engine) > 0  # greedy and sampled, eagle and eagle2, as vanilla
 
 
 def test_a_speculators_head_given_another_base_names_the_one_it_was_made_for(base64, tmp_path):
@@ -534,16 +525,7 @@ def test_a_qwen3_layer_head_norms_each_heads_queries_and_keys_and_decodes_exactl
     assert torch.allclose(attention(x, rotary, None, HeadCache()), expected, rtol=0, atol=1e-12)
 
     engine = Engine(base, loaded)
-    accepted = 0
-    for seed in range(3):
-        prompt = torch.randint(8, 48, (5 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        for sampling in (SamplingParams(max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed)):
-            reference = tokens_of(engine.stream(prompt, "vanilla", sampling))
-            for mode, tree in (("eagle", TreeParams()), ("eagle2", TreeParams(12, 4, 3))):
-                steps = list(engine.stream(prompt, mode, sampling, tree))
-                assert tokens_of(steps) == reference, (mode, seed, sampling)
-                accepted += sum(step.accepted for step in steps)
-    assert accepted > 0
+    assert decodes_as(engine, engine) > 0  # greedy and sampled, eagle and eagle2, as vanilla
 
     def loads():
         return load_head(saved_at, config.hidden_size, config.vocab_size, dtype=torch.float64, base_layers=config.num_hidden_layers)
