@@ -574,7 +574,7 @@ def earlier_arch(out: Path) -> str | None:
     keys = head_keys(out)
     if keys is None:  # no head there, or one that does not read
         return None
-    return "eagle3" if eagle3.MARKER in keys else "eagle2"
+    return "eagle3" if eagle3.is_eagle3(keys) else "eagle2"
 
 
 def check_initial_head(path: str, arch: str) -> None:

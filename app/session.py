@@ -51,9 +51,8 @@ def load_pair(
         with made_for(head_source, model):
             check_fits_sizes(head_source, *folder_sizes(model))  # its files read (head_files), and its sizes and layers
     base = load_base(model, quantization, dtype, device)
-    if head_source is None:
-        return Engine(base, None, head or "bundled", compile)
-    return Engine(base, load_draft_head(base, head_source), head or "bundled", compile)
+    draft_head = None if head_source is None else load_draft_head(base, head_source)
+    return Engine(base, draft_head, head or "bundled", compile)
 
 
 @contextlib.contextmanager

@@ -429,8 +429,7 @@ def bench_result(
     # how planned drafts' measured times relate to the cost table's (core/calibration.DraftTiming)
     summary["draft_timing"] = {}
     for label in modes:
-        mode, shape = parse_mode(label, tree)
-        if mode == "eagle2" and shape.planned:
+        if plans(label, tree):
             scale, extra = engines[label].calibrations.timing.fit
             summary["draft_timing"][label] = {"scale": scale, "extra_ms": 1000 * extra}
     finished = sum(row.get("turn", 1) == 1 for row in rows) // len(modes) if modes else 0
@@ -451,8 +450,13 @@ def bench_result(
 def planner_learned(engines: dict[str, Engine], tree: TreeParams, sampling: SamplingParams) -> dict[str, dict[str, int]]:
     """Per mode that plans its trees (eagle2 at the default tree): what its
     planner has learnt so far for this run's sampling (Calibrations.learned)."""
-    return {label: engines[label].calibrations.learned(setting_of(sampling))
-            for label in engines if parse_mode(label, tree)[0] == "eagle2" and parse_mode(label, tree)[1].planned}  # fmt: skip
+    return {label: engines[label].calibrations.learned(setting_of(sampling)) for label in engines if plans(label, tree)}
+
+
+def plans(label: str, tree: TreeParams) -> bool:
+    """Whether the mode `label` sizes its trees by the planner (eagle2 at the default tree)."""
+    mode, shape = parse_mode(label, tree)
+    return mode == "eagle2" and shape.planned
 
 
 def learned_words(learned: dict[str, int]) -> str | None:

@@ -39,8 +39,9 @@ LAYER, SPECULATORS_LAYER = "midlayer.", "layers.0."
 SPECULATORS_WRAPPING = ("speculators_model_type", "transformer_layer_config", "speculators_config", "speculators_version", "architectures")
 
 
-def is_eagle3(state: dict[str, torch.Tensor]) -> bool:
-    return MARKER in state
+def is_eagle3(keys) -> bool:
+    """Whether a head's weights (or their names) are an EAGLE-3 head's."""
+    return MARKER in keys
 
 
 def speculators_layout(keys) -> bool:

@@ -474,8 +474,17 @@ def check_fits_sizes(folder: Path, hidden_size: int | None, vocab_size: int | No
 
     config, file = head_files(folder)
     # a weights file cut short (a download stopped) is said now, as loading would say it
-    keys = eagle3.published_keys(_readable_keys(file))
-    if eagle3.MARKER in keys:  # it may be narrower than its base
+    check_base_sizes(config, eagle3.published_keys(_readable_keys(file)), file, hidden_size, vocab_size, base_layers)
+
+
+def check_base_sizes(config: HeadConfig, keys, file: Path, hidden_size: int | None, vocab_size: int | None,
+                     base_layers: int | None) -> None:  # fmt: skip
+    """HeadMismatchError where a head (its config and weight names `keys`)
+    does not fit its base model's hidden size, vocabulary or layers; a size
+    not known (None) is not checked."""
+    from models import eagle3
+
+    if eagle3.is_eagle3(keys):  # it may be narrower than its base
         eagle3.check_fits(config, keys, file, hidden_size, base_layers)
     elif hidden_size is not None and config.hidden_size != hidden_size:
         raise HeadMismatchError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
@@ -722,11 +731,7 @@ def load_head(
     third = eagle3.is_eagle3(state)
     if third:  # the features it reads are the base's (target_hidden_size); its own layer may be narrower
         config, state = eagle3.completed(config, state, file)
-        eagle3.check_fits(config, state, file, hidden_size, base_layers)
-    elif config.hidden_size != hidden_size:
-        raise HeadMismatchError(f"{file}: head hidden_size {config.hidden_size} != base model hidden size {hidden_size}")
-    if config.vocab_size != vocab_size:
-        raise HeadMismatchError(f"{file}: head vocab_size {config.vocab_size} != base model vocabulary {vocab_size}")
+    check_base_sizes(config, state, file, hidden_size, vocab_size, base_layers)
     if third:
         eagle3.check_state(state, config, file)
         if base_layers is None:
